@@ -1,0 +1,347 @@
+"""Loading and validating ``monitor_v2_config.json``.
+
+Everything is checked here, at construction of ``TrainerMonitorV2``: a bad config never
+reaches the training loop. Errors are ``ConfigError`` naming the field (dotted path),
+the value and what is allowed. Fields this project does not know inside a *known*
+monitor are only warnings, so that configs written for the original tool still run;
+an unknown top-level field or monitor name is an error.
+
+A JSON ``null`` is read as "use the default" for every optional field.
+"""
+
+import difflib
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
+
+from .errors import ConfigError
+from .schedule import StepSchedule
+
+logger = logging.getLogger("msprobe.monitor_v2")
+
+OPS: Tuple[str, ...] = ("min", "max", "mean", "norm", "nans")
+MONITOR_NAMES: Tuple[str, ...] = ("module", "weight_grad", "optimizer", "param", "cc")
+FRAMEWORK_ALIASES: Dict[str, str] = {
+    "pytorch": "pytorch",
+    "pt": "pytorch",
+    "torch": "pytorch",
+    "mindspore": "mindspore",
+    "ms": "mindspore",
+}
+DEFAULT_EPS = 1e-8
+CODELINE_PATTERN = re.compile(r"^(?P<file>.+)\[(?P<line>\d+)\]$")
+
+
+# --------------------------------------------------------------------------- checks
+def _describe(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _fail(path: str, value: Any, allowed: str) -> ConfigError:
+    return ConfigError(
+        f"monitor_v2 config: field '{path}' = {_describe(value)}: {allowed}", field=path
+    )
+
+
+def check_int(path: str, value: Any, minimum: int) -> int:
+    # bool is a subclass of int; "true" is never a step count.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(path, value, f"must be an integer >= {minimum}")
+    if value < minimum:
+        raise _fail(path, value, f"must be an integer >= {minimum}")
+    return value
+
+
+def check_bool(path: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(path, value, "must be true or false")
+    return value
+
+
+def check_positive_number(path: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _fail(path, value, "must be a number > 0")
+    if not math.isfinite(value) or value <= 0:
+        raise _fail(path, value, "must be a finite number > 0")
+    return float(value)
+
+
+def check_str_list(path: str, value: Any) -> Tuple[str, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise _fail(path, value, "must be a list of strings")
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            raise _fail(f"{path}[{i}]", item, "must be a string")
+    return tuple(value)
+
+
+def check_rank_list(path: str, value: Any) -> Tuple[int, ...]:
+    """An int or a list of ints >= 0."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (check_int(path, value, 0),)
+    if not isinstance(value, (list, tuple)):
+        raise _fail(path, value, "must be a rank (integer >= 0) or a list of ranks")
+    return tuple(check_int(f"{path}[{i}]", r, 0) for i, r in enumerate(value))
+
+
+def check_codelines(path: str, value: Any) -> Tuple[Tuple[str, int], ...]:
+    lines = check_str_list(path, value)
+    parsed = []
+    for i, entry in enumerate(lines):
+        match = CODELINE_PATTERN.match(entry.strip())
+        if not match:
+            raise _fail(
+                f"{path}[{i}]", entry, "must have the form 'file.py[line]', e.g. 'train.py[23]'"
+            )
+        parsed.append((match.group("file"), int(match.group("line"))))
+    return tuple(parsed)
+
+
+def normalize_framework(value: Any, path: str = "framework") -> str:
+    if not isinstance(value, str) or value.strip().lower() not in FRAMEWORK_ALIASES:
+        raise _fail(path, value, "allowed: " + ", ".join(sorted(FRAMEWORK_ALIASES)))
+    return FRAMEWORK_ALIASES[value.strip().lower()]
+
+
+def _unknown_field(path: str, name: str, known) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return f"monitor_v2 config: unknown field '{path}'{hint} Known fields: {', '.join(known)}"
+
+
+# ----------------------------------------------------------------- per-monitor fields
+# name -> (checker(path, value) -> parsed value, default)
+Checker = Callable[[str, Any], Any]
+_MONITOR_FIELDS: Dict[str, Dict[str, Tuple[Checker, Any]]] = {
+    "module": {"targets": (check_str_list, ())},
+    "weight_grad": {
+        "monitor_mbs_grad": (check_bool, False),
+        "micro_batch_number": (lambda p, v: check_int(p, v, 1), None),
+        "grad_acc_steps": (lambda p, v: check_int(p, v, 1), None),
+    },
+    "optimizer": {"mv_distribution": (check_bool, True)},
+    "param": {"param_distribution": (check_bool, True)},
+    "cc": {
+        "cc_codeline": (check_codelines, ()),
+        "cc_log_only": (check_bool, False),
+        "cc_pre_hook": (check_bool, False),
+        "module_ranks": (check_rank_list, ()),
+    },
+}
+_COMMON_FIELDS = ("enabled", "ops", "eps")
+
+
+@dataclass(frozen=True)
+class MonitorSettings:
+    """The validated entry ``monitors.<name>`` of the config."""
+
+    name: str
+    enabled: bool
+    ops: Tuple[str, ...] = OPS
+    eps: float = DEFAULT_EPS
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def get(self, key: str) -> Any:
+        return self.options[key]
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """The whole validated configuration."""
+
+    framework: str = "pytorch"
+    output_dir: str = "./"
+    format: str = "csv"
+    async_write: bool = False
+    ranks: Optional[Tuple[int, ...]] = None  # None: every rank monitors
+    schedule: StepSchedule = StepSchedule()
+    patch_optimizer_step: Optional[bool] = None  # None: patch iff an optimizer is given
+    monitors: Mapping[str, MonitorSettings] = field(default_factory=dict)
+
+    @property
+    def enabled_monitors(self) -> List[MonitorSettings]:
+        """Enabled monitors in the canonical order of the spec."""
+        return [self.monitors[n] for n in MONITOR_NAMES if n in self.monitors and self.monitors[n].enabled]
+
+
+def _parse_ops(path: str, value: Any) -> Tuple[str, ...]:
+    if value is None:
+        return OPS
+    names = check_str_list(path, value)
+    unknown = [n for n in names if n not in OPS]
+    if unknown:
+        logger.warning(
+            "monitor_v2 config: '%s' has unknown ops %s, dropped (allowed: %s)",
+            path, unknown, ", ".join(OPS),
+        )
+    chosen = tuple(op for op in OPS if op in names)
+    return chosen or OPS
+
+
+def _parse_monitor(name: str, raw: Any) -> MonitorSettings:
+    path = f"monitors.{name}"
+    if not isinstance(raw, Mapping):
+        raise _fail(path, raw, "must be an object such as {\"enabled\": true}")
+    raw = dict(raw)
+    if name == "cc" and "cc_distribution" in raw:
+        # Older configs nest the cc fields in cc_distribution (with "enable"); direct
+        # fields win over nested ones.
+        nested = raw.pop("cc_distribution")
+        if nested is not None:
+            if not isinstance(nested, Mapping):
+                raise _fail(f"{path}.cc_distribution", nested, "must be an object")
+            nested = dict(nested)
+            enable = nested.pop("enable", None)
+            if enable is not None and "enabled" not in raw:
+                raw["enabled"] = enable
+            raw = {**nested, **raw}
+
+    specific = _MONITOR_FIELDS[name]
+    for key in raw:
+        if key not in specific and key not in _COMMON_FIELDS:
+            logger.warning(
+                "monitor_v2 config: field '%s.%s' is not used by this tool and is ignored "
+                "(known fields: %s)", path, key, ", ".join(_COMMON_FIELDS + tuple(specific)),
+            )
+
+    enabled_raw = raw.get("enabled")
+    enabled = (name == "module") if enabled_raw is None else check_bool(f"{path}.enabled", enabled_raw)
+    ops = _parse_ops(f"{path}.ops", raw.get("ops"))
+    eps_raw = raw.get("eps")
+    eps = DEFAULT_EPS if eps_raw is None else check_positive_number(f"{path}.eps", eps_raw)
+    options = {}
+    for key, (checker, default) in specific.items():
+        value = raw.get(key)
+        options[key] = default if value is None else checker(f"{path}.{key}", value)
+    return MonitorSettings(name=name, enabled=enabled, ops=ops, eps=eps, options=options)
+
+
+_TOP_LEVEL = (
+    "framework", "output_dir", "format", "async_write", "rank", "start_step", "stop_step",
+    "step_interval", "step_count_per_record", "collect_times", "patch_optimizer_step", "monitors",
+)
+
+
+def _read_source(source: Union[str, os.PathLike, Mapping]) -> Dict[str, Any]:
+    if isinstance(source, Mapping):
+        return dict(source)
+    if not isinstance(source, (str, os.PathLike)):
+        raise ConfigError(
+            f"monitor_v2 config: expected a path to a JSON file or a dict, got {_describe(source)}"
+        )
+    path = os.fspath(source)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ConfigError(f"monitor_v2 config: cannot read '{path}': {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"monitor_v2 config: '{path}' is not valid JSON: {exc.msg} at line {exc.lineno}, "
+            f"column {exc.colno}"
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"monitor_v2 config: '{path}' must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def check_output_dir(path: str) -> str:
+    """Create ``path`` (with parents) and prove that a file can be written in it."""
+    if not isinstance(path, str) or not path.strip():
+        raise _fail("output_dir", path, "must be a non-empty path string")
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".msprobe_write_check_", dir=path)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as exc:
+        raise _fail("output_dir", path, f"must be a writable directory ({exc.strerror or exc})") from None
+    return path
+
+
+def load_config(source: Union[str, os.PathLike, Mapping], fr: Optional[str] = None) -> MonitorConfig:
+    """Read and validate a config (path or parsed dict); ``fr`` overrides ``framework``."""
+    raw = _read_source(source)
+    for key in raw:
+        if key not in _TOP_LEVEL:
+            raise ConfigError(_unknown_field(key, key, _TOP_LEVEL), field=key)
+
+    def get(key: str) -> Any:
+        return raw.get(key)
+
+    if fr is not None:
+        framework = normalize_framework(fr, "fr")
+    elif get("framework") is not None:
+        framework = normalize_framework(get("framework"))
+    else:
+        framework = "pytorch"
+
+    fmt = get("format")
+    if fmt is not None and (not isinstance(fmt, str) or fmt.lower() != "csv"):
+        raise _fail("format", fmt, "only 'csv' is supported")
+
+    async_write = False if get("async_write") is None else check_bool("async_write", get("async_write"))
+    ranks = None
+    if get("rank") is not None:
+        ranks = check_rank_list("rank", get("rank")) or None  # [] means every rank
+
+    start_step = 0 if get("start_step") is None else check_int("start_step", get("start_step"), 0)
+    stop_step = None if get("stop_step") is None else check_int("stop_step", get("stop_step"), 0)
+    if stop_step is not None and stop_step <= start_step:
+        raise _fail("stop_step", stop_step, f"must be greater than start_step ({start_step})")
+    schedule = StepSchedule(
+        start_step=start_step,
+        stop_step=stop_step,
+        step_interval=1 if get("step_interval") is None else check_int("step_interval", get("step_interval"), 1),
+        step_count_per_record=(
+            1 if get("step_count_per_record") is None
+            else check_int("step_count_per_record", get("step_count_per_record"), 1)
+        ),
+        collect_times=None if get("collect_times") is None else check_int("collect_times", get("collect_times"), 1),
+    )
+    patch = get("patch_optimizer_step")
+    patch = None if patch is None else check_bool("patch_optimizer_step", patch)
+
+    raw_monitors = {} if get("monitors") is None else get("monitors")
+    if not isinstance(raw_monitors, Mapping):
+        raise _fail("monitors", raw_monitors, "must be an object {name: {...}} with names " + ", ".join(MONITOR_NAMES))
+    monitors = {}
+    for name, entry in raw_monitors.items():
+        if name not in MONITOR_NAMES:
+            raise ConfigError(
+                _unknown_field(f"monitors.{name}", str(name), MONITOR_NAMES).replace("field", "monitor", 1),
+                field=f"monitors.{name}",
+            )
+        monitors[name] = _parse_monitor(name, entry)
+
+    output_dir = "./" if get("output_dir") is None else get("output_dir")
+    output_dir = check_output_dir(output_dir)
+    return MonitorConfig(
+        framework=framework,
+        output_dir=output_dir,
+        format="csv",
+        async_write=async_write,
+        ranks=ranks,
+        schedule=schedule,
+        patch_optimizer_step=patch,
+        monitors=monitors,
+    )
+
+
+def resolve_micro_batches(settings: MonitorSettings, context: Mapping[str, Any]) -> int:
+    """Micro-batches per step: ``micro_batch_number`` beats ``grad_acc_steps``; the config
+    beats the ``start()`` context; neither given means 1."""
+    for key in ("micro_batch_number", "grad_acc_steps"):
+        if settings.options.get(key) is not None:
+            return settings.options[key]
+    for key in ("micro_batch_number", "grad_acc_steps"):
+        if context.get(key) is not None:
+            return check_int(f"start({key}=...)", context[key], 1)
+    return 1

@@ -1,0 +1,26 @@
+"""Exceptions raised by Monitor V2.
+
+Every error a user can cause (a bad config, a wrong argument to ``start()``) is a
+``MonitorError``; configuration errors name the offending field, its value and what is
+allowed, so that they can be fixed without reading the source.
+"""
+
+
+class MonitorError(Exception):
+    """Base class of every error raised by msprobe-monitor."""
+
+
+class ConfigError(MonitorError, ValueError):
+    """The configuration (file, dict or ``start()`` context) is invalid.
+
+    ``field`` is the dotted path of the offending field (``monitors.weight_grad.ops``),
+    or ``None`` when the error concerns the config as a whole.
+    """
+
+    def __init__(self, message: str, field: "str | None" = None) -> None:
+        self.field = field
+        super().__init__(message)
+
+
+class MonitorStateError(MonitorError, RuntimeError):
+    """The monitor was used in a way its lifecycle does not allow (e.g. ``start()`` twice)."""

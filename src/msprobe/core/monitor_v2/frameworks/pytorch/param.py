@@ -1,0 +1,35 @@
+"""``param``: parameters right before (``param_origin``) and right after
+(``param_updated``) the optimizer's update."""
+
+from typing import List
+
+from ...monitor import Monitor
+from ...stats import Record
+from .stats import StatPlan
+
+
+class ParamMonitor(Monitor):
+    name = "param"
+    needs_optimizer = True
+
+    def attach(self) -> None:
+        self.plan = StatPlan.from_ops(self.settings.ops)
+        self.enabled = self.settings.get("param_distribution")
+        self._records: List[Record] = []
+
+    def _read(self, scope: str) -> None:
+        infos = self.session.optimizer_params()
+        keys = [(i.vpp_stage, i.name, scope, None) for i in infos]
+        self._records += self.session.engine.record_many([i.param for i in infos], self.plan, keys)
+
+    def before_optimizer_step(self) -> None:
+        if self.active and self.enabled:
+            self._read("param_origin")
+
+    def after_optimizer_step(self) -> None:
+        if self.active and self.enabled:
+            self._read("param_updated")
+
+    def collect(self) -> List[Record]:
+        records, self._records = self._records, []
+        return records

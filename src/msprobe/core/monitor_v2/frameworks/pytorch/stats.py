@@ -1,0 +1,163 @@
+"""Device side of the statistics engine for PyTorch.
+
+Each tensor becomes a 4-vector ``[min, max, sum, norm]`` on its own device, computed
+in fp32 (fp64 for fp64 tensors), plus a 0-d int64 NaN count. Nothing is cloned: the
+reductions read the tensor in place (integer and bool tensors are cast to fp32 first,
+a temporary that is freed at once). No value is read back to the host here, with one
+exception that is not a synchronisation: on the CPU the tensor already lives on the
+host, so the engine reads its norm (or sum) and counts NaNs only when that is not
+finite. Counting NaNs costs about as much as all other statistics together, and a
+finite norm proves there is none. On accelerators the NaN count is computed on the
+device for every tensor.
+
+``to_host`` moves the vectors of a whole step to the host in one transfer per
+(device, dtype) group: the number of transfers does not grow with the tensors.
+"""
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ...stats import EMPTY_VECTOR, Record
+
+
+@dataclass(frozen=True)
+class StatPlan:
+    """Which reductions a monitor's ``ops`` need."""
+
+    minmax: bool
+    total: bool
+    norm: bool
+    nans: bool
+
+    @classmethod
+    def from_ops(cls, ops: Sequence[str]) -> "StatPlan":
+        return cls(
+            minmax="min" in ops or "max" in ops,
+            total="mean" in ops,
+            norm="norm" in ops,
+            nans="nans" in ops,
+        )
+
+
+def _accumulator_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _prepared(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if hasattr(t, "to_local"):  # DTensor: statistics of the local shard
+        t = t.to_local()
+    if t.is_complex():
+        t = t.abs()
+    elif not t.is_floating_point():
+        t = t.to(torch.float32)
+    return t
+
+
+class TorchStatsEngine:
+    def __init__(self) -> None:
+        self._zeros: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def _zero(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        key = (device, dtype)
+        z = self._zeros.get(key)
+        if z is None:
+            z = self._zeros[key] = torch.zeros((), device=device, dtype=dtype)
+        return z
+
+    def _vector(
+        self, t: torch.Tensor, plan: StatPlan, norm: Optional[torch.Tensor]
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        acc = _accumulator_dtype(t)
+        zero = self._zero(t.device, acc)
+        if plan.minmax:
+            mn, mx = torch.aminmax(t)
+            if mn.dtype != acc:
+                mn, mx = mn.to(acc), mx.to(acc)
+        else:
+            mn = mx = zero
+        total = t.sum(dtype=acc) if plan.total else zero
+        if norm is None:
+            norm = torch.linalg.vector_norm(t, dtype=acc) if plan.norm else zero
+        vector = torch.stack((mn, mx, total, norm))
+        nans = None
+        if plan.nans:
+            if t.device.type == "cpu":
+                # Host memory: reading a scalar is not a device synchronisation.
+                probe = norm if plan.norm else total if plan.total else mx if plan.minmax else None
+                if probe is None or not math.isfinite(probe.item()):
+                    nans = torch.isnan(t).sum()
+            else:
+                nans = torch.isnan(t).sum()
+        return vector, nans
+
+    def record(
+        self,
+        t: torch.Tensor,
+        plan: StatPlan,
+        vpp_stage: int,
+        name: str,
+        scope: str,
+        micro_step: Optional[int] = None,
+    ) -> Record:
+        """Statistics of one tensor, computed now (inside a hook), kept on the device."""
+        with torch.no_grad():
+            t = _prepared(t)
+            numel = t.numel()
+            if numel == 0:
+                return Record(vpp_stage, name, scope, micro_step, EMPTY_VECTOR, 0, 0)
+            vector, nans = self._vector(t, plan, None)
+        return Record(vpp_stage, name, scope, micro_step, vector, nans, numel)
+
+    def record_many(
+        self,
+        tensors: Sequence[torch.Tensor],
+        plan: StatPlan,
+        keys: Sequence[Tuple[int, str, str, Optional[int]]],
+    ) -> List[Record]:
+        """Statistics of many tensors at once: norms with one foreach kernel per
+        (device, dtype) group."""
+        out: List[Optional[Record]] = [None] * len(tensors)
+        groups: Dict[Tuple[torch.device, torch.dtype], List[int]] = defaultdict(list)
+        with torch.no_grad():
+            prepared = [_prepared(t) for t in tensors]
+            for i, t in enumerate(prepared):
+                if t.numel() == 0:
+                    out[i] = Record(*keys[i], EMPTY_VECTOR, 0, 0)
+                else:
+                    groups[(t.device, t.dtype)].append(i)
+            for (_, dtype), idx in groups.items():
+                group = [prepared[i] for i in idx]
+                norms: Sequence[Optional[torch.Tensor]] = [None] * len(group)
+                if plan.norm:
+                    acc = torch.float64 if dtype == torch.float64 else torch.float32
+                    norms = torch._foreach_norm(group, 2, dtype=acc)
+                for i, t, n in zip(idx, group, norms):
+                    vector, nans = self._vector(t, plan, n)
+                    out[i] = Record(*keys[i], vector, nans, t.numel())
+        return out  # type: ignore[return-value]
+
+    @staticmethod
+    def to_host(records: Sequence[Record]) -> None:
+        """Replace the device vectors and NaN counts of ``records`` by host values, with
+        one transfer per (device, dtype) group."""
+        vec_groups: Dict[Tuple[torch.device, torch.dtype], List[Record]] = defaultdict(list)
+        nan_groups: Dict[torch.device, List[Record]] = defaultdict(list)
+        for rec in records:
+            if isinstance(rec.vector, torch.Tensor):
+                vec_groups[(rec.vector.device, rec.vector.dtype)].append(rec)
+            if isinstance(rec.nans, torch.Tensor):
+                nan_groups[rec.nans.device].append(rec)
+        with torch.no_grad():
+            for recs in vec_groups.values():
+                host = torch.stack([r.vector for r in recs]).cpu().tolist()
+                for rec, values in zip(recs, host):
+                    rec.vector = values
+            for recs in nan_groups.values():
+                host = torch.stack([r.nans for r in recs]).cpu().tolist()
+                for rec, value in zip(recs, host):
+                    rec.nans = value

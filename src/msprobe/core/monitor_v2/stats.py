@@ -1,0 +1,137 @@
+"""Host side of the statistics engine, shared by every monitor and framework.
+
+On the device, each observed tensor becomes one small vector ``[min, max, sum, norm]``
+(see ``FIELDS``) computed in at least fp32, plus an integer NaN count when one is needed. ``step()`` moves all vectors of a
+step to the host in one transfer per device, then this module merges the vectors that
+share a row key (several calls of one module, several collectives from one call site)
+exactly: min of mins, max of maxes, mean weighted by element count, norm from summed
+squares, NaN counts summed.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+# Index of each statistic in the device vector.
+FIELDS: Tuple[str, ...] = ("min", "max", "sum", "norm")
+MIN, MAX, SUM, NORM = range(len(FIELDS))
+
+
+def _nan_min(a: float, b: float) -> float:
+    # Python's min() silently drops a NaN depending on argument order.
+    if math.isnan(a) or math.isnan(b):
+        return math.nan
+    return a if a <= b else b
+
+
+def _nan_max(a: float, b: float) -> float:
+    if math.isnan(a) or math.isnan(b):
+        return math.nan
+    return a if a >= b else b
+
+
+@dataclass
+class Stat:
+    """Exact, mergeable summary of one or more tensors."""
+
+    numel: int
+    min: float
+    max: float
+    total: float
+    sumsq: float
+    nans: int
+
+    @classmethod
+    def from_vector(cls, vector: Sequence[float], nans: int, numel: int) -> "Stat":
+        norm = vector[NORM]
+        return cls(
+            numel=numel, min=vector[MIN], max=vector[MAX], total=vector[SUM], sumsq=norm * norm, nans=int(nans)
+        )
+
+    def merge(self, other: "Stat") -> None:
+        if other.numel == 0:
+            return
+        if self.numel == 0:
+            self.min, self.max = other.min, other.max
+        else:
+            self.min = _nan_min(self.min, other.min)
+            self.max = _nan_max(self.max, other.max)
+        self.numel += other.numel
+        self.total += other.total
+        self.sumsq += other.sumsq
+        self.nans += other.nans
+
+    def value(self, op: str) -> float:
+        if op == "nans":
+            return self.nans
+        if op == "norm":
+            return math.sqrt(self.sumsq) if not math.isnan(self.sumsq) else math.nan
+        if self.numel == 0:
+            return math.nan
+        if op == "min":
+            return self.min
+        if op == "max":
+            return self.max
+        if op == "mean":
+            return self.total / self.numel
+        raise KeyError(op)
+
+
+# Empty tensors never reach the device: their statistics are known.
+EMPTY_VECTOR: Tuple[float, ...] = (math.nan, math.nan, 0.0, 0.0)
+
+
+@dataclass
+class Record:
+    """One observation of one tensor, before it reaches the host.
+
+    ``vector`` is a framework tensor on the device (or, for empty tensors, a host
+    tuple) and ``nans`` a 0-d integer tensor, ``None`` when the engine proved there is
+    no NaN (or none was asked for), or an int; ``to_host`` replaces both by host values.
+    """
+
+    vpp_stage: int
+    name: str
+    scope: str
+    micro_step: Optional[int]
+    vector: Any
+    nans: Any
+    numel: int
+
+    @property
+    def key(self) -> Tuple[int, str, str, Optional[int]]:
+        return (self.vpp_stage, self.name, self.scope, self.micro_step)
+
+
+@dataclass
+class Row:
+    vpp_stage: int
+    step: int
+    name: str
+    scope: str
+    micro_step: Optional[int]
+    stat: Stat
+
+
+def merge_records(step: int, records: Iterable[Record]) -> List[Row]:
+    """Merge host records sharing a row key; rows keep the order of first appearance."""
+    rows: Dict[Tuple[int, str, str, Optional[int]], Row] = {}
+    for rec in records:
+        stat = Stat.from_vector(rec.vector, rec.nans or 0, rec.numel)
+        row = rows.get(rec.key)
+        if row is None:
+            rows[rec.key] = Row(rec.vpp_stage, step, rec.name, rec.scope, rec.micro_step, stat)
+        else:
+            row.stat.merge(stat)
+    return list(rows.values())
+
+
+def format_value(op: str, value: float) -> str:
+    """Nine significant digits reproduce any fp32 value exactly; NaN/Inf as ``nan``/``inf``."""
+    if op == "nans":
+        return str(int(value))
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return format(value, ".9g")

@@ -1,0 +1,194 @@
+"""``TrainerMonitorV2``: the orchestrator.
+
+It owns the step counter and schedule, the monitors and the writer. A step's data flow:
+hooks compute statistics on the device into small vectors (only on steps that will be
+written); ``step()`` collects every monitor's records, moves them to the host in one
+transfer per device, and hands them to the writer, which merges and formats rows.
+"""
+
+import logging
+import os
+from typing import Any, Dict, List, Mapping, Optional, Union
+
+from .config import MonitorConfig, load_config
+from .errors import ConfigError, MonitorStateError
+from .frameworks import load_backend
+from .monitor import ContainedErrors, Monitor
+from .writer import AsyncCsvWriter, CsvWriter, MonitorOutput
+
+logger = logging.getLogger("msprobe.monitor_v2")
+
+
+class TrainerMonitorV2:
+    """Monitor a training loop; see the README for the config reference.
+
+    >>> mon = TrainerMonitorV2("./monitor_v2_config.json", fr="pytorch")
+    >>> mon.start(model=model, optimizer=optimizer, grad_acc_steps=4)
+    >>> ...  # train; mon.step() after each optimizer step unless it is patched
+    >>> mon.stop()
+    """
+
+    def __init__(self, config_path: Union[str, "os.PathLike[str]", Mapping[str, Any]], fr: Optional[str] = None) -> None:
+        self.config: MonitorConfig = load_config(config_path, fr)
+        self.schedule = self.config.schedule
+        self.errors = ContainedErrors()
+        self.rank: Optional[int] = None
+        self.monitors: List[Monitor] = []
+        self._step = 0
+        self._active = False
+        self._state = "new"  # new -> running | idle (rank not monitored) -> stopped
+        self._writer: Any = None
+        self._undo_step_hooks = None
+        self._patched = False
+        self._warned_manual_step = False
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def current_step(self) -> int:
+        """The step being trained now (0-based; advanced by ``step()``)."""
+        return self._step
+
+    @property
+    def rank_dir(self) -> Optional[str]:
+        if self.rank is None:
+            return None
+        return os.path.join(self.config.output_dir, f"rank_{self.rank}")
+
+    # --------------------------------------------------------------------- start
+    def start(self, model: Any = None, optimizer: Any = None, **context: Any) -> None:
+        """Install the enabled monitors on ``model`` (a module, or a list of model
+        chunks) and ``optimizer``. ``context`` (e.g. ``grad_acc_steps``) reaches every
+        monitor."""
+        if self._state != "new":
+            raise MonitorStateError(f"start() was already called (monitor is {self._state}); create a new TrainerMonitorV2")
+        backend = load_backend(self.config.framework)
+        self.rank = backend.global_rank()
+        if self.config.ranks is not None and self.rank not in self.config.ranks:
+            self._state = "idle"
+            logger.info("monitor_v2: rank %d is not in 'rank' %s; nothing is monitored here", self.rank, list(self.config.ranks))
+            return
+
+        enabled = self.config.enabled_monitors
+        for settings in enabled:
+            if settings.name not in backend.MONITORS:
+                raise ConfigError(
+                    f"monitor_v2: monitor '{settings.name}' is not available for framework "
+                    f"'{self.config.framework}' in this version (available: {', '.join(backend.MONITORS)})",
+                    field=f"monitors.{settings.name}",
+                )
+            if backend.MONITORS[settings.name].needs_optimizer and optimizer is None:
+                raise ConfigError(
+                    f"start(): monitor '{settings.name}' needs the optimizer: call start(model=..., optimizer=...)",
+                    field="optimizer",
+                )
+        session = backend.Session(model, optimizer, context)
+        self.monitors = [backend.MONITORS[s.name](s, session, self.errors) for s in enabled]
+
+        writer = CsvWriter(
+            self.rank_dir,
+            self.schedule,
+            [MonitorOutput(m.name, m.settings.ops, m.with_micro_step) for m in self.monitors],
+        )
+        self._writer = AsyncCsvWriter(writer) if self.config.async_write else writer
+        self._session = session
+
+        attached: List[Monitor] = []
+        try:
+            for m in self.monitors:
+                m.attach()
+                attached.append(m)
+            patch = self.config.patch_optimizer_step
+            self._patched = optimizer is not None and (patch is None or patch)
+            self._undo_step_hooks = session.install_step_hooks(
+                self.errors.wrap("optimizer pre-step hook", self._before_optimizer_step),
+                self.errors.wrap("optimizer post-step hook", self._after_optimizer_step),
+            )
+        except BaseException:
+            for m in reversed(attached):
+                m.detach()
+            self._writer.close()
+            raise
+        self._state = "running"
+        self._begin_step(0)
+
+    # ---------------------------------------------------------------- step logic
+    def _begin_step(self, step: int) -> None:
+        self._step = step
+        self._active = self.schedule.is_written(step)
+        for m in self.monitors:
+            m.begin_step(step, self._active)
+
+    def _before_optimizer_step(self) -> None:
+        if self._state != "running":
+            return
+        for m in self.monitors:
+            try:
+                m.before_optimizer_step()
+            except Exception as exc:  # noqa: BLE001
+                self.errors.report(f"{m.name} before optimizer.step()", exc)
+
+    def _after_optimizer_step(self) -> None:
+        if self._state != "running":
+            return
+        for m in self.monitors:
+            try:
+                m.after_optimizer_step()
+            except Exception as exc:  # noqa: BLE001
+                self.errors.report(f"{m.name} after optimizer.step()", exc)
+        if self._patched:
+            self._advance()
+
+    def step(self) -> None:
+        """End the current training step: write what was collected and advance.
+
+        Ignored (with a one-time warning) while ``optimizer.step()`` is patched to do it."""
+        if self._state != "running":
+            return
+        if self._patched:
+            if not self._warned_manual_step:
+                self._warned_manual_step = True
+                logger.warning(
+                    "monitor_v2: step() called by hand while optimizer.step() is patched to call it; "
+                    "the manual call is ignored. Set \"patch_optimizer_step\": false to step by hand. "
+                    "Logged once."
+                )
+            return
+        self._advance()
+
+    def _advance(self) -> None:
+        step = self._step
+        records: Dict[str, list] = {}
+        for m in self.monitors:
+            try:
+                recs = m.collect()
+            except Exception as exc:  # noqa: BLE001
+                self.errors.report(f"{m.name} collect", exc)
+                continue
+            if recs:
+                records[m.name] = recs
+        if self._active and records:
+            try:
+                self._session.engine.to_host([r for recs in records.values() for r in recs])
+                self._writer.write_step(step, records)
+            except Exception as exc:  # noqa: BLE001
+                self.errors.report("writing step results", exc)
+        self._begin_step(step + 1)
+
+    # ---------------------------------------------------------------------- stop
+    def stop(self) -> None:
+        """Remove every hook and wrapper, flush and close the output. Idempotent."""
+        if self._state in ("new", "stopped"):
+            return
+        state, self._state = self._state, "stopped"
+        if state == "idle":
+            return
+        if self._undo_step_hooks is not None:
+            self._undo_step_hooks()
+            self._undo_step_hooks = None
+        for m in reversed(self.monitors):
+            try:
+                m.detach()
+            except Exception as exc:  # noqa: BLE001
+                self.errors.report(f"{m.name} detach", exc)
+        self._writer.close()
+        self._session = None
