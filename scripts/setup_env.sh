@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Creates ./.venv (once) with what the project needs: torch (CPU wheel, pinned for
+# development and CI), numpy<2, pytest, and this package in editable mode.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.msprobe-installed
+want="torch==2.13.0 numpy<2 pytest $(sha1sum pyproject.toml | cut -c1-12)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" "numpy<2" "pytest>=7" 2>&1 | grep -v "is ignored" || true
+  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e . 2>&1 | grep -v "is ignored" || true
+  .venv/bin/python -c "import torch, numpy, pytest, msprobe.core.monitor_v2.trainer"
+  echo "$want" > "$stamp"
+fi

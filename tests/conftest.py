@@ -1,0 +1,108 @@
+"""Shared fixtures: tiny real models, config files, reading the CSV output."""
+
+import csv
+import json
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import pytest
+import torch
+
+
+class TinyMLP(torch.nn.Module):
+    """Two linear layers and an in-place ReLU; deterministic weights from ``seed``."""
+
+    def __init__(self, d_in: int = 6, d_hidden: int = 10, d_out: int = 3, seed: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.fc1 = torch.nn.Linear(d_in, d_hidden)
+        self.act = torch.nn.ReLU(inplace=True)
+        self.fc2 = torch.nn.Linear(d_hidden, d_out)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def make_batches(n: int, batch: int = 4, d_in: int = 6, d_out: int = 3, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, d_in, generator=g), torch.randn(batch, d_out, generator=g)) for _ in range(n)]
+
+
+def loss_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+@pytest.fixture
+def write_config(tmp_path: Path):
+    """Write a config dict to a JSON file; ``output_dir`` defaults to ``tmp_path/out``."""
+
+    def write(cfg: Dict[str, Any], name: str = "monitor_v2_config.json") -> str:
+        cfg = dict(cfg)
+        cfg.setdefault("output_dir", str(tmp_path / "out"))
+        path = tmp_path / name
+        path.write_text(json.dumps(cfg))
+        return str(path)
+
+    return write
+
+
+def read_csv(path) -> List[Dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def read_rank_dir(out_dir, rank: int = 0) -> Dict[str, List[Dict[str, str]]]:
+    """All CSV files of a rank directory: file name -> rows."""
+    d = Path(out_dir) / f"rank_{rank}"
+    return {p.name: read_csv(p) for p in sorted(d.glob("*.csv"))}
+
+
+def rows_of(out_dir, monitor: str, rank: int = 0) -> List[Dict[str, str]]:
+    """Every row a monitor wrote on a rank, in file order (files sorted by first step)."""
+    d = Path(out_dir) / f"rank_{rank}"
+    files = sorted(d.glob(f"{monitor}_step*.csv"), key=lambda p: int(p.name.split("step")[1].split("-")[0]))
+    rows: List[Dict[str, str]] = []
+    for p in files:
+        rows.extend(read_csv(p))
+    return rows
+
+
+def find_row(rows, **match) -> Dict[str, str]:
+    found = [r for r in rows if all(r[k] == str(v) for k, v in match.items())]
+    assert len(found) == 1, f"expected exactly one row matching {match}, found {len(found)}"
+    return found[0]
+
+
+def numpy_stats(t: torch.Tensor) -> Dict[str, float]:
+    """Independent reference: the five statistics with NumPy (fp64) on a copy."""
+    import numpy as np
+
+    a = t.detach().to(torch.float64).cpu().numpy().copy().ravel()
+    if a.size == 0:
+        return {"min": float("nan"), "max": float("nan"), "mean": float("nan"), "norm": 0.0, "nans": 0}
+    return {
+        "min": float(np.min(a)),
+        "max": float(np.max(a)),
+        "mean": float(np.mean(a)),
+        "norm": float(np.sqrt(np.sum(a * a))),
+        "nans": int(np.isnan(a).sum()),
+    }
+
+
+def assert_row_matches(row: Dict[str, str], expected: Dict[str, float], rtol: float = 1e-5, atol: float = 1e-7) -> None:
+    import math
+
+    for op, want in expected.items():
+        if op not in row:
+            continue
+        got = float(row[op]) if op != "nans" else int(row[op])
+        if isinstance(want, float) and math.isnan(want):
+            assert math.isnan(got), f"{op}: expected nan, got {row[op]}"
+        elif isinstance(want, float) and math.isinf(want):
+            assert got == want, f"{op}: expected {want}, got {row[op]}"
+        else:
+            assert math.isclose(got, want, rel_tol=rtol, abs_tol=atol), f"{op}: expected {want}, got {row[op]} (row {row})"
