@@ -108,10 +108,10 @@ def normalize_framework(value: Any, path: str = "framework") -> str:
     return FRAMEWORK_ALIASES[value.strip().lower()]
 
 
-def _unknown_field(path: str, name: str, known) -> str:
+def _unknown_field(path: str, name: str, known, kind: str = "field") -> str:
     close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
-    return f"monitor_v2 config: unknown field '{path}'{hint} Known fields: {', '.join(known)}"
+    hint = f"; did you mean '{close[0]}'?" if close else "."
+    return f"monitor_v2 config: unknown {kind} '{path}'{hint} Known {kind}s: {', '.join(known)}"
 
 
 # ----------------------------------------------------------------- per-monitor fields
@@ -316,7 +316,7 @@ def load_config(source: Union[str, os.PathLike, Mapping], fr: Optional[str] = No
     for name, entry in raw_monitors.items():
         if name not in MONITOR_NAMES:
             raise ConfigError(
-                _unknown_field(f"monitors.{name}", str(name), MONITOR_NAMES).replace("field", "monitor", 1),
+                _unknown_field(f"monitors.{name}", str(name), MONITOR_NAMES, kind="monitor"),
                 field=f"monitors.{name}",
             )
         monitors[name] = _parse_monitor(name, entry)
