@@ -1,0 +1,379 @@
+"""Main-job demo: train a small GPT on synthetic data with Monitor V2 switched on.
+
+    .venv/bin/python examples/train_gpt.py               # defaults: < 60 s on 2 CPU cores
+    .venv/bin/python examples/train_gpt.py --steps 100 --out /tmp/run1
+    .venv/bin/python examples/train_gpt.py --config my_monitor_v2_config.json
+
+Without ``--config`` the demo writes ``<out>/monitor_v2_config.json`` enabling the
+``weight_grad`` (per micro-batch), ``optimizer`` and ``param`` monitors with all five
+ops. The monitor needs three calls (constructor + ``start``, ``stop``); ``optimizer.step()``
+is patched by ``start()`` (``patch_optimizer_step`` at its default) so it advances the
+monitor's step counter itself. After training, the script reads the CSV files back with
+the ``csv`` module only and prints a summary.
+"""
+
+import argparse
+import csv
+import glob
+import json
+import logging
+import math
+import os
+import re
+import sys
+import time
+from collections import defaultdict
+from typing import Dict, List, Optional, Tuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+
+try:
+    from msprobe.core.monitor_v2.trainer import TrainerMonitorV2  # noqa: E402
+except ImportError:  # running from a checkout without `pip install -e .`
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+    from msprobe.core.monitor_v2.trainer import TrainerMonitorV2  # noqa: E402
+from msprobe.core.monitor_v2.errors import MonitorError  # noqa: E402
+
+from gpt import GPT, GPTConfig, synthetic_batches  # noqa: E402
+
+OPS = ["min", "max", "mean", "norm", "nans"]
+MONITORS = ("module", "weight_grad", "optimizer", "param", "cc")
+CONFIG_NAME = "monitor_v2_config.json"
+CSV_NAME = re.compile(r"^(?P<monitor>[a-z_]+)_step(?P<a>\d+)-(?P<b>\d+)\.csv$")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None:  # "(default: None)" says nothing; the help text does
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="Train a small GPT on synthetic data with Monitor V2 on, then summarise its CSV output.",
+        formatter_class=_HelpFormatter,
+    )
+    m = p.add_argument_group("model")
+    m.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
+    m.add_argument("--d-model", type=int, default=128, help="embedding width")
+    m.add_argument("--n-head", type=int, default=4, help="attention heads")
+    m.add_argument("--vocab", type=int, default=512, help="vocabulary size")
+    m.add_argument("--context", type=int, default=64, help="sequence length (block_size)")
+    t = p.add_argument_group("training")
+    t.add_argument("--batch", type=int, default=8, help="sequences per micro-batch")
+    t.add_argument("--steps", type=int, default=40, help="optimizer steps")
+    t.add_argument("--grad-acc-steps", type=int, default=2, help="micro-batches per optimizer step")
+    t.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    t.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
+    t.add_argument("--seed", type=int, default=0, help="seed of the weights and of the data")
+    t.add_argument("--log-every", type=int, default=5, help="print the loss every N steps")
+    o = p.add_argument_group("monitor")
+    o.add_argument(
+        "--out", default=None,
+        help="output directory (default ./demo_out); it is emptied of earlier results at the start of each run",
+    )
+    o.add_argument(
+        "--config", default=None,
+        help=f"Monitor V2 config to use as is (its output_dir decides where the CSVs go); "
+             f"default: write {CONFIG_NAME} into --out",
+    )
+    o.add_argument("--step-interval", type=int, default=5, help="generated config: write every N-th step")
+    o.add_argument(
+        "--steps-per-file", type=int, default=1,
+        help="generated config: step_count_per_record (consecutive steps per CSV file)",
+    )
+    args = p.parse_args(argv)
+    if args.config is not None and args.out is not None:
+        p.error("--out and --config exclude each other: the config's output_dir decides where the CSVs go")
+    for name in ("n_layer", "d_model", "n_head", "vocab", "context", "batch", "steps",
+                 "grad_acc_steps", "log_every", "step_interval", "steps_per_file"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.d_model % args.n_head:
+        p.error(f"--d-model ({args.d_model}) must be divisible by --n-head ({args.n_head})")
+    return args
+
+
+# ----------------------------------------------------------------- output dir / config
+def clear_previous_results(output_dir: str) -> int:
+    """Remove what an earlier run of this demo left in ``output_dir``: the monitor's CSV
+    files under ``rank_*/`` (then the rank directories if empty) and the generated
+    config. Nothing else is touched, so a mistaken ``--out .`` cannot wipe a folder."""
+    removed = 0
+    for rank_dir in glob.glob(os.path.join(output_dir, "rank_*")):
+        if not os.path.isdir(rank_dir):
+            continue
+        for path in glob.glob(os.path.join(rank_dir, "*.csv")):
+            m = CSV_NAME.match(os.path.basename(path))
+            if m and m.group("monitor") in MONITORS:
+                os.remove(path)
+                removed += 1
+        try:
+            os.rmdir(rank_dir)
+        except OSError:
+            pass  # not empty: holds files that are not ours
+    generated = os.path.join(output_dir, CONFIG_NAME)
+    if os.path.isfile(generated):
+        os.remove(generated)
+        removed += 1
+    return removed
+
+
+def write_default_config(output_dir: str, args: argparse.Namespace) -> str:
+    config = {
+        "framework": "pytorch",
+        "output_dir": output_dir,
+        "format": "csv",
+        "start_step": 0,
+        "step_interval": args.step_interval,
+        "step_count_per_record": args.steps_per_file,
+        "monitors": {
+            "weight_grad": {"enabled": True, "ops": OPS, "monitor_mbs_grad": True},
+            "optimizer": {"enabled": True, "ops": OPS, "mv_distribution": True},
+            "param": {"enabled": True, "ops": OPS, "param_distribution": True},
+        },
+    }
+    path = os.path.join(output_dir, CONFIG_NAME)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+        f.write("\n")
+    return path
+
+
+def config_output_dir(config_path: str) -> Tuple[str, bool]:
+    """``(output_dir, patch_is_off)`` of a user config (the library validates the rest)."""
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return os.path.abspath("./"), False  # TrainerMonitorV2 reports the problem precisely
+    if not isinstance(raw, dict):
+        return os.path.abspath("./"), False
+    out = raw.get("output_dir") or "./"
+    return os.path.abspath(out if isinstance(out, str) else "./"), raw.get("patch_optimizer_step") is False
+
+
+# ------------------------------------------------------------------------ training
+def train(args: argparse.Namespace, config_path: str, manual_step: bool) -> Tuple[TrainerMonitorV2, Dict[int, float]]:
+    # Monitor V2, call 1 of 3: load and validate the config (a bad one fails here).
+    mon = TrainerMonitorV2(config_path, fr="pytorch")
+
+    torch.manual_seed(args.seed)
+    cfg = GPTConfig(
+        n_layer=args.n_layer, d_model=args.d_model, n_head=args.n_head,
+        vocab_size=args.vocab, block_size=args.context,
+    )
+    model = GPT(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    data = synthetic_batches(cfg, args.batch, seed=args.seed)
+    print(
+        f"model: GPT {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads, vocab {cfg.vocab_size}, "
+        f"context {cfg.block_size}: {model.num_params():,} parameters ({len(list(model.parameters()))} tensors, "
+        f"LM head tied to the token embedding)"
+    )
+    print(
+        f"training: {args.steps} steps x {args.grad_acc_steps} micro-batches of {args.batch} sequences, "
+        f"AdamW lr {args.lr:g}, seed {args.seed}, {torch.get_num_threads()} CPU threads"
+    )
+
+    # Monitor V2, call 2 of 3: hook the model and the optimizer.
+    mon.start(model=model, optimizer=optimizer, grad_acc_steps=args.grad_acc_steps)
+
+    losses: Dict[int, float] = {}
+    try:
+        for step in range(args.steps):
+            step_loss = 0.0
+            for _ in range(args.grad_acc_steps):
+                x, y = next(data)
+                _, loss = model(x, y)
+                (loss / args.grad_acc_steps).backward()
+                step_loss += loss.item() / args.grad_acc_steps
+            optimizer.step()  # patched by start(): also ends the monitor's step
+            optimizer.zero_grad(set_to_none=True)
+            if manual_step:  # only for a --config with "patch_optimizer_step": false
+                mon.step()
+            losses[step] = step_loss
+            if step % args.log_every == 0 or step == args.steps - 1:
+                print(f"  step {step:4d}  loss {step_loss:.4f}")
+    finally:
+        # Monitor V2, call 3 of 3: remove every hook, flush and close the CSV files.
+        mon.stop()
+    return mon, losses
+
+
+# ------------------------------------------------------------------- reading the CSVs
+def read_rank_dir(rank_dir: str) -> Dict[str, List[Tuple[str, List[Dict[str, str]], List[str]]]]:
+    """monitor -> [(file name, rows, header)], files in step order."""
+    found: Dict[str, List[Tuple[int, str, List[Dict[str, str]], List[str]]]] = defaultdict(list)
+    for path in glob.glob(os.path.join(rank_dir, "*.csv")):
+        name = os.path.basename(path)
+        m = CSV_NAME.match(name)
+        if not m:
+            continue
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+            header = list(reader.fieldnames or [])
+        found[m.group("monitor")].append((int(m.group("a")), name, rows, header))
+    return {
+        mon: [(name, rows, header) for _, name, rows, header in sorted(files)]
+        for mon, files in sorted(found.items(), key=lambda kv: MONITORS.index(kv[0]) if kv[0] in MONITORS else 99)
+    }
+
+
+def compact_steps(steps: List[int]) -> str:
+    """0,5,10,15 -> '0, 5, 10, 15'; long arithmetic runs as '0, 5, ..., 95 (every 5th)'."""
+    if len(steps) <= 8:
+        return ", ".join(map(str, steps))
+    diffs = {b - a for a, b in zip(steps, steps[1:])}
+    if len(diffs) == 1:
+        d = diffs.pop()
+        return f"{steps[0]}, {steps[1]}, ..., {steps[-1]} (every {ordinal(d)} step, {len(steps)} steps)"
+    return ", ".join(map(str, steps[:4])) + ", ..., " + ", ".join(map(str, steps[-2:])) + f" ({len(steps)} steps)"
+
+
+def ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def num(row: Dict[str, str], op: str) -> Optional[float]:
+    """A statistic of a CSV row, or None when the config did not ask for that op."""
+    value = row.get(op)
+    return None if value in (None, "") else float(value)
+
+
+def fnum(value: float) -> str:
+    return "nan" if math.isnan(value) else f"{value:.4g}"
+
+
+def summarise(rank_dir: str, losses: Dict[int, float]) -> bool:
+    files = read_rank_dir(rank_dir)
+    print()
+    print(f"CSV files: {rank_dir}")
+    if not files:
+        print("  none were written (is this rank excluded by 'rank', or the monitors disabled?)")
+        return False
+
+    all_rows: Dict[str, List[Dict[str, str]]] = {}
+    duplicates = 0
+    for monitor, entries in files.items():
+        rows = [r for _, rs, _ in entries for r in rs]
+        # Rows appended by an earlier run (only possible with --config) repeat a key:
+        # the summary keeps the last one, i.e. this run's.
+        latest: Dict[Tuple[str, ...], Dict[str, str]] = {}
+        for r in rows:
+            latest[(r["vpp_stage"], r["step"], r["module_name"], r["scope"], r.get("micro_step", ""))] = r
+        duplicates += len(rows) - len(latest)
+        all_rows[monitor] = list(latest.values())
+        steps = sorted({int(r["step"]) for r in rows})
+        names = [name for name, _, _ in entries]
+        shown = names if len(names) <= 3 else names[:2] + ["...", names[-1]]
+        print(f"  {monitor:<12} {len(entries):3d} files, {len(rows):5d} rows; steps written: {compact_steps(steps)}")
+        print(f"  {'':<12} header: {','.join(entries[0][2])}")
+        print(f"  {'':<12} files:  {' '.join(shown)}")
+
+    # Per written step: global grad norm, biggest grad, optimizer second moment, NaNs.
+    per_step: Dict[int, Dict[str, object]] = defaultdict(dict)
+    for r in all_rows.get("weight_grad", []):
+        s = per_step[int(r["step"])]
+        norm = num(r, "norm")
+        if norm is None:
+            continue
+        if r["scope"] == "reduced":
+            s["sumsq"] = s.get("sumsq", 0.0) + norm * norm
+            if norm > s.get("top_norm", -1.0):
+                s["top_norm"], s["top_name"] = norm, r["module_name"]
+        elif r["scope"] == "unreduced":
+            mb = s.setdefault("mb_sumsq", defaultdict(float))
+            mb[int(r["micro_step"])] += norm * norm
+    for r in all_rows.get("optimizer", []):
+        if r["scope"] == "exp_avg_sq" and num(r, "max") is not None:
+            s = per_step[int(r["step"])]
+            s["v_max"] = max(s.get("v_max", 0.0), num(r, "max"))
+    for r in all_rows.get("param", []):
+        if num(r, "norm") is None:
+            continue
+        s = per_step[int(r["step"])]
+        key = "p_before" if r["scope"] == "param_origin" else "p_after"
+        s[key] = s.get(key, 0.0) + num(r, "norm") ** 2
+    nan_total = 0
+    for monitor, rows in all_rows.items():
+        for r in rows:
+            n = int(r["nans"]) if r.get("nans") not in (None, "") else 0
+            nan_total += n
+            per_step[int(r["step"])]["nans"] = per_step[int(r["step"])].get("nans", 0) + n
+
+    print()
+    if duplicates:
+        print(f"note: {duplicates} row(s) repeat a (step, name, scope) of an earlier run appended to the "
+              f"same files; the summary uses the last of each")
+    print("Summary per written step (from the CSV files):")
+    print("  grad norm     = sqrt(sum of norm^2) over the 'reduced' weight_grad rows (global gradient norm)")
+    print("  micro-batches = the same over the 'unreduced' rows of each micro_step (per micro-batch gradient)")
+    print("  param norm    = global parameter norm after the update (param_updated)")
+    head = (f"  {'step':>4}  {'loss':>7}  {'grad norm':>9}  {'micro-batches':>17}  {'largest grad (norm)':<34}"
+            f"  {'max exp_avg_sq':>14}  {'param norm':>10}  {'nans':>4}")
+    print(head)
+    print("  " + "-" * (len(head) - 2))
+    for step in sorted(per_step):
+        s = per_step[step]
+        grad = fnum(math.sqrt(s["sumsq"])) if "sumsq" in s else "-"
+        mb = s.get("mb_sumsq")
+        mbs = " / ".join(fnum(math.sqrt(mb[k])) for k in sorted(mb)) if mb else "-"
+        top = f"{s['top_name']} ({fnum(s['top_norm'])})" if "top_name" in s else "-"
+        vmax = fnum(s["v_max"]) if "v_max" in s else "-"
+        pnorm = fnum(math.sqrt(s["p_after"])) if "p_after" in s else "-"
+        loss = f"{losses[step]:.4f}" if step in losses else "-"
+        print(f"  {step:>4}  {loss:>7}  {grad:>9}  {mbs:>17}  {top:<34}  {vmax:>14}  {pnorm:>10}  {s.get('nans', 0):>4}")
+    print(f"NaN count over all files: {nan_total}" + ("" if nan_total == 0 else "  <-- look at the rows with nans > 0"))
+    return True
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    t0 = time.perf_counter()
+
+    if args.config is None:
+        output_dir = os.path.abspath(args.out or "./demo_out")
+        manual_step = False
+        removed = clear_previous_results(output_dir)
+        print(
+            f"demo: clearing earlier results from {output_dir} ({removed} file(s) removed) so that "
+            f"reruns do not append; a real job keeps them (the monitor appends to existing files, "
+            f"e.g. on resume)"
+        )
+        os.makedirs(output_dir, exist_ok=True)
+        config_path = write_default_config(output_dir, args)
+        print(f"config: {config_path} (weight_grad per micro-batch, optimizer, param; ops {','.join(OPS)}; "
+              f"every {ordinal(args.step_interval)} step)")
+    else:
+        config_path = args.config
+        output_dir, manual_step = config_output_dir(config_path)
+        print(f"config: {os.path.abspath(config_path)}")
+        print(f"note: with --config nothing is deleted; CSV files already in {output_dir} are appended to "
+              f"and counted in the summary")
+
+    try:
+        mon, losses = train(args, config_path, manual_step)
+    except MonitorError as exc:  # a bad config fails at construction, before any training step
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    train_s = time.perf_counter() - t0
+    first, last = losses[0], losses[args.steps - 1]
+    print(f"loss {first:.4f} -> {last:.4f} in {train_s:.1f} s")
+    if mon.errors.count:
+        print(f"warning: the monitor contained {mon.errors.count} error(s) during training (see the log above)")
+
+    ok = summarise(os.path.abspath(mon.rank_dir), losses)
+    print(f"done in {time.perf_counter() - t0:.1f} s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The main job: train a small GPT on synthetic data with Monitor V2 on, then summarise
+# the CSV files it wrote. From a fresh machine: creates .venv (once), then runs the demo.
+# Arguments go to examples/train_gpt.py (see --help), e.g. bash scripts/demo.sh --steps 100
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+exec .venv/bin/python examples/train_gpt.py "$@"
