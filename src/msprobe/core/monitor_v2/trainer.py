@@ -81,7 +81,7 @@ class TrainerMonitorV2:
                     f"start(): monitor '{settings.name}' needs the optimizer: call start(model=..., optimizer=...)",
                     field="optimizer",
                 )
-        session = backend.Session(model, optimizer, context)
+        session = backend.Session(model, optimizer, context, self.rank_dir)
         self.monitors = [backend.MONITORS[s.name](s, session, self.errors) for s in enabled]
 
         writer = CsvWriter(

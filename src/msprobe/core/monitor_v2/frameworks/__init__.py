@@ -1,6 +1,6 @@
 """Framework back ends. Each exposes the same small interface:
 
-- ``Session(model, optimizer, context)``: model chunks, parameter names, the optimizer,
+- ``Session(model, optimizer, context, rank_dir)``: model chunks, parameter names, the optimizer,
   the statistics engine (``session.engine``) and ``install_step_hooks(before, after)``;
 - ``MONITORS``: monitor name -> monitor class;
 - ``global_rank()``: the rank used for the output directory.

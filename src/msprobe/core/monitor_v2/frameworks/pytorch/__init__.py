@@ -1,5 +1,6 @@
 """PyTorch implementation of the monitors."""
 
+from .cc import CommMonitor, enable_ddp_comm_visibility
 from .module import ModuleMonitor
 from .optimizer import OptimizerStateMonitor
 from .param import ParamMonitor
@@ -8,7 +9,7 @@ from .session import global_rank
 from .weight_grad import WeightGradMonitor
 
 MONITORS = {
-    m.name: m for m in (ModuleMonitor, WeightGradMonitor, OptimizerStateMonitor, ParamMonitor)
+    m.name: m for m in (ModuleMonitor, WeightGradMonitor, OptimizerStateMonitor, ParamMonitor, CommMonitor)
 }
 
-__all__ = ["MONITORS", "Session", "global_rank"]
+__all__ = ["MONITORS", "Session", "enable_ddp_comm_visibility", "global_rank"]

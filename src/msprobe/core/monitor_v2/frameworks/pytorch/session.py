@@ -54,7 +54,8 @@ class ParamInfo:
 
 
 class TorchSession:
-    def __init__(self, model: Any, optimizer: Any, context: Mapping[str, Any]) -> None:
+    def __init__(self, model: Any, optimizer: Any, context: Mapping[str, Any], rank_dir: str) -> None:
+        self.rank_dir = rank_dir
         self.chunks, self.is_chunk_list = _as_chunks(model)
         self.optimizer = optimizer
         self.context = dict(context)
