@@ -106,3 +106,49 @@ def assert_row_matches(row: Dict[str, str], expected: Dict[str, float], rtol: fl
             assert got == want, f"{op}: expected {want}, got {row[op]}"
         else:
             assert math.isclose(got, want, rel_tol=rtol, abs_tol=atol), f"{op}: expected {want}, got {row[op]} (row {row})"
+
+
+# ----------------------------------------------------------------- torchrun launcher
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(script, *args, nproc: int = 2, cwd=None, timeout: int = 240, env=None):
+    """Run ``script`` under ``torchrun --nproc_per_node=nproc`` (gloo, CPU) and fail the
+    test with every rank's output when any rank fails."""
+    import subprocess
+    import sys
+    import tempfile
+
+    log_dir = tempfile.mkdtemp(prefix="torchrun_logs_")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1", f"--master_port={_free_port()}", f"--log-dir={log_dir}",
+        "--redirects=3", str(script), *map(str, args),
+    ]
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    full_env.pop("RANK", None)
+    full_env.update(env or {})
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"torchrun timed out after {timeout}s: {' '.join(cmd)}\n{_rank_logs(log_dir)}\n{exc.stderr or ''}")
+    if proc.returncode != 0:
+        pytest.fail(
+            f"torchrun failed (exit {proc.returncode}): {' '.join(cmd)}\n"
+            f"--- launcher stderr (tail) ---\n{proc.stderr[-4000:]}\n{_rank_logs(log_dir)}"
+        )
+    return proc
+
+
+def _rank_logs(log_dir: str) -> str:
+    parts = []
+    for path in sorted(Path(log_dir).rglob("std*.log")):
+        text = path.read_text(errors="replace")
+        if text.strip():
+            parts.append(f"--- {path.relative_to(log_dir)} (tail) ---\n{text[-6000:]}")
+    return "\n".join(parts) or "(no rank output)"

@@ -77,7 +77,7 @@ class ModuleMonitor(Monitor):
         self.attached = True
         matched = set()
         seen = set()
-        for vpp, chunk in enumerate(self.session.chunks):
+        for vpp, chunk in enumerate(self.session.roots):
             for name, module in chunk.named_modules():
                 if id(module) in seen:
                     continue
@@ -97,7 +97,7 @@ class ModuleMonitor(Monitor):
 
     def _example_names(self) -> List[str]:
         names = []
-        for vpp, chunk in enumerate(self.session.chunks):
+        for vpp, chunk in enumerate(self.session.roots):
             for name, _ in chunk.named_modules():
                 if name:
                     names.append(self.session.qualify(vpp, name))

@@ -34,8 +34,9 @@ class OptimizerStateMonitor(Monitor):
             for key, value in state.get(info.param, {}).items():
                 if key in _SKIPPED_STATE or not isinstance(value, torch.Tensor) or value.dim() == 0:
                     continue
-                tensors.append(value)
-                keys.append((info.vpp_stage, f"{info.name}.{key}", key, None))
+                t, k = self.session.expand([(info, value)], key, suffix=f".{key}")
+                tensors += t
+                keys += k
         self._records = self.session.engine.record_many(tensors, self.plan, keys)
 
     def collect(self) -> List[Record]:

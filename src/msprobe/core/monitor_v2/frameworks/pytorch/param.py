@@ -18,9 +18,9 @@ class ParamMonitor(Monitor):
         self._records: List[Record] = []
 
     def _read(self, scope: str) -> None:
-        infos = self.session.optimizer_params()
-        keys = [(i.vpp_stage, i.name, scope, None) for i in infos]
-        self._records += self.session.engine.record_many([i.param for i in infos], self.plan, keys)
+        items = [(i, i.param) for i in self.session.optimizer_params()]
+        tensors, keys = self.session.expand(items, scope)
+        self._records += self.session.engine.record_many(tensors, self.plan, keys)
 
     def before_optimizer_step(self) -> None:
         if self.active and self.enabled:

@@ -3,11 +3,12 @@ parameter names, the optimizer, the statistics engine, and the optimizer-step ho
 
 import logging
 import os
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 
 import torch
 
 from ...errors import ConfigError
+from .fsdp import FlatParamLayout, clean_name, fsdp1_layouts, fsdp2_modules, fsdp2_sharded_params
 from .stats import TorchStatsEngine
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -57,21 +58,62 @@ class TorchSession:
     def __init__(self, model: Any, optimizer: Any, context: Mapping[str, Any], rank_dir: str) -> None:
         self.rank_dir = rank_dir
         self.chunks, self.is_chunk_list = _as_chunks(model)
+        # Names are read below DDP's wrapper, so they match the user's model (no "module.").
+        self.roots = [c.module if isinstance(c, torch.nn.parallel.DistributedDataParallel) else c
+                      for c in self.chunks]
         self.optimizer = optimizer
         self.context = dict(context)
         self.engine = TorchStatsEngine()
         self.params: List[ParamInfo] = []
         self._by_id: Dict[int, ParamInfo] = {}
-        for vpp, chunk in enumerate(self.chunks):
+        for vpp, chunk in enumerate(self.roots):
             for name, p in chunk.named_parameters():
                 if id(p) not in self._by_id:
-                    self._add(vpp, self.qualify(vpp, name), p)
+                    self._add(vpp, self.qualify(vpp, clean_name(name)), p)
         self.n_model_params = len(self.params)
+        self._find_fsdp()
         if optimizer is not None:
             for g, group in enumerate(optimizer.param_groups):
                 for i, p in enumerate(group["params"]):
                     if id(p) not in self._by_id:  # not part of the model given to start()
                         self._add(0, f"param_groups.{g}.params.{i}", p)
+
+    def _find_fsdp(self) -> None:
+        """FSDP1 flat parameters (by id) and the FSDP2 modules of the model chunks; the
+        ids of parameters whose ``unreduced`` gradient is not read on the parameter."""
+        self.flat_layouts: Dict[int, Tuple[int, FlatParamLayout]] = {}
+        self.fsdp2_modules: List[Tuple[int, torch.nn.Module]] = []
+        self.fsdp_managed: set = set()
+        for vpp, chunk in enumerate(self.roots):
+            for layout in fsdp1_layouts(chunk):
+                for seg in layout.unsharded + layout.shard:
+                    seg.name = self.qualify(vpp, seg.name)
+                self.flat_layouts[id(layout.flat_param)] = (vpp, layout)
+                self.fsdp_managed.add(id(layout.flat_param))
+                self.fsdp_managed.update(id(p) for p in getattr(layout.flat_param, "_params", None) or ())
+            self.fsdp2_modules.extend((vpp, m) for m in fsdp2_modules(chunk))
+            self.fsdp_managed.update(id(p) for p in fsdp2_sharded_params(chunk))
+
+    def expand(self, items: Sequence[Tuple[ParamInfo, torch.Tensor]], scope: str, suffix: str = "") -> Tuple[
+            List[torch.Tensor], List[Tuple[int, str, str, None]]]:
+        """Tensors and row keys for ``(param, tensor)`` pairs read at the optimizer step.
+
+        An FSDP1 flat shard is cut into one view per original parameter; local shards
+        without elements (a rank that holds nothing of a parameter) are left out."""
+        tensors, keys = [], []
+        for info, t in items:
+            flat = self.flat_layouts.get(id(info.param))
+            if flat is not None:
+                for seg in flat[1].shard:
+                    tensors.append(seg.view(t))
+                    keys.append((info.vpp_stage, seg.name + suffix, scope, None))
+                continue
+            local = t.to_local() if hasattr(t, "to_local") else t
+            if local.numel() == 0:
+                continue
+            tensors.append(t)
+            keys.append((info.vpp_stage, info.name + suffix, scope, None))
+        return tensors, keys
 
     def _add(self, vpp: int, name: str, p: torch.nn.Parameter) -> None:
         info = ParamInfo(len(self.params), vpp, name, p)

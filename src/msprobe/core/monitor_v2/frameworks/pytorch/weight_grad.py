@@ -1,31 +1,47 @@
 """``weight_grad``: parameter gradients, ``unreduced`` during backward and ``reduced``
 right before the optimizer's update.
 
-``unreduced`` with ``monitor_mbs_grad=false``: a post-accumulate-grad hook reads
-``param.grad`` after the announced last micro-batch (and after every later one, if a
-step runs more backward passes than announced), so the row holds the whole local
+``unreduced`` with ``monitor_mbs_grad=false``: a post-accumulate-grad hook reads the
+accumulated gradient after the announced last micro-batch (and after every later one, if
+a step runs more backward passes than announced), so the row holds the whole local
 gradient of the step while the statistics are computed once per step, not once per
 micro-batch. A parameter that got fewer gradients than announced is read right before
 the optimizer step instead (logged once).
 
-``unreduced`` with ``monitor_mbs_grad=true``: a tensor hook on the parameter sees the
-gradient of one backward pass before it is accumulated into ``.grad``, i.e. that
-micro-batch's own gradient (all uses of a shared parameter already summed).
+``unreduced`` with ``monitor_mbs_grad=true``: a tensor hook sees the gradient of one
+backward pass before it is accumulated into ``.grad``, i.e. that micro-batch's own
+gradient (all uses of a shared parameter already summed).
+
+Under DDP these hooks run before the bucket's all-reduce; under FSDP the hooks go on the
+unsharded gradient before the reduce-scatter (see ``fsdp.py``).
 """
 
 import functools
 import logging
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
 from ...config import resolve_micro_batches
 from ...monitor import Monitor, remove_all
 from ...stats import Record
-from .session import ParamInfo
+from .fsdp import FlatSegment, fsdp2_params
 from .stats import StatPlan
 
 logger = logging.getLogger("msprobe.monitor_v2")
+
+
+class GradSource:
+    """A tensor whose gradient is read for ``unreduced`` rows, and the rows it yields:
+    ``(vpp_stage, name, segment)``; ``segment`` None means the whole gradient."""
+
+    __slots__ = ("index", "rows", "plain_param")
+
+    def __init__(self, index: int, rows: Sequence[Tuple[int, str, Optional[FlatSegment]]],
+                 plain_param: Optional[torch.Tensor] = None) -> None:
+        self.index = index
+        self.rows = list(rows)
+        self.plain_param = plain_param  # set when the monitored tensor is the optimizer's parameter
 
 
 class WeightGradMonitor(Monitor):
@@ -37,69 +53,91 @@ class WeightGradMonitor(Monitor):
         self.plan = StatPlan.from_ops(self.settings.ops)
         self.micro_batches = resolve_micro_batches(self.settings, self.context)
         self.per_micro_batch = self.settings.get("monitor_mbs_grad")
-        self.params = self.session.model_params() or [
-            i for i in self.session.optimizer_params() if i.param.requires_grad
-        ]
         self._handles: List = []
+        self._hooked: Set[int] = set()
         self._warned_short = False
         self._reset()
-        for info in self.params:
-            if self.per_micro_batch:
-                hook = functools.partial(self._on_micro_batch_grad, info)
-                self._handles.append(info.param.register_hook(self.errors.wrap("weight_grad unreduced hook", hook)))
-            else:
-                hook = functools.partial(self._on_accumulated_grad, info)
-                self._handles.append(
-                    info.param.register_post_accumulate_grad_hook(
-                        self.errors.wrap("weight_grad unreduced hook", hook)
-                    )
-                )
+        session = self.session
+        infos = session.model_params() or [i for i in session.optimizer_params() if i.param.requires_grad]
+        self.sources: List[GradSource] = []
+        for info in infos:
+            if id(info.param) in session.fsdp_managed:
+                continue
+            self._hook_tensor(info.param, GradSource(info.index, [(info.vpp_stage, info.name, None)], info.param))
+        for vpp, layout in session.flat_layouts.values():
+            rows = [(vpp, seg.name, seg) for seg in layout.unsharded]
+            self._hook_tensor(layout.flat_param, GradSource(len(session.params) + len(self.sources), rows))
+        for vpp, module in session.fsdp2_modules:
+            hook = functools.partial(self._hook_fsdp2_unsharded, module)
+            self._handles.append(module.register_forward_hook(
+                self.errors.wrap("weight_grad FSDP2 forward hook", lambda *_, h=hook: h())))
 
+    def _hook_tensor(self, tensor: torch.Tensor, source: GradSource) -> None:
+        self.sources.append(source)
+        self._hooked.add(id(tensor))
+        site = "weight_grad unreduced hook"
+        if self.per_micro_batch:
+            hook = functools.partial(self._on_micro_batch_grad, source)
+            self._handles.append(tensor.register_hook(self.errors.wrap(site, hook)))
+        else:
+            hook = functools.partial(self._on_accumulated_grad, source)
+            self._handles.append(tensor.register_post_accumulate_grad_hook(self.errors.wrap(site, hook)))
+
+    def _hook_fsdp2_unsharded(self, module: torch.nn.Module) -> None:
+        # _unsharded_param exists once the module has run forward; hook each one once.
+        for sharded, unsharded in fsdp2_params(module):
+            if unsharded is None or id(unsharded) in self._hooked:
+                continue
+            info = self.session.info(sharded)
+            self._hook_tensor(unsharded, GradSource(info.index, [(info.vpp_stage, info.name, None)]))
+
+    # ------------------------------------------------------------------ hooks
     def _reset(self) -> None:
-        self._passes: Dict[int, int] = {}  # param index -> backward passes that reached it
-        self._unreduced: Dict[Tuple[int, int], Record] = {}  # (param index, micro step)
+        self._passes: Dict[int, int] = {}  # source index -> backward passes that reached it
+        self._unreduced: Dict[Tuple[int, int, int], Record] = {}  # (source index, micro step, row)
         self._reduced: List[Record] = []
 
     def begin_step(self, step: int, active: bool) -> None:
         super().begin_step(step, active)
         self._reset()
 
-    def _count_pass(self, info: ParamInfo) -> int:
-        n = self._passes.get(info.index, 0) + 1
-        self._passes[info.index] = n
+    def _count_pass(self, source: GradSource) -> int:
+        n = self._passes.get(source.index, 0) + 1
+        self._passes[source.index] = n
         return n
 
-    def _on_micro_batch_grad(self, info: ParamInfo, grad: torch.Tensor) -> None:
+    def _record(self, source: GradSource, grad: torch.Tensor, micro_step: int) -> None:
+        engine = self.session.engine
+        for k, (vpp, name, seg) in enumerate(source.rows):
+            t = grad if seg is None else seg.view(grad)
+            self._unreduced[(source.index, micro_step, k)] = engine.record(
+                t, self.plan, vpp, name, "unreduced", micro_step or None)
+
+    def _on_micro_batch_grad(self, source: GradSource, grad: torch.Tensor) -> None:
+        if self.active:
+            self._record(source, grad, self._count_pass(source))
+
+    def _on_accumulated_grad(self, source: GradSource, tensor: torch.Tensor) -> None:
         if not self.active:
             return
-        n = self._count_pass(info)
-        self._unreduced[(info.index, n)] = self.session.engine.record(
-            grad, self.plan, info.vpp_stage, info.name, "unreduced", n
-        )
+        n = self._count_pass(source)
+        if n >= self.micro_batches and tensor.grad is not None:
+            self._record(source, tensor.grad, 0)
 
-    def _on_accumulated_grad(self, info: ParamInfo, param: torch.Tensor) -> None:
-        if not self.active:
-            return
-        n = self._count_pass(info)
-        if n >= self.micro_batches and param.grad is not None:
-            self._unreduced[(info.index, 0)] = self.session.engine.record(
-                param.grad, self.plan, info.vpp_stage, info.name, "unreduced"
-            )
-
+    # --------------------------------------------------------- optimizer step
     def before_optimizer_step(self) -> None:
         if not self.active:
             return
         if not self.per_micro_batch:
-            self._read_short_params()
-        infos = [i for i in self.session.optimizer_params() if i.param.grad is not None]
-        keys = [(i.vpp_stage, i.name, "reduced", None) for i in infos]
-        self._reduced = self.session.engine.record_many([i.param.grad for i in infos], self.plan, keys)
+            self._read_short_sources()
+        items = [(i, i.param.grad) for i in self.session.optimizer_params() if i.param.grad is not None]
+        tensors, keys = self.session.expand(items, "reduced")
+        self._reduced = self.session.engine.record_many(tensors, self.plan, keys)
 
-    def _read_short_params(self) -> None:
+    def _read_short_sources(self) -> None:
         short = [
-            i for i in self.params
-            if 0 < self._passes.get(i.index, 0) < self.micro_batches
-            and (i.index, 0) not in self._unreduced and i.param.grad is not None
+            s for s in self.sources
+            if 0 < self._passes.get(s.index, 0) < self.micro_batches and (s.index, 0, 0) not in self._unreduced
         ]
         if not short:
             return
@@ -109,17 +147,17 @@ class WeightGradMonitor(Monitor):
                 "monitor_v2 weight_grad: at step %d, %d parameter(s) (e.g. %s) got gradients in fewer "
                 "backward passes than the %d announced by grad_acc_steps/micro_batch_number; their "
                 "'unreduced' rows are read right before optimizer.step() (after any data-parallel "
-                "reduction). Logged once.", self.step, len(short), short[0].name, self.micro_batches,
+                "reduction; not at all for FSDP-sharded parameters). Logged once.",
+                self.step, len(short), short[0].rows[0][1], self.micro_batches,
             )
-        for i in short:
-            self._unreduced[(i.index, 0)] = self.session.engine.record(
-                i.param.grad, self.plan, i.vpp_stage, i.name, "unreduced"
-            )
+        for s in short:
+            if s.plain_param is not None and s.plain_param.grad is not None:
+                self._record(s, s.plain_param.grad, 0)
 
     def collect(self) -> List[Record]:
         micro = max(self._passes.values(), default=0) or self.micro_batches
         records = []
-        for (_, mb), rec in sorted(self._unreduced.items(), key=lambda kv: kv[0]):
+        for (_, mb, _), rec in sorted(self._unreduced.items(), key=lambda kv: kv[0]):
             if mb == 0:
                 rec.micro_step = micro
             records.append(rec)
@@ -131,3 +169,4 @@ class WeightGradMonitor(Monitor):
 
     def detach(self) -> None:
         remove_all(self._handles)
+        self._hooked.clear()

@@ -1,0 +1,98 @@
+"""weight_grad under DDP, FSDP1 (use_orig_params false/true) and FSDP2, with real
+2-rank torchrun jobs (gloo, CPU) and gradient accumulation (no_sync /
+set_requires_gradient_sync).
+
+References are independent: every step, each rank computes its local per-micro-batch
+gradients with torch.autograd.grad on a plain, unmonitored copy of the model whose
+parameters are synced from the trained model (see workers/data_parallel.py).
+"""
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import assert_row_matches, numpy_stats, rows_of, run_torchrun
+
+WORKER = Path(__file__).parent / "workers" / "data_parallel.py"
+PARAMS = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias"]
+STEPS, ACC = 3, 2
+
+
+def run(mode, tmp_path, mbs=False):
+    out = tmp_path / mode
+    out.mkdir()
+    run_torchrun(WORKER, mode, out, *(["--mbs"] if mbs else []))
+    refs = [torch.load(out / f"ref_rank{r}.pt") for r in range(2)]
+    rows = [rows_of(out, "weight_grad", rank=r) for r in range(2)]
+    return out, refs, rows
+
+
+def pick(rows, **match):
+    found = [r for r in rows if all(r[k] == str(v) for k, v in match.items())]
+    assert len(found) == 1, f"expected one row for {match}, found {len(found)}"
+    return found[0]
+
+
+def local_grad(ref, step, name):
+    return sum(g[name] for g in ref["grads"][step])
+
+
+def check_unreduced(refs, rows, mbs):
+    for r in range(2):
+        for s in range(STEPS):
+            for name in PARAMS:
+                if mbs:
+                    for mb in range(1, ACC + 1):
+                        row = pick(rows[r], step=s, module_name=name, scope="unreduced", micro_step=mb)
+                        assert_row_matches(row, numpy_stats(refs[r]["grads"][s][mb - 1][name]), rtol=1e-4, atol=1e-6)
+                else:
+                    row = pick(rows[r], step=s, module_name=name, scope="unreduced", micro_step=ACC)
+                    assert_row_matches(row, numpy_stats(local_grad(refs[r], s, name)), rtol=1e-4, atol=1e-6)
+    # the two ranks saw different data: their local gradients differ
+    a = pick(rows[0], step=0, module_name="fc1.weight", scope="unreduced", micro_step=ACC)
+    b = pick(rows[1], step=0, module_name="fc1.weight", scope="unreduced", micro_step=ACC)
+    assert a["norm"] != b["norm"]
+
+
+@pytest.mark.parametrize("mbs", [False, True], ids=["accumulated", "per-micro-batch"])
+def test_ddp_unreduced_is_local_and_reduced_is_the_mean(tmp_path, mbs):
+    out, refs, rows = run("ddp", tmp_path, mbs)
+    check_unreduced(refs, rows, mbs)
+    for s in range(STEPS):
+        for name in PARAMS:
+            mean = (local_grad(refs[0], s, name) + local_grad(refs[1], s, name)) / 2
+            r0 = pick(rows[0], step=s, module_name=name, scope="reduced")
+            r1 = pick(rows[1], step=s, module_name=name, scope="reduced")
+            assert {k: r0[k] for k in ("min", "max", "mean", "norm")} == {k: r1[k] for k in ("min", "max", "mean", "norm")}
+            assert r0["micro_step"] == str(ACC)
+            assert_row_matches(r0, numpy_stats(mean), rtol=1e-4, atol=1e-6)
+    # the monitored training is bit-identical to the unmonitored one (all monitors, cc too)
+    for r in range(2):
+        assert torch.load(out / f"bitwise_rank{r}.pt")["bit_identical"] is True
+
+
+@pytest.mark.parametrize("mode", ["fsdp1", "fsdp1_orig", "fsdp2"])
+def test_fsdp_unreduced_is_captured_before_reduce_scatter(tmp_path, mode):
+    out, refs, rows = run(mode, tmp_path, mbs=(mode == "fsdp2"))
+    check_unreduced(refs, rows, mbs=(mode == "fsdp2"))
+    # reduced rows are local shards: across ranks they make up the mean gradient
+    for s in range(STEPS):
+        for name in PARAMS:
+            mean = ((local_grad(refs[0], s, name) + local_grad(refs[1], s, name)) / 2).double().numpy()
+            shards = [[x for x in rows[r] if x["step"] == str(s) and x["module_name"] == name and x["scope"] == "reduced"]
+                      for r in range(2)]
+            assert sum(len(x) for x in shards) >= 1, f"no reduced shard of {name}"
+            for x in shards:
+                assert len(x) <= 1
+            got = [x[0] for x in shards if x]
+            norm = math.sqrt(sum(float(x["norm"]) ** 2 for x in got))
+            assert math.isclose(norm, float(np.linalg.norm(mean)), rel_tol=1e-4), (name, s)
+            assert math.isclose(min(float(x["min"]) for x in got), float(mean.min()), rel_tol=1e-4, abs_tol=1e-7)
+            assert math.isclose(max(float(x["max"]) for x in got), float(mean.max()), rel_tol=1e-4, abs_tol=1e-7)
+    # optimizer state and parameters are reported per original parameter name (local shards)
+    for monitor in ("optimizer", "param"):
+        names = {x["module_name"].split(".exp_avg")[0] for r in range(2) for x in rows_of(out, monitor, rank=r)}
+        assert names == set(PARAMS), names
