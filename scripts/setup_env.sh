@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates ./.venv (once) with what the project needs: torch (CPU wheel, pinned for
-# development and CI), numpy<2, pytest, and this package in editable mode.
+# development and CI), numpy<2, pytest, transformers (tests build a model from a config,
+# no download), and this package in editable mode.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -8,10 +9,11 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.msprobe-installed
-want="torch==2.13.0 numpy<2 pytest $(sha1sum pyproject.toml | cut -c1-12)"
+deps=("torch==2.13.0" "numpy<2" "pytest>=7" "transformers>=4.40,<5")
+want="${deps[*]} $(sha1sum pyproject.toml | cut -c1-12)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" "numpy<2" "pytest>=7" 2>&1 | grep -v "is ignored" || true
+  .venv/bin/python -m pip install -q --disable-pip-version-check "${deps[@]}" 2>&1 | grep -v "is ignored" || true
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e . 2>&1 | grep -v "is ignored" || true
-  .venv/bin/python -c "import torch, numpy, pytest, msprobe.core.monitor_v2.trainer"
+  .venv/bin/python -c "import torch, numpy, pytest, transformers, msprobe.core.monitor_v2.trainer"
   echo "$want" > "$stamp"
 fi

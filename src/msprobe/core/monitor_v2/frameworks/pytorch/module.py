@@ -43,12 +43,29 @@ def _in_backward() -> bool:
     return torch._C._current_autograd_node() is not None
 
 
+def _grad_edges(t: torch.Tensor) -> List[Tuple[Any, int]]:
+    """The graph edges through which a gradient with respect to ``t`` can flow.
+
+    An in-place op on a view (``x += y`` after a ``Linear`` on a 3-D input, whose output
+    is a view of a 2-D matmul) takes the view's own node out of the graph: the gradient
+    then flows into the node of the view's base. A view with as many elements as its
+    base is a reshape, so the gradient of the base has the same statistics."""
+    edges = [(t.grad_fn, t.output_nr)]
+    if t._is_view():
+        base = t._base
+        if base is not None and base.grad_fn is not None and base.numel() == t.numel():
+            edges.append((base.grad_fn, base.output_nr))
+    return edges
+
+
 class _Call:
-    """State of one module call between its pre-hook and its forward hook."""
+    """State of one module call between its pre-hook and its forward hook: for each
+    input, its producer edges (or the leaf tensor itself), and the sequence number from
+    which autograd nodes belong to this call."""
 
     __slots__ = ("inputs", "boundary")
 
-    def __init__(self, inputs: List[torch.Tensor], boundary: int) -> None:
+    def __init__(self, inputs: List[Any], boundary: int) -> None:
         self.inputs = inputs
         self.boundary = boundary
 
@@ -110,6 +127,8 @@ class ModuleMonitor(Monitor):
             if self.active:
                 self._before_forward(mod, vpp, tag, args, kwargs)
 
+        # always_call: the post-hook also runs when forward raises (non-reentrant
+        # checkpointing stops its recomputation that way), so the call state is dropped.
         def post_hook(mod: torch.nn.Module, args: Tuple, kwargs: Dict, output: Any) -> None:
             if self.active:
                 self._after_forward(mod, vpp, tag, output)
@@ -120,7 +139,7 @@ class ModuleMonitor(Monitor):
         )
         self._handles.append(
             module.register_forward_hook(self.errors.wrap(f"module forward hook of {tag}", post_hook),
-                                         with_kwargs=True, always_call=False)
+                                         with_kwargs=True, always_call=True)
         )
 
     # ------------------------------------------------------------------ forward
@@ -134,7 +153,7 @@ class ModuleMonitor(Monitor):
         # Nodes created from here on belong to this call; grad_input needs the inputs'
         # producers as they are now, before any in-place op inside the module.
         boundary = _get_sequence_nr() if _get_sequence_nr is not None else -1
-        producers = [(t.grad_fn, t.output_nr) if t.grad_fn is not None else t for t in inputs]
+        producers = [_grad_edges(t) if t.grad_fn is not None else t for t in inputs]
         self._calls.setdefault(id(module), []).append(_Call(producers, boundary))
 
     def _after_forward(self, module: torch.nn.Module, vpp: int, tag: str, output: Any) -> None:
@@ -146,12 +165,12 @@ class ModuleMonitor(Monitor):
             for i, t in enumerate(outputs):
                 self._records.append(engine.record(t, self.plan, vpp, f"{tag}.output.{i}", "forward"))
         if torch.is_grad_enabled() and any(t.requires_grad for t in outputs):
-            self._hook_grad_outputs(vpp, tag, outputs)
+            self._hook_grad_outputs(vpp, tag, outputs, call)
             if call is not None:
                 self._hook_grad_inputs(vpp, tag, call, outputs)
 
     # ----------------------------------------------------------------- backward
-    def _hook_grad_outputs(self, vpp: int, tag: str, outputs: List[torch.Tensor]) -> None:
+    def _hook_grad_outputs(self, vpp: int, tag: str, outputs: List[torch.Tensor], call: Optional[_Call]) -> None:
         by_node: Dict[Any, List[Tuple[int, int]]] = {}
         for j, t in enumerate(outputs):
             if not t.requires_grad:
@@ -159,7 +178,10 @@ class ModuleMonitor(Monitor):
             if t.grad_fn is None:
                 self._warn_once(f"{tag}.leaf", f"output {j} of {tag} is a leaf tensor; its gradient is not observed")
                 continue
-            by_node.setdefault(t.grad_fn, []).append((t.output_nr, j))
+            node, nr = _grad_edges(t)[-1]
+            if call is not None and node is not t.grad_fn and node._sequence_nr() < call.boundary:
+                node, nr = t.grad_fn, t.output_nr  # the base is not this module's own result
+            by_node.setdefault(node, []).append((nr, j))
         for node, slots in by_node.items():
             def prehook(grad_outputs: Tuple, slots=slots) -> None:
                 if not (self.active and self.attached):
@@ -176,10 +198,11 @@ class ModuleMonitor(Monitor):
         leaf_targets: Dict[int, int] = {}
         boundary = call.boundary
         for i, producer in enumerate(call.inputs):
-            if isinstance(producer, tuple):
-                edge_targets[producer] = i
-                if _get_sequence_nr is None:
-                    boundary = max(boundary, producer[0]._sequence_nr())
+            if isinstance(producer, list):
+                for edge in producer:
+                    edge_targets[edge] = i
+                    if _get_sequence_nr is None:
+                        boundary = max(boundary, edge[0]._sequence_nr())
             elif producer.requires_grad:
                 leaf_targets[id(producer)] = i
         if not edge_targets and not leaf_targets:
@@ -231,7 +254,8 @@ class ModuleMonitor(Monitor):
         self._pending.pop(id(acc), None)
         parts, acc.parts = acc.parts, []
         if parts:
-            total = parts[0] if len(parts) == 1 else sum(parts[1:], parts[0])
+            # Parts through a view's node and through its base's node differ only in shape.
+            total = parts[0] if len(parts) == 1 else sum((p.reshape(parts[0].shape) for p in parts[1:]), parts[0])
             self._records.append(self.session.engine.record(total, self.plan, vpp, name, "backward"))
 
     def _warn_once(self, key: str, message: str) -> None:

@@ -1,0 +1,304 @@
+"""Overhead of the monitor on a GPT-style model, measured as ratios in one process.
+
+    .venv/bin/python benchmarks/overhead.py                 # default model, all configs
+    .venv/bin/python benchmarks/overhead.py --smoke         # tiny and quick (CI)
+    .venv/bin/python benchmarks/overhead.py --only weight_grad --rounds 11
+
+For every config, the same model and optimizer alternate timed windows of training steps
+without and with the monitor (the order flips every round, to cancel drift); a round's
+ratio is time(with) / time(without). The table gives the median ratio, its spread
+(min..max over rounds), the change of peak RSS during a window with the monitor against
+one without, and the number of device-to-host transfers per step (``Tensor.cpu`` calls
+made by the monitor) and of scalar reads inside hooks (``Tensor.item``; on the CPU these
+read host memory and are no synchronisation).
+
+A second table times the statistics engine alone on GPT-2-small-shaped tensors (148
+tensors, 124M fp32 elements) against one ``torch._foreach_norm`` pass over the same
+tensors, which reads the data once: the floor for any statistic.
+"""
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.join(ROOT, "src"))
+
+import torch  # noqa: E402
+
+from gpt import GPT, GPTConfig, synthetic_batches  # noqa: E402
+from msprobe.core.monitor_v2.frameworks.pytorch.stats import StatPlan, TorchStatsEngine  # noqa: E402
+from msprobe.core.monitor_v2.trainer import TrainerMonitorV2  # noqa: E402
+
+ALL_OPS = ["min", "max", "mean", "norm", "nans"]
+
+
+def configs(n_layer: int) -> Dict[str, dict]:
+    two = [f"blocks.{n_layer // 2 - 1}.", f"blocks.{n_layer // 2}."] if n_layer > 1 else ["blocks.0."]
+    every = {"enabled": True, "targets": []}
+    all_on = {
+        "module": every,
+        "weight_grad": {"enabled": True, "monitor_mbs_grad": False},
+        "optimizer": {"enabled": True},
+        "param": {"enabled": True},
+    }
+    return {
+        "weight_grad": {"monitors": {"weight_grad": {"enabled": True}}},
+        "optimizer": {"monitors": {"optimizer": {"enabled": True}}},
+        "param": {"monitors": {"param": {"enabled": True}}},
+        "module (2 layers)": {"monitors": {"module": {"enabled": True, "targets": two}}},
+        "module (every module)": {"monitors": {"module": every}},
+        "all monitors": {"monitors": all_on},
+        "all, step outside window": {"start_step": 10 ** 9, "monitors": all_on},
+        "all, step_interval 4": {"step_interval": 4, "monitors": all_on},
+    }
+
+
+class PeakRss:
+    """Samples the process's resident set size on a thread while active."""
+
+    def __init__(self, period: float = 0.002) -> None:
+        self.period = period
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._page = os.sysconf("SC_PAGE_SIZE")
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self._page
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._rss())
+            time.sleep(self.period)
+
+    def __enter__(self) -> "PeakRss":
+        self.peak = self._rss()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+
+@contextmanager
+def count_calls(counts: Dict[str, int]) -> Iterator[None]:
+    """Count Tensor.cpu and Tensor.item calls (the monitor's transfers and scalar reads)."""
+    originals = {name: getattr(torch.Tensor, name) for name in ("cpu", "item")}
+
+    def counting(name: str, fn: Callable) -> Callable:
+        def wrapper(self, *args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return fn(self, *args, **kwargs)
+        return wrapper
+
+    for name, fn in originals.items():
+        setattr(torch.Tensor, name, counting(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, fn)
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        torch.manual_seed(0)
+        self.cfg = GPTConfig(n_layer=args.layers, d_model=args.d_model, n_head=args.heads,
+                             vocab_size=args.vocab, block_size=args.context)
+        self.device = torch.device(args.device)
+        self.model = GPT(self.cfg).to(self.device)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.data = synthetic_batches(self.cfg, args.batch, seed=0, device=self.device)
+        self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.out = tempfile.mkdtemp(prefix="msprobe_bench_")
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def train_steps(self, n: int) -> None:
+        for _ in range(n):
+            x, y = next(self.data)
+            _, loss = self.model(x, y)
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+
+    def window(self, cfg: Optional[dict]) -> Tuple[float, int]:
+        """Seconds for ``steps_per_window`` steps and the peak RSS during them."""
+        mon = None
+        if cfg is not None:
+            out = os.path.join(self.out, "run")
+            shutil.rmtree(out, ignore_errors=True)
+            mon = TrainerMonitorV2({**cfg, "output_dir": out})
+            mon.start(model=self.model, optimizer=self.opt)
+        self.sync()
+        with PeakRss() as rss:
+            t0 = time.perf_counter()
+            self.train_steps(self.args.steps_per_window)
+            self.sync()
+            elapsed = time.perf_counter() - t0
+        if mon is not None:
+            mon.stop()
+        return elapsed, rss.peak
+
+    def transfers(self, cfg: dict) -> Tuple[float, float]:
+        """Calls per step made by the monitor: counted with it, minus those without it
+        (AdamW itself reads its step counter with .item())."""
+        steps = max(2, self.args.steps_per_window)
+        per_step = []
+        for which in (None, cfg):
+            mon = None
+            if which is not None:
+                out = os.path.join(self.out, "count")
+                shutil.rmtree(out, ignore_errors=True)
+                mon = TrainerMonitorV2({**which, "output_dir": out})
+                mon.start(model=self.model, optimizer=self.opt)
+            counts: Dict[str, int] = {}
+            with count_calls(counts):
+                self.train_steps(steps)
+            if mon is not None:
+                mon.stop()
+            per_step.append({k: v / steps for k, v in counts.items()})
+        base, on = per_step
+        return on.get("cpu", 0) - base.get("cpu", 0), on.get("item", 0) - base.get("item", 0)
+
+    def run_config(self, name: str, cfg: dict) -> dict:
+        ratios, mem = [], []
+        for r in range(self.args.rounds):
+            order = (None, cfg) if r % 2 == 0 else (cfg, None)
+            results = {}
+            for which in order:
+                results[which is not None] = self.window(which)
+            (t_off, rss_off), (t_on, rss_on) = results[False], results[True]
+            ratios.append(t_on / t_off)
+            mem.append(rss_on - rss_off)
+        cpu_per_step, items_per_step = self.transfers(cfg)
+        return {
+            "name": name,
+            "median": statistics.median(ratios),
+            "min": min(ratios),
+            "max": max(ratios),
+            "mem": statistics.median(mem),
+            "cpu": cpu_per_step,
+            "item": items_per_step,
+        }
+
+
+def engine_bench(args: argparse.Namespace) -> Tuple[float, float, int, int]:
+    """Median ms of the engine (five ops, then one transfer) and of one foreach-norm pass."""
+    d, layers, vocab, ctx = (768, 12, 50257, 1024) if not args.smoke else (64, 2, 1000, 64)
+    shapes = [(vocab, d), (ctx, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]
+    shapes += [(d,), (d,)]
+    g = torch.Generator().manual_seed(0)
+    device = torch.device(args.device)
+    tensors = [torch.randn(s, generator=g).to(device) for s in shapes]
+    numel = sum(t.numel() for t in tensors)
+    engine = TorchStatsEngine()
+    plan = StatPlan.from_ops(ALL_OPS)
+    keys = [(0, f"t{i}", "param_origin", None) for i in range(len(tensors))]
+
+    def stats() -> None:
+        engine.to_host(engine.record_many(tensors, plan, keys))
+
+    def floor() -> None:
+        torch.stack(torch._foreach_norm(tensors)).cpu().tolist()
+
+    def timed(fn: Callable[[], None]) -> float:
+        fn()
+        samples = []
+        for _ in range(args.engine_repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            samples.append(time.perf_counter() - t0)
+        return statistics.median(samples) * 1e3
+
+    t_floor, t_stats = [], []
+    for _ in range(2):  # interleave to cancel drift
+        t_floor.append(timed(floor))
+        t_stats.append(timed(stats))
+    return min(t_stats), min(t_floor), len(tensors), numel
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--d-model", type=int, default=384)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--rounds", type=int, default=7, help="alternating with/without rounds per config")
+    p.add_argument("--steps-per-window", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before the first config")
+    p.add_argument("--engine-repeats", type=int, default=7)
+    p.add_argument("--only", action="append", help="run only configs whose name contains this (repeatable)")
+    p.add_argument("--skip-engine", action="store_true", help="skip the statistics-engine micro-benchmark")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, one round: checks that the benchmark runs")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.layers, args.d_model, args.heads, args.vocab, args.context, args.batch = 2, 32, 2, 128, 16, 2
+        args.rounds, args.steps_per_window, args.warmup, args.engine_repeats = 1, 1, 1, 1
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    bench = Bench(args)
+    n_params = sum(p.numel() for p in bench.model.parameters())
+    print(f"model: GPT {args.layers} layers, d_model {args.d_model}, {args.heads} heads, vocab {args.vocab}, "
+          f"context {args.context}, batch {args.batch}; {n_params / 1e6:.1f}M parameters "
+          f"({bench.param_bytes / 2**20:.1f} MiB); AdamW; device {args.device}, {args.threads} thread(s)")
+    print(f"{args.rounds} rounds x {args.steps_per_window} steps per window; torch {torch.__version__}")
+    bench.train_steps(args.warmup)
+    rows = []
+    for name, cfg in configs(args.layers).items():
+        if args.only and not any(o in name for o in args.only):
+            continue
+        row = bench.run_config(name, cfg)
+        rows.append(row)
+        print(f"  {name:<28} ratio {row['median']:.3f}  ({row['min']:.3f}..{row['max']:.3f})", flush=True)
+    print()
+    print("| config | median ratio (with / without) | spread (min..max) | peak RSS delta | "
+          ".cpu() per step | .item() per step |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        mem_pct = 100.0 * row["mem"] / bench.param_bytes
+        print(f"| {row['name']} | {row['median']:.3f} | {row['min']:.3f}..{row['max']:.3f} | "
+              f"{row['mem'] / 2**20:+.1f} MiB ({mem_pct:+.1f} % of params) | {row['cpu']:.1f} | {row['item']:.1f} |")
+    if not args.skip_engine:
+        t_stats, t_floor, n, numel = engine_bench(args)
+        print()
+        print(f"statistics engine, {n} tensors, {numel / 1e6:.1f}M fp32 elements, five ops + one transfer: "
+              f"{t_stats:.1f} ms; one _foreach_norm pass: {t_floor:.1f} ms; ratio {t_stats / t_floor:.2f}")
+    shutil.rmtree(bench.out, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
