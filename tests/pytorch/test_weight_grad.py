@@ -169,3 +169,24 @@ def test_weight_grad_needs_an_optimizer(write_config):
     mon = TrainerMonitorV2(write_config({"monitors": {"weight_grad": {"enabled": True}}}))
     with pytest.raises(ConfigError, match="optimizer"):
         mon.start(model=TinyMLP())
+
+
+def test_reduced_sees_gradients_changed_after_backward(write_config):
+    """Clipping or scaling the gradients between backward and optimizer.step() shows in
+    'reduced' and not in 'unreduced' (no stale statistics reused)."""
+    model = TinyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMonitorV2(write_config({"monitors": {"weight_grad": {"enabled": True}}}))
+    mon.start(model=model, optimizer=opt)
+    x, y = make_batches(1)[0]
+    loss_fn(model, x, y).backward()
+    raw = {n: p.grad.clone() for n, p in model.named_parameters()}
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.01)
+    model.fc2.bias.grad.mul_(3.0)
+    clipped = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt.step()
+    mon.stop()
+    rows = rows_of(out_dir(mon), "weight_grad")
+    for name in raw:
+        assert_row_matches(find_row(rows, module_name=name, scope="unreduced"), numpy_stats(raw[name]))
+        assert_row_matches(find_row(rows, module_name=name, scope="reduced"), numpy_stats(clipped[name]))

@@ -82,7 +82,14 @@ class TorchStatsEngine:
             mn = mx = zero
         total = t.sum(dtype=acc) if plan.total else zero
         if norm is None:
-            norm = torch.linalg.vector_norm(t, dtype=acc) if plan.norm else zero
+            if not plan.norm:
+                norm = zero
+            elif t.dtype == acc and t.device.type == "cpu" and t.is_contiguous():
+                # On the CPU a BLAS dot product is about twice as fast as vector_norm.
+                flat = t.view(-1)
+                norm = torch.dot(flat, flat).sqrt()
+            else:
+                norm = torch.linalg.vector_norm(t, dtype=acc)
         vector = torch.stack((mn, mx, total, norm))
         nans = None
         if plan.nans:
@@ -119,8 +126,8 @@ class TorchStatsEngine:
         plan: StatPlan,
         keys: Sequence[Tuple[int, str, str, Optional[int]]],
     ) -> List[Record]:
-        """Statistics of many tensors at once: norms with one foreach kernel per
-        (device, dtype) group."""
+        """Statistics of many tensors at once; on accelerators, norms with one foreach
+        kernel per (device, dtype) group (on the CPU a dot product per tensor is faster)."""
         out: List[Optional[Record]] = [None] * len(tensors)
         groups: Dict[Tuple[torch.device, torch.dtype], List[int]] = defaultdict(list)
         with torch.no_grad():
@@ -133,7 +140,7 @@ class TorchStatsEngine:
             for (_, dtype), idx in groups.items():
                 group = [prepared[i] for i in idx]
                 norms: Sequence[Optional[torch.Tensor]] = [None] * len(group)
-                if plan.norm:
+                if plan.norm and group[0].device.type != "cpu":
                     acc = torch.float64 if dtype == torch.float64 else torch.float32
                     norms = torch._foreach_norm(group, 2, dtype=acc)
                 for i, t, n in zip(idx, group, norms):
