@@ -15,6 +15,7 @@ device for every tensor.
 """
 
 import math
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -61,6 +62,12 @@ def _prepared(t: torch.Tensor) -> torch.Tensor:
 class TorchStatsEngine:
     def __init__(self) -> None:
         self._zeros: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        # The same tensor object is often observed twice in a step (a block's output is
+        # the next block's input; the root's output is the head's output). Its vector is
+        # computed once: the cache holds a weak reference (never the tensor) and the
+        # version counter, so a tensor modified in place, or a new tensor that reuses a
+        # dead one's id, is computed again. Cleared when the step's vectors go to the host.
+        self._seen: Dict[Tuple[int, StatPlan], Tuple["weakref.ref", int, torch.Tensor, Optional[torch.Tensor], int]] = {}
 
     def _zero(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         key = (device, dtype)
@@ -112,12 +119,23 @@ class TorchStatsEngine:
         micro_step: Optional[int] = None,
     ) -> Record:
         """Statistics of one tensor, computed now (inside a hook), kept on the device."""
+        cacheable = not t.is_inference()  # inference tensors have no version counter
+        key = (id(t), plan)
+        seen = self._seen.get(key) if cacheable else None
+        if seen is not None and seen[0]() is t and seen[1] == t._version:
+            return Record(vpp_stage, name, scope, micro_step, seen[2], seen[3], seen[4])
+        original = t
         with torch.no_grad():
             t = _prepared(t)
             numel = t.numel()
             if numel == 0:
                 return Record(vpp_stage, name, scope, micro_step, EMPTY_VECTOR, 0, 0)
             vector, nans = self._vector(t, plan, None)
+        if cacheable:
+            try:
+                self._seen[key] = (weakref.ref(original), original._version, vector, nans, numel)
+            except TypeError:  # a tensor subclass without weak references: no caching
+                pass
         return Record(vpp_stage, name, scope, micro_step, vector, nans, numel)
 
     def record_many(
@@ -148,10 +166,14 @@ class TorchStatsEngine:
                     out[i] = Record(*keys[i], vector, nans, t.numel())
         return out  # type: ignore[return-value]
 
-    @staticmethod
-    def to_host(records: Sequence[Record]) -> None:
+    def end_step(self) -> None:
+        """Forget the tensors seen during the step."""
+        self._seen.clear()
+
+    def to_host(self, records: Sequence[Record]) -> None:
         """Replace the device vectors and NaN counts of ``records`` by host values, with
-        one transfer per (device, dtype) group."""
+        one transfer per (device, dtype) group. Records may share a vector."""
+        self._seen.clear()
         vec_groups: Dict[Tuple[torch.device, torch.dtype], List[Record]] = defaultdict(list)
         nan_groups: Dict[torch.device, List[Record]] = defaultdict(list)
         for rec in records:
@@ -161,10 +183,20 @@ class TorchStatsEngine:
                 nan_groups[rec.nans.device].append(rec)
         with torch.no_grad():
             for recs in vec_groups.values():
-                host = torch.stack([r.vector for r in recs]).cpu().tolist()
-                for rec, values in zip(recs, host):
-                    rec.vector = values
+                _replace(recs, "vector")
             for recs in nan_groups.values():
-                host = torch.stack([r.nans for r in recs]).cpu().tolist()
-                for rec, value in zip(recs, host):
-                    rec.nans = value
+                _replace(recs, "nans")
+
+
+def _replace(records: Sequence[Record], attr: str) -> None:
+    """One transfer for the distinct tensors in ``attr`` of ``records``."""
+    index: Dict[int, int] = {}
+    distinct: List[torch.Tensor] = []
+    for rec in records:
+        t = getattr(rec, attr)
+        if id(t) not in index:
+            index[id(t)] = len(distinct)
+            distinct.append(t)
+    host = torch.stack(distinct).cpu().tolist()
+    for rec in records:
+        setattr(rec, attr, host[index[id(getattr(rec, attr))]])
