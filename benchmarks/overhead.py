@@ -7,8 +7,8 @@
 For every config, the same model and optimizer alternate timed windows of training steps
 without and with the monitor (the order flips every round, to cancel drift); a round's
 ratio is time(with) / time(without). The table gives the median ratio, its spread
-(min..max over rounds), the change of peak RSS during a window with the monitor against
-one without, and the number of device-to-host transfers per step (``Tensor.cpu`` calls
+(min..max over rounds), the change of peak memory (allocated heap bytes, sampled; on a
+GPU the allocator's exact peak) during a window with the monitor against one without, and the number of device-to-host transfers per step (``Tensor.cpu`` calls
 made by the monitor) and of scalar reads inside hooks (``Tensor.item``; on the CPU these
 read host memory and are no synchronisation).
 
@@ -18,6 +18,7 @@ tensors, which reads the data once: the floor for any statistic.
 """
 
 import argparse
+import ctypes
 import os
 import shutil
 import statistics
@@ -63,26 +64,51 @@ def configs(n_layer: int) -> Dict[str, dict]:
     }
 
 
-class PeakRss:
-    """Samples the process's resident set size on a thread while active."""
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 
-    def __init__(self, period: float = 0.002) -> None:
+
+def _allocated_bytes_reader() -> Callable[[], int]:
+    """Bytes the C heap has handed out (glibc mallinfo2: small blocks + mmapped blocks),
+    which, unlike RSS, drops as soon as memory is freed; RSS where it is unavailable."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+
+        def allocated() -> int:
+            info = libc.mallinfo2()
+            return info.uordblks + info.hblkhd
+
+        allocated()
+        return allocated
+    except (OSError, AttributeError):
+        page = os.sysconf("SC_PAGE_SIZE")
+
+        def rss() -> int:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * page
+
+        return rss
+
+
+class PeakMemory:
+    """Samples the process's allocated heap bytes on a thread while active (on a GPU,
+    use torch.cuda.max_memory_allocated instead)."""
+
+    def __init__(self, period: float = 0.0005) -> None:
         self.period = period
         self.peak = 0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self._page = os.sysconf("SC_PAGE_SIZE")
-
-    def _rss(self) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self._page
+        self._rss = _allocated_bytes_reader()
 
     def _run(self) -> None:
         while not self._stop.is_set():
             self.peak = max(self.peak, self._rss())
             time.sleep(self.period)
 
-    def __enter__(self) -> "PeakRss":
+    def __enter__(self) -> "PeakMemory":
         self.peak = self._rss()
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -141,7 +167,7 @@ class Bench:
             self.opt.zero_grad(set_to_none=True)
 
     def window(self, cfg: Optional[dict]) -> Tuple[float, int]:
-        """Seconds for ``steps_per_window`` steps and the peak RSS during them."""
+        """Seconds for ``steps_per_window`` steps and the peak memory during them."""
         mon = None
         if cfg is not None:
             out = os.path.join(self.out, "run")
@@ -149,14 +175,17 @@ class Bench:
             mon = TrainerMonitorV2({**cfg, "output_dir": out})
             mon.start(model=self.model, optimizer=self.opt)
         self.sync()
-        with PeakRss() as rss:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        with PeakMemory() as mem:
             t0 = time.perf_counter()
             self.train_steps(self.args.steps_per_window)
             self.sync()
             elapsed = time.perf_counter() - t0
+        peak = torch.cuda.max_memory_allocated() if self.device.type == "cuda" else mem.peak
         if mon is not None:
             mon.stop()
-        return elapsed, rss.peak
+        return elapsed, peak
 
     def transfers(self, cfg: dict) -> Tuple[float, float]:
         """Calls per step made by the monitor: counted with it, minus those without it
@@ -284,7 +313,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         rows.append(row)
         print(f"  {name:<28} ratio {row['median']:.3f}  ({row['min']:.3f}..{row['max']:.3f})", flush=True)
     print()
-    print("| config | median ratio (with / without) | spread (min..max) | peak RSS delta | "
+    print("| config | median ratio (with / without) | spread (min..max) | peak memory delta | "
           ".cpu() per step | .item() per step |")
     print("|---|---|---|---|---|---|")
     for row in rows:

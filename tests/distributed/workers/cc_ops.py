@@ -189,12 +189,21 @@ def mode_ops(out_dir):
     global STEP
     infos = []
 
+    # P2POps made before start() hold the original isend/irecv; batch_isend_irecv tells
+    # sends from receives by identity, so the monitor must keep them working.
+    peer = 1 - dist.get_rank()
+    early_send, early_recv = torch.full((2,), float(dist.get_rank() + 7)), torch.zeros(2)
+    early_ops = [dist.P2POp(dist.isend, early_send, peer), dist.P2POp(dist.irecv, early_recv, peer)]
+
     def body(mon):
         global STEP
         for step in (0, 1):  # start_step 1: step 0 is not written
             STEP = step
             infos.append(all_ops())
             mon.step()
+        for work in dist.batch_isend_irecv(early_ops):
+            work.wait()
+        assert early_recv.tolist() == [float(peer + 7)] * 2, early_recv
 
     cfg = cc_config(os.path.join(out_dir, "ops"), cc_pre_hook=True)
     cfg["start_step"] = 1

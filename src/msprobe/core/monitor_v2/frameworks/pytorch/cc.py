@@ -22,8 +22,9 @@ What is and is not seen:
 
 ``async_op=True``: the post statistics are computed in a callback of the work's
 future, i.e. when the result is ready, so the training code is never made to wait
-earlier than it would. Works that offer no future are read when ``step()`` ends, if
-they have completed by then.
+earlier than it would. A work that offers no future (gloo's point-to-point and
+reduce-scatter works) is handed to the caller inside a ``dist.Work`` stand-in that
+records when it is waited on (or when ``step()`` finds it completed).
 
 Tags: ``<op>.<pre|post>.<index>@<file.py>[<line>]`` where ``index`` counts the
 tensors of that direction and the call site is the innermost frame outside torch and
@@ -110,6 +111,77 @@ def _call_site(frame: Any) -> str:
     return "?"
 
 
+def _align_p2p_ops(args: Tuple, kwargs: Dict[str, Any]) -> List[Tuple[Any, Callable]]:
+    """``batch_isend_irecv`` tells sends from receives by identity (``op.op is isend``).
+    A ``P2POp`` made before ``start()`` holds the original ``isend``; while the monitor
+    runs, the name points to the wrapper. Point such ops at the current function for the
+    call; returns what to put back."""
+    ops = kwargs.get("p2p_op_list", args[0] if args else None)
+    c10d = sys.modules["torch.distributed.distributed_c10d"]
+    swapped = []
+    for p2p_op in ops or ():
+        fn = getattr(p2p_op, "op", None)
+        current = getattr(c10d, getattr(fn, "__name__", ""), None)
+        if current is not None and current is not fn and getattr(current, "__msprobe_original__", None) is fn:
+            swapped.append((p2p_op, fn))
+            p2p_op.op = current
+    return swapped
+
+
+class _NotifyingWork(dist.Work):
+    """Stands in for a ``Work`` that offers no future: the same object to the caller
+    (a ``dist.Work``), which runs ``done`` once when the work is waited on, or when
+    ``step()`` finds it completed."""
+
+    def __init__(self, inner: Any, done: Callable[[], None]) -> None:
+        super().__init__()
+        self._inner = inner
+        self._done = done
+        self._notified = False
+
+    def _notify(self) -> None:
+        if not self._notified:
+            self._notified = True
+            self._done()
+
+    def notify_if_completed(self) -> bool:
+        if self._notified:
+            return True
+        try:
+            finished = self._inner.is_completed()
+        except Exception:  # noqa: BLE001
+            finished = False
+        if finished:
+            self._notify()
+        return finished
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._inner.wait(*args, **kwargs)
+        self._notify()
+        return result
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+    def is_success(self) -> bool:
+        return self._inner.is_success()
+
+    def exception(self) -> Any:
+        return self._inner.exception()
+
+    def source_rank(self) -> int:
+        return self._inner.source_rank()
+
+    def result(self) -> Any:
+        return self._inner.result()
+
+    def synchronize(self) -> None:
+        self._inner.synchronize()
+
+    def get_future(self) -> Any:
+        return self._inner.get_future()
+
+
 class _Patch:
     """One replaced function: where it lives, the original and the wrapper."""
 
@@ -130,7 +202,7 @@ class CommMonitor(Monitor):
         self._lock = threading.Lock()
         self._local = threading.local()
         self._records: List[Record] = []
-        self._pending_works: List[Tuple[Any, Callable[[], None]]] = []
+        self._pending_works: List[_NotifyingWork] = []
         self._patches: List[_Patch] = []
         self._seen_stacks: Set[Tuple] = set()
         self._stack_log: Optional[str] = None
@@ -185,14 +257,20 @@ class CommMonitor(Monitor):
             if not (monitor.active and monitor.enabled) or getattr(local, "depth", 0):
                 return original(*args, **kwargs)
             local.depth = 1
+            swapped = _align_p2p_ops(args, kwargs) if op == "batch_isend_irecv" else []
             try:
                 call = monitor._prepare(op, signature, inputs, outputs, args, kwargs, sys._getframe(1))
                 result = original(*args, **kwargs)
+                # The collective wrote into tensors without moving their version counters:
+                # statistics cached for them (module monitor) are stale now.
+                monitor.session.engine.forget()
                 if call is not None:
-                    monitor._finish(call, result)
+                    result = monitor._finish(call, result)
                 return result
             finally:
                 local.depth = 0
+                for p2p_op, previous in swapped:
+                    p2p_op.op = previous
 
         wrapper.__msprobe_original__ = original  # type: ignore[attr-defined]
         return wrapper
@@ -216,18 +294,23 @@ class CommMonitor(Monitor):
             self.errors.report(f"cc {op} (before the call)", exc)
             return None
 
-    def _finish(self, call, result) -> None:
+    def _finish(self, call, result) -> Any:
+        """Record the results now, or when the async work completes; returns what the
+        caller gets (the work itself, or for works without a future a stand-in that
+        records when it is waited on)."""
         op, site, tensors, async_op = call
         try:
             if not async_op or result is None:
                 self._record_post(op, site, tensors)
-                return
+                return result
             works = result if isinstance(result, list) else [result]
-            self._when_done(works, lambda: self._record_post(op, site, tensors))
+            works = self._when_done(works, lambda: self._record_post(op, site, tensors))
+            return works if isinstance(result, list) else works[0]
         except Exception as exc:  # noqa: BLE001
             self.errors.report(f"cc {op} (after the call)", exc)
+            return result
 
-    def _when_done(self, works: List[Any], callback: Callable[[], None]) -> None:
+    def _when_done(self, works: List[Any], callback: Callable[[], None]) -> List[Any]:
         remaining = [len(works)]
         lock = threading.Lock()
         safe = self.errors.wrap("cc async completion", callback)
@@ -239,12 +322,17 @@ class CommMonitor(Monitor):
             if last:
                 safe()
 
+        out = []
         for work in works:
             try:
                 work.get_future().then(one_done)
-            except Exception:  # noqa: BLE001 - this work has no future (e.g. gloo p2p)
+                out.append(work)
+            except Exception:  # noqa: BLE001 - no future (gloo p2p, gloo reduce_scatter)
+                notifying = _NotifyingWork(work, one_done)
                 with self._lock:
-                    self._pending_works.append((work, one_done))
+                    self._pending_works.append(notifying)
+                out.append(notifying)
+        return out
 
     def _tensors(self, op: str, bound: Dict[str, Any], names: Sequence[str], send: Optional[bool]) -> List[torch.Tensor]:
         if op == "batch_isend_irecv":
@@ -284,16 +372,12 @@ class CommMonitor(Monitor):
 
     # ------------------------------------------------------------------ lifecycle
     def collect(self) -> List[Record]:
+        # Works nobody waited on yet: record those that completed; keep the others.
         with self._lock:
             pending, self._pending_works = self._pending_works, []
-        for work, done in pending:
-            try:
-                finished = work.is_completed()
-            except Exception:  # noqa: BLE001
-                finished = False
-            if finished:
-                done()
+        still = [w for w in pending if not w.notify_if_completed()]
         with self._lock:
+            self._pending_works[:0] = still
             records, self._records = self._records, []
         return records
 

@@ -149,7 +149,7 @@ class ModuleMonitor(Monitor):
         if not recompute:
             engine = self.session.engine
             for i, t in enumerate(inputs):
-                self._records.append(engine.record(t, self.plan, vpp, f"{tag}.input.{i}", "forward"))
+                self._records.append(engine.record(t, self.plan, vpp, f"{tag}.input.{i}", "forward", cache=True))
         # Nodes created from here on belong to this call; grad_input needs the inputs'
         # producers as they are now, before any in-place op inside the module.
         boundary = _get_sequence_nr() if _get_sequence_nr is not None else -1
@@ -163,7 +163,7 @@ class ModuleMonitor(Monitor):
         if not _in_backward():
             engine = self.session.engine
             for i, t in enumerate(outputs):
-                self._records.append(engine.record(t, self.plan, vpp, f"{tag}.output.{i}", "forward"))
+                self._records.append(engine.record(t, self.plan, vpp, f"{tag}.output.{i}", "forward", cache=True))
         if torch.is_grad_enabled() and any(t.requires_grad for t in outputs):
             self._hook_grad_outputs(vpp, tag, outputs, call)
             if call is not None:

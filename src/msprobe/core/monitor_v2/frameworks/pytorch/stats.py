@@ -62,11 +62,13 @@ def _prepared(t: torch.Tensor) -> torch.Tensor:
 class TorchStatsEngine:
     def __init__(self) -> None:
         self._zeros: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = {}
-        # The same tensor object is often observed twice in a step (a block's output is
-        # the next block's input; the root's output is the head's output). Its vector is
-        # computed once: the cache holds a weak reference (never the tensor) and the
-        # version counter, so a tensor modified in place, or a new tensor that reuses a
-        # dead one's id, is computed again. Cleared when the step's vectors go to the host.
+        # The module monitor often observes one tensor object twice in a step (a block's
+        # output is the next block's input; the root's output is the head's output). With
+        # ``cache=True`` its vector is computed once: the cache holds a weak reference
+        # (never the tensor) and the version counter, so a tensor modified in place, or a
+        # new tensor that reuses a dead one's id, is computed again. Collectives write
+        # into tensors from C++ without moving the version counter, so the cc monitor
+        # clears the cache after each of them (``forget``). Cleared at every step end.
         self._seen: Dict[Tuple[int, StatPlan], Tuple["weakref.ref", int, torch.Tensor, Optional[torch.Tensor], int]] = {}
 
     def _zero(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -117,9 +119,10 @@ class TorchStatsEngine:
         name: str,
         scope: str,
         micro_step: Optional[int] = None,
+        cache: bool = False,
     ) -> Record:
         """Statistics of one tensor, computed now (inside a hook), kept on the device."""
-        cacheable = not t.is_inference()  # inference tensors have no version counter
+        cacheable = cache and not t.is_inference()  # inference tensors have no version counter
         key = (id(t), plan)
         seen = self._seen.get(key) if cacheable else None
         if seen is not None and seen[0]() is t and seen[1] == t._version:
@@ -166,9 +169,11 @@ class TorchStatsEngine:
                     out[i] = Record(*keys[i], vector, nans, t.numel())
         return out  # type: ignore[return-value]
 
-    def end_step(self) -> None:
-        """Forget the tensors seen during the step."""
+    def forget(self) -> None:
+        """Forget the tensors seen so far (step end, or after a collective)."""
         self._seen.clear()
+
+    end_step = forget
 
     def to_host(self, records: Sequence[Record]) -> None:
         """Replace the device vectors and NaN counts of ``records`` by host values, with
