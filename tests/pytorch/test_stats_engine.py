@@ -741,13 +741,17 @@ def test_same_tensor_twice_in_a_step_is_computed_once_and_in_place_change_is_see
     real = torch.aminmax
     monkeypatch.setattr(torch, "aminmax", lambda t, *a, **k: calls.append(1) or real(t, *a, **k))
     t = torch.arange(6, dtype=torch.float32)
-    first = engine.record(t, plan, 0, "a.output.0", "forward")
-    second = engine.record(t, plan, 0, "b.input.0", "forward")
+    first = engine.record(t, plan, 0, "a.output.0", "forward", cache=True)
+    second = engine.record(t, plan, 0, "b.input.0", "forward", cache=True)
     assert len(calls) == 1, "the second observation of the same, unchanged tensor is not recomputed"
     t.mul_(-1)  # in place: version counter moves, statistics must be taken again
-    third = engine.record(t, plan, 0, "c.input.0", "forward")
-    assert len(calls) == 2
-    engine.to_host([first, second, third])
+    third = engine.record(t, plan, 0, "c.input.0", "forward", cache=True)
+    uncached = engine.record(t, plan, 0, "d.input.0", "forward")  # the default does not use the cache
+    assert len(calls) == 3
+    engine.forget()
+    engine.record(t, plan, 0, "e.input.0", "forward", cache=True)
+    assert len(calls) == 4, "forget() drops the cache"
+    engine.to_host([first, second, third, uncached])
     assert first.vector == second.vector
     assert third.vector[0] == -5.0 and first.vector[0] == 0.0
 
@@ -757,6 +761,6 @@ def test_a_new_tensor_reusing_a_dead_tensors_id_is_not_confused(monkeypatch):
     plan = StatPlan.from_ops(ALL_OPS)
     recs = []
     for value in (1.0, 2.0, 3.0):  # each tensor dies before the next is made: ids may repeat
-        recs.append(engine.record(torch.full((4,), value), plan, 0, f"t{value}", "forward"))
+        recs.append(engine.record(torch.full((4,), value), plan, 0, f"t{value}", "forward", cache=True))
     engine.to_host(recs)
     assert [r.vector[0] for r in recs] == [1.0, 2.0, 3.0]

@@ -44,9 +44,10 @@ class Stat:
     @classmethod
     def from_vector(cls, vector: Sequence[float], nans: int, numel: int) -> "Stat":
         norm = vector[NORM]
-        return cls(
-            numel=numel, min=vector[MIN], max=vector[MAX], total=vector[SUM], sumsq=norm * norm, nans=int(nans)
-        )
+        mn, mx = vector[MIN], vector[MAX]
+        if nans:  # some kernels (MindSpore's CPU min/max) skip NaN; the spec never hides it
+            mn = mx = math.nan
+        return cls(numel=numel, min=mn, max=mx, total=vector[SUM], sumsq=norm * norm, nans=int(nans))
 
     def merge(self, other: "Stat") -> None:
         if other.numel == 0:
@@ -75,6 +76,25 @@ class Stat:
         if op == "mean":
             return self.total / self.numel
         raise KeyError(op)
+
+
+@dataclass(frozen=True)
+class StatPlan:
+    """Which reductions a monitor's ``ops`` need (shared by the framework engines)."""
+
+    minmax: bool
+    total: bool
+    norm: bool
+    nans: bool
+
+    @classmethod
+    def from_ops(cls, ops: Sequence[str]) -> "StatPlan":
+        return cls(
+            minmax="min" in ops or "max" in ops,
+            total="mean" in ops,
+            norm="norm" in ops,
+            nans="nans" in ops,
+        )
 
 
 # Empty tensors never reach the device: their statistics are known.

@@ -17,31 +17,11 @@ device for every tensor.
 import math
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ...stats import EMPTY_VECTOR, Record
-
-
-@dataclass(frozen=True)
-class StatPlan:
-    """Which reductions a monitor's ``ops`` need."""
-
-    minmax: bool
-    total: bool
-    norm: bool
-    nans: bool
-
-    @classmethod
-    def from_ops(cls, ops: Sequence[str]) -> "StatPlan":
-        return cls(
-            minmax="min" in ops or "max" in ops,
-            total="mean" in ops,
-            norm="norm" in ops,
-            nans="nans" in ops,
-        )
+from ...stats import EMPTY_VECTOR, Record, StatPlan
 
 
 def _accumulator_dtype(t: torch.Tensor) -> torch.dtype:
