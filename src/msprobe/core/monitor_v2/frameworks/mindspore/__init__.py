@@ -1,0 +1,13 @@
+"""MindSpore (PyNative) implementation of the monitors."""
+
+from .module import MsModuleMonitor
+from .optimizer import MsOptimizerStateMonitor, MsParamMonitor
+from .session import MsSession as Session
+from .session import global_rank
+from .weight_grad import MsWeightGradMonitor
+
+MONITORS = {
+    m.name: m for m in (MsModuleMonitor, MsWeightGradMonitor, MsOptimizerStateMonitor, MsParamMonitor)
+}
+
+__all__ = ["MONITORS", "Session", "global_rank"]

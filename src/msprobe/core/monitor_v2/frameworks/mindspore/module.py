@@ -1,0 +1,83 @@
+"""``module`` for MindSpore: Cell forward pre-hooks (inputs), forward hooks (outputs)
+and backward hooks (``grad_input``/``grad_output``), with the tags, root name and
+aggregation of the PyTorch monitor."""
+
+from typing import Any, List, Sequence, Tuple
+
+import mindspore as ms
+
+from ...monitor import Monitor, remove_all
+from ...stats import Record, StatPlan
+from ...structure import flatten_tensors
+
+import logging
+
+logger = logging.getLogger("msprobe.monitor_v2")
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, ms.Tensor)
+
+
+class MsModuleMonitor(Monitor):
+    name = "module"
+
+    def attach(self) -> None:
+        self.plan = StatPlan.from_ops(self.settings.ops)
+        targets: Sequence[str] = self.settings.get("targets")
+        self._handles: List[Any] = []
+        self._records: List[Record] = []
+        matched, seen = set(), set()
+        for vpp, chunk in enumerate(self.session.roots):
+            for name, cell in chunk.cells_and_names():
+                if id(cell) in seen:
+                    continue
+                seen.add(id(cell))
+                tag = self.session.qualify(vpp, name or type(cell).__name__)
+                hits = [t for t in targets if t in tag]
+                if targets and not hits:
+                    continue
+                matched.update(hits)
+                self._hook(cell, vpp, tag)
+        missing = [t for t in targets if t not in matched]
+        if missing:
+            logger.warning("monitor_v2 module: targets %s match no cell name; nothing is recorded for them", missing)
+
+    def _emit(self, values: Any, vpp: int, tag: str, kind: str, scope: str) -> None:
+        engine = self.session.engine
+        for i, t in enumerate(flatten_tensors(values, _is_tensor)):
+            self._records.append(engine.record(t, self.plan, vpp, f"{tag}.{kind}.{i}", scope))
+
+    def _hook(self, cell: Any, vpp: int, tag: str) -> None:
+        def pre(c: Any, inputs: Tuple) -> None:
+            if self.active:
+                self._emit(inputs, vpp, tag, "input", "forward")
+
+        def post(c: Any, inputs: Tuple, output: Any) -> None:
+            if self.active:
+                self._emit(output, vpp, tag, "output", "forward")
+
+        def backward(c: Any, grad_input: Tuple, grad_output: Tuple) -> None:
+            if self.active:
+                self._emit_indexed(grad_input, vpp, tag, "grad_input")
+                self._emit_indexed(grad_output, vpp, tag, "grad_output")
+
+        wrap = self.errors.wrap
+        self._handles.append(cell.register_forward_pre_hook(wrap(f"module forward pre-hook of {tag}", pre)))
+        self._handles.append(cell.register_forward_hook(wrap(f"module forward hook of {tag}", post)))
+        self._handles.append(cell.register_backward_hook(wrap(f"module backward hook of {tag}", backward)))
+
+    def _emit_indexed(self, grads: Any, vpp: int, tag: str, kind: str) -> None:
+        # A None gradient (an input that needs none) keeps its index, as in PyTorch.
+        engine = self.session.engine
+        items = grads if isinstance(grads, (tuple, list)) else (grads,)
+        for i, g in enumerate(items):
+            if _is_tensor(g):
+                self._records.append(engine.record(g, self.plan, vpp, f"{tag}.{kind}.{i}", "backward"))
+
+    def collect(self) -> List[Record]:
+        records, self._records = self._records, []
+        return records
+
+    def detach(self) -> None:
+        remove_all(self._handles)

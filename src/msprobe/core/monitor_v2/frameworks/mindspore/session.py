@@ -1,0 +1,137 @@
+"""What the MindSpore monitors share during one ``start()``/``stop()``: model chunks,
+parameter names, the optimizer, the statistics engine and the optimizer-step hooks.
+
+MindSpore optimizers are Cells called with the gradients (``optimizer(grads)``, also
+inside ``nn.TrainOneStepCell``). A forward pre-hook on the optimizer sees those
+gradients (after any ``DistributedGradReducer``) right before the update, and a forward
+hook runs right after it: they play the role of PyTorch's optimizer step hooks.
+"""
+
+import logging
+import os
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import mindspore as ms
+from mindspore import nn
+
+from ...errors import ConfigError, MonitorError
+from .stats import MsStatsEngine
+
+logger = logging.getLogger("msprobe.monitor_v2")
+
+
+def global_rank() -> int:
+    try:
+        from mindspore.communication import GlobalComm, get_rank
+
+        if GlobalComm.INITED:
+            return get_rank()
+    except Exception:  # noqa: BLE001
+        pass
+    for var in ("RANK_ID", "RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def check_pynative() -> None:
+    if ms.get_context("mode") != ms.PYNATIVE_MODE:
+        raise MonitorError(
+            "monitor_v2: MindSpore runs in GRAPH_MODE, where Python hooks never run, so nothing "
+            "could be monitored. Use ms.set_context(mode=ms.PYNATIVE_MODE) for the monitored run "
+            "(and no @ms.jit on the functions whose tensors you want to see)."
+        )
+
+
+class ParamInfo:
+    __slots__ = ("index", "vpp_stage", "name", "param")
+
+    def __init__(self, index: int, vpp_stage: int, name: str, param: Any) -> None:
+        self.index, self.vpp_stage, self.name, self.param = index, vpp_stage, name, param
+
+
+class MsSession:
+    def __init__(self, model: Any, optimizer: Any, context: Mapping[str, Any], rank_dir: str) -> None:
+        check_pynative()
+        self.rank_dir = rank_dir
+        self.context = dict(context)
+        self.optimizer = optimizer
+        self.engine = MsStatsEngine()
+        if model is None:
+            chunks, self.is_chunk_list = [], False
+        elif isinstance(model, (list, tuple)):
+            chunks, self.is_chunk_list = list(model), True
+        else:
+            chunks, self.is_chunk_list = [model], False
+        for i, c in enumerate(chunks):
+            if not isinstance(c, nn.Cell):
+                where = f"model[{i}]" if self.is_chunk_list else "model"
+                raise ConfigError(f"start(): {where} must be a mindspore.nn.Cell (or a list of them), "
+                                  f"got {type(c).__name__}", field="model")
+        if optimizer is not None and not isinstance(optimizer, nn.Cell):
+            raise ConfigError(f"start(): optimizer must be a MindSpore optimizer (an nn.Cell), got "
+                              f"{type(optimizer).__name__}", field="optimizer")
+        self.chunks = self.roots = chunks
+        self.params: List[ParamInfo] = []
+        self._by_id: Dict[int, ParamInfo] = {}
+        for vpp, chunk in enumerate(chunks):
+            for name, p in chunk.parameters_and_names():
+                if id(p) not in self._by_id:
+                    self._add(vpp, self.qualify(vpp, name), p)
+        self.n_model_params = len(self.params)
+        for p in self.optimizer_parameters():
+            if id(p) not in self._by_id:
+                self._add(0, p.name, p)
+        self.current_grads: Optional[Sequence[Any]] = None
+
+    def _add(self, vpp: int, name: str, p: Any) -> None:
+        info = ParamInfo(len(self.params), vpp, name, p)
+        self.params.append(info)
+        self._by_id[id(p)] = info
+
+    def qualify(self, vpp_stage: int, name: str) -> str:
+        return f"{vpp_stage}:{name}" if self.is_chunk_list else name
+
+    def info(self, p: Any) -> ParamInfo:
+        return self._by_id[id(p)]
+
+    def model_params(self) -> List[ParamInfo]:
+        return [i for i in self.params[: self.n_model_params] if i.param.requires_grad]
+
+    def optimizer_parameters(self) -> List[Any]:
+        if self.optimizer is None:
+            return []
+        params = getattr(self.optimizer, "parameters", None)
+        if params is None:
+            params = [p for g in getattr(self.optimizer, "param_groups", []) for p in g["params"]]
+        return list(params)
+
+    def optimizer_params(self) -> List[ParamInfo]:
+        return [self._by_id[id(p)] for p in self.optimizer_parameters()]
+
+    def expand(self, items: Sequence[Tuple[ParamInfo, Any]], scope: str, suffix: str = ""):
+        tensors = [t for _, t in items]
+        keys = [(i.vpp_stage, i.name + suffix, scope, None) for i, _ in items]
+        return tensors, keys
+
+    def install_step_hooks(self, before: Callable[[], None], after: Callable[[], None]) -> Callable[[], None]:
+        opt = self.optimizer
+        if opt is None:
+            return lambda: None
+
+        def pre(cell: Any, inputs: Tuple) -> None:
+            grads = inputs[0] if inputs else None
+            self.current_grads = grads if isinstance(grads, (tuple, list)) else None
+            before()
+
+        def post(cell: Any, inputs: Tuple, output: Any) -> None:
+            after()
+            self.current_grads = None
+
+        handles = [opt.register_forward_pre_hook(pre), opt.register_forward_hook(post)]
+
+        def undo() -> None:
+            for h in handles:
+                h.remove()
+
+        return undo

@@ -1,0 +1,96 @@
+"""``weight_grad`` for MindSpore.
+
+``unreduced``: a hook on each parameter (``Parameter.register_hook``) receives the
+gradient of one backward pass (``value_and_grad``), before any data-parallel
+reduction. With ``monitor_mbs_grad=true`` each pass is one row. With
+``monitor_mbs_grad=false`` the row must hold the step's accumulated gradient, which in
+MindSpore lives in the user's own variables: the monitor keeps a running sum (for a
+single micro-batch, just a reference to the gradient; from the second micro-batch on,
+one gradient-sized temporary per parameter until the optimizer step).
+
+``reduced``: the gradients passed to the optimizer (``optimizer(grads)``), read by a
+forward pre-hook on the optimizer, i.e. after ``DistributedGradReducer``.
+"""
+
+import functools
+from typing import Any, Dict, List, Optional, Tuple
+
+from ...config import resolve_micro_batches
+from ...monitor import Monitor, remove_all
+from ...stats import Record, StatPlan
+
+
+class MsWeightGradMonitor(Monitor):
+    name = "weight_grad"
+    with_micro_step = True
+    needs_optimizer = True
+
+    def attach(self) -> None:
+        self.plan = StatPlan.from_ops(self.settings.ops)
+        self.micro_batches = resolve_micro_batches(self.settings, self.context)
+        self.per_micro_batch = self.settings.get("monitor_mbs_grad")
+        self.params = self.session.model_params() or [
+            i for i in self.session.optimizer_params() if i.param.requires_grad]
+        self._handles: List[Any] = []
+        self._reset()
+        for info in self.params:
+            hook = self.errors.wrap("weight_grad unreduced hook", functools.partial(self._on_grad, info))
+            self._handles.append(info.param.register_hook(hook))
+
+    def _reset(self) -> None:
+        self._passes: Dict[int, int] = {}
+        self._sums: Dict[int, Any] = {}
+        self._unreduced: Dict[Tuple[int, int], Record] = {}
+        self._reduced: List[Record] = []
+
+    def begin_step(self, step: int, active: bool) -> None:
+        super().begin_step(step, active)
+        self._reset()
+
+    def _on_grad(self, info: Any, grad: Any) -> None:
+        if not self.active:
+            return
+        n = self._passes.get(info.index, 0) + 1
+        self._passes[info.index] = n
+        if self.per_micro_batch:
+            self._unreduced[(info.index, n)] = self.session.engine.record(
+                grad, self.plan, info.vpp_stage, info.name, "unreduced", n)
+        else:
+            prev = self._sums.get(info.index)
+            self._sums[info.index] = grad if prev is None else prev + grad
+
+    def _read_sums(self) -> None:
+        for index, total in self._sums.items():
+            info = self.session.params[index]
+            self._unreduced[(index, 0)] = self.session.engine.record(
+                total, self.plan, info.vpp_stage, info.name, "unreduced")
+        self._sums.clear()
+
+    def before_optimizer_step(self) -> None:
+        if not self.active:
+            return
+        self._read_sums()
+        grads = self.session.current_grads
+        if grads is None:
+            return
+        infos = self.session.optimizer_params()
+        items = [(i, g) for i, g in zip(infos, grads) if g is not None]
+        tensors, keys = self.session.expand(items, "reduced")
+        self._reduced = self.session.engine.record_many(tensors, self.plan, keys)
+
+    def collect(self) -> List[Record]:
+        self._read_sums()
+        micro = max(self._passes.values(), default=0) or self.micro_batches
+        records = []
+        for (_, mb), rec in sorted(self._unreduced.items(), key=lambda kv: kv[0]):
+            if mb == 0:
+                rec.micro_step = micro
+            records.append(rec)
+        for rec in self._reduced:
+            rec.micro_step = micro
+            records.append(rec)
+        self._reset()
+        return records
+
+    def detach(self) -> None:
+        remove_all(self._handles)
