@@ -10,7 +10,7 @@ work in its hooks when ``active`` is false.
 
 import functools
 import logging
-from typing import Any, Callable, ClassVar, List, Mapping, Optional, Set
+from typing import Any, Callable, ClassVar, List, Mapping, Set
 
 from .config import MonitorSettings
 from .stats import Record
@@ -89,7 +89,3 @@ class Monitor:
 def remove_all(handles: List[Any]) -> None:
     while handles:
         handles.pop().remove()
-
-
-def describe_none(value: Optional[Any]) -> str:
-    return "none" if value is None else type(value).__name__

@@ -13,7 +13,7 @@ forward pre-hook on the optimizer, i.e. after ``DistributedGradReducer``.
 """
 
 import functools
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 from ...config import resolve_micro_batches
 from ...monitor import Monitor, remove_all

@@ -28,27 +28,20 @@ records when it is waited on (or when ``step()`` finds it completed).
 
 Tags: ``<op>.<pre|post>.<index>@<file.py>[<line>]`` where ``index`` counts the
 tensors of that direction and the call site is the innermost frame outside torch and
-this package.
+this package (see ``cc_base.py`` for what every framework shares).
 """
 
-import functools
 import inspect
-import logging
 import os
 import sys
 import threading
-import traceback
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from ...monitor import Monitor
-from ...stats import Record
+from ...cc_base import CommMonitorBase
 from ...structure import flatten_tensors
-from .stats import StatPlan
-
-logger = logging.getLogger("msprobe.monitor_v2")
 
 # op name -> (argument names holding inputs, argument names holding results)
 CC_OPS: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]] = {
@@ -79,7 +72,6 @@ CC_OPS: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]] = {
 NAMESPACES = ("torch.distributed", "torch.distributed.distributed_c10d")
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_OWN_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 
 
 def _is_tensor(x: Any) -> bool:
@@ -94,21 +86,6 @@ def _p2p_tensors(ops: Sequence[Any], want_send: Optional[bool]) -> List[torch.Te
         if want_send is None or is_send == want_send:
             out.append(op.tensor)
     return out
-
-
-def _frames(start: Any):
-    f = start
-    while f is not None:
-        yield f
-        f = f.f_back
-
-
-def _call_site(frame: Any) -> str:
-    for f in _frames(frame):
-        fn = f.f_code.co_filename
-        if not fn.startswith(_TORCH_DIR) and not fn.startswith(_OWN_DIR):
-            return f"{os.path.basename(fn)}[{f.f_lineno}]"
-    return "?"
 
 
 def _align_p2p_ops(args: Tuple, kwargs: Dict[str, Any]) -> List[Tuple[Any, Callable]]:
@@ -182,208 +159,82 @@ class _NotifyingWork(dist.Work):
         return self._inner.get_future()
 
 
-class _Patch:
-    """One replaced function: where it lives, the original and the wrapper."""
-
-    __slots__ = ("module", "attr", "original", "wrapper")
-
-    def __init__(self, module: Any, attr: str, original: Callable, wrapper: Callable) -> None:
-        self.module, self.attr, self.original, self.wrapper = module, attr, original, wrapper
-
-
-class CommMonitor(Monitor):
-    name = "cc"
+class CommMonitor(CommMonitorBase):
+    framework_dirs = (_TORCH_DIR,)
 
     def attach(self) -> None:
-        self.plan = StatPlan.from_ops(self.settings.ops)
-        self.pre = self.settings.get("cc_pre_hook")
-        self.log_only = self.settings.get("cc_log_only")
-        self.codelines: Tuple[Tuple[str, int], ...] = self.settings.get("cc_codeline")
-        self._lock = threading.Lock()
-        self._local = threading.local()
-        self._records: List[Record] = []
         self._pending_works: List[_NotifyingWork] = []
-        self._patches: List[_Patch] = []
-        self._seen_stacks: Set[Tuple] = set()
-        self._stack_log: Optional[str] = None
-        self.enabled = False
-        ranks = self.settings.get("module_ranks")
-        if not (dist.is_available() and dist.is_initialized()):
-            logger.warning("monitor_v2 cc: torch.distributed is not initialized at start(); cc records nothing. "
-                           "Call start() after init_process_group().")
-            return
-        if ranks and dist.get_rank() not in ranks:
-            logger.info("monitor_v2 cc: rank %d not in module_ranks %s; cc is off here", dist.get_rank(), list(ranks))
-            return
-        self.enabled = True
-        if self.log_only:
-            self._stack_log = os.path.join(self.session.rank_dir, "cc_call_stacks.log")
-        self._install()
+        self._signatures: Dict[int, inspect.Signature] = {}
+        super().attach()
 
-    # ------------------------------------------------------------------ patching
-    def _install(self) -> None:
-        modules = [sys.modules[n] for n in NAMESPACES]
-        wrappers: Dict[int, Callable] = {}
-        for op in CC_OPS:
-            for module in modules:
-                original = getattr(module, op, None)
-                if original is None or not callable(original):
-                    continue
-                wrapper = wrappers.get(id(original))
-                if wrapper is None:
-                    wrapper = wrappers[id(original)] = self._wrap(op, original)
-                setattr(module, op, wrapper)
-                self._patches.append(_Patch(module, op, original, wrapper))
+    def distributed_rank(self) -> Optional[int]:
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+        return None
 
-    def _uninstall(self) -> None:
-        for patch in reversed(self._patches):
-            current = getattr(patch.module, patch.attr, None)
-            if current is patch.wrapper:
-                setattr(patch.module, patch.attr, patch.original)
-            else:
-                logger.warning("monitor_v2 cc: %s.%s was replaced by someone else after start(); left as it is "
-                               "(the monitor's wrapper, if still referenced, no longer records)",
-                               patch.module.__name__, patch.attr)
-        self._patches.clear()
+    def patch_targets(self):
+        for name in NAMESPACES:
+            module = sys.modules[name]
+            for op in CC_OPS:
+                yield module, op, op
 
-    def _wrap(self, op: str, original: Callable) -> Callable:
-        signature = inspect.signature(original)
+    def call_tensors(self, op, original, args, kwargs):
+        sig = self._signatures.get(id(original))
+        if sig is None:
+            sig = self._signatures[id(original)] = inspect.signature(original)
+        bound = sig.bind_partial(*args, **kwargs).arguments
         inputs, outputs = CC_OPS[op]
-        monitor = self
+        is_async = bool(bound.get("async_op", False)) or op in ("isend", "irecv", "batch_isend_irecv")
+        if op == "batch_isend_irecv":
+            ops = bound.get("p2p_op_list")
+            return _p2p_tensors(ops, True), _p2p_tensors(ops, None), is_async
+        return (flatten_tensors([bound.get(n) for n in inputs], _is_tensor),
+                flatten_tensors([bound.get(n) for n in outputs], _is_tensor), is_async)
 
-        @functools.wraps(original)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            local = monitor._local
-            if not (monitor.active and monitor.enabled) or getattr(local, "depth", 0):
-                return original(*args, **kwargs)
-            local.depth = 1
-            swapped = _align_p2p_ops(args, kwargs) if op == "batch_isend_irecv" else []
-            try:
-                call = monitor._prepare(op, signature, inputs, outputs, args, kwargs, sys._getframe(1))
-                result = original(*args, **kwargs)
-                # The collective wrote into tensors without moving their version counters:
-                # statistics cached for them (module monitor) are stale now.
-                monitor.session.engine.forget()
-                if call is not None:
-                    result = monitor._finish(call, result)
-                return result
-            finally:
-                local.depth = 0
-                for p2p_op, previous in swapped:
-                    p2p_op.op = previous
+    def prepare_call(self, op, args, kwargs):
+        if op != "batch_isend_irecv":
+            return lambda: None
+        swapped = _align_p2p_ops(args, kwargs)
 
-        wrapper.__msprobe_original__ = original  # type: ignore[attr-defined]
-        return wrapper
+        def undo() -> None:
+            for p2p_op, previous in swapped:
+                p2p_op.op = previous
 
-    # ------------------------------------------------------------------ recording
-    def _prepare(self, op, signature, inputs, outputs, args, kwargs, frame):
-        try:
-            if self.codelines and not self._matches_codeline(frame):
-                return None
-            if self.log_only:
-                self._log_stack(op, frame)
-                return None
-            bound = signature.bind_partial(*args, **kwargs).arguments
-            site = _call_site(frame)
-            if self.pre:
-                for i, t in enumerate(self._tensors(op, bound, inputs, send=True)):
-                    self._record(t, f"{op}.pre.{i}@{site}")
-            async_op = bool(bound.get("async_op", False)) or op in ("isend", "irecv", "batch_isend_irecv")
-            return (op, site, self._tensors(op, bound, outputs, send=None), async_op)
-        except Exception as exc:  # noqa: BLE001
-            self.errors.report(f"cc {op} (before the call)", exc)
-            return None
+        return undo
 
-    def _finish(self, call, result) -> Any:
-        """Record the results now, or when the async work completes; returns what the
-        caller gets (the work itself, or for works without a future a stand-in that
-        records when it is waited on)."""
-        op, site, tensors, async_op = call
-        try:
-            if not async_op or result is None:
-                self._record_post(op, site, tensors)
-                return result
-            works = result if isinstance(result, list) else [result]
-            works = self._when_done(works, lambda: self._record_post(op, site, tensors))
-            return works if isinstance(result, list) else works[0]
-        except Exception as exc:  # noqa: BLE001
-            self.errors.report(f"cc {op} (after the call)", exc)
-            return result
-
-    def _when_done(self, works: List[Any], callback: Callable[[], None]) -> List[Any]:
+    def when_done(self, op, result, callback):
+        """Record in a callback of the work's future; a work without a future (gloo p2p,
+        gloo reduce_scatter) is handed back inside a stand-in that records on wait()."""
+        works = result if isinstance(result, list) else [result]
         remaining = [len(works)]
         lock = threading.Lock()
-        safe = self.errors.wrap("cc async completion", callback)
 
         def one_done(_fut: Any = None) -> None:
             with lock:
                 remaining[0] -= 1
                 last = remaining[0] == 0
             if last:
-                safe()
+                callback()
 
         out = []
         for work in works:
             try:
                 work.get_future().then(one_done)
                 out.append(work)
-            except Exception:  # noqa: BLE001 - no future (gloo p2p, gloo reduce_scatter)
+            except Exception:  # noqa: BLE001 - no future
                 notifying = _NotifyingWork(work, one_done)
                 with self._lock:
                     self._pending_works.append(notifying)
                 out.append(notifying)
-        return out
+        return out if isinstance(result, list) else out[0]
 
-    def _tensors(self, op: str, bound: Dict[str, Any], names: Sequence[str], send: Optional[bool]) -> List[torch.Tensor]:
-        if op == "batch_isend_irecv":
-            return _p2p_tensors(bound.get("p2p_op_list"), send)
-        return flatten_tensors([bound.get(n) for n in names], _is_tensor)
-
-    def _record_post(self, op: str, site: str, tensors: List[torch.Tensor]) -> None:
-        for i, t in enumerate(tensors):
-            self._record(t, f"{op}.post.{i}@{site}")
-
-    def _record(self, t: torch.Tensor, tag: str) -> None:
-        rec = self.session.engine.record(t, self.plan, 0, tag, "comm")
-        with self._lock:
-            self._records.append(rec)
-
-    def _matches_codeline(self, frame: Any) -> bool:
-        for f in _frames(frame):
-            fn, line = f.f_code.co_filename, f.f_lineno
-            for file, want in self.codelines:
-                if line == want and (fn == file or fn.endswith(os.sep + file) or fn.endswith("/" + file)):
-                    return True
-        return False
-
-    def _log_stack(self, op: str, frame: Any) -> None:
-        key = (op,) + tuple((f.f_code.co_filename, f.f_lineno) for f in _frames(frame))
-        if key in self._seen_stacks:
-            return
-        self._seen_stacks.add(key)
-        stack = "".join(traceback.format_stack(frame))
-        text = f"[cc_log_only] {op} called from {_call_site(frame)} (set cc_codeline to e.g. \"{_call_site(frame)}\"):\n{stack}"
-        logger.warning("monitor_v2 %s", text)
-        try:
-            with open(self._stack_log, "a", encoding="utf-8") as f:
-                f.write(text + "\n")
-        except OSError as exc:
-            self.errors.report("cc_log_only stack file", exc)
-
-    # ------------------------------------------------------------------ lifecycle
-    def collect(self) -> List[Record]:
+    def poll_pending(self) -> None:
         # Works nobody waited on yet: record those that completed; keep the others.
         with self._lock:
             pending, self._pending_works = self._pending_works, []
         still = [w for w in pending if not w.notify_if_completed()]
         with self._lock:
             self._pending_works[:0] = still
-            records, self._records = self._records, []
-        return records
-
-    def detach(self) -> None:
-        self.enabled = False
-        self._uninstall()
 
 
 def enable_ddp_comm_visibility(ddp_model: torch.nn.parallel.DistributedDataParallel, process_group: Any = None) -> None:

@@ -18,7 +18,7 @@ monitor logs that ``unreduced`` cannot be observed for those parameters and goes
 """
 
 import logging
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 

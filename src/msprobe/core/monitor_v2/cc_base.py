@@ -1,0 +1,244 @@
+"""The framework-independent part of the ``cc`` monitor.
+
+A framework subclass says which functions to replace (``patch_targets``), which tensors
+of a call are its inputs and results (``call_tensors``), whether a call is asynchronous
+and how to learn that it completed (``when_done``); this class does the rest, the same
+way for every framework: replacing and restoring the functions (identity restored),
+recording ``pre``/``post`` statistics, the ``cc_codeline`` filter, ``cc_log_only``
+stacks, and ``module_ranks``.
+
+Tags: ``<op>.<pre|post>.<index>@<file.py>[<line>]``; the call site is the innermost
+frame outside the framework and this package.
+"""
+
+import functools
+import logging
+import os
+import sys
+import threading
+import traceback
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+from .monitor import Monitor
+from .stats import Record, StatPlan
+
+logger = logging.getLogger("msprobe.monitor_v2")
+
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def frames(start: Any):
+    f = start
+    while f is not None:
+        yield f
+        f = f.f_back
+
+
+def call_site(frame: Any, skip_dirs: Sequence[str]) -> str:
+    for f in frames(frame):
+        fn = f.f_code.co_filename
+        if not fn.startswith(_OWN_DIR) and not any(fn.startswith(d) for d in skip_dirs):
+            return f"{os.path.basename(fn)}[{f.f_lineno}]"
+    return "?"
+
+
+class Patch:
+    """One replaced attribute: where it lives, the original and the wrapper."""
+
+    __slots__ = ("owner", "attr", "original", "wrapper", "had_own")
+
+    def __init__(self, owner: Any, attr: str, original: Callable, wrapper: Callable, had_own: bool) -> None:
+        self.owner, self.attr, self.original, self.wrapper, self.had_own = owner, attr, original, wrapper, had_own
+
+    def undo(self) -> bool:
+        if self.owner.__dict__.get(self.attr) is not self.wrapper:
+            return False
+        if self.had_own:
+            setattr(self.owner, self.attr, self.original)
+        else:  # the attribute was inherited: remove ours and the inherited one shows again
+            delattr(self.owner, self.attr)
+        return True
+
+
+class Call:
+    __slots__ = ("op", "site", "results", "is_async")
+
+    def __init__(self, op: str, site: str, results: List[Any], is_async: bool) -> None:
+        self.op, self.site, self.results, self.is_async = op, site, results, is_async
+
+
+class CommMonitorBase(Monitor):
+    name = "cc"
+    framework_dirs: Sequence[str] = ()
+
+    # ------------------------------------------------------------ framework hooks
+    def distributed_rank(self) -> Optional[int]:
+        """This process's rank, or None when the framework's communication is not initialized."""
+        raise NotImplementedError
+
+    def patch_targets(self) -> Iterable[Tuple[Any, str, str]]:
+        """``(owner, attribute, op name)`` of every function (or class ``__call__``) to wrap."""
+        raise NotImplementedError
+
+    def call_tensors(self, op: str, original: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Tuple[List[Any], List[Any], bool]:
+        """``(inputs, results, is_async)`` of a call, before it runs; ``results`` may hold
+        tensors written in place, or be filled later by ``result_tensors``."""
+        raise NotImplementedError
+
+    def result_tensors(self, op: str, result: Any, results: List[Any]) -> List[Any]:
+        """Tensors to record after the call (default: those named before the call)."""
+        return results
+
+    def when_done(self, op: str, result: Any, callback: Callable[[], None]) -> Any:
+        """Arrange ``callback`` for when an asynchronous ``result`` completes; returns what
+        the caller receives (``result`` or a stand-in for it)."""
+        callback()
+        return result
+
+    def prepare_call(self, op: str, args: Tuple, kwargs: Dict[str, Any]) -> Callable[[], None]:
+        """Adjust a call before it runs; returns the undo (default: nothing)."""
+        return lambda: None
+
+    def poll_pending(self) -> None:
+        """Record asynchronous calls found complete at the end of a step (default: none)."""
+
+    # ------------------------------------------------------------------ lifecycle
+    def attach(self) -> None:
+        self.plan = StatPlan.from_ops(self.settings.ops)
+        self.pre = self.settings.get("cc_pre_hook")
+        self.log_only = self.settings.get("cc_log_only")
+        self.codelines: Tuple[Tuple[str, int], ...] = self.settings.get("cc_codeline")
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._records: List[Record] = []
+        self._patches: List[Patch] = []
+        self._seen_stacks: Set[Tuple] = set()
+        self._stack_log: Optional[str] = None
+        self.enabled = False
+        rank = self.distributed_rank()
+        if rank is None:
+            logger.warning("monitor_v2 cc: the distributed environment is not initialized at start(); cc "
+                           "records nothing. Call start() after the process group is initialized.")
+            return
+        ranks = self.settings.get("module_ranks")
+        if ranks and rank not in ranks:
+            logger.info("monitor_v2 cc: rank %d not in module_ranks %s; cc is off here", rank, list(ranks))
+            return
+        self.enabled = True
+        if self.log_only:
+            self._stack_log = os.path.join(self.session.rank_dir, "cc_call_stacks.log")
+        wrappers: Dict[int, Callable] = {}
+        for owner, attr, op in self.patch_targets():
+            original = getattr(owner, attr, None)
+            if original is None or not callable(original):
+                continue
+            wrapper = wrappers.get(id(original))
+            if wrapper is None:
+                wrapper = wrappers[id(original)] = self._wrap(op, original)
+            had_own = attr in owner.__dict__
+            setattr(owner, attr, wrapper)
+            self._patches.append(Patch(owner, attr, original, wrapper, had_own))
+
+    def detach(self) -> None:
+        self.enabled = False
+        for patch in reversed(self._patches):
+            if not patch.undo():
+                logger.warning("monitor_v2 cc: %s.%s was replaced by someone else after start(); left as it is "
+                               "(the monitor's wrapper, if still referenced, no longer records)",
+                               getattr(patch.owner, "__name__", patch.owner), patch.attr)
+        self._patches.clear()
+
+    def collect(self) -> List[Record]:
+        self.poll_pending()
+        with self._lock:
+            records, self._records = self._records, []
+        return records
+
+    # ------------------------------------------------------------------ the wrapper
+    def _wrap(self, op: str, original: Callable) -> Callable:
+        monitor = self
+
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            local = monitor._local
+            # depth: an op implemented with another patched op is recorded once, as called
+            if not (monitor.active and monitor.enabled) or getattr(local, "depth", 0):
+                return original(*args, **kwargs)
+            local.depth = 1
+            undo = monitor.prepare_call(op, args, kwargs)
+            try:
+                call = monitor._before(op, original, args, kwargs, sys._getframe(1))
+                result = original(*args, **kwargs)
+                # Collectives write into tensors without moving their version counters:
+                # statistics cached for them (module monitor) are stale now.
+                monitor.session.engine.forget()
+                if call is not None:
+                    result = monitor._after(call, result)
+                return result
+            finally:
+                local.depth = 0
+                undo()
+
+        wrapper.__msprobe_original__ = original  # type: ignore[attr-defined]
+        return wrapper
+
+    def _before(self, op: str, original: Callable, args: Tuple, kwargs: Dict[str, Any], frame: Any) -> Optional[Call]:
+        try:
+            if self.codelines and not self._matches_codeline(frame):
+                return None
+            if self.log_only:
+                self._log_stack(op, frame)
+                return None
+            inputs, results, is_async = self.call_tensors(op, original, args, kwargs)
+            site = call_site(frame, self.framework_dirs)
+            if self.pre:
+                for i, t in enumerate(inputs):
+                    self._record(t, f"{op}.pre.{i}@{site}")
+            return Call(op, site, results, is_async)
+        except Exception as exc:  # noqa: BLE001
+            self.errors.report(f"cc {op} (before the call)", exc)
+            return None
+
+    def _after(self, call: Call, result: Any) -> Any:
+        try:
+            tensors = self.result_tensors(call.op, result, call.results)
+
+            def record() -> None:
+                for i, t in enumerate(tensors):
+                    self._record(t, f"{call.op}.post.{i}@{call.site}")
+
+            if not call.is_async or result is None:
+                record()
+                return result
+            return self.when_done(call.op, result, self.errors.wrap("cc async completion", record))
+        except Exception as exc:  # noqa: BLE001
+            self.errors.report(f"cc {call.op} (after the call)", exc)
+            return result
+
+    def _record(self, t: Any, tag: str) -> None:
+        rec = self.session.engine.record(t, self.plan, 0, tag, "comm")
+        with self._lock:
+            self._records.append(rec)
+
+    def _matches_codeline(self, frame: Any) -> bool:
+        for f in frames(frame):
+            fn, line = f.f_code.co_filename, f.f_lineno
+            for file, want in self.codelines:
+                if line == want and (fn == file or fn.endswith(os.sep + file) or fn.endswith("/" + file)):
+                    return True
+        return False
+
+    def _log_stack(self, op: str, frame: Any) -> None:
+        key = (op,) + tuple((f.f_code.co_filename, f.f_lineno) for f in frames(frame))
+        if key in self._seen_stacks:
+            return
+        self._seen_stacks.add(key)
+        site = call_site(frame, self.framework_dirs)
+        stack = "".join(traceback.format_stack(frame))
+        text = f"[cc_log_only] {op} called from {site} (to keep only this call: \"cc_codeline\": [\"{site}\"]):\n{stack}"
+        logger.warning("monitor_v2 %s", text)
+        try:
+            with open(self._stack_log, "a", encoding="utf-8") as f:
+                f.write(text + "\n")
+        except OSError as exc:
+            self.errors.report("cc_log_only stack file", exc)
