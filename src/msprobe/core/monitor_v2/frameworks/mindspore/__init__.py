@@ -1,5 +1,6 @@
 """MindSpore (PyNative) implementation of the monitors."""
 
+from .cc import MsCommMonitor
 from .module import MsModuleMonitor
 from .optimizer import MsOptimizerStateMonitor, MsParamMonitor
 from .session import MsSession as Session
@@ -7,7 +8,7 @@ from .session import global_rank
 from .weight_grad import MsWeightGradMonitor
 
 MONITORS = {
-    m.name: m for m in (MsModuleMonitor, MsWeightGradMonitor, MsOptimizerStateMonitor, MsParamMonitor)
+    m.name: m for m in (MsModuleMonitor, MsWeightGradMonitor, MsOptimizerStateMonitor, MsParamMonitor, MsCommMonitor)
 }
 
 __all__ = ["MONITORS", "Session", "global_rank"]

@@ -1,0 +1,84 @@
+"""Execution order of rows, used to say which anomaly or difference came *first*.
+
+Within a step, the monitor's rows are ordered as the training computed them:
+
+====  ==================================================================  ==========
+rank  rows                                                                 micro key
+====  ==================================================================  ==========
+0     ``param`` ``param_origin``: the parameters the step's forward used   0
+      (read before ``optimizer.step()``, unchanged since the step began)
+1     ``module`` ``forward`` rows, in module call order (file order)       0
+2     ``module`` ``backward`` rows, in backward order (file order)         0
+3     ``weight_grad`` ``unreduced``, per micro-batch                       micro_step
+4     ``cc`` ``comm``                                                      last
+5     ``weight_grad`` ``reduced``                                          last
+6     ``optimizer`` state (after the update)                               last
+7     ``param`` ``param_updated``                                          last
+8     anything else (an unknown scope)                                     last
+====  ==================================================================  ==========
+
+The sort key is ``(step, micro key, phase, line in its file, rank)``. ``module`` rows
+aggregate every micro-batch of the step (the file has one row per tensor and step), so
+they are placed at the earliest point they can describe: a NaN that appears in the
+forward pass of micro-batch 2 is reported at its forward row, before the
+``unreduced`` gradient of micro-batch 2 and before any later phase.
+"""
+
+from typing import Optional, Tuple
+
+LAST = 1 << 30
+
+_PHASES = {
+    ("param", "param_origin"): 0,
+    ("module", "forward"): 1,
+    ("module", "backward"): 2,
+    ("weight_grad", "unreduced"): 3,
+    ("weight_grad", "reduced"): 5,
+    ("param", "param_updated"): 7,
+}
+
+PHASE_LABELS = {
+    0: "parameters at step start",
+    1: "forward",
+    2: "backward",
+    3: "local gradient",
+    4: "communication",
+    5: "reduced gradient",
+    6: "optimizer state",
+    7: "updated parameters",
+    8: "other",
+}
+
+OrderKey = Tuple[int, int, int, int, int]
+
+
+def phase(monitor: str, scope: str) -> int:
+    p = _PHASES.get((monitor, scope))
+    if p is not None:
+        return p
+    if monitor == "optimizer":
+        return 6
+    if monitor == "cc":
+        return 4
+    return 8
+
+
+def order_key(step: int, monitor: str, scope: str, micro: Optional[int], line: int, rank: int) -> OrderKey:
+    p = phase(monitor, scope)
+    if p <= 2:
+        mk = 0
+    elif p == 3:
+        mk = micro if micro is not None else LAST
+    else:
+        mk = LAST
+    return (step, mk, p, line, rank)
+
+
+def where(monitor: str, scope: str, micro: Optional[int]) -> str:
+    """A short description of the point in the step, e.g. ``forward`` or
+    ``local gradient, micro_step 2``."""
+    p = phase(monitor, scope)
+    label = PHASE_LABELS[p]
+    if p == 3 and micro is not None:
+        return f"{label}, micro_step {micro}"
+    return label

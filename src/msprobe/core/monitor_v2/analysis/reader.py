@@ -1,0 +1,389 @@
+"""Finding and streaming the monitor's CSV files, with precise messages for bad input.
+
+Layout: ``<output_dir>/rank_<r>/<monitor>_step<a>-<b>.csv``. Files are read one row at
+a time with the ``csv`` module; nothing keeps a whole file in memory.
+
+Bad input never raises a traceback. Every problem is reported as
+``<file>:<line>: <what is wrong>``; by default the offending line (or, for a header that
+cannot be understood, the whole file) is skipped with a warning on stderr and the
+analysis goes on; with ``strict`` the first problem stops the command (exit code 2).
+The last line of a file that does not end with a newline is never used: the write was
+cut short, so its last value may be incomplete.
+"""
+
+import csv
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, TextIO, Tuple
+
+MONITORS: Tuple[str, ...] = ("module", "weight_grad", "optimizer", "param", "cc")
+OPS: Tuple[str, ...] = ("min", "max", "mean", "norm", "nans")
+BASE_COLUMNS: Tuple[str, ...] = ("vpp_stage", "step", "module_name", "scope")
+FILE_RE = re.compile(r"^(?P<monitor>[a-z_]+)_step(?P<a>\d+)-(?P<b>\d+)\.csv$")
+RANK_RE = re.compile(r"^rank_(?P<rank>\d+)$")
+
+
+class InputError(Exception):
+    """Input the command cannot work with (a missing directory, a bad flag value, or a
+    malformed file in ``--strict`` mode): reported in one line, exit code 2."""
+
+
+# ------------------------------------------------------------------------ problems
+@dataclass
+class Problem:
+    path: str
+    line: Optional[int]
+    message: str
+
+    def __str__(self) -> str:
+        where = self.path if self.line is None else f"{self.path}:{self.line}"
+        return f"{where}: {self.message}"
+
+    def to_json(self) -> Dict[str, object]:
+        return {"file": self.path, "line": self.line, "message": self.message}
+
+
+class Problems:
+    """Collects malformed-input problems: a warning on ``stream`` for each of the first
+    ``show`` ones (then one line saying how many more), or, when ``strict``, an
+    :class:`InputError` at the first one."""
+
+    KEEP = 200
+
+    def __init__(self, strict: bool = False, stream: Optional[TextIO] = None, show: int = 20) -> None:
+        self.strict = strict
+        self.stream = stream
+        self.show = show
+        self.count = 0
+        self.items: List[Problem] = []
+
+    def report(self, path: str, line: Optional[int], message: str) -> None:
+        problem = Problem(path, line, message)
+        if self.strict:
+            raise InputError(f"{problem} (--strict: stopping at the first malformed input)")
+        self.count += 1
+        if len(self.items) < self.KEEP:
+            self.items.append(problem)
+        stream = self.stream if self.stream is not None else sys.stderr
+        if self.count <= self.show:
+            print(f"msprobe-monitor: warning: {problem}", file=stream)
+        elif self.count == self.show + 1:
+            print("msprobe-monitor: warning: more malformed input; only the first "
+                  f"{self.show} problems are shown here (all are counted)", file=stream)
+
+    def summary(self) -> str:
+        return f"{self.count} malformed line(s)/file(s) skipped" if self.count else ""
+
+
+# ------------------------------------------------------------------------ layout
+@dataclass(frozen=True)
+class CsvFile:
+    rank: int
+    monitor: str
+    first: int  # first step of the file's window
+    last: int   # last step of the file's window
+    path: str
+
+
+@dataclass
+class Layout:
+    root: str
+    files: Dict[int, Dict[str, List[CsvFile]]] = field(default_factory=dict)
+
+    @property
+    def ranks(self) -> List[int]:
+        return sorted(self.files)
+
+    @property
+    def monitors(self) -> List[str]:
+        present = {m for per_rank in self.files.values() for m in per_rank}
+        return [m for m in MONITORS if m in present]
+
+    def files_of(self, rank: int, monitor: str) -> List[CsvFile]:
+        return self.files.get(rank, {}).get(monitor, [])
+
+    def all_files(self) -> List[CsvFile]:
+        return [f for r in self.ranks for m in MONITORS for f in self.files_of(r, m)]
+
+    @property
+    def n_files(self) -> int:
+        return sum(len(v) for per_rank in self.files.values() for v in per_rank.values())
+
+
+StepRange = Tuple[Optional[int], Optional[int]]
+
+
+def parse_steps(text: Optional[str]) -> Optional[StepRange]:
+    """``"10:20"`` (inclusive), ``"10:"``, ``":20"`` or ``"7"``."""
+    if text is None:
+        return None
+    t = text.strip()
+    try:
+        if ":" in t:
+            lo_s, hi_s = t.split(":", 1)
+            lo = int(lo_s) if lo_s.strip() else None
+            hi = int(hi_s) if hi_s.strip() else None
+        else:
+            lo = hi = int(t)
+    except ValueError:
+        raise InputError(f"--steps {text!r}: expected FIRST:LAST (inclusive, either may be omitted) or one step") from None
+    if lo is not None and hi is not None and hi < lo:
+        raise InputError(f"--steps {text!r}: the last step is before the first")
+    return lo, hi
+
+
+def parse_int_list(text: Optional[str], flag: str) -> Optional[List[int]]:
+    """``"0,1,4-7"`` -> [0, 1, 4, 5, 6, 7]."""
+    if text is None:
+        return None
+    out: List[int] = []
+    try:
+        for part in text.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            if "-" in part:
+                a, b = part.split("-", 1)
+                out.extend(range(int(a), int(b) + 1))
+            else:
+                out.append(int(part))
+    except ValueError:
+        raise InputError(f"{flag} {text!r}: expected integers, e.g. 0,1,4-7") from None
+    if not out:
+        raise InputError(f"{flag} {text!r}: empty list")
+    return sorted(set(out))
+
+
+def parse_monitor_list(text: Optional[str]) -> Optional[List[str]]:
+    if text is None:
+        return None
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in MONITORS]
+    if bad or not names:
+        raise InputError(f"--monitors {text!r}: unknown monitor {', '.join(bad) or '(none)'}; "
+                         f"choose among {', '.join(MONITORS)}")
+    return names
+
+
+def in_steps(step: int, steps: Optional[StepRange]) -> bool:
+    if steps is None:
+        return True
+    lo, hi = steps
+    return (lo is None or step >= lo) and (hi is None or step <= hi)
+
+
+def scan(root: str, ranks: Optional[Sequence[int]] = None, monitors: Optional[Sequence[str]] = None,
+         steps: Optional[StepRange] = None) -> Layout:
+    """The CSV files under ``root`` (a monitor ``output_dir``, or one of its ``rank_<r>``
+    directories), filtered by rank, monitor and step range; files sorted by window."""
+    if not os.path.exists(root):
+        raise InputError(f"{root}: no such directory")
+    if not os.path.isdir(root):
+        raise InputError(f"{root}: not a directory (expected a monitor output_dir holding rank_<r>/ directories)")
+    root_norm = os.path.normpath(root)
+    m = RANK_RE.match(os.path.basename(root_norm))
+    if m and not any(RANK_RE.match(n) for n in _listdir(root)):
+        # a rank directory given directly
+        rank = int(m.group("rank"))
+        rank_dirs = {rank: root_norm}
+        root_norm = os.path.dirname(root_norm) or "."
+    else:
+        rank_dirs = {}
+        for name in _listdir(root):
+            rm = RANK_RE.match(name)
+            path = os.path.join(root, name)
+            if rm and os.path.isdir(path):
+                rank_dirs[int(rm.group("rank"))] = path
+    if not rank_dirs:
+        raise InputError(
+            f"{root}: no rank_<r> directories; expected a monitor output_dir laid out as "
+            f"<output_dir>/rank_<r>/<monitor>_step<a>-<b>.csv"
+        )
+    layout = Layout(root=root_norm)
+    wanted_ranks = None if ranks is None else set(ranks)
+    wanted_monitors = None if monitors is None else set(monitors)
+    seen_any = False
+    for rank in sorted(rank_dirs):
+        if wanted_ranks is not None and rank not in wanted_ranks:
+            continue
+        per_monitor: Dict[str, List[CsvFile]] = {}
+        for name in _listdir(rank_dirs[rank]):
+            fm = FILE_RE.match(name)
+            if not fm or fm.group("monitor") not in MONITORS:
+                continue
+            seen_any = True
+            monitor = fm.group("monitor")
+            a, b = int(fm.group("a")), int(fm.group("b"))
+            if wanted_monitors is not None and monitor not in wanted_monitors:
+                continue
+            if steps is not None:
+                lo, hi = steps
+                if (lo is not None and b < lo) or (hi is not None and a > hi):
+                    continue
+            per_monitor.setdefault(monitor, []).append(
+                CsvFile(rank, monitor, a, b, os.path.join(rank_dirs[rank], name)))
+        for files in per_monitor.values():
+            files.sort(key=lambda f: (f.first, f.last))
+        if per_monitor:
+            layout.files[rank] = per_monitor
+    if not layout.files:
+        if not seen_any:
+            raise InputError(f"{root}: the rank_<r> directories hold no <monitor>_step<a>-<b>.csv files")
+        raise InputError(f"{root}: no CSV file matches the --ranks/--monitors/--steps selection")
+    return layout
+
+
+def _listdir(path: str) -> List[str]:
+    try:
+        return sorted(os.listdir(path))
+    except OSError as exc:
+        raise InputError(f"{path}: cannot list the directory: {exc.strerror or exc}") from None
+
+
+# ------------------------------------------------------------------------ rows
+class Row:
+    """One CSV row. ``vals`` maps each op of the file to its value (``nans`` an int);
+    ``micro`` is None outside ``weight_grad`` files; ``line`` is the line number."""
+
+    __slots__ = ("step", "vpp", "name", "scope", "micro", "vals", "line")
+
+    def __init__(self, step: int, vpp: int, name: str, scope: str, micro: Optional[int],
+                 vals: Dict[str, float], line: int) -> None:
+        self.step = step
+        self.vpp = vpp
+        self.name = name
+        self.scope = scope
+        self.micro = micro
+        self.vals = vals
+        self.line = line
+
+
+def header_ops(monitor: str, header: List[str]) -> Tuple[Optional[Tuple[str, ...]], str]:
+    """``(ops, "")`` for a header this version writes, else ``(None, why)``."""
+    with_micro = monitor == "weight_grad"
+    expected = list(BASE_COLUMNS) + (["micro_step"] if with_micro else [])
+    want = ",".join(expected) + ",<ops>"
+    if header[:len(expected)] != expected:
+        if not with_micro and header[:5] == list(BASE_COLUMNS) + ["micro_step"]:
+            why = f"a micro_step column, which only weight_grad files have (expected {want})"
+        elif with_micro and header[:4] == list(BASE_COLUMNS):
+            why = f"no micro_step column (written by another version?); expected {want}"
+        else:
+            why = f"expected {want}"
+        return None, f"unrecognised header {','.join(header)!r}: {why}"
+    ops = header[len(expected):]
+    unknown = [op for op in ops if op not in OPS]
+    if not ops:
+        return None, f"header {','.join(header)!r} has no statistic column (expected some of {','.join(OPS)})"
+    if unknown:
+        return None, (f"header {','.join(header)!r} has unknown column(s) {','.join(unknown)} "
+                      f"(written by another version?); statistics are {','.join(OPS)}")
+    order = [OPS.index(op) for op in ops]
+    if order != sorted(set(order)):
+        return None, f"header {','.join(header)!r}: statistics repeated or out of the order {','.join(OPS)}"
+    return tuple(ops), ""
+
+
+def iter_rows(f: CsvFile, problems: Problems, steps: Optional[StepRange] = None,
+              on_header: Optional[Callable[[Tuple[str, ...]], None]] = None) -> Iterator[Row]:
+    """Stream the valid rows of ``f``; report every bad line to ``problems`` and skip it.
+    ``on_header(ops)`` is called once the header is known to be good."""
+    path = f.path
+    try:
+        fh = open(path, newline="", encoding="utf-8", errors="replace")
+    except OSError as exc:
+        problems.report(path, None, f"cannot read the file: {exc.strerror or exc}; file skipped")
+        return
+    with fh:
+        last = [""]
+
+        def lines(src: Iterable[str]) -> Iterator[str]:
+            for text in src:
+                last[0] = text
+                yield text
+
+        reader = csv.reader(lines(fh))
+        try:
+            header = next(reader)
+        except StopIteration:
+            problems.report(path, None, "empty file (not even a header line; the job may have died "
+                                        "while creating it); file skipped")
+            return
+        except csv.Error as exc:
+            problems.report(path, 1, f"cannot parse the header: {exc}; file skipped")
+            return
+        if not last[0].endswith("\n"):
+            problems.report(path, 1, "the file ends in the middle of its header line (a write cut short); "
+                                     "file skipped")
+            return
+        ops, why = header_ops(f.monitor, [h.strip() for h in header])
+        if ops is None:
+            problems.report(path, 1, f"{why}; file skipped")
+            return
+        if on_header is not None:
+            on_header(ops)
+        with_micro = f.monitor == "weight_grad"
+        ncol = len(header)
+        first_op = 5 if with_micro else 4
+        op_cols = [(op, first_op + i) for i, op in enumerate(ops)]
+        a, b = f.first, f.last
+        while True:
+            try:
+                cells = next(reader)
+            except StopIteration:
+                break
+            except csv.Error as exc:
+                problems.report(path, reader.line_num, f"cannot parse the line: {exc}; line skipped")
+                continue
+            line = reader.line_num
+            if not last[0].endswith("\n"):
+                problems.report(path, line, "the file ends in the middle of this line (a write cut short, "
+                                            "e.g. the job was killed); line ignored")
+                break
+            if len(cells) != ncol:
+                problems.report(path, line, _column_count_message(cells, header, ncol))
+                continue
+            try:
+                vpp = int(cells[0])
+                step = int(cells[1])
+                micro = int(cells[4]) if with_micro else None
+                vals = {op: (int(cells[i]) if op == "nans" else float(cells[i])) for op, i in op_cols}
+            except ValueError:
+                problems.report(path, line, _value_message(cells, header, with_micro, op_cols))
+                continue
+            if not a <= step <= b:
+                problems.report(path, line, f"step {step} is outside this file's steps {a}-{b} "
+                                            f"(file renamed or mixed up?); line skipped")
+                continue
+            if steps is not None and not in_steps(step, steps):
+                continue
+            yield Row(step, vpp, cells[2], cells[3], micro, vals, line)
+
+
+def _column_count_message(cells: List[str], header: List[str], ncol: int) -> str:
+    if not cells or cells == [""]:
+        return "empty line; line skipped"
+    if [c.strip() for c in cells[:4]] == list(BASE_COLUMNS):
+        return (f"a second header line {','.join(cells)!r} (files concatenated, or a run with another "
+                f"config appended to this file?); line skipped")
+    return (f"{len(cells)} fields where the header ({','.join(header)}) has {ncol} (mixed versions: a run "
+            f"with other ops or another version appended to this file?); line skipped")
+
+
+def _value_message(cells: List[str], header: List[str], with_micro: bool,
+                   op_cols: List[Tuple[str, int]]) -> str:
+    int_cols = [0, 1] + ([4] if with_micro else [])
+    for i in int_cols:
+        try:
+            int(cells[i])
+        except ValueError:
+            return f"column '{header[i]}' = {cells[i]!r} is not an integer; line skipped"
+    for op, i in op_cols:
+        try:
+            int(cells[i]) if op == "nans" else float(cells[i])
+        except ValueError:
+            kind = "an integer" if op == "nans" else "a number"
+            return f"column '{op}' = {cells[i]!r} is not {kind}; line skipped"
+    return "unreadable value; line skipped"  # pragma: no cover

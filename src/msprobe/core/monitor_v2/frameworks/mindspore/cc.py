@@ -1,0 +1,140 @@
+"""``cc`` for MindSpore: the communication functions MindSpore exposes to Python.
+
+Wrapped (and restored by ``stop()``):
+
+- ``mindspore.mint.distributed`` (torch-like, results written into argument tensors),
+  in both the package and its ``distributed`` module; tagged with the bare op name, as
+  the same call in PyTorch;
+- ``mindspore.communication.comm_func`` (functional: results are return values),
+  tagged ``comm_func.<op>``;
+- the ``ops`` communication primitives (``AllReduce``, ``AllGather``, ``Broadcast``,
+  ``ReduceScatter``, ``AlltoAll``, ``Send``, ``Receive``) through their class's
+  ``__call__``, which is how ``nn.DistributedGradReducer`` and Cells call them in
+  PyNative mode. ``pre`` rows are the primitive's inputs, ``post`` rows its outputs.
+
+Asynchronous calls (``async_op=True``) are read when the step ends, by which time the
+training code has waited for them; MindSpore's handles offer no completion callback.
+"""
+
+import inspect
+import os
+import sys
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import mindspore as ms
+
+from ...cc_base import CommMonitorBase
+from ...structure import flatten_tensors
+
+# mint.distributed: op -> (argument names holding inputs, argument names holding results)
+MINT_OPS: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]] = {
+    "all_reduce": (("tensor",), ("tensor",)),
+    "all_gather": (("tensor",), ("tensor_list",)),
+    "all_gather_into_tensor": (("input_tensor",), ("output_tensor",)),
+    "reduce_scatter": (("input_list",), ("output",)),
+    "reduce_scatter_tensor": (("input",), ("output",)),
+    "broadcast": (("tensor",), ("tensor",)),
+    "reduce": (("tensor",), ("tensor",)),
+    "gather": (("tensor",), ("gather_list",)),
+    "scatter": (("scatter_list",), ("tensor",)),
+    "all_to_all": (("input_tensor_list",), ("output_tensor_list",)),
+    "all_to_all_single": (("input",), ("output",)),
+    "send": (("tensor",), ("tensor",)),
+    "isend": (("tensor",), ("tensor",)),
+    "recv": ((), ("tensor",)),
+    "irecv": ((), ("tensor",)),
+}
+# comm_func: functional ops; inputs are these arguments, results the return value.
+FUNC_OPS: Dict[str, Tuple[str, ...]] = {
+    "all_reduce": ("tensor",),
+    "all_gather_into_tensor": ("tensor",),
+    "reduce_scatter_tensor": ("tensor",),
+    "broadcast": ("tensor",),
+    "reduce": ("tensor",),
+    "gather_into_tensor": ("tensor",),
+    "scatter_tensor": ("tensor",),
+    "send": ("tensor",),
+    "isend": ("tensor",),
+    "recv": ("tensor",),
+    "irecv": ("tensor",),
+    "all_to_all_single_with_output_shape": ("tensor",),
+    "all_to_all_with_output_shape": ("input_tensor_list",),
+}
+PRIMITIVES = ("AllReduce", "AllGather", "Broadcast", "ReduceScatter", "AlltoAll", "Send", "Receive")
+
+_MS_DIR = os.path.dirname(ms.__file__) + os.sep
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, ms.Tensor)
+
+
+class MsCommMonitor(CommMonitorBase):
+    framework_dirs = (_MS_DIR,)
+
+    def attach(self) -> None:
+        self._pending: List[Callable[[], None]] = []
+        self._signatures: Dict[int, inspect.Signature] = {}
+        self._kinds: Dict[str, str] = {}
+        super().attach()
+
+    def distributed_rank(self) -> Optional[int]:
+        try:
+            from mindspore.communication import GlobalComm, get_rank
+
+            return get_rank() if GlobalComm.INITED else None
+        except Exception:  # noqa: BLE001
+            return None
+
+    def patch_targets(self):
+        import mindspore.communication.comm_func as comm_func
+        import mindspore.mint.distributed as mint_dist
+        from mindspore import ops
+
+        mint_modules = [mint_dist, sys.modules.get("mindspore.mint.distributed.distributed")]
+        for module in filter(None, mint_modules):
+            for op in MINT_OPS:
+                yield module, op, op  # the torch.distributed names: same tags as PyTorch
+        for op in FUNC_OPS:
+            yield comm_func, op, f"comm_func.{op}"
+        for name in PRIMITIVES:
+            cls = getattr(ops, name, None)
+            if isinstance(cls, type):
+                yield cls, "__call__", name
+
+    def _bound(self, original: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+        sig = self._signatures.get(id(original))
+        if sig is None:
+            sig = self._signatures[id(original)] = inspect.signature(original)
+        return sig.bind_partial(*args, **kwargs).arguments
+
+    def call_tensors(self, op, original, args, kwargs):
+        if op in MINT_OPS:
+            bound = self._bound(original, args, kwargs)
+            inputs, outputs = MINT_OPS[op]
+            is_async = bool(bound.get("async_op", False)) or op in ("isend", "irecv")
+            return (flatten_tensors([bound.get(n) for n in inputs], _is_tensor),
+                    flatten_tensors([bound.get(n) for n in outputs], _is_tensor), is_async)
+        if op.startswith("comm_func."):
+            bound = self._bound(original, args, kwargs)
+            names = FUNC_OPS[op[10:]]
+            is_async = bool(bound.get("async_op", False)) or op in ("comm_func.isend", "comm_func.irecv")
+            return flatten_tensors([bound.get(n) for n in names], _is_tensor), [], is_async
+        # a primitive's __call__(self, *inputs)
+        return flatten_tensors(list(args[1:]) + list(kwargs.values()), _is_tensor), [], False
+
+    def result_tensors(self, op, result, results):
+        if op in MINT_OPS:
+            return results
+        return flatten_tensors(result, _is_tensor)
+
+    def when_done(self, op, result, callback):
+        with self._lock:
+            self._pending.append(callback)
+        return result
+
+    def poll_pending(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for callback in pending:
+            callback()
