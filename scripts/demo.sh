@@ -4,5 +4,5 @@
 # Arguments go to examples/train_gpt.py (see --help), e.g. bash scripts/demo.sh --steps 100
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh
+bash scripts/setup_env.sh demo
 exec .venv/bin/python examples/train_gpt.py "$@"

@@ -1,20 +1,37 @@
 #!/usr/bin/env bash
-# Creates ./.venv (once) with what the project needs: torch (CPU wheel, pinned for
-# development and CI), MindSpore 2.10 (CPU; an 800 MB download the first time), numpy<2
-# (MindSpore's C++ needs NumPy 1.x), pytest, transformers (tests build a model from a
-# config, no download), and this package in editable mode.
+# Creates ./.venv (once) and installs what a profile needs, then this package (editable).
+#   bash scripts/setup_env.sh demo   torch (CPU wheel, pinned), numpy<2
+#   bash scripts/setup_env.sh test   + MindSpore 2.10 (CPU; an 800 MB download the first
+#                                    time), pytest, transformers (tests build models from a
+#                                    config, no download), matplotlib, and Debian's chromium
+#                                    (the HTML report is checked in a headless browser)
+# numpy stays <2: MindSpore's C++ is built against NumPy 1.x.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+profile=${1:-test}
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-stamp=.venv/.msprobe-installed
-deps=("torch==2.13.0" "mindspore==2.10.0" "numpy<2" "pytest>=7" "transformers>=4.40,<5")
+deps=("torch==2.13.0" "numpy<2")
+check="import torch, numpy, msprobe.core.monitor_v2.trainer"
+if [ "$profile" = test ]; then
+  deps+=("mindspore==2.10.0" "pytest>=7" "transformers>=4.40,<5" "matplotlib>=3.5")
+  check="$check, mindspore, pytest, transformers, matplotlib"
+fi
+stamp=.venv/.msprobe-installed-$profile
 want="${deps[*]} $(sha1sum pyproject.toml | cut -c1-12)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q --disable-pip-version-check "${deps[@]}" 2>&1 | grep -v "is ignored" || true
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e . 2>&1 | grep -v "is ignored" || true
-  .venv/bin/python -c "import torch, mindspore, numpy, pytest, transformers, msprobe.core.monitor_v2.trainer"
+  .venv/bin/python -c "$check"
   echo "$want" > "$stamp"
+fi
+if [ "$profile" = test ] && ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+      || echo "setup_env: could not install chromium; the HTML report test will say how" >&2
+  else
+    echo "setup_env: chromium is missing (sudo apt-get install chromium); the HTML report test needs it" >&2
+  fi
 fi
