@@ -1,0 +1,67 @@
+"""On a GPU, the hooks never synchronise with the host: forward and backward passes run
+under ``torch.cuda.set_sync_debug_mode("error")``, which raises on any hidden sync.
+
+This needs CUDA; on a machine without a GPU it is skipped with that reason (the CPU has
+no device to synchronise with). The device machine runs it via scripts/gpu_checks.sh.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from conftest import rows_of
+from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the CPU has no device to synchronise with")
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(d)
+        self.fc1 = torch.nn.Linear(d, 4 * d)
+        self.act = torch.nn.GELU()
+        self.fc2 = torch.nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(self.ln(x))))
+
+
+def test_hooks_do_not_synchronise(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Block(), Block(), torch.nn.Linear(64, 8)).cuda()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    cfg = {
+        "output_dir": str(tmp_path / "out"),
+        "monitors": {
+            "module": {"enabled": True},
+            "weight_grad": {"enabled": True, "monitor_mbs_grad": True},
+            "optimizer": {"enabled": True},
+            "param": {"enabled": True},
+        },
+    }
+    mon = TrainerMonitorV2(cfg)
+    mon.start(model=model, optimizer=opt, grad_acc_steps=2)
+    for step in range(3):
+        for _ in range(2):
+            x = torch.randn(16, 10, 64, device="cuda")
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                loss = model(x).pow(2).mean()
+                loss.backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            ref(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    mon.stop()
+    assert mon.errors.count == 0
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+    assert len(rows_of(mon.config.output_dir, "module")) > 0
+    assert len(rows_of(mon.config.output_dir, "weight_grad")) > 0
