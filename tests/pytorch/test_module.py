@@ -21,7 +21,6 @@ import weakref
 from collections import defaultdict
 from typing import Any, Callable, Dict, List, Optional
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F

@@ -2,20 +2,17 @@
 unchanged by the monitor, stop() undoes everything, model chunks, optimizer state and
 parameters checked against independent computations, errors contained."""
 
-import copy
-import json
 import logging
 import os
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import TinyMLP, assert_row_matches, find_row, loss_fn, make_batches, numpy_stats, rows_of
-from msprobe.core.monitor_v2.errors import ConfigError, MonitorStateError
+from msprobe.core.monitor_v2.errors import MonitorStateError
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
 ALL_ON = {

@@ -102,7 +102,7 @@ def reference_grads(mode, out_dir, mbs):
     mon = TrainerMonitorV2(cfg)
     mon.start(model=model, optimizer=opt, grad_acc_steps=ACC)
     names = [n for n, _ in ref.named_parameters()]
-    refs, losses, shards = [], [], []
+    refs, losses = [], []
     for s in range(STEPS):
         state = full_state(model, mode)
         with torch.no_grad():
