@@ -59,10 +59,11 @@ class Problems:
         self.count = 0
         self.items: List[Problem] = []
 
-    def report(self, path: str, line: Optional[int], message: str) -> None:
-        problem = Problem(path, line, message)
+    def report(self, path: str, line: Optional[int], message: str, skipped: str = "line") -> None:
+        """``skipped``: what is left out and the analysis goes on without: ``line`` or ``file``."""
         if self.strict:
-            raise InputError(f"{problem} (--strict: stopping at the first malformed input)")
+            raise InputError(f"{Problem(path, line, message)} (--strict: stopping at the first malformed input)")
+        problem = Problem(path, line, f"{message}; {skipped} skipped")
         self.count += 1
         if len(self.items) < self.KEEP:
             self.items.append(problem)
@@ -294,7 +295,7 @@ def iter_rows(f: CsvFile, problems: Problems, steps: Optional[StepRange] = None,
     try:
         fh = open(path, newline="", encoding="utf-8", errors="replace")
     except OSError as exc:
-        problems.report(path, None, f"cannot read the file: {exc.strerror or exc}; file skipped")
+        problems.report(path, None, f"cannot read the file: {exc.strerror or exc}", "file")
         return
     with fh:
         last = [""]
@@ -309,18 +310,17 @@ def iter_rows(f: CsvFile, problems: Problems, steps: Optional[StepRange] = None,
             header = next(reader)
         except StopIteration:
             problems.report(path, None, "empty file (not even a header line; the job may have died "
-                                        "while creating it); file skipped")
+                                        "while creating it)", "file")
             return
         except csv.Error as exc:
-            problems.report(path, 1, f"cannot parse the header: {exc}; file skipped")
+            problems.report(path, 1, f"cannot parse the header: {exc}", "file")
             return
         if not last[0].endswith("\n"):
-            problems.report(path, 1, "the file ends in the middle of its header line (a write cut short); "
-                                     "file skipped")
+            problems.report(path, 1, "the file ends in the middle of its header line (a write cut short)", "file")
             return
         ops, why = header_ops(f.monitor, [h.strip() for h in header])
         if ops is None:
-            problems.report(path, 1, f"{why}; file skipped")
+            problems.report(path, 1, f"{why}", "file")
             return
         if on_header is not None:
             on_header(ops)
@@ -335,12 +335,12 @@ def iter_rows(f: CsvFile, problems: Problems, steps: Optional[StepRange] = None,
             except StopIteration:
                 break
             except csv.Error as exc:
-                problems.report(path, reader.line_num, f"cannot parse the line: {exc}; line skipped")
+                problems.report(path, reader.line_num, f"cannot parse the line: {exc}")
                 continue
             line = reader.line_num
             if not last[0].endswith("\n"):
                 problems.report(path, line, "the file ends in the middle of this line (a write cut short, "
-                                            "e.g. the job was killed); line ignored")
+                                            "e.g. the job was killed)")
                 break
             if len(cells) != ncol:
                 problems.report(path, line, _column_count_message(cells, header, ncol))
@@ -355,7 +355,7 @@ def iter_rows(f: CsvFile, problems: Problems, steps: Optional[StepRange] = None,
                 continue
             if not a <= step <= b:
                 problems.report(path, line, f"step {step} is outside this file's steps {a}-{b} "
-                                            f"(file renamed or mixed up?); line skipped")
+                                            f"(file renamed or mixed up?)")
                 continue
             if steps is not None and not in_steps(step, steps):
                 continue
@@ -364,12 +364,12 @@ def iter_rows(f: CsvFile, problems: Problems, steps: Optional[StepRange] = None,
 
 def _column_count_message(cells: List[str], header: List[str], ncol: int) -> str:
     if not cells or cells == [""]:
-        return "empty line; line skipped"
+        return "empty line"
     if [c.strip() for c in cells[:4]] == list(BASE_COLUMNS):
         return (f"a second header line {','.join(cells)!r} (files concatenated, or a run with another "
-                f"config appended to this file?); line skipped")
+                f"config appended to this file?)")
     return (f"{len(cells)} fields where the header ({','.join(header)}) has {ncol} (mixed versions: a run "
-            f"with other ops or another version appended to this file?); line skipped")
+            f"with other ops or another version appended to this file?)")
 
 
 def _value_message(cells: List[str], header: List[str], with_micro: bool,
@@ -379,11 +379,11 @@ def _value_message(cells: List[str], header: List[str], with_micro: bool,
         try:
             int(cells[i])
         except ValueError:
-            return f"column '{header[i]}' = {cells[i]!r} is not an integer; line skipped"
+            return f"column '{header[i]}' = {cells[i]!r} is not an integer"
     for op, i in op_cols:
         try:
             int(cells[i]) if op == "nans" else float(cells[i])
         except ValueError:
             kind = "an integer" if op == "nans" else "a number"
-            return f"column '{op}' = {cells[i]!r} is not {kind}; line skipped"
-    return "unreadable value; line skipped"  # pragma: no cover
+            return f"column '{op}' = {cells[i]!r} is not {kind}"
+    return "unreadable value"  # pragma: no cover

@@ -190,7 +190,7 @@ class ModuleMonitor(Monitor):
                     g = grad_outputs[nr]
                     if g is not None:
                         self._records.append(self.session.engine.record(
-                            g, self.plan, vpp, f"{tag}.grad_output.{j}", "backward"))
+                            g, self.plan, vpp, f"{tag}.grad_output.{j}", "backward", cache=True))
             node.register_prehook(self.errors.wrap(f"module grad_output hook of {tag}", prehook))
 
     def _hook_grad_inputs(self, vpp: int, tag: str, call: _Call, outputs: List[torch.Tensor]) -> None:
@@ -241,7 +241,7 @@ class ModuleMonitor(Monitor):
                     name = f"{tag}.grad_input.{i}"
                     acc = sums.get(i)
                     if acc is None:
-                        self._records.append(self.session.engine.record(g, self.plan, vpp, name, "backward"))
+                        self._records.append(self.session.engine.record(g, self.plan, vpp, name, "backward", cache=True))
                         continue
                     acc.parts.append(g)
                     self._pending[id(acc)] = (acc, (vpp, name))

@@ -25,13 +25,6 @@ def global_rank() -> int:
     return int(os.environ.get("RANK", "0") or 0)
 
 
-def dist_world_size() -> int:
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return 1
-
-
 def _as_chunks(model: Any) -> Tuple[List[torch.nn.Module], bool]:
     if model is None:
         return [], False

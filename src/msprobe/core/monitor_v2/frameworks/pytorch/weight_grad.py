@@ -18,7 +18,6 @@ unsharded gradient before the reduce-scatter (see ``fsdp.py``).
 
 import functools
 import logging
-import weakref
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -27,7 +26,6 @@ from ...config import resolve_micro_batches
 from ...monitor import Monitor, remove_all
 from ...stats import Record
 from .fsdp import FlatSegment, fsdp2_params
-from .session import ParamInfo, dist_world_size
 from .stats import StatPlan
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -58,12 +56,6 @@ class WeightGradMonitor(Monitor):
         self._handles: List = []
         self._hooked: Set[int] = set()
         session = self.session
-        # Without data parallelism the gradient read before the optimizer step is often
-        # the very tensor the unreduced hook read, untouched since (same object, same
-        # version counter): its statistics are reused instead of computed twice. Under
-        # DDP the C++ reducer may write gradients without bumping the version counter,
-        # so nothing is reused there.
-        self._reuse = not (dist_world_size() > 1 or session.flat_layouts or session.fsdp2_modules)
         self._warned_short = False
         self._reset()
         infos = session.model_params() or [i for i in session.optimizer_params() if i.param.requires_grad]
@@ -104,7 +96,6 @@ class WeightGradMonitor(Monitor):
         self._passes: Dict[int, int] = {}  # source index -> backward passes that reached it
         self._unreduced: Dict[Tuple[int, int, int], Record] = {}  # (source index, micro step, row)
         self._reduced: List[Record] = []
-        self._read: Dict[int, Tuple["weakref.ref", int, Record]] = {}  # id(param) -> what unreduced read
 
     def begin_step(self, step: int, active: bool) -> None:
         super().begin_step(step, active)
@@ -119,20 +110,8 @@ class WeightGradMonitor(Monitor):
         engine = self.session.engine
         for k, (vpp, name, seg) in enumerate(source.rows):
             t = grad if seg is None else seg.view(grad)
-            rec = engine.record(t, self.plan, vpp, name, "unreduced", micro_step or None)
-            self._unreduced[(source.index, micro_step, k)] = rec
-            if self._reuse and source.plain_param is not None:
-                self._read[id(source.plain_param)] = (weakref.ref(grad), grad._version, rec)
-
-    def _reusable(self, info: ParamInfo) -> Optional[Record]:
-        read = self._read.get(id(info.param))
-        if read is None:
-            return None
-        ref, version, rec = read
-        grad = info.param.grad
-        if ref() is grad and grad._version == version:
-            return Record(info.vpp_stage, info.name, "reduced", None, rec.vector, rec.nans, rec.numel)
-        return None
+            self._unreduced[(source.index, micro_step, k)] = engine.record(
+                t, self.plan, vpp, name, "unreduced", micro_step or None)
 
     def _on_micro_batch_grad(self, source: GradSource, grad: torch.Tensor) -> None:
         if self.active:
@@ -151,24 +130,11 @@ class WeightGradMonitor(Monitor):
             return
         if not self.per_micro_batch:
             self._read_short_sources()
-        # Parameter order is kept; an FSDP flat shard expands to several rows.
-        plan: List[Tuple[Optional[Record], int]] = []  # (reused record, or number of rows to compute)
-        tensors, keys = [], []
-        for info in self.session.optimizer_params():
-            if info.param.grad is None:
-                continue
-            rec = self._reusable(info) if self._reuse else None
-            if rec is not None:
-                plan.append((rec, 0))
-                continue
-            t, k = self.session.expand([(info, info.param.grad)], "reduced")
-            tensors += t
-            keys += k
-            plan.append((None, len(t)))
-        computed = iter(self.session.engine.record_many(tensors, self.plan, keys))
-        self._reduced = []
-        for rec, n in plan:
-            self._reduced += [rec] if rec is not None else [next(computed) for _ in range(n)]
+        # Read again, never reused from 'unreduced': code that edits gradients through
+        # ``.data`` or from C++ (clipping, unscaling) does not move the version counter.
+        items = [(i, i.param.grad) for i in self.session.optimizer_params() if i.param.grad is not None]
+        tensors, keys = self.session.expand(items, "reduced")
+        self._reduced = self.session.engine.record_many(tensors, self.plan, keys)
 
     def _read_short_sources(self) -> None:
         short = [
