@@ -69,6 +69,13 @@ def _stat_list(allowed: Sequence[str]):
     return parse
 
 
+def _monitor_list(text: str) -> Tuple[str, ...]:
+    try:
+        return tuple(parse_monitor_list(text) or ())
+    except InputError as exc:
+        raise argparse.ArgumentTypeError(str(exc).replace("--monitors ", "")) from None
+
+
 def _stat(text: str) -> str:
     if text not in OPS:
         raise argparse.ArgumentTypeError(f"{text!r}: choose among {','.join(OPS)}")
@@ -103,8 +110,12 @@ def _detectors(p: argparse.ArgumentParser) -> None:
                   "each tensor are never flagged)")
     g.add_argument("--spike-stats", type=_stat_list(("min", "max", "mean", "norm")), default=("norm", "max"),
                    help="statistics checked for spikes (comma-separated)")
+    g.add_argument("--spike-monitors", type=_monitor_list, default=("module", "weight_grad", "param", "cc"),
+                   help="monitors checked for spikes (optimizer state lags the gradients and grows from zero "
+                        "early on: add it explicitly)")
     g.add_argument("--spike-window", type=_positive_int, default=20, help="WINDOW: values of history")
-    g.add_argument("--spike-min-history", type=_positive_int, default=5, help="MIN_HISTORY")
+    g.add_argument("--spike-min-history", type=_positive_int, default=10,
+                   help="MIN_HISTORY (per-micro-batch gradients: N values per step)")
     g.add_argument("--spike-mad-k", type=_nonneg_float, default=10.0, help="K: robust z-score threshold")
     g.add_argument("--spike-ratio", type=_nonneg_float, default=5.0, help="RATIO: minimum factor over the median")
     g.add_argument("--no-spikes", action="store_true", help="do not look for spikes")
@@ -177,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="first (step, tensor, statistic) where two runs differ, and the largest differences",
                        description="Compare two output directories row by row. Two values differ when "
                                    "|a - b| > ATOL + RTOL * max(|a|, |b|) (NaN equals NaN). Exit 1 when the runs "
-                                   "differ (a value, or rows present in only one run), 0 otherwise.")
+                                   "differ (a value, or rows, monitors or ranks present in only one run), 0 "
+                                   "otherwise.")
     d.add_argument("out_a", metavar="OUT_A")
     d.add_argument("out_b", metavar="OUT_B")
     d.add_argument("--rtol", type=_nonneg_float, default=1e-5, help="relative tolerance")
@@ -239,7 +251,8 @@ def _settings(args: argparse.Namespace) -> Tuple[SpikeSettings, RankCheckSetting
     if args.spike_min_history > args.spike_window:
         raise InputError(f"--spike-min-history ({args.spike_min_history}) cannot exceed --spike-window "
                          f"({args.spike_window}): nothing would ever be flagged")
-    spikes = SpikeSettings(enabled=not args.no_spikes, stats=tuple(args.spike_stats), window=args.spike_window,
+    spikes = SpikeSettings(enabled=not args.no_spikes, stats=tuple(args.spike_stats),
+                           monitors=tuple(args.spike_monitors), window=args.spike_window,
                            min_history=args.spike_min_history, mad_k=args.spike_mad_k, ratio=args.spike_ratio)
     groups = None
     if args.rank_groups:

@@ -8,7 +8,10 @@ or ``min``/``max``/``mean`` is NaN/Inf. An empty tensor (``nan`` min/max/mean wi
 over all ranks and monitors is *the* first non-finite value; the first one of each rank
 is reported too.
 
-**Spikes.** For each rank and tensor (monitor, name, scope), the absolute value ``x``
+**Spikes.** For each rank and tensor (monitor, name, scope) of ``SpikeSettings.monitors``
+(default: every monitor but ``optimizer``, whose state is a smoothed, lagging image of
+the gradients, and whose ``exp_avg_sq`` grows from zero during early training), the
+absolute value ``x``
 of each statistic in ``SpikeSettings.stats`` (default ``norm`` and ``max``; ``max`` is
 checked as the largest magnitude ``absmax = max(|min|, |max|)`` when the file has
 ``min``, so that a value crossing zero is not mistaken for a jump) is compared
@@ -49,16 +52,17 @@ RANK_CHECKED_MONITORS = ("weight_grad", "param", "optimizer")
 class SpikeSettings:
     enabled: bool = True
     stats: Tuple[str, ...] = ("norm", "max")
+    monitors: Tuple[str, ...] = ("module", "weight_grad", "param", "cc")
     window: int = 20
-    min_history: int = 5
+    min_history: int = 10
     mad_k: float = 10.0
     ratio: float = 5.0
 
     def describe(self) -> str:
         names = ", ".join("absmax = max(|min|,|max|)" if s == "max" else f"|{s}|" for s in self.stats)
-        return (f"{names}: a spike when > median + {self.mad_k:g} * 1.4826 * MAD and > {self.ratio:g} x median "
-                f"of the tensor's previous {self.window} values on its rank; the first {self.min_history} values "
-                f"of each tensor are never flagged")
+        return (f"{names} of {', '.join(self.monitors)} rows: a spike when > median + {self.mad_k:g} * 1.4826 * MAD "
+                f"and > {self.ratio:g} x median of the tensor's previous {self.window} values on its rank; the first "
+                f"{self.min_history} values of each tensor are never flagged")
 
 
 @dataclass
@@ -215,7 +219,6 @@ def analyse(layout: Layout, problems: Problems, spikes: SpikeSettings, rank_chec
     checked_files = sum(len(layout.files_of(r, m)) for r in layout.ranks for m in RANK_CHECKED_MONITORS)
     total = layout.n_files + (checked_files if do_rank_check else 0)
     prog = Progress(total, "reading", enabled=progress)
-    spike_stats = spikes.stats if spikes.enabled else ()
     window, min_hist, mad_k, ratio = spikes.window, spikes.min_history, spikes.mad_k, spikes.ratio
 
     for rank in layout.ranks:
@@ -227,6 +230,7 @@ def analyse(layout: Layout, problems: Problems, spikes: SpikeSettings, rank_chec
                 continue
             col = collected[monitor]
             col.ranks.add(rank)
+            spike_stats = spikes.stats if (spikes.enabled and monitor in spikes.monitors) else ()
             history: Dict[Tuple[str, str], Dict[str, deque]] = {}
 
             def on_header(ops: Tuple[str, ...], col: Collected = col) -> None:

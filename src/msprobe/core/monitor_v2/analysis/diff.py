@@ -9,12 +9,10 @@ ranks and monitors; the *largest* differences are ranked by relative difference,
 entry per tensor (its worst step).
 """
 
-import itertools
-import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from .detect import Block, _QuietProblems, merge_steps, step_blocks
+from .detect import Block, merge_steps, step_blocks
 from .order import OrderKey, order_key, where
 from .reader import MONITORS, CsvFile, Layout, Problems, Row, StepRange
 from .text import Progress
@@ -69,7 +67,8 @@ class DiffReport:
 
     @property
     def differs(self) -> bool:
-        return bool(self.differing_rows or sum(self.only_rows))
+        """Values beyond the tolerance, or rows, monitors or ranks present in one run only."""
+        return bool(self.differing_rows or sum(self.only_rows) or self.not_compared)
 
     def top(self) -> List[Dict[str, Any]]:
         items = sorted(self.largest.values(), key=lambda d: (-_sortable(d["rel_diff"]), -_sortable(d["abs_diff"])))

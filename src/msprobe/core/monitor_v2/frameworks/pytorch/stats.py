@@ -24,6 +24,9 @@ import torch
 from ...stats import EMPTY_VECTOR, Record, StatPlan
 
 
+_CHUNK = 1 << 20
+
+
 def _accumulator_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
@@ -58,9 +61,32 @@ class TorchStatsEngine:
             z = self._zeros[key] = torch.zeros((), device=device, dtype=dtype)
         return z
 
+    def _cpu_low_precision(self, t: torch.Tensor, plan: StatPlan) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``[min, max, sum, norm]`` of a contiguous bf16/fp16 CPU tensor, and its norm.
+
+        ATen's CPU reductions of bf16/fp16 with an fp32 accumulator are about ten times
+        slower than fp32 ones; casting chunks of 2^20 elements to fp32 (a 4 MiB temporary)
+        and reducing those is much faster, and the per-chunk partials merge exactly."""
+        zero = self._zero(t.device, torch.float32)
+        flat = t.view(-1)
+        parts = []
+        for start in range(0, flat.numel(), _CHUNK):
+            c = flat[start:start + _CHUNK].float()
+            mn, mx = torch.aminmax(c) if plan.minmax else (zero, zero)
+            parts.append(torch.stack((mn, mx, c.sum() if plan.total else zero,
+                                      torch.dot(c, c) if plan.norm else zero)))
+        p = torch.stack(parts) if len(parts) > 1 else parts[0].unsqueeze(0)
+        norm = p[:, 3].sum().sqrt()
+        return torch.stack((p[:, 0].min(), p[:, 1].max(), p[:, 2].sum(), norm)), norm
+
     def _vector(
         self, t: torch.Tensor, plan: StatPlan, norm: Optional[torch.Tensor]
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16) and t.is_contiguous():
+            vector, norm = self._cpu_low_precision(t, plan)
+            total = vector[2]
+            mx = vector[1]
+            return vector, self._nan_count(t, plan, norm, total, mx)
         acc = _accumulator_dtype(t)
         zero = self._zero(t.device, acc)
         if plan.minmax:
@@ -80,16 +106,21 @@ class TorchStatsEngine:
             else:
                 norm = torch.linalg.vector_norm(t, dtype=acc)
         vector = torch.stack((mn, mx, total, norm))
-        nans = None
-        if plan.nans:
-            if t.device.type == "cpu":
-                # Host memory: reading a scalar is not a device synchronisation.
-                probe = norm if plan.norm else total if plan.total else mx if plan.minmax else None
-                if probe is None or not math.isfinite(probe.item()):
-                    nans = torch.isnan(t).sum()
-            else:
-                nans = torch.isnan(t).sum()
-        return vector, nans
+        return vector, self._nan_count(t, plan, norm, total, mx)
+
+    @staticmethod
+    def _nan_count(t: torch.Tensor, plan: StatPlan, norm: torch.Tensor, total: torch.Tensor,
+                   mx: torch.Tensor) -> Optional[torch.Tensor]:
+        if not plan.nans:
+            return None
+        if t.device.type != "cpu":
+            return torch.isnan(t).sum()
+        # Host memory: reading a scalar is not a device synchronisation. A finite norm
+        # (or sum, or max) proves there is no NaN, and the count is skipped.
+        probe = norm if plan.norm else total if plan.total else mx if plan.minmax else None
+        if probe is None or not math.isfinite(probe.item()):
+            return torch.isnan(t).sum()
+        return None
 
     def record(
         self,
