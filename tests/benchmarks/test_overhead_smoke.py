@@ -1,0 +1,22 @@
+"""The overhead benchmark runs end to end in its smoke mode (tiny sizes, one round), so
+that it cannot rot; its numbers are not asserted (ratios are measured, not tested)."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "overhead.py"
+
+
+def test_overhead_benchmark_smoke_mode_prints_every_config():
+    proc = subprocess.run([sys.executable, str(BENCH), "--smoke"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "config" not in line]
+    names = [line.split("|")[1].strip() for line in table]
+    assert names == ["weight_grad", "optimizer", "param", "module (2 layers)", "module (every module)",
+                     "all monitors", "all, step outside window", "all, step_interval 4"]
+    for line in table:
+        ratio = float(line.split("|")[2])
+        assert ratio > 0
+    assert re.search(r"statistics engine, \d+ tensors, .* ratio \d+\.\d+", proc.stdout)
