@@ -152,3 +152,60 @@ def _rank_logs(log_dir: str) -> str:
         if text.strip():
             parts.append(f"--- {path.relative_to(log_dir)} (tail) ---\n{text[-6000:]}")
     return "\n".join(parts) or "(no rank output)"
+
+
+# -------------------------------------------------------------------- msrun launcher
+def run_msrun(script, *args, nproc: int = 2, cwd=None, timeout: int = 240, env=None):
+    """Run ``script`` under MindSpore's ``msrun`` with ``nproc`` local workers (CPU) and
+    fail the test with every rank's log when the job fails.
+
+    msrun starts the workers with the ``python`` found on ``PATH``, so the directory of
+    this interpreter goes first on ``PATH``; each worker's output is in
+    ``<log_dir>/worker_<i>.log``."""
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    log_dir = tempfile.mkdtemp(prefix="msrun_logs_")
+    bin_dir = os.path.dirname(sys.executable)
+    msrun = shutil.which("msrun", path=bin_dir) or shutil.which("msrun")
+    if msrun is None:
+        pytest.skip("msrun (MindSpore) is not installed")
+    cmd = [
+        msrun, f"--worker_num={nproc}", f"--local_worker_num={nproc}", "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}", f"--log_dir={log_dir}", "--join=True", "--cluster_time_out=90",
+        str(script), *map(str, args),
+    ]
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    full_env["PATH"] = bin_dir + os.pathsep + full_env.get("PATH", "")
+    for var in ("RANK", "RANK_ID", "RANK_SIZE", "LOCAL_RANK", "WORLD_SIZE"):
+        full_env.pop(var, None)
+    full_env.update(env or {})
+    proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # msrun and the workers it started (its own session)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"msrun timed out after {timeout}s: {' '.join(cmd)}\n{_msrun_logs(log_dir)}\n{stderr[-4000:]}")
+    if proc.returncode != 0:  # msrun --join=True exits non-zero when a worker fails
+        pytest.fail(
+            f"msrun failed (exit {proc.returncode}): {' '.join(cmd)}\n"
+            f"--- launcher output (tail) ---\n{stdout[-2000:]}\n{stderr[-2000:]}\n{_msrun_logs(log_dir)}"
+        )
+    return proc
+
+
+def _msrun_logs(log_dir: str) -> str:
+    parts = []
+    for path in sorted(Path(log_dir).glob("*.log")):
+        lines = path.read_text(errors="replace").splitlines()
+        # MindSpore's INFO/WARNING lines drown the Python output: keep the rest, then the tail
+        kept = [ln for ln in lines if not ln.startswith(("[INFO]", "[WARNING]"))]
+        text = "\n".join(kept[-150:])
+        if text.strip():
+            parts.append(f"--- {path.name} (tail, without MindSpore INFO/WARNING lines) ---\n{text[-6000:]}")
+    return "\n".join(parts) or "(no rank output)"

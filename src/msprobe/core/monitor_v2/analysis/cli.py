@@ -108,9 +108,9 @@ def _detectors(p: argparse.ArgumentParser) -> None:
         "spikes", "a value is a spike when |value| > median + K * 1.4826 * MAD and |value| > RATIO * median of "
                   "the same tensor's previous WINDOW values on the same rank (the first MIN_HISTORY values of "
                   "each tensor are never flagged)")
-    g.add_argument("--spike-stats", type=_stat_list(("min", "max", "mean", "norm")), default=("norm", "max"),
-                   help="statistics checked for spikes (comma-separated)")
-    g.add_argument("--spike-monitors", type=_monitor_list, default=("module", "weight_grad", "param", "cc"),
+    g.add_argument("--spike-stats", type=_stat_list(("min", "max", "mean", "norm")), default="norm,max",
+                   help="statistics checked for spikes (comma-separated); max is checked as max(|min|,|max|)")
+    g.add_argument("--spike-monitors", type=_monitor_list, default="module,weight_grad,param,cc",
                    help="monitors checked for spikes (optimizer state lags the gradients and grows from zero "
                         "early on: add it explicitly)")
     g.add_argument("--spike-window", type=_positive_int, default=20, help="WINDOW: values of history")
@@ -174,7 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--layer-depth", type=_positive_int, default=None,
                     help="a layer is the first N components of a name (default: up to the first number)")
     pl.add_argument("--max-plots", type=_positive_int, default=48, help="at most this many figures (plus overviews)")
-    pl.add_argument("--lines-per-plot", type=_positive_int, default=10, help="at most this many lines per figure")
+    pl.add_argument("--lines-per-plot", type=_positive_int, default=12,
+                    help="at most this many lines per figure (a layer with more continues in another figure)")
+    pl.add_argument("--module-io", choices=("outputs", "all"), default="outputs",
+                    help="module monitor: draw only output/grad_output rows, or every row")
     pl.add_argument("--yscale", choices=("auto", "linear", "log"), default="auto",
                     help="auto: log when all values are > 0 and span more than 3 decades")
     pl.add_argument("--out", default=None, help="directory for the PNG files and report.html "
@@ -269,7 +272,7 @@ def _run_analysis(args: argparse.Namespace, err: TextIO, visitors=()) -> Report:
     spikes, rank_check = _settings(args)
     return analyse(layout, problems, spikes, rank_check, steps=parse_steps(args.steps),
                    limit=None if args.limit == 0 else args.limit,
-                   progress=True if args.progress else None, visitors=visitors)
+                   progress=True if args.progress else None, visitors=visitors, progress_stream=err)
 
 
 # ----------------------------------------------------------------------- anomaly tables
@@ -427,12 +430,10 @@ def cmd_anomalies(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     lines = [f"msprobe-monitor anomalies {root}"]
     lines += _collected_text(report)[:1]
     first = report.first
-    lines += ["", "FIRST NON-FINITE VALUE (" + ORDER_TEXT + "; over all ranks and monitors)"]
+    lines += ["", "FIRST NON-FINITE VALUE (in execution order, over all ranks and monitors)"]
     if first:
-        lines.append(f"  rank {first['rank']}, step {first['step']}"
-                     + (f", micro_step {first['micro_step']}" if first["micro_step"] is not None else "")
-                     + f", {first['where']}: {first['tensor']} ({first['monitor']}, scope {first['scope']}) "
-                       f"is {first['kind']}")
+        lines.append(f"  rank {first['rank']}, step {first['step']}, {first['where']}: {first['tensor']} "
+                     f"({first['monitor']}, scope {first['scope']}) is {first['kind']}")
         lines.append(f"  values: {_vals(first['values'])}")
         lines.append(f"  at {_where(first, root)}")
     else:
@@ -440,8 +441,12 @@ def cmd_anomalies(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     for title, (headers, rows, note) in anomaly_tables(report, args.limit).items():
         if title.startswith("First non-finite value (NaN"):
             continue
-        if title.startswith("First non-finite value of each") and not rows:
-            continue
+        if title.startswith("First non-finite value of each"):
+            if report.nonfinite_count:
+                lines.append(f"  ({note})")
+            if len(report.layout.ranks) < 2 or not rows:
+                continue
+            note = ""
         lines += ["", title.upper()]
         if note:
             lines.append(f"  ({note})")
@@ -460,7 +465,8 @@ def cmd_plot(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     _import_matplotlib()  # fail early, before reading anything, when matplotlib is missing
     settings = PlotSettings(stat=args.stat, by=args.by, rank=args.rank, match=args.match,
                             max_plots=args.max_plots, lines_per_plot=args.lines_per_plot,
-                            layer_depth=args.layer_depth, out_dir=args.out, embed=args.embed,
+                            layer_depth=args.layer_depth, module_io=args.module_io, out_dir=args.out,
+                            embed=args.embed,
                             html=not args.no_html, yscale=args.yscale)
     if args.match:
         import re
@@ -478,7 +484,7 @@ def cmd_plot(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     spikes, rank_check = _settings(args)
     report = analyse(layout, problems, spikes, rank_check, steps=parse_steps(args.steps),
                      limit=None if args.limit == 0 else args.limit,
-                     progress=True if args.progress else None, visitors=[collector])
+                     progress=True if args.progress else None, visitors=[collector], progress_stream=err)
     out_dir = args.out or os.path.join(layout.root, "analysis_report")
     figures = render(collector, report, out_dir)
     html_path = None
@@ -490,14 +496,14 @@ def cmd_plot(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         data.update(command="plot", plot_dir=os.path.abspath(out_dir),
                     images=[os.path.join(os.path.abspath(out_dir), n) for _, _, n in figures],
                     html=os.path.abspath(html_path) if html_path else None,
-                    omitted_figures=len(collector.omitted_figures))
+                    lines_not_plotted=collector.omitted_lines)
         dump_json(data, out)
         return EXIT_OK
     lines = [f"msprobe-monitor plot {layout.root}: {args.stat} of rank {rank}",
              f"  {len(figures)} image(s) in {out_dir}"]
-    if collector.omitted_figures:
-        lines.append(f"  {len(collector.omitted_figures)} figure(s) not drawn (--max-plots {args.max_plots}); "
-                     f"choose with --match")
+    if collector.omitted_lines:
+        lines.append(f"  {collector.omitted_lines} tensor line(s) not drawn (--max-plots {args.max_plots}); "
+                     f"choose with --match, --monitors or --steps")
     if html_path:
         lines.append(f"  report: {html_path}")
         lines.append(f"  open:   file://{os.path.abspath(html_path)}")
@@ -518,7 +524,8 @@ def cmd_diff(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     lb = scan(args.out_b, ranks=ranks, monitors=monitors, steps=steps)
     settings = DiffSettings(rtol=args.rtol, atol=args.atol, stats=args.stats,
                             top=10 ** 9 if args.limit == 0 else args.limit)
-    rep = diff_runs(la, lb, problems, settings, steps=steps, progress=True if args.progress else None)
+    rep = diff_runs(la, lb, problems, settings, steps=steps, progress=True if args.progress else None,
+                    progress_stream=err)
     code = EXIT_FOUND if rep.differs else EXIT_OK
     only_a, only_b = rep.only_rows
     if args.json:
@@ -539,14 +546,12 @@ def cmd_diff(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
              f"only in B: {only_b}"]
     for note in rep.not_compared:
         lines.append(f"  not compared: {note}")
-    lines += ["", "FIRST DIFFERENCE (" + ORDER_TEXT + ")"]
+    lines += ["", "FIRST DIFFERENCE (in execution order, over all ranks and monitors)"]
     f = rep.first
     if f:
-        lines.append(f"  rank {f['rank']}, step {f['step']}"
-                     + (f", micro_step {f['micro_step']}" if f["micro_step"] is not None else "")
-                     + f", {f['where']}: {f['tensor']} ({f['monitor']}, scope {f['scope']}) {f['stat']}: "
-                       f"A={fmt_num(f['a'], 9)} B={fmt_num(f['b'], 9)} (abs {fmt_num(f['abs_diff'], 3)}, "
-                       f"rel {fmt_num(f['rel_diff'], 3)})")
+        lines.append(f"  rank {f['rank']}, step {f['step']}, {f['where']}: {f['tensor']} ({f['monitor']}, "
+                     f"scope {f['scope']}) {f['stat']}: A={fmt_num(f['a'], 9)} B={fmt_num(f['b'], 9)} "
+                     f"(abs {fmt_num(f['abs_diff'], 3)}, rel {fmt_num(f['rel_diff'], 3)})")
         lines.append(f"  A: {_where(f, la.root, 'file_a', 'line_a')}   B: {_where(f, lb.root, 'file_b', 'line_b')}")
     else:
         lines.append("  none within the tolerance")

@@ -33,13 +33,12 @@ that replicate each other (``--rank-groups``). Ranks are compared in chunks of a
 ``CHUNK`` ranks, each including the group's lowest rank, to bound memory.
 """
 
-import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, TextIO, Tuple
 
 from .order import OrderKey, order_key, where
-from .reader import MONITORS, CsvFile, Layout, Problems, Row, StepRange, iter_rows
+from .reader import MONITORS, OPS, CsvFile, Layout, Problems, Row, StepRange, iter_rows
 from .text import Progress
 
 INF = float("inf")
@@ -204,7 +203,8 @@ RowVisitor = Callable[[int, str, Row, CsvFile], None]
 
 def analyse(layout: Layout, problems: Problems, spikes: SpikeSettings, rank_check: RankCheckSettings,
             steps: Optional[StepRange] = None, limit: Optional[int] = 50,
-            progress: Optional[bool] = None, visitors: Sequence[RowVisitor] = ()) -> Report:
+            progress: Optional[bool] = None, visitors: Sequence[RowVisitor] = (),
+            progress_stream: Optional[TextIO] = None) -> Report:
     """Stream every file of ``layout`` once (plus a second read of the rank-checked files
     when there are several ranks) and return the :class:`Report`."""
     collected: Dict[str, Collected] = {m: Collected() for m in layout.monitors}
@@ -218,7 +218,7 @@ def analyse(layout: Layout, problems: Problems, spikes: SpikeSettings, rank_chec
     do_rank_check = rank_check.enabled and len(layout.ranks) > 1
     checked_files = sum(len(layout.files_of(r, m)) for r in layout.ranks for m in RANK_CHECKED_MONITORS)
     total = layout.n_files + (checked_files if do_rank_check else 0)
-    prog = Progress(total, "reading", enabled=progress)
+    prog = Progress(total, "reading", enabled=progress, stream=progress_stream)
     window, min_hist, mad_k, ratio = spikes.window, spikes.min_history, spikes.mad_k, spikes.ratio
 
     for rank in layout.ranks:
@@ -234,9 +234,8 @@ def analyse(layout: Layout, problems: Problems, spikes: SpikeSettings, rank_chec
             history: Dict[Tuple[str, str], Dict[str, deque]] = {}
 
             def on_header(ops: Tuple[str, ...], col: Collected = col) -> None:
-                for op in ops:
-                    if op not in col.ops:
-                        col.ops.append(op)
+                if any(op not in col.ops for op in ops):
+                    col.ops[:] = [op for op in OPS if op in col.ops or op in ops]
 
             for f in files:
                 n_files += 1

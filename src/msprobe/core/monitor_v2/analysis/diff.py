@@ -10,7 +10,7 @@ entry per tensor (its worst step).
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple
 
 from .detect import Block, merge_steps, step_blocks
 from .order import OrderKey, order_key, where
@@ -50,7 +50,7 @@ class DiffReport:
     first_key: Optional[OrderKey] = None
     first_only: Optional[Dict[str, Any]] = None
     first_only_key: Optional[OrderKey] = None
-    largest: Dict[Tuple, Dict[str, Any]] = field(default_factory=dict)
+    largest: Dict[Tuple, Tuple[float, float, OrderKey, Dict[str, Any]]] = field(default_factory=dict)
     not_compared: List[str] = field(default_factory=list)
 
     @property
@@ -71,8 +71,9 @@ class DiffReport:
         return bool(self.differing_rows or sum(self.only_rows) or self.not_compared)
 
     def top(self) -> List[Dict[str, Any]]:
-        items = sorted(self.largest.values(), key=lambda d: (-_sortable(d["rel_diff"]), -_sortable(d["abs_diff"])))
-        return items[: self.settings.top]
+        """Largest relative difference first; ties (e.g. NaN against a number) in execution order."""
+        items = sorted(self.largest.values(), key=lambda t: (-t[0], -t[1], t[2]))
+        return [t[3] for t in items[: self.settings.top]]
 
 
 def _sortable(x: float) -> float:
@@ -101,7 +102,8 @@ def _chain(files: Sequence[CsvFile], problems: Problems, steps: Optional[StepRan
 
 
 def diff_runs(a: Layout, b: Layout, problems: Problems, settings: DiffSettings,
-              steps: Optional[StepRange] = None, progress: Optional[bool] = None) -> DiffReport:
+              steps: Optional[StepRange] = None, progress: Optional[bool] = None,
+              progress_stream: Optional[TextIO] = None) -> DiffReport:
     report = DiffReport(a, b, settings)
     ranks = [r for r in a.ranks if r in b.files]
     for r in a.ranks:
@@ -119,7 +121,7 @@ def diff_runs(a: Layout, b: Layout, problems: Problems, settings: DiffSettings,
             elif fa or fb:
                 report.not_compared.append(f"rank {r} {m} only in {'A' if fa else 'B'}")
     total = sum(len(fa) + len(fb) for _, _, fa, fb in pairs)
-    prog = Progress(total, "comparing", enabled=progress)
+    prog = Progress(total, "comparing", enabled=progress, stream=progress_stream)
     for rank, monitor, fa, fb in pairs:
         md = report.per_monitor.setdefault(monitor, MonitorDiff())
         streams = {"a": _chain(fa, problems, steps, False, prog), "b": _chain(fb, problems, steps, False, prog)}
@@ -185,8 +187,8 @@ def _compare_rows(report: DiffReport, md: Any, rank: int, monitor: str, ra: Row,
     tkey = (rank, monitor, ra.name, ra.scope, ra.micro)
     rd, ad, op = worst
     prev = report.largest.get(tkey)
-    if prev is None or (rd, ad) > (_sortable(prev["rel_diff"]), _sortable(prev["abs_diff"])):
-        report.largest[tkey] = _entry(rank, monitor, ra, rb, op, fa, fb)
+    if prev is None or (rd, ad) > (prev[0], prev[1]):
+        report.largest[tkey] = (rd, ad, key, _entry(rank, monitor, ra, rb, op, fa, fb))
 
 
 def _entry(rank: int, monitor: str, ra: Row, rb: Row, op: str, fa: Sequence[CsvFile],

@@ -9,11 +9,15 @@ Figures (for one rank, default the lowest):
 - one figure per (monitor, scope, layer) with a line per tensor (``--by layer``), or
   per (monitor, tensor) with a line per scope (``--by tensor``). A layer is the tensor
   name up to its first numeric component (``blocks.3`` of ``blocks.3.mlp.fc.weight``),
-  else its first component; ``--layer-depth N`` takes the first N components instead.
+  else the group ``top level`` (embeddings, final norm, the root module);
+  ``--layer-depth N`` takes the first N components instead.
 
-Memory stays bounded: only the series of the first ``max_plots`` figures (with at most
-``lines_per_plot`` lines each) are kept, in order of first appearance; the rest are
-counted and listed as omitted. ``--match`` selects tensors by regular expression.
+A group with more than ``lines_per_plot`` tensors continues in a second figure, and so
+on. Memory stays bounded: only the series of the first ``max_plots`` figures are kept,
+in order of first appearance; the rest are counted and listed as not plotted.
+``--match`` selects tensors by regular expression. For the ``module`` monitor only
+``output`` (forward) and ``grad_output`` (backward) rows are drawn by default (a
+module's input is the previous module's output); ``--module-io all`` draws every row.
 
 Non-finite values are drawn as red crosses at the top of the axes, the rank's first
 non-finite step as a red dashed line, detected spikes as orange circles.
@@ -27,7 +31,7 @@ import html
 import os
 import re
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -46,7 +50,8 @@ class PlotSettings:
     rank: Optional[int] = None
     match: Optional[str] = None
     max_plots: int = 48
-    lines_per_plot: int = 10
+    lines_per_plot: int = 12
+    module_io: str = "outputs"  # or "all"
     layer_depth: Optional[int] = None
     out_dir: Optional[str] = None
     embed: bool = False
@@ -66,14 +71,25 @@ def tensor_base(monitor: str, name: str, scope: str) -> str:
     return name
 
 
+TOP_LEVEL = "top level"
+
+
 def layer_of(base: str, depth: Optional[int]) -> str:
+    """``blocks.3.mlp.fc`` -> ``blocks.3``; a name without a numeric component (embeddings,
+    final norm, the root module) -> ``"top level"``; ``depth``: the first N components."""
     parts = base.split(".")
     if depth is not None:
         return ".".join(parts[:depth])
     for i, p in enumerate(parts):
         if _NUM.match(p) and i > 0:
             return ".".join(parts[: i + 1])
-    return parts[0]
+    return TOP_LEVEL
+
+
+def module_io(name: str) -> str:
+    """``input``/``output``/``grad_input``/``grad_output`` of a module row name."""
+    parts = name.rsplit(".", 2)
+    return parts[1] if len(parts) == 3 else ""
 
 
 class Series:
@@ -82,6 +98,9 @@ class Series:
     def __init__(self) -> None:
         self.steps = array("d")
         self.values = array("d")
+
+
+_DROPPED = Series()  # marks a line that did not fit in the --max-plots budget
 
 
 class _Agg:
@@ -103,9 +122,10 @@ class PlotCollector:
         self.overview: Dict[str, Dict[str, Dict[int, _Agg]]] = {}
         self.figures: Dict[Tuple[str, ...], Dict[str, Series]] = {}
         self.fig_order: List[Tuple[str, ...]] = []
-        self.omitted_figures: Dict[Tuple[str, ...], None] = {}
+        self.omitted_figures: Dict[Tuple[str, ...], None] = {}  # groups with at least one line left out
         self.omitted_lines = 0
-        self.files: Dict[str, int] = {}
+        self.parts: Dict[Tuple[str, ...], int] = {}
+        self.where: Dict[Tuple[Tuple[str, ...], str], Series] = {}
 
     def __call__(self, rank: int, monitor: str, row: Row, f: CsvFile) -> None:
         if rank != self.rank:
@@ -129,28 +149,35 @@ class PlotCollector:
         # detail
         if self.regex is not None and not self.regex.search(row.name):
             return
+        if monitor == "module" and self.s.module_io == "outputs" and \
+                module_io(row.name) not in ("output", "grad_output"):
+            return
         base = tensor_base(monitor, row.name, row.scope)
         if self.s.by == "tensor":
-            fig_key: Tuple[str, ...] = (monitor, base)
+            group: Tuple[str, ...] = (monitor, base)
             line = row.scope + micro_label
         else:
-            fig_key = (monitor, row.scope, layer_of(base, self.s.layer_depth))
+            group = (monitor, row.scope, layer_of(base, self.s.layer_depth))
             line = row.name + micro_label
-        fig = self.figures.get(fig_key)
-        if fig is None:
-            if len(self.figures) >= self.s.max_plots:
-                self.omitted_figures.setdefault(fig_key, None)
-                return
-            fig = self.figures[fig_key] = {}
-            self.fig_order.append(fig_key)
-        series = fig.get(line)
+        series = self.where.get((group, line))
         if series is None:
-            if len(fig) >= self.s.lines_per_plot:
-                self.omitted_lines += 1
-                fig.setdefault("\0omitted", Series())
-                return
+            # the group's last figure, or a new one (part 2, 3, ...) when it is full
+            part = self.parts.get(group, 0)
+            fig = self.figures.get(group + (str(part),)) if part else None
+            if fig is None or len(fig) >= self.s.lines_per_plot:
+                fig_key = group + (str(part + 1),)
+                if len(self.figures) >= self.s.max_plots:
+                    if len(self.omitted_figures) < 10000:
+                        self.omitted_figures.setdefault(group, None)
+                    self.omitted_lines += 1
+                    self.where[(group, line)] = _DROPPED
+                    return
+                fig = self.figures[fig_key] = {}
+                self.fig_order.append(fig_key)
+                self.parts[group] = part + 1
             series = fig[line] = Series()
-        elif line == "\0omitted":
+            self.where[(group, line)] = series
+        elif series is _DROPPED:
             return
         series.steps.append(row.step)
         series.values.append(v)
@@ -203,6 +230,11 @@ def _draw(path: str, title: str, lines: List[Tuple[str, List[float], List[float]
     fig = Figure(figsize=(9.0, 3.8), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
+    if len(lines) > 10:  # more lines than the default 10 colours
+        import matplotlib
+
+        tab20 = matplotlib.colormaps["tab20"]
+        ax.set_prop_cycle(color=[tab20(i) for i in range(20)])
     finite_all: List[float] = []
     bad_steps: List[float] = []
     for label, steps, values in lines:
@@ -256,11 +288,13 @@ def render(collector: PlotCollector, report: Report, out_dir: str) -> List[Tuple
     rank = collector.rank
     first = report.first_nonfinite.get(rank)
     first_bad = first[1]["step"] if first else None
-    spikes_by: Dict[Tuple[str, str, str], List[Tuple[str, int, float]]] = {}
+    # spikes of the plotted statistic on this rank: (monitor, scope, tensor, micro_step) -> steps
+    plotted = {"max": "absmax"}.get(s.stat, s.stat)
+    spike_steps: Dict[Tuple[str, str, str, Optional[int]], set] = {}
     for sp in report.spikes.items():
-        if sp["rank"] == rank and sp["stat"] == s.stat:
-            spikes_by.setdefault((sp["monitor"], sp["scope"], sp["tensor"]), []).append(
-                (sp["tensor"], sp["step"], sp["value"]))
+        if sp["rank"] == rank and plotted in sp["stats"]:
+            micro = sp["micro_step"] if (sp["monitor"] == "weight_grad" and sp["scope"] == "unreduced") else None
+            spike_steps.setdefault((sp["monitor"], sp["scope"], sp["tensor"], micro), set()).add(sp["step"])
     made: List[Tuple[str, str, str]] = []
     n = 0
     for monitor in MONITORS:
@@ -284,35 +318,38 @@ def render(collector: PlotCollector, report: Report, out_dir: str) -> List[Tuple
 
     def fig_sort(item: Tuple[int, Tuple[str, ...]]) -> Tuple[int, int, int]:
         i, key = item
-        if s.by == "tensor":
-            return (MONITORS.index(key[0]) if key[0] in MONITORS else 99, 0, i)
-        return (MONITORS.index(key[0]) if key[0] in MONITORS else 99, scope_rank[(key[0], key[1])], i)
+        m = MONITORS.index(key[0]) if key[0] in MONITORS else 99
+        return (m, 0, i) if s.by == "tensor" else (m, scope_rank[(key[0], key[1])], i)
 
     for _, key in sorted(enumerate(collector.fig_order), key=fig_sort):
         series = collector.figures[key]
-        monitor = key[0]
-        lines = []
+        monitor, group, part = key[0], key[:-1], int(key[-1])
+        lines = [(label, list(ser.steps), list(ser.values)) for label, ser in series.items()]
         marks: List[Tuple[str, int, float]] = []
         for label, ser in series.items():
-            if label == "\0omitted":
-                continue
-            lines.append((label, list(ser.steps), list(ser.values)))
+            if s.by == "tensor":
+                scope, _, mb = label.partition(" mb")
+                tensor_of = [(t, sc) for (m, sc, t, _m) in spike_steps if m == monitor and sc == scope
+                             and tensor_base(m, t, sc) == key[1]]
+                names = [t for t, _ in tensor_of]
+            else:
+                scope = key[1]
+                tensor, _, mb = label.partition(" mb")
+                names = [tensor]
+            micro = int(mb) if mb else None
+            for tensor in names:
+                hit = spike_steps.get((monitor, scope, tensor, micro))
+                if hit:
+                    marks.extend((label, st, v) for st, v in zip(ser.steps, ser.values) if int(st) in hit)
         if s.by == "tensor":
-            base = key[1]
-            title = f"{monitor} {base}: {s.stat} (rank {rank})"
-            for (m, scope, tensor), pts in spikes_by.items():
-                if m == monitor and tensor_base(m, tensor, scope) == base:
-                    marks.extend(pts)
+            title = f"{monitor} {key[1]}: {s.stat} (rank {rank})"
         else:
-            scope, layer = key[1], key[2]
-            title = f"{monitor} {scope}, {layer}: {s.stat} (rank {rank})"
-            for (m, sc, tensor), pts in spikes_by.items():
-                if m == monitor and sc == scope and tensor in {lb.split(" mb")[0] for lb, _, _ in lines}:
-                    marks.extend(pts)
-        if "\0omitted" in series:
-            title += f" [more tensors than --lines-per-plot {s.lines_per_plot}]"
+            layer = key[2]
+            title = f"{monitor} {key[1]}, {layer}: {s.stat} (rank {rank})"
+        if collector.parts.get(group, 1) > 1:
+            title += f" ({part}/{collector.parts[group]})"
         n += 1
-        name = f"{n:03d}_{_slug('_'.join(key))}.png"
+        name = f"{n:03d}_{_slug('_'.join(key[:-1]))}" + (f"_{part}" if part > 1 else "") + ".png"
         _draw(os.path.join(out_dir, name), title, lines, s.stat, s.yscale, first_bad, marks)
         made.append((monitor, title, name))
     return made
@@ -385,12 +422,12 @@ def write_html(path: str, report: Report, collector: PlotCollector, figures: Lis
             src = html.escape(name)
         parts.append(f"<figure><img src=\"{src}\" alt=\"{html.escape(title)}\">"
                      f"<figcaption>{html.escape(title)}</figcaption></figure>")
-    if collector.omitted_figures or collector.omitted_lines:
+    if collector.omitted_lines:
         shown = list(collector.omitted_figures)[:30]
         parts.append("<h2>Not plotted</h2><p class='meta'>"
-                     f"{len(collector.omitted_figures)} figure(s) beyond --max-plots {collector.s.max_plots}"
-                     f" and {collector.omitted_lines} point(s) of lines beyond --lines-per-plot; use --match "
-                     "to choose tensors. First omitted: "
+                     f"{collector.omitted_lines} tensor line(s) of {len(collector.omitted_figures)} group(s) did "
+                     f"not fit in --max-plots {collector.s.max_plots} figures; choose with --match, --monitors or "
+                     "--steps, or raise --max-plots. Groups: "
                      + html.escape(", ".join(" ".join(k) for k in shown)) + "</p>")
     parts.append("</body></html>")
     with open(path, "w", encoding="utf-8") as fh:

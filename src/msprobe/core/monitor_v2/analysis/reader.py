@@ -351,7 +351,10 @@ def iter_rows(f: CsvFile, problems: Problems, steps: Optional[StepRange] = None,
                 micro = int(cells[4]) if with_micro else None
                 vals = {op: (int(cells[i]) if op == "nans" else float(cells[i])) for op, i in op_cols}
             except ValueError:
-                problems.report(path, line, _value_message(cells, header, with_micro, op_cols))
+                if [c.strip() for c in cells[:4]] == list(BASE_COLUMNS):
+                    problems.report(path, line, _second_header(cells))
+                else:
+                    problems.report(path, line, _value_message(cells, header, with_micro, op_cols))
                 continue
             if not a <= step <= b:
                 problems.report(path, line, f"step {step} is outside this file's steps {a}-{b} "
@@ -366,10 +369,14 @@ def _column_count_message(cells: List[str], header: List[str], ncol: int) -> str
     if not cells or cells == [""]:
         return "empty line"
     if [c.strip() for c in cells[:4]] == list(BASE_COLUMNS):
-        return (f"a second header line {','.join(cells)!r} (files concatenated, or a run with another "
-                f"config appended to this file?)")
+        return _second_header(cells)
     return (f"{len(cells)} fields where the header ({','.join(header)}) has {ncol} (mixed versions: a run "
             f"with other ops or another version appended to this file?)")
+
+
+def _second_header(cells: List[str]) -> str:
+    return (f"a second header line {','.join(cells)!r} (files concatenated, or a run with another "
+            f"config or version appended to this file?)")
 
 
 def _value_message(cells: List[str], header: List[str], with_micro: bool,

@@ -4,7 +4,7 @@ import json
 import math
 import sys
 import time
-from typing import Any, List, Optional, Sequence, TextIO
+from typing import Any, Optional, Sequence, TextIO
 
 
 def fmt_num(value: Any, digits: int = 6) -> str:

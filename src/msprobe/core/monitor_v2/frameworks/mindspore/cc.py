@@ -12,8 +12,9 @@ Wrapped (and restored by ``stop()``):
   ``__call__``, which is how ``nn.DistributedGradReducer`` and Cells call them in
   PyNative mode. ``pre`` rows are the primitive's inputs, ``post`` rows its outputs.
 
-Asynchronous calls (``async_op=True``) are read when the step ends, by which time the
-training code has waited for them; MindSpore's handles offer no completion callback.
+Asynchronous calls (``async_op=True``): MindSpore's handles offer no completion
+callback, so the caller gets the handle inside a stand-in whose ``wait()`` records the
+results as soon as they are ready; a handle nobody waited on is read when the step ends.
 """
 
 import inspect
@@ -69,11 +70,42 @@ def _is_tensor(x: Any) -> bool:
     return isinstance(x, ms.Tensor)
 
 
+class _Once:
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn = fn
+        self.done = False
+
+    def __call__(self) -> None:
+        if not self.done:
+            self.done = True
+            self._fn()
+
+
+class _RecordingHandle:
+    """Stands in for an async communication handle: ``wait()`` waits, then records."""
+
+    def __init__(self, inner: Any, notify: _Once) -> None:
+        self._inner = inner
+        self._notify = notify
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._inner.wait(*args, **kwargs)
+        self._notify()
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _is_handle(x: Any) -> bool:
+    return callable(getattr(x, "wait", None)) and not isinstance(x, ms.Tensor)
+
+
 class MsCommMonitor(CommMonitorBase):
     framework_dirs = (_MS_DIR,)
 
     def attach(self) -> None:
-        self._pending: List[Callable[[], None]] = []
+        self._pending: List[_Once] = []
         self._signatures: Dict[int, inspect.Signature] = {}
         self._kinds: Dict[str, str] = {}
         super().attach()
@@ -129,12 +161,15 @@ class MsCommMonitor(CommMonitorBase):
         return flatten_tensors(result, _is_tensor)
 
     def when_done(self, op, result, callback):
+        notify = _Once(callback)
         with self._lock:
-            self._pending.append(callback)
-        return result
+            self._pending.append(notify)
+        if isinstance(result, tuple):  # comm_func: (output, handle)
+            return tuple(_RecordingHandle(x, notify) if _is_handle(x) else x for x in result)
+        return _RecordingHandle(result, notify) if _is_handle(result) else result
 
     def poll_pending(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
-        for callback in pending:
-            callback()
+        for notify in pending:
+            notify()

@@ -2,9 +2,11 @@
 and backward hooks (``grad_input``/``grad_output``), with the tags, root name and
 aggregation of the PyTorch monitor."""
 
-from typing import Any, List, Sequence, Tuple
+import inspect
+from typing import Any, Dict, List, Sequence, Tuple
 
 import mindspore as ms
+from mindspore import nn
 
 from ...monitor import Monitor, remove_all
 from ...stats import Record, StatPlan
@@ -13,6 +15,9 @@ from ...structure import flatten_tensors
 import logging
 
 logger = logging.getLogger("msprobe.monitor_v2")
+
+# Keyword arguments reach forward hooks only with with_kwargs (MindSpore >= 2.5 or so).
+_KWARGS = "with_kwargs" in inspect.signature(nn.Cell.register_forward_pre_hook).parameters
 
 
 def _is_tensor(x: Any) -> bool:
@@ -49,13 +54,13 @@ class MsModuleMonitor(Monitor):
             self._records.append(engine.record(t, self.plan, vpp, f"{tag}.{kind}.{i}", scope))
 
     def _hook(self, cell: Any, vpp: int, tag: str) -> None:
-        def pre(c: Any, inputs: Tuple) -> None:
+        def pre(c: Any, inputs: Tuple, kwargs: Dict = None) -> None:
             if self.active:
-                self._emit(inputs, vpp, tag, "input", "forward")
+                self._emit((inputs, kwargs or {}), vpp, tag, "input", "forward")
 
-        def post(c: Any, inputs: Tuple, output: Any) -> None:
-            if self.active:
-                self._emit(output, vpp, tag, "output", "forward")
+        def post(c: Any, inputs: Tuple, *rest: Any) -> None:
+            if self.active:  # (kwargs, output) with with_kwargs, else (output,)
+                self._emit(rest[-1], vpp, tag, "output", "forward")
 
         def backward(c: Any, grad_input: Tuple, grad_output: Tuple) -> None:
             if self.active:
@@ -63,8 +68,9 @@ class MsModuleMonitor(Monitor):
                 self._emit_indexed(grad_output, vpp, tag, "grad_output")
 
         wrap = self.errors.wrap
-        self._handles.append(cell.register_forward_pre_hook(wrap(f"module forward pre-hook of {tag}", pre)))
-        self._handles.append(cell.register_forward_hook(wrap(f"module forward hook of {tag}", post)))
+        extra = {"with_kwargs": True} if _KWARGS else {}
+        self._handles.append(cell.register_forward_pre_hook(wrap(f"module forward pre-hook of {tag}", pre), **extra))
+        self._handles.append(cell.register_forward_hook(wrap(f"module forward hook of {tag}", post), **extra))
         self._handles.append(cell.register_backward_hook(wrap(f"module backward hook of {tag}", backward)))
 
     def _emit_indexed(self, grads: Any, vpp: int, tag: str, kind: str) -> None:

@@ -7,12 +7,11 @@ dtype. Low-precision and integer tensors are cast to fp32 first (MindSpore's CPU
 reductions have no bf16 kernels), a temporary freed at once.
 
 MindSpore's CPU ``min``/``max`` skip NaN; the NaN count is therefore also taken when
-``min``/``max`` are asked for and the tensor is not finite, and the host side reports
-NaN min/max for any tensor that holds a NaN. On the CPU the finiteness probe reads host
-memory (no synchronisation); on other devices the count is always computed on device.
+``min``/``max`` are asked for, and the host side reports NaN min/max for any tensor that
+holds a NaN. The count is always computed on the device: PyNative may run operators
+asynchronously, so reading a probe value back in a hook could wait for the device.
 """
 
-import math
 from collections import defaultdict
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -24,17 +23,9 @@ from ...stats import EMPTY_VECTOR, Record, StatPlan
 _FLOATS = (ms.float32, ms.float64)
 
 
-def _on_cpu() -> bool:
-    try:
-        return ms.get_context("device_target") == "CPU"
-    except Exception:  # noqa: BLE001
-        return True
-
-
 class MsStatsEngine:
     def __init__(self) -> None:
         self._zeros: Dict[object, ms.Tensor] = {}
-        self._cpu = _on_cpu()
 
     def _zero(self, dtype) -> ms.Tensor:
         z = self._zeros.get(dtype)
@@ -51,14 +42,7 @@ class MsStatsEngine:
         total = t.sum() if plan.total else zero
         norm = ops.norm(t.reshape(-1)) if plan.norm else zero
         vector = ops.stack((mn, mx, total, norm))
-        nans = None
-        if plan.nans or plan.minmax:
-            if self._cpu:
-                probe = norm if plan.norm else total if plan.total else None
-                if probe is None or not math.isfinite(float(probe.asnumpy())):
-                    nans = ops.isnan(t).sum()
-            else:
-                nans = ops.isnan(t).sum()
+        nans = ops.isnan(t).sum() if (plan.nans or plan.minmax) else None
         return vector, nans
 
     def record(self, t: ms.Tensor, plan: StatPlan, vpp_stage: int, name: str, scope: str,

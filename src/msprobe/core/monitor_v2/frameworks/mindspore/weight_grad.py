@@ -2,11 +2,15 @@
 
 ``unreduced``: a hook on each parameter (``Parameter.register_hook``) receives the
 gradient of one backward pass (``value_and_grad``), before any data-parallel
-reduction. With ``monitor_mbs_grad=true`` each pass is one row. With
-``monitor_mbs_grad=false`` the row must hold the step's accumulated gradient, which in
-MindSpore lives in the user's own variables: the monitor keeps a running sum (for a
-single micro-batch, just a reference to the gradient; from the second micro-batch on,
-one gradient-sized temporary per parameter until the optimizer step).
+reduction, and statistics are taken right there (so later in-place edits of the
+gradient do not leak into the row). With ``monitor_mbs_grad=true`` each pass is one
+row. With ``monitor_mbs_grad=false`` the row must hold the step's accumulated
+gradient, which in MindSpore lives in the user's own variables: with one announced
+micro-batch the hook's gradient is that row; with ``N > 1`` announced, the monitor keeps
+a running sum (one gradient-sized buffer per parameter, on written steps, until the
+step ends) and reads it after the N-th pass and after any later one. If a step runs
+more passes than announced with ``N == 1``, the row holds the last pass only (logged
+once): announce ``grad_acc_steps``.
 
 ``reduced``: the gradients passed to the optimizer (``optimizer(grads)``), read by a
 forward pre-hook on the optimizer, i.e. after ``DistributedGradReducer``.
@@ -15,9 +19,13 @@ forward pre-hook on the optimizer, i.e. after ``DistributedGradReducer``.
 import functools
 from typing import Any, Dict, List, Tuple
 
+import logging
+
 from ...config import resolve_micro_batches
 from ...monitor import Monitor, remove_all
 from ...stats import Record, StatPlan
+
+logger = logging.getLogger("msprobe.monitor_v2")
 
 
 class MsWeightGradMonitor(Monitor):
@@ -32,6 +40,7 @@ class MsWeightGradMonitor(Monitor):
         self.params = self.session.model_params() or [
             i for i in self.session.optimizer_params() if i.param.requires_grad]
         self._handles: List[Any] = []
+        self._warned_extra = False
         self._reset()
         for info in self.params:
             hook = self.errors.wrap("weight_grad unreduced hook", functools.partial(self._on_grad, info))
@@ -52,24 +61,28 @@ class MsWeightGradMonitor(Monitor):
             return
         n = self._passes.get(info.index, 0) + 1
         self._passes[info.index] = n
+        engine = self.session.engine
         if self.per_micro_batch:
-            self._unreduced[(info.index, n)] = self.session.engine.record(
-                grad, self.plan, info.vpp_stage, info.name, "unreduced", n)
+            self._unreduced[(info.index, n)] = engine.record(grad, self.plan, info.vpp_stage, info.name, "unreduced", n)
+            return
+        if self.micro_batches == 1:
+            if n > 1 and not self._warned_extra:
+                self._warned_extra = True
+                logger.warning("monitor_v2 weight_grad: step %d ran %d backward passes but grad_acc_steps / "
+                               "micro_batch_number is 1; MindSpore's accumulated gradient cannot be rebuilt, so "
+                               "'unreduced' holds the last pass. Announce the number of micro-batches. Logged once.",
+                               self.step, n)
+            total = grad
         else:
             prev = self._sums.get(info.index)
-            self._sums[info.index] = grad if prev is None else prev + grad
-
-    def _read_sums(self) -> None:
-        for index, total in self._sums.items():
-            info = self.session.params[index]
-            self._unreduced[(index, 0)] = self.session.engine.record(
-                total, self.plan, info.vpp_stage, info.name, "unreduced")
-        self._sums.clear()
+            total = self._sums[info.index] = grad.copy() if prev is None else prev + grad
+        if n >= self.micro_batches:
+            self._unreduced[(info.index, 0)] = engine.record(total, self.plan, info.vpp_stage, info.name, "unreduced")
 
     def before_optimizer_step(self) -> None:
         if not self.active:
             return
-        self._read_sums()
+        self._read_short_sums()
         grads = self.session.current_grads
         if grads is None:
             return
@@ -78,8 +91,16 @@ class MsWeightGradMonitor(Monitor):
         tensors, keys = self.session.expand(items, "reduced")
         self._reduced = self.session.engine.record_many(tensors, self.plan, keys)
 
+    def _read_short_sums(self) -> None:
+        """Parameters that got fewer passes than announced: their sum so far."""
+        for index, total in self._sums.items():
+            if (index, 0) not in self._unreduced:
+                info = self.session.params[index]
+                self._unreduced[(index, 0)] = self.session.engine.record(
+                    total, self.plan, info.vpp_stage, info.name, "unreduced")
+
     def collect(self) -> List[Record]:
-        self._read_sums()
+        self._read_short_sums()
         micro = max(self._passes.values(), default=0) or self.micro_batches
         records = []
         for (_, mb), rec in sorted(self._unreduced.items(), key=lambda kv: kv[0]):
