@@ -3,8 +3,8 @@
 optimizer: the Adam family's first/second moments are reported as
 ``<param>.exp_avg`` / ``<param>.exp_avg_sq`` whatever the MindSpore attribute is called
 (``nn.Adam`` ``moment1``/``moment2``, ``nn.AdamWeightDecay`` ``moments1``/``moments2``,
-``mint.optim.AdamW`` ``exp_avg``/``exp_avg_sq``); ``nn.Momentum``'s state keeps its own
-name (``moments``). Values are compared with NumPy copies of the state read right after
+``mint.optim.AdamW`` ``exp_avg``/``exp_avg_sq``); ``nn.Momentum``'s ``moments`` is
+reported as PyTorch's ``momentum_buffer``. Values are compared with NumPy copies of the state read right after
 each ``optimizer(grads)``.
 
 param: ``param_origin`` / ``param_updated`` against NumPy copies taken right before and
@@ -51,7 +51,7 @@ OPTIMIZERS = {
     "nn.AdamWeightDecay": (lambda ps: nn.AdamWeightDecay(ps, learning_rate=0.01, weight_decay=0.1),
                            {"moments1": "exp_avg", "moments2": "exp_avg_sq"}),
     "mint.optim.AdamW": (lambda ps: CpuMintAdamW(ps, lr=0.01), {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}),
-    "nn.Momentum": (lambda ps: nn.Momentum(ps, learning_rate=0.05, momentum=0.9), {"moments": "moments"}),
+    "nn.Momentum": (lambda ps: nn.Momentum(ps, learning_rate=0.05, momentum=0.9), {"moments": "momentum_buffer"}),
 }
 
 

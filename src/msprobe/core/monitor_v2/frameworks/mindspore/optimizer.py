@@ -3,9 +3,11 @@
 Optimizer state lives in ``ParameterTuple`` attributes aligned with
 ``optimizer.parameters``: ``nn.Adam`` ``moment1``/``moment2``, ``nn.AdamWeightDecay``
 ``moments1``/``moments2``, ``mint.optim.AdamW`` ``exp_avg``/``exp_avg_sq``; these are
-reported as ``exp_avg``/``exp_avg_sq`` like PyTorch's Adam. Any other per-parameter
-tuple (``nn.Momentum`` ``moments``, ``nn.SGD`` ``accum``...) is reported under its own
-name.
+reported as ``exp_avg``/``exp_avg_sq`` like PyTorch's Adam. Momentum buffers
+(``nn.Momentum`` ``moments``, ``nn.SGD`` ``accum``) are reported as PyTorch's
+``momentum_buffer``; ``nn.SGD``'s ``stat`` (a first-step flag, not state of the
+parameter's values) is left out. Any other per-parameter tuple is reported under its
+own name.
 """
 
 from typing import Any, List
@@ -15,8 +17,9 @@ from mindspore import ParameterTuple
 from ...monitor import Monitor
 from ...stats import Record, StatPlan
 
-_ALIASES = {"moment1": "exp_avg", "moments1": "exp_avg", "moment2": "exp_avg_sq", "moments2": "exp_avg_sq"}
-_NOT_STATE = {"parameters", "_parameters", "params", "param_groups"}
+_ALIASES = {"moment1": "exp_avg", "moments1": "exp_avg", "moment2": "exp_avg_sq", "moments2": "exp_avg_sq",
+            "moments": "momentum_buffer", "accum": "momentum_buffer"}
+_NOT_STATE = {"parameters", "_parameters", "params", "param_groups", "stat"}
 
 
 def optimizer_states(optimizer: Any, n_params: int) -> List[tuple]:
