@@ -10,7 +10,7 @@ work in its hooks when ``active`` is false.
 
 import functools
 import logging
-from typing import Any, Callable, ClassVar, List, Mapping, Set
+from typing import Any, Callable, ClassVar, List, Mapping, Sequence, Set, Tuple
 
 from .config import MonitorSettings
 from .stats import Record
@@ -60,6 +60,7 @@ class Monitor:
         self.errors = errors
         self.active = False
         self.step = 0
+        self._records: List[Record] = []  # what the hooks gathered during the current step
 
     @property
     def context(self) -> Mapping[str, Any]:
@@ -80,10 +81,40 @@ class Monitor:
 
     def collect(self) -> List[Record]:
         """Records of the current step (device vectors); resets the step's state."""
-        return []
+        records, self._records = self._records, []
+        return records
 
     def detach(self) -> None:
         """Remove everything ``attach()`` installed. Called once by ``stop()``."""
+
+
+def select_modules(
+    named: List[Tuple[int, str, Any]], targets: Sequence[str], qualify: Callable[[int, str], str]
+) -> List[Tuple[int, str, Any]]:
+    """``(vpp_stage, tag, module)`` of the modules the ``targets`` select.
+
+    ``named`` is ``(vpp_stage, name, module)`` for every module of every chunk, in
+    order; a module reachable under two names is taken once, under the first. The root
+    (empty name) is named after its class. A target selects a module when it is a
+    substring of the tag; targets that select nothing are logged once with example names.
+    """
+    selected, matched, seen = [], set(), set()
+    for vpp, name, module in named:
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        tag = qualify(vpp, name or type(module).__name__)
+        hits = [t for t in targets if t in tag]
+        if targets and not hits:
+            continue
+        matched.update(hits)
+        selected.append((vpp, tag, module))
+    missing = [t for t in targets if t not in matched]
+    if missing:
+        examples = [qualify(vpp, name) for vpp, name, _ in named if name][:5]
+        logger.warning("monitor_v2 module: targets %s match no module name; nothing is recorded for them. "
+                       "Names look like %s", missing, examples)
+    return selected
 
 
 def remove_all(handles: List[Any]) -> None:

@@ -395,9 +395,10 @@ def cmd_summary(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         lines.append("  spikes:            not checked (--no-spikes)")
     elif report.spikes.count:
         s0 = report.spikes.items()[0]
-        lines.append(f"  spikes:            {report.spikes.count}; first: rank {s0['rank']}, step {s0['step']}, "
+        lines.append(f"  spikes:            {report.spikes.count} row(s); first: rank {s0['rank']}, step {s0['step']}, "
                      f"{s0['tensor']} ({s0['monitor']} {s0['scope']}) {s0['stat']} {fmt_num(s0['value'])} = "
-                     f"{fmt_num(s0['ratio'], 3)} x its median")
+                     f"{fmt_num(s0['ratio'], 3)} x its median; steps: "
+                     + compact_steps(sorted(report.spike_steps)))
     else:
         lines.append("  spikes:            none")
     if report.rank_check_note:

@@ -8,8 +8,8 @@ from typing import Any, Dict, List, Sequence, Tuple
 import mindspore as ms
 from mindspore import nn
 
-from ...monitor import Monitor, remove_all
-from ...stats import Record, StatPlan
+from ...monitor import Monitor, remove_all, select_modules
+from ...stats import StatPlan
 from ...structure import flatten_tensors
 
 import logging
@@ -31,22 +31,9 @@ class MsModuleMonitor(Monitor):
         self.plan = StatPlan.from_ops(self.settings.ops)
         targets: Sequence[str] = self.settings.get("targets")
         self._handles: List[Any] = []
-        self._records: List[Record] = []
-        matched, seen = set(), set()
-        for vpp, chunk in enumerate(self.session.roots):
-            for name, cell in chunk.cells_and_names():
-                if id(cell) in seen:
-                    continue
-                seen.add(id(cell))
-                tag = self.session.qualify(vpp, name or type(cell).__name__)
-                hits = [t for t in targets if t in tag]
-                if targets and not hits:
-                    continue
-                matched.update(hits)
-                self._hook(cell, vpp, tag)
-        missing = [t for t in targets if t not in matched]
-        if missing:
-            logger.warning("monitor_v2 module: targets %s match no cell name; nothing is recorded for them", missing)
+        named = [(vpp, name, c) for vpp, root in enumerate(self.session.roots) for name, c in root.cells_and_names()]
+        for vpp, tag, cell in select_modules(named, targets, self.session.qualify):
+            self._hook(cell, vpp, tag)
 
     def _emit(self, values: Any, vpp: int, tag: str, kind: str, scope: str) -> None:
         engine = self.session.engine
@@ -80,10 +67,6 @@ class MsModuleMonitor(Monitor):
         for i, g in enumerate(items):
             if _is_tensor(g):
                 self._records.append(engine.record(g, self.plan, vpp, f"{tag}.{kind}.{i}", "backward"))
-
-    def collect(self) -> List[Record]:
-        records, self._records = self._records, []
-        return records
 
     def detach(self) -> None:
         remove_all(self._handles)

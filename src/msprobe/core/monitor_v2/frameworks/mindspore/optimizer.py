@@ -1,4 +1,4 @@
-"""``optimizer`` and ``param`` for MindSpore.
+"""``optimizer`` for MindSpore.
 
 Optimizer state lives in ``ParameterTuple`` attributes aligned with
 ``optimizer.parameters``: ``nn.Adam`` ``moment1``/``moment2``, ``nn.AdamWeightDecay``
@@ -15,7 +15,7 @@ from typing import Any, List
 from mindspore import ParameterTuple
 
 from ...monitor import Monitor
-from ...stats import Record, StatPlan
+from ...stats import StatPlan
 
 _ALIASES = {"moment1": "exp_avg", "moments1": "exp_avg", "moment2": "exp_avg_sq", "moments2": "exp_avg_sq",
             "moments": "momentum_buffer", "accum": "momentum_buffer"}
@@ -40,7 +40,6 @@ class MsOptimizerStateMonitor(Monitor):
     def attach(self) -> None:
         self.plan = StatPlan.from_ops(self.settings.ops)
         self.enabled = self.settings.get("mv_distribution")
-        self._records: List[Record] = []
 
     def after_optimizer_step(self) -> None:
         if not (self.active and self.enabled):
@@ -54,33 +53,3 @@ class MsOptimizerStateMonitor(Monitor):
                 keys.append((info.vpp_stage, f"{info.name}.{state_name}", state_name, None))
         self._records = self.session.engine.record_many(tensors, self.plan, keys)
 
-    def collect(self) -> List[Record]:
-        records, self._records = self._records, []
-        return records
-
-
-class MsParamMonitor(Monitor):
-    name = "param"
-    needs_optimizer = True
-
-    def attach(self) -> None:
-        self.plan = StatPlan.from_ops(self.settings.ops)
-        self.enabled = self.settings.get("param_distribution")
-        self._records: List[Record] = []
-
-    def _read(self, scope: str) -> None:
-        items = [(i, i.param) for i in self.session.optimizer_params()]
-        tensors, keys = self.session.expand(items, scope)
-        self._records += self.session.engine.record_many(tensors, self.plan, keys)
-
-    def before_optimizer_step(self) -> None:
-        if self.active and self.enabled:
-            self._read("param_origin")
-
-    def after_optimizer_step(self) -> None:
-        if self.active and self.enabled:
-            self._read("param_updated")
-
-    def collect(self) -> List[Record]:
-        records, self._records = self._records, []
-        return records

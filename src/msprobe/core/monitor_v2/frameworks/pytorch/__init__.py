@@ -1,9 +1,10 @@
 """PyTorch implementation of the monitors."""
 
+from ...param import ParamMonitor
+
 from .cc import CommMonitor, enable_ddp_comm_visibility
 from .module import ModuleMonitor
 from .optimizer import OptimizerStateMonitor
-from .param import ParamMonitor
 from .session import TorchSession as Session
 from .session import global_rank
 from .weight_grad import WeightGradMonitor

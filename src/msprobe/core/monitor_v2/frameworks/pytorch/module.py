@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ...monitor import Monitor, remove_all
+from ...monitor import Monitor, remove_all, select_modules
 from ...stats import Record
 from ...structure import flatten_tensors
 from .stats import StatPlan
@@ -88,39 +88,12 @@ class ModuleMonitor(Monitor):
         targets: Sequence[str] = self.settings.get("targets")
         self._handles: List[Any] = []
         self._calls: Dict[int, List[_Call]] = {}
-        self._records: List[Record] = []
         self._pending: Dict[int, Tuple[_GradInputSum, Tuple[int, str]]] = {}
         self._warned: set = set()
         self.attached = True
-        matched = set()
-        seen = set()
-        for vpp, chunk in enumerate(self.session.roots):
-            for name, module in chunk.named_modules():
-                if id(module) in seen:
-                    continue
-                seen.add(id(module))
-                tag = self.session.qualify(vpp, name or type(module).__name__)
-                hits = [t for t in targets if t in tag]
-                if targets and not hits:
-                    continue
-                matched.update(hits)
-                self._hook(module, vpp, tag)
-        missing = [t for t in targets if t not in matched]
-        if missing:
-            logger.warning(
-                "monitor_v2 module: targets %s match no module name; nothing is recorded for them. "
-                "Names look like %s", missing, self._example_names(),
-            )
-
-    def _example_names(self) -> List[str]:
-        names = []
-        for vpp, chunk in enumerate(self.session.roots):
-            for name, _ in chunk.named_modules():
-                if name:
-                    names.append(self.session.qualify(vpp, name))
-                if len(names) >= 5:
-                    return names
-        return names
+        named = [(vpp, name, m) for vpp, root in enumerate(self.session.roots) for name, m in root.named_modules()]
+        for vpp, tag, module in select_modules(named, targets, self.session.qualify):
+            self._hook(module, vpp, tag)
 
     def _hook(self, module: torch.nn.Module, vpp: int, tag: str) -> None:
         def pre_hook(mod: torch.nn.Module, args: Tuple, kwargs: Dict) -> None:
@@ -271,8 +244,7 @@ class ModuleMonitor(Monitor):
     def collect(self) -> List[Record]:
         for acc, (vpp, name) in list(self._pending.values()):
             self._flush(acc, vpp, name)
-        records, self._records = self._records, []
-        return records
+        return super().collect()
 
     def detach(self) -> None:
         self.attached = False

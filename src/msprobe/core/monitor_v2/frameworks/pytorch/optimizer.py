@@ -1,12 +1,9 @@
 """``optimizer``: the optimizer's per-parameter state right after its update."""
 
-from typing import List
-
 import torch
 
 from ...monitor import Monitor
-from ...stats import Record
-from .stats import StatPlan
+from ...stats import StatPlan
 
 # Scalar bookkeeping entries of torch optimizers are not per-parameter state.
 _SKIPPED_STATE = frozenset({"step"})
@@ -23,7 +20,6 @@ class OptimizerStateMonitor(Monitor):
     def attach(self) -> None:
         self.plan = StatPlan.from_ops(self.settings.ops)
         self.enabled = self.settings.get("mv_distribution")
-        self._records: List[Record] = []
 
     def after_optimizer_step(self) -> None:
         if not (self.active and self.enabled):
@@ -39,6 +35,3 @@ class OptimizerStateMonitor(Monitor):
                 keys += k
         self._records = self.session.engine.record_many(tensors, self.plan, keys)
 
-    def collect(self) -> List[Record]:
-        records, self._records = self._records, []
-        return records

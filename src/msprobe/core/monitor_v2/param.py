@@ -1,10 +1,8 @@
 """``param``: parameters right before (``param_origin``) and right after
-(``param_updated``) the optimizer's update."""
+(``param_updated``) the optimizer's update. Framework-independent: it reads the
+session's optimizer parameters and the shared engine interface."""
 
-from typing import List
-
-from ...monitor import Monitor
-from ...stats import Record
+from .monitor import Monitor
 from .stats import StatPlan
 
 
@@ -15,7 +13,6 @@ class ParamMonitor(Monitor):
     def attach(self) -> None:
         self.plan = StatPlan.from_ops(self.settings.ops)
         self.enabled = self.settings.get("param_distribution")
-        self._records: List[Record] = []
 
     def _read(self, scope: str) -> None:
         items = [(i, i.param) for i in self.session.optimizer_params()]
@@ -29,7 +26,3 @@ class ParamMonitor(Monitor):
     def after_optimizer_step(self) -> None:
         if self.active and self.enabled:
             self._read("param_updated")
-
-    def collect(self) -> List[Record]:
-        records, self._records = self._records, []
-        return records
