@@ -86,7 +86,23 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         "--steps-per-file", type=int, default=1,
         help="generated config: step_count_per_record (consecutive steps per CSV file)",
     )
+    f = p.add_argument_group(
+        "fault injection (to try `msprobe-monitor anomalies` on a known fault)")
+    f.add_argument("--inject-nan-step", type=int, default=None,
+                   help="at this step, multiply the output of --inject-nan-layer by NaN (a forward hook); the "
+                        "generated config then also enables the module monitor. Pick a written step "
+                        "(a multiple of --step-interval), or the NaN first shows at the next written one")
+    f.add_argument("--inject-nan-layer", default=None,
+                   help="module name as in model.named_modules(), e.g. blocks.1.mlp.fc")
+    f.add_argument("--inject-nan-micro", type=int, default=None,
+                   help="micro-batch (1-based) of that step to poison (default: the last)")
     args = p.parse_args(argv)
+    if (args.inject_nan_step is None) != (args.inject_nan_layer is None):
+        p.error("--inject-nan-step and --inject-nan-layer go together")
+    if args.inject_nan_step is not None and not 0 <= args.inject_nan_step < args.steps:
+        p.error(f"--inject-nan-step must be in 0..{args.steps - 1} (--steps {args.steps})")
+    if args.inject_nan_micro is not None and not 1 <= args.inject_nan_micro <= args.grad_acc_steps:
+        p.error(f"--inject-nan-micro must be in 1..{args.grad_acc_steps} (--grad-acc-steps)")
     if args.config is not None and args.out is not None:
         p.error("--out and --config exclude each other: the config's output_dir decides where the CSVs go")
     for name in ("n_layer", "d_model", "n_head", "vocab", "context", "batch", "steps",
@@ -137,6 +153,8 @@ def write_default_config(output_dir: str, args: argparse.Namespace) -> str:
             "param": {"enabled": True, "ops": OPS, "param_distribution": True},
         },
     }
+    if args.inject_nan_step is not None:  # show where the NaN enters: activations too
+        config["monitors"] = {"module": {"enabled": True, "ops": OPS}, **config["monitors"]}
     path = os.path.join(output_dir, CONFIG_NAME)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
@@ -180,6 +198,20 @@ def train(args: argparse.Namespace, config_path: str, manual_step: bool) -> Tupl
         f"AdamW lr {args.lr:g}, seed {args.seed}, {torch.get_num_threads()} CPU threads"
     )
 
+    poison = {"on": False}
+    inject_at = None  # (step, micro-batch) of the fault
+    if args.inject_nan_layer is not None:
+        modules = dict(model.named_modules())
+        if args.inject_nan_layer not in modules:
+            names = [n for n in modules if n][:12]
+            raise MonitorError(f"--inject-nan-layer {args.inject_nan_layer!r}: no such module; e.g. {', '.join(names)}")
+        # fault injection: the module's output times NaN, only while poison["on"]
+        modules[args.inject_nan_layer].register_forward_hook(
+            lambda mod, inp, out: out * float("nan") if poison["on"] else out)
+        inject_at = (args.inject_nan_step, args.inject_nan_micro or args.grad_acc_steps)
+        print(f"fault injection: {args.inject_nan_layer} output x NaN at step {inject_at[0]}, "
+              f"micro-batch {inject_at[1]}")
+
     # Monitor V2, call 2 of 3: hook the model and the optimizer.
     mon.start(model=model, optimizer=optimizer, grad_acc_steps=args.grad_acc_steps)
 
@@ -187,7 +219,8 @@ def train(args: argparse.Namespace, config_path: str, manual_step: bool) -> Tupl
     try:
         for step in range(args.steps):
             step_loss = 0.0
-            for _ in range(args.grad_acc_steps):
+            for micro in range(1, args.grad_acc_steps + 1):
+                poison["on"] = (step, micro) == inject_at
                 x, y = next(data)
                 _, loss = model(x, y)
                 (loss / args.grad_acc_steps).backward()
@@ -350,8 +383,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         )
         os.makedirs(output_dir, exist_ok=True)
         config_path = write_default_config(output_dir, args)
-        print(f"config: {config_path} (weight_grad per micro-batch, optimizer, param; ops {','.join(OPS)}; "
+        print(f"config: {config_path} ({'module, ' if args.inject_nan_step is not None else ''}"
+              f"weight_grad per micro-batch, optimizer, param; ops {','.join(OPS)}; "
               f"every {ordinal(args.step_interval)} step)")
+        if args.inject_nan_step is not None and args.inject_nan_step % args.step_interval:
+            print(f"note: step {args.inject_nan_step} is not written (--step-interval {args.step_interval}); "
+                  f"the NaN will first show at the next written step")
     else:
         config_path = args.config
         output_dir, manual_step = config_output_dir(config_path)
@@ -372,6 +409,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     ok = summarise(os.path.abspath(mon.rank_dir), losses)
     print(f"done in {time.perf_counter() - t0:.1f} s")
+    out_root = os.path.dirname(os.path.abspath(mon.rank_dir))
+    shown = os.path.relpath(out_root)
+    print(f"next: msprobe-monitor summary {out_root if shown.startswith('..') else shown} "
+          f"(also: anomalies, plot, diff; see docs/analysis.md)")
     return 0 if ok else 1
 
 

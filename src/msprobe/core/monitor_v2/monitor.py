@@ -117,6 +117,24 @@ def select_modules(
     return selected
 
 
+def weight_grad_rows(unreduced: Mapping[Tuple, Record], reduced: List[Record], passes: Mapping[int, int],
+                     announced: int) -> List[Record]:
+    """The weight_grad records of a step in file order: ``unreduced`` by (parameter,
+    micro step, ...) key, then ``reduced``. Accumulated rows (micro step 0 in the key)
+    and ``reduced`` rows carry the step's number of micro-batches: the most backward
+    passes any parameter saw, or the announced number when none ran."""
+    micro = max(passes.values(), default=0) or announced
+    records = []
+    for key, rec in sorted(unreduced.items(), key=lambda kv: kv[0]):
+        if key[1] == 0:
+            rec.micro_step = micro
+        records.append(rec)
+    for rec in reduced:
+        rec.micro_step = micro
+        records.append(rec)
+    return records
+
+
 def remove_all(handles: List[Any]) -> None:
     while handles:
         handles.pop().remove()

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Tuple
 import logging
 
 from ...config import resolve_micro_batches
-from ...monitor import Monitor, remove_all
+from ...monitor import Monitor, remove_all, weight_grad_rows
 from ...stats import Record, StatPlan
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -101,15 +101,7 @@ class MsWeightGradMonitor(Monitor):
 
     def collect(self) -> List[Record]:
         self._read_short_sums()
-        micro = max(self._passes.values(), default=0) or self.micro_batches
-        records = []
-        for (_, mb), rec in sorted(self._unreduced.items(), key=lambda kv: kv[0]):
-            if mb == 0:
-                rec.micro_step = micro
-            records.append(rec)
-        for rec in self._reduced:
-            rec.micro_step = micro
-            records.append(rec)
+        records = weight_grad_rows(self._unreduced, self._reduced, self._passes, self.micro_batches)
         self._reset()
         return records
 

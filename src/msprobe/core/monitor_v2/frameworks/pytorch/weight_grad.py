@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 import torch
 
 from ...config import resolve_micro_batches
-from ...monitor import Monitor, remove_all
+from ...monitor import Monitor, remove_all, weight_grad_rows
 from ...stats import Record
 from .fsdp import FlatSegment, fsdp2_params
 from .stats import StatPlan
@@ -157,15 +157,7 @@ class WeightGradMonitor(Monitor):
                 self._record(s, s.plain_param.grad, 0)
 
     def collect(self) -> List[Record]:
-        micro = max(self._passes.values(), default=0) or self.micro_batches
-        records = []
-        for (_, mb, _), rec in sorted(self._unreduced.items(), key=lambda kv: kv[0]):
-            if mb == 0:
-                rec.micro_step = micro
-            records.append(rec)
-        for rec in self._reduced:
-            rec.micro_step = micro
-            records.append(rec)
+        records = weight_grad_rows(self._unreduced, self._reduced, self._passes, self.micro_batches)
         self._reset()
         return records
 
