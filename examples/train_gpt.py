@@ -412,7 +412,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     out_root = os.path.dirname(os.path.abspath(mon.rank_dir))
     shown = os.path.relpath(out_root)
     print(f"next: msprobe-monitor summary {out_root if shown.startswith('..') else shown} "
-          f"(also: anomalies, plot, diff; see docs/analysis.md)")
+          f"(also: anomalies, plot, diff; see the README)")
     return 0 if ok else 1
 
 
