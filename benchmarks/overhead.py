@@ -166,8 +166,10 @@ class Bench:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
 
-    def window(self, cfg: Optional[dict]) -> Tuple[float, int]:
-        """Seconds for ``steps_per_window`` steps and the peak memory during them."""
+    def window(self, cfg: Optional[dict], measure_memory: bool = False) -> float:
+        """Seconds for ``steps_per_window`` steps, or (``measure_memory``) their peak
+        memory. Memory is sampled in separate windows: the sampling thread competes for
+        the GIL and would slow the Python-heavy side of the comparison."""
         mon = None
         if cfg is not None:
             out = os.path.join(self.out, "run")
@@ -175,17 +177,21 @@ class Bench:
             mon = TrainerMonitorV2({**cfg, "output_dir": out})
             mon.start(model=self.model, optimizer=self.opt)
         self.sync()
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        with PeakMemory() as mem:
+        if measure_memory:
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            with PeakMemory() as mem:
+                self.train_steps(self.args.steps_per_window)
+                self.sync()
+            result = torch.cuda.max_memory_allocated() if self.device.type == "cuda" else mem.peak
+        else:
             t0 = time.perf_counter()
             self.train_steps(self.args.steps_per_window)
             self.sync()
-            elapsed = time.perf_counter() - t0
-        peak = torch.cuda.max_memory_allocated() if self.device.type == "cuda" else mem.peak
+            result = time.perf_counter() - t0
         if mon is not None:
             mon.stop()
-        return elapsed, peak
+        return result
 
     def transfers(self, cfg: dict) -> Tuple[float, float]:
         """Calls per step made by the monitor: counted with it, minus those without it
@@ -209,15 +215,17 @@ class Bench:
         return on.get("cpu", 0) - base.get("cpu", 0), on.get("item", 0) - base.get("item", 0)
 
     def run_config(self, name: str, cfg: dict) -> dict:
-        ratios, mem = [], []
+        ratios = []
         for r in range(self.args.rounds):
             order = (None, cfg) if r % 2 == 0 else (cfg, None)
             results = {}
             for which in order:
                 results[which is not None] = self.window(which)
-            (t_off, rss_off), (t_on, rss_on) = results[False], results[True]
-            ratios.append(t_on / t_off)
-            mem.append(rss_on - rss_off)
+            ratios.append(results[True] / results[False])
+        mem = []
+        for _ in range(2):
+            off = self.window(None, measure_memory=True)
+            mem.append(self.window(cfg, measure_memory=True) - off)
         cpu_per_step, items_per_step = self.transfers(cfg)
         return {
             "name": name,
