@@ -151,6 +151,44 @@ class MonitorSettings:
 
 
 @dataclass(frozen=True)
+class AlertSettings:
+    """``alert``: log anomalies the step they are written (see ``alert.py``)."""
+
+    nonfinite: bool = True
+    spike_factor: Optional[float] = 10.0  # None: no spike alerts
+    spike_window: int = 20
+    spike_warmup: int = 10
+
+
+_ALERT_FIELDS = ("enabled", "nonfinite", "spike_factor", "spike_window", "spike_warmup")
+
+
+def _parse_alert(raw: Any) -> Optional[AlertSettings]:
+    if raw is None or raw is False:
+        return None
+    if raw is True:
+        return AlertSettings()
+    if not isinstance(raw, Mapping):
+        raise _fail("alert", raw, "must be true/false or an object such as {\"spike_factor\": 10}")
+    for key in raw:
+        if key not in _ALERT_FIELDS:
+            raise ConfigError(_unknown_field(f"alert.{key}", key, _ALERT_FIELDS), field=f"alert.{key}")
+    if raw.get("enabled") is not None and not check_bool("alert.enabled", raw["enabled"]):
+        return None
+    factor = raw.get("spike_factor", 10.0)
+    if factor is not None:
+        factor = check_positive_number("alert.spike_factor", factor)
+        if factor <= 1:
+            raise _fail("alert.spike_factor", raw["spike_factor"], "must be a number > 1, or null for no spike alerts")
+    return AlertSettings(
+        nonfinite=True if raw.get("nonfinite") is None else check_bool("alert.nonfinite", raw["nonfinite"]),
+        spike_factor=factor,
+        spike_window=20 if raw.get("spike_window") is None else check_int("alert.spike_window", raw["spike_window"], 3),
+        spike_warmup=10 if raw.get("spike_warmup") is None else check_int("alert.spike_warmup", raw["spike_warmup"], 1),
+    )
+
+
+@dataclass(frozen=True)
 class MonitorConfig:
     """The whole validated configuration."""
 
@@ -162,6 +200,7 @@ class MonitorConfig:
     schedule: StepSchedule = StepSchedule()
     patch_optimizer_step: Optional[bool] = None  # None: patch iff an optimizer is given
     monitors: Mapping[str, MonitorSettings] = field(default_factory=dict)
+    alert: Optional["AlertSettings"] = None  # None: no online alerts
 
     @property
     def enabled_monitors(self) -> List[MonitorSettings]:
@@ -223,7 +262,7 @@ def _parse_monitor(name: str, raw: Any) -> MonitorSettings:
 
 _TOP_LEVEL = (
     "framework", "output_dir", "format", "async_write", "rank", "start_step", "stop_step",
-    "step_interval", "step_count_per_record", "collect_times", "patch_optimizer_step", "monitors",
+    "step_interval", "step_count_per_record", "collect_times", "patch_optimizer_step", "monitors", "alert",
 )
 
 
@@ -306,6 +345,7 @@ def load_config(source: Union[str, os.PathLike, Mapping], fr: Optional[str] = No
         ),
         collect_times=None if get("collect_times") is None else check_int("collect_times", get("collect_times"), 1),
     )
+    alert = _parse_alert(get("alert"))
     patch = get("patch_optimizer_step")
     patch = None if patch is None else check_bool("patch_optimizer_step", patch)
 
@@ -332,6 +372,7 @@ def load_config(source: Union[str, os.PathLike, Mapping], fr: Optional[str] = No
         schedule=schedule,
         patch_optimizer_step=patch,
         monitors=monitors,
+        alert=alert,
     )
 
 

@@ -10,6 +10,7 @@ import logging
 import os
 from typing import Any, Dict, List, Mapping, Optional, Union
 
+from .alert import make_alerter
 from .config import MonitorConfig, load_config
 from .errors import ConfigError, MonitorStateError
 from .frameworks import load_backend
@@ -88,6 +89,7 @@ class TrainerMonitorV2:
             self.rank_dir,
             self.schedule,
             [MonitorOutput(m.name, m.settings.ops, m.with_micro_step) for m in self.monitors],
+            make_alerter(self.config.alert, self.rank),
         )
         self._writer = AsyncCsvWriter(writer) if self.config.async_write else writer
         self._session = session

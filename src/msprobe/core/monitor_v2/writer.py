@@ -15,6 +15,7 @@ import queue
 import threading
 from typing import Dict, List, Optional, Sequence, TextIO, Tuple
 
+from .alert import Alerter
 from .schedule import StepSchedule
 from .stats import Record, Row, format_value, merge_records
 
@@ -39,8 +40,10 @@ class MonitorOutput:
 
 
 class CsvWriter:
-    def __init__(self, rank_dir: str, schedule: StepSchedule, outputs: Sequence[MonitorOutput]) -> None:
+    def __init__(self, rank_dir: str, schedule: StepSchedule, outputs: Sequence[MonitorOutput],
+                 alerter: Optional[Alerter] = None) -> None:
         self.rank_dir = rank_dir
+        self.alerter = alerter
         self.schedule = schedule
         self.outputs = {o.name: o for o in outputs}
         self._files: Dict[str, Tuple[Tuple[int, int], TextIO, "csv._writer"]] = {}
@@ -96,8 +99,14 @@ class CsvWriter:
 
     def write_step(self, step: int, records: Dict[str, List[Record]]) -> None:
         """Records carry host vectors; merge them into rows and write each monitor's file."""
-        for monitor, recs in records.items():
-            self.write_rows(monitor, step, merge_records(step, recs))
+        merged = [(monitor, merge_records(step, recs)) for monitor, recs in records.items()]
+        if self.alerter is not None:
+            try:
+                self.alerter.check_step(step, merged)
+            except Exception as exc:  # noqa: BLE001 - an alert must never cost the rows
+                logger.error("monitor_v2: alert check failed at step %s: %r", step, exc)
+        for monitor, rows in merged:
+            self.write_rows(monitor, step, rows)
 
     def close(self) -> None:
         for _, f, _ in self._files.values():

@@ -1,0 +1,100 @@
+"""Online alerts (the ``alert`` config section): anomalies logged the step they are
+written, from the statistics already on the host (no synchronisation of its own).
+
+- Non-finite values: the first row of the step, in file order (monitors in the order
+  module, weight_grad, optimizer, param, cc; module forward rows before backward rows),
+  whose min/max/mean/norm is NaN or Inf or whose NaN count is not 0. The first step of
+  the run with such a row is logged in full; later ones in one line each, up to
+  ``MAX_NONFINITE_STEPS`` steps, then no more.
+- Spikes: a row's norm larger than ``spike_factor`` times the median of the same tensor's
+  last ``spike_window`` written norms, once ``spike_warmup`` of them are known (a robust
+  rule: one earlier outlier does not move the median). At most ``MAX_SPIKES_PER_STEP``
+  lines per step.
+"""
+
+import logging
+import math
+import statistics
+from collections import deque
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
+
+from .config import AlertSettings
+from .stats import Row
+
+logger = logging.getLogger("msprobe.monitor_v2")
+
+MAX_NONFINITE_STEPS = 5
+MAX_SPIKES_PER_STEP = 5
+_STATS = ("min", "max", "mean", "norm")
+
+
+def _describe(monitor: str, row: Row) -> str:
+    micro = f", micro_step {row.micro_step}" if row.micro_step is not None else ""
+    return f"{monitor} {row.name} (scope {row.scope}{micro}, vpp_stage {row.vpp_stage})"
+
+
+def _nonfinite(row: Row) -> bool:
+    if row.stat.nans:
+        return True
+    return any(not math.isfinite(row.stat.value(op)) for op in _STATS if row.stat.numel or op == "norm")
+
+
+class Alerter:
+    def __init__(self, settings: AlertSettings, rank: int) -> None:
+        self.settings = settings
+        self.rank = rank
+        self._history: Dict[Tuple, Deque[float]] = {}
+        self._nonfinite_steps = 0
+        self.alerts: List[str] = []  # every message logged, for callers and tests
+
+    def _log(self, message: str) -> None:
+        self.alerts.append(message)
+        logger.warning("monitor_v2 alert: %s", message)
+
+    def check_step(self, step: int, rows_by_monitor: Sequence[Tuple[str, Sequence[Row]]]) -> None:
+        if self.settings.nonfinite:
+            self._check_nonfinite(step, rows_by_monitor)
+        if self.settings.spike_factor is not None:
+            self._check_spikes(step, rows_by_monitor)
+
+    def _check_nonfinite(self, step: int, rows_by_monitor: Sequence[Tuple[str, Sequence[Row]]]) -> None:
+        bad = [(monitor, row) for monitor, rows in rows_by_monitor for row in rows if _nonfinite(row)]
+        if not bad or self._nonfinite_steps >= MAX_NONFINITE_STEPS:
+            return
+        self._nonfinite_steps += 1
+        monitor, first = bad[0]
+        stat = first.stat
+        values = ", ".join(f"{op}={stat.value(op)}" for op in _STATS) + f", nans={stat.nans}"
+        if self._nonfinite_steps == 1:
+            self._log(f"rank {self.rank} step {step}: first non-finite value of the run in {_describe(monitor, first)}: "
+                      f"{values}; {len(bad)} row(s) of this step are non-finite")
+        else:
+            more = " (further steps are not reported)" if self._nonfinite_steps == MAX_NONFINITE_STEPS else ""
+            self._log(f"rank {self.rank} step {step}: {len(bad)} non-finite row(s), first {_describe(monitor, first)}{more}")
+
+    def _check_spikes(self, step: int, rows_by_monitor: Sequence[Tuple[str, Sequence[Row]]]) -> None:
+        s = self.settings
+        spikes = []
+        for monitor, rows in rows_by_monitor:
+            for row in rows:
+                value = row.stat.value("norm")
+                if not math.isfinite(value):
+                    continue
+                key = (monitor, row.vpp_stage, row.name, row.scope, row.micro_step)
+                history = self._history.get(key)
+                if history is None:
+                    history = self._history[key] = deque(maxlen=s.spike_window)
+                if len(history) >= s.spike_warmup:
+                    median = statistics.median(history)
+                    if median > 0 and value > s.spike_factor * median:
+                        spikes.append((value / median, monitor, row, median, len(history)))
+                history.append(value)
+        for ratio, monitor, row, median, n in spikes[:MAX_SPIKES_PER_STEP]:
+            self._log(f"rank {self.rank} step {step}: norm spike in {_describe(monitor, row)}: "
+                      f"{row.stat.value('norm'):.6g} is {ratio:.1f}x the median {median:.6g} of its last {n} norms")
+        if len(spikes) > MAX_SPIKES_PER_STEP:
+            self._log(f"rank {self.rank} step {step}: {len(spikes) - MAX_SPIKES_PER_STEP} more spike(s) not listed")
+
+
+def make_alerter(settings: Optional[AlertSettings], rank: int) -> Optional[Alerter]:
+    return Alerter(settings, rank) if settings is not None else None
