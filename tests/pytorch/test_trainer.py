@@ -371,3 +371,17 @@ def test_steps_outside_the_window_compute_nothing(write_config, monkeypatch):
         per_step.append(len(calls) - n)
     mon.stop()
     assert [c > 0 for c in per_step] == [False, False, False, True, False, True]
+
+
+def test_a_failing_start_leaves_nothing_installed(write_config):
+    """module attaches first; weight_grad then rejects the start() argument: the module
+    hooks already installed are removed again before the error reaches the caller."""
+    from msprobe.core.monitor_v2.errors import ConfigError
+
+    model = TinyMLP()
+    opt = torch.optim.Adam(model.parameters())
+    before = hook_state(model, opt)
+    mon = TrainerMonitorV2(write_config({"monitors": {"module": {}, "weight_grad": {"enabled": True}}}))
+    with pytest.raises(ConfigError, match="grad_acc_steps"):
+        mon.start(model=model, optimizer=opt, grad_acc_steps="4")
+    assert hook_state(model, opt) == before

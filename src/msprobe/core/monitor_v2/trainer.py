@@ -97,8 +97,8 @@ class TrainerMonitorV2:
         attached: List[Monitor] = []
         try:
             for m in self.monitors:
+                attached.append(m)  # before attach(): a failing attach may have installed part
                 m.attach()
-                attached.append(m)
             patch = self.config.patch_optimizer_step
             self._patched = optimizer is not None and (patch is None or patch)
             self._undo_step_hooks = session.install_step_hooks(
@@ -107,7 +107,10 @@ class TrainerMonitorV2:
             )
         except BaseException:
             for m in reversed(attached):
-                m.detach()
+                try:
+                    m.detach()
+                except Exception:  # noqa: BLE001 - the original error is the one to report
+                    pass
             self._writer.close()
             raise
         self._state = "running"
