@@ -24,27 +24,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mindspore as ms
 
-from ...cc_base import CommMonitorBase
+from ...cc_base import CC_OPS, CommMonitorBase
 from ...structure import flatten_tensors
 
-# mint.distributed: op -> (argument names holding inputs, argument names holding results)
-MINT_OPS: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]] = {
-    "all_reduce": (("tensor",), ("tensor",)),
-    "all_gather": (("tensor",), ("tensor_list",)),
-    "all_gather_into_tensor": (("input_tensor",), ("output_tensor",)),
-    "reduce_scatter": (("input_list",), ("output",)),
-    "reduce_scatter_tensor": (("input",), ("output",)),
-    "broadcast": (("tensor",), ("tensor",)),
-    "reduce": (("tensor",), ("tensor",)),
-    "gather": (("tensor",), ("gather_list",)),
-    "scatter": (("scatter_list",), ("tensor",)),
-    "all_to_all": (("input_tensor_list",), ("output_tensor_list",)),
-    "all_to_all_single": (("input",), ("output",)),
-    "send": (("tensor",), ("tensor",)),
-    "isend": (("tensor",), ("tensor",)),
-    "recv": ((), ("tensor",)),
-    "irecv": ((), ("tensor",)),
-}
+# mint.distributed mirrors torch.distributed, argument names included.
+MINT_OPS = {op: CC_OPS[op] for op in (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "broadcast",
+    "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "send", "isend", "recv", "irecv")}
 # comm_func: functional ops; inputs are these arguments, results the return value.
 FUNC_OPS: Dict[str, Tuple[str, ...]] = {
     "all_reduce": ("tensor",),

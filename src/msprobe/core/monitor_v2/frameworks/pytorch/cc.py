@@ -40,35 +40,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ...cc_base import CommMonitorBase
+from ...cc_base import CC_OPS, CommMonitorBase
 from ...structure import flatten_tensors
 
-# op name -> (argument names holding inputs, argument names holding results)
-CC_OPS: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]] = {
-    "all_reduce": (("tensor",), ("tensor",)),
-    "all_reduce_coalesced": (("tensors",), ("tensors",)),
-    "all_gather": (("tensor",), ("tensor_list",)),
-    "all_gather_coalesced": (("input_tensor_list",), ("output_tensor_lists",)),
-    "all_gather_into_tensor": (("input_tensor",), ("output_tensor",)),
-    "all_gather_single": (("input_tensor",), ("output_tensor",)),
-    "_all_gather_base": (("input_tensor",), ("output_tensor",)),
-    "reduce_scatter": (("input_list",), ("output",)),
-    "reduce_scatter_tensor": (("input",), ("output",)),
-    "reduce_scatter_single": (("input",), ("output",)),
-    "_reduce_scatter_base": (("input",), ("output",)),
-    "broadcast": (("tensor",), ("tensor",)),
-    "reduce": (("tensor",), ("tensor",)),
-    "gather": (("tensor",), ("gather_list",)),
-    "scatter": (("scatter_list",), ("tensor",)),
-    "all_to_all": (("input_tensor_list",), ("output_tensor_list",)),
-    "all_to_all_single": (("input",), ("output",)),
-    # A send has no result: its post row is the tensor sent, as it was after the call.
-    "send": (("tensor",), ("tensor",)),
-    "isend": (("tensor",), ("tensor",)),
-    "recv": ((), ("tensor",)),
-    "irecv": ((), ("tensor",)),
-    "batch_isend_irecv": (("p2p_op_list",), ("p2p_op_list",)),
-}
 NAMESPACES = ("torch.distributed", "torch.distributed.distributed_c10d")
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
