@@ -19,7 +19,6 @@ results as soon as they are ready; a handle nobody waited on is read when the st
 
 import inspect
 import os
-import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mindspore as ms
@@ -105,16 +104,25 @@ class MsCommMonitor(CommMonitorBase):
             return None
 
     def patch_targets(self):
-        import mindspore.communication.comm_func as comm_func
-        import mindspore.mint.distributed as mint_dist
+        # Each API is optional: older MindSpore releases lack mint.distributed or comm_func.
+        import importlib
+
         from mindspore import ops
 
-        mint_modules = [mint_dist, sys.modules.get("mindspore.mint.distributed.distributed")]
-        for module in filter(None, mint_modules):
+        for name in ("mindspore.mint.distributed", "mindspore.mint.distributed.distributed"):
+            try:
+                module = importlib.import_module(name)
+            except ImportError:
+                continue
             for op in MINT_OPS:
                 yield module, op, op  # the torch.distributed names: same tags as PyTorch
-        for op in FUNC_OPS:
-            yield comm_func, op, f"comm_func.{op}"
+        try:
+            comm_func = importlib.import_module("mindspore.communication.comm_func")
+        except ImportError:
+            comm_func = None
+        if comm_func is not None:
+            for op in FUNC_OPS:
+                yield comm_func, op, f"comm_func.{op}"
         for name in PRIMITIVES:
             cls = getattr(ops, name, None)
             if isinstance(cls, type):
