@@ -29,34 +29,22 @@ ORDER_TEXT = ("execution order: step, micro-batch, parameters at step start, for
 
 
 # ----------------------------------------------------------------------- arguments
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
-    return v
+def _number(kind: type, minimum: float) -> Any:
+    """An argparse type: a finite ``kind`` (int or float) >= ``minimum``."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not v >= minimum or v == float("inf"):
+            raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= {minimum}")
+        return v
+    return parse
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
-    return v
-
-
-def _nonneg_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not v >= 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
-    return v
+_positive_int = _number(int, 1)
+_nonneg_int = _number(int, 0)
+_nonneg_float = _number(float, 0.0)
 
 
 def _stat_list(allowed: Sequence[str]):
