@@ -177,7 +177,7 @@ class TrainerMonitorV2:
                 self._writer.write_step(step, records)
             except Exception as exc:  # noqa: BLE001
                 self.errors.report("writing step results", exc)
-        self._session.engine.end_step()
+        self._session.engine.forget()
         self._begin_step(step + 1)
 
     # ---------------------------------------------------------------------- stop

@@ -15,6 +15,7 @@ import mindspore as ms
 from mindspore import nn
 
 from ...errors import ConfigError, MonitorError
+from .optimizer_state import optimizer_states
 from .stats import MsStatsEngine
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -113,6 +114,13 @@ class MsSession:
         tensors = [t for _, t in items]
         keys = [(i.vpp_stage, i.name + suffix, scope, None) for i, _ in items]
         return tensors, keys
+
+    def optimizer_states(self):
+        """``(param info, state name, tensor)`` for each per-parameter state tensor."""
+        infos = self.optimizer_params()
+        for i, info in enumerate(infos):
+            for state_name, values in optimizer_states(self.optimizer, len(infos)):
+                yield info, state_name, values[i]
 
     def install_step_hooks(self, before: Callable[[], None], after: Callable[[], None]) -> Callable[[], None]:
         opt = self.optimizer

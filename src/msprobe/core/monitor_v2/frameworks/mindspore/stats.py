@@ -58,9 +58,7 @@ class MsStatsEngine:
         return [self.record(t, plan, *key) for t, key in zip(tensors, keys)]
 
     def forget(self) -> None:
-        pass
-
-    end_step = forget
+        """Nothing is cached in MindSpore; the same interface as the PyTorch engine."""
 
     def to_host(self, records: Sequence[Record]) -> None:
         vec_groups: Dict[object, List[Record]] = defaultdict(list)

@@ -1,10 +1,9 @@
 """PyTorch implementation of the monitors."""
 
+from ...optimizer import OptimizerStateMonitor
 from ...param import ParamMonitor
-
 from .cc import CommMonitor, enable_ddp_comm_visibility
 from .module import ModuleMonitor
-from .optimizer import OptimizerStateMonitor
 from .session import TorchSession as Session
 from .session import global_rank
 from .weight_grad import WeightGradMonitor

@@ -3,7 +3,7 @@ parameter names, the optimizer, the statistics engine, and the optimizer-step ho
 
 import logging
 import os
-from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Sequence, Tuple
 
 import torch
 
@@ -141,6 +141,17 @@ class TorchSession:
                     seen.add(id(p))
                     out.append(self._by_id[id(p)])
         return out
+
+    def optimizer_states(self) -> Iterator[Tuple[ParamInfo, str, torch.Tensor]]:
+        """Every per-parameter tensor the optimizer keeps, under its own name: Adam/AdamW
+        ``exp_avg``/``exp_avg_sq`` (and ``max_exp_avg_sq``), SGD ``momentum_buffer``,
+        Adagrad ``sum``, RMSprop ``square_avg``... The scalar ``step`` is not state of the
+        parameter's values."""
+        state = self.optimizer.state
+        for info in self.optimizer_params():
+            for key, value in state.get(info.param, {}).items():
+                if key != "step" and isinstance(value, torch.Tensor) and value.dim() > 0:
+                    yield info, key, value
 
     def install_step_hooks(self, before: Callable[[], None], after: Callable[[], None]) -> Callable[[], None]:
         """Call ``before``/``after`` around every ``optimizer.step()``; returns the undo.

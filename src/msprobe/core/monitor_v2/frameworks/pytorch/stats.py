@@ -75,7 +75,7 @@ class TorchStatsEngine:
             mn, mx = torch.aminmax(c) if plan.minmax else (zero, zero)
             parts.append(torch.stack((mn, mx, c.sum() if plan.total else zero,
                                       torch.dot(c, c) if plan.norm else zero)))
-        p = torch.stack(parts) if len(parts) > 1 else parts[0].unsqueeze(0)
+        p = torch.stack(parts)
         norm = p[:, 3].sum().sqrt()
         return torch.stack((p[:, 0].min(), p[:, 1].max(), p[:, 2].sum(), norm)), norm
 
@@ -84,9 +84,7 @@ class TorchStatsEngine:
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         if t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16) and t.is_contiguous():
             vector, norm = self._cpu_low_precision(t, plan)
-            total = vector[2]
-            mx = vector[1]
-            return vector, self._nan_count(t, plan, norm, total, mx)
+            return vector, self._nan_count(t, plan, norm, vector[2], vector[1])
         acc = _accumulator_dtype(t)
         zero = self._zero(t.device, acc)
         if plan.minmax:
@@ -184,12 +182,9 @@ class TorchStatsEngine:
         """Forget the tensors seen so far (step end, or after a collective)."""
         self._seen.clear()
 
-    end_step = forget
-
     def to_host(self, records: Sequence[Record]) -> None:
         """Replace the device vectors and NaN counts of ``records`` by host values, with
         one transfer per (device, dtype) group. Records may share a vector."""
-        self._seen.clear()
         vec_groups: Dict[Tuple[torch.device, torch.dtype], List[Record]] = defaultdict(list)
         nan_groups: Dict[torch.device, List[Record]] = defaultdict(list)
         for rec in records:
