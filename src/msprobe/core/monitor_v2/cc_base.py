@@ -12,6 +12,7 @@ frame outside the framework and this package.
 """
 
 import functools
+import inspect
 import logging
 import os
 import sys
@@ -21,6 +22,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 
 from .monitor import Monitor
 from .stats import Record, StatPlan
+from .structure import flatten_tensors
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
@@ -129,8 +131,23 @@ class CommMonitorBase(Monitor):
     def poll_pending(self) -> None:
         """Record asynchronous calls found complete at the end of a step (default: none)."""
 
+    # ------------------------------------------------------------- for subclasses
+    def bind(self, original: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+        """The call's arguments by parameter name (signatures cached per function)."""
+        sig = self._signatures.get(id(original))
+        if sig is None:
+            sig = self._signatures[id(original)] = inspect.signature(original)
+        return sig.bind_partial(*args, **kwargs).arguments
+
+    def table_tensors(self, op: str, bound: Dict[str, Any], is_tensor: Callable[[Any], bool]) -> Tuple[List[Any], List[Any]]:
+        """Inputs and results of a torch.distributed-style call, from ``CC_OPS``."""
+        inputs, outputs = CC_OPS[op]
+        return (flatten_tensors([bound.get(n) for n in inputs], is_tensor),
+                flatten_tensors([bound.get(n) for n in outputs], is_tensor))
+
     # ------------------------------------------------------------------ lifecycle
     def attach(self) -> None:
+        self._signatures: Dict[int, inspect.Signature] = {}
         self.plan = StatPlan.from_ops(self.settings.ops)
         self.pre = self.settings.get("cc_pre_hook")
         self.log_only = self.settings.get("cc_log_only")

@@ -17,7 +17,6 @@ callback, so the caller gets the handle inside a stand-in whose ``wait()`` recor
 results as soon as they are ready; a handle nobody waited on is read when the step ends.
 """
 
-import inspect
 import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -91,7 +90,6 @@ class MsCommMonitor(CommMonitorBase):
 
     def attach(self) -> None:
         self._pending: List[_Once] = []
-        self._signatures: Dict[int, inspect.Signature] = {}
         self._kinds: Dict[str, str] = {}
         super().attach()
 
@@ -128,21 +126,13 @@ class MsCommMonitor(CommMonitorBase):
             if isinstance(cls, type):
                 yield cls, "__call__", name
 
-    def _bound(self, original: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Dict[str, Any]:
-        sig = self._signatures.get(id(original))
-        if sig is None:
-            sig = self._signatures[id(original)] = inspect.signature(original)
-        return sig.bind_partial(*args, **kwargs).arguments
-
     def call_tensors(self, op, original, args, kwargs):
         if op in MINT_OPS:
-            bound = self._bound(original, args, kwargs)
-            inputs, outputs = MINT_OPS[op]
+            bound = self.bind(original, args, kwargs)
             is_async = bool(bound.get("async_op", False)) or op in ("isend", "irecv")
-            return (flatten_tensors([bound.get(n) for n in inputs], _is_tensor),
-                    flatten_tensors([bound.get(n) for n in outputs], _is_tensor), is_async)
+            return (*self.table_tensors(op, bound, _is_tensor), is_async)
         if op.startswith("comm_func."):
-            bound = self._bound(original, args, kwargs)
+            bound = self.bind(original, args, kwargs)
             names = FUNC_OPS[op[10:]]
             is_async = bool(bound.get("async_op", False)) or op in ("comm_func.isend", "comm_func.irecv")
             return flatten_tensors([bound.get(n) for n in names], _is_tensor), [], is_async

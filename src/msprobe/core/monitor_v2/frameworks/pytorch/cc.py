@@ -31,7 +31,6 @@ tensors of that direction and the call site is the innermost frame outside torch
 this package (see ``cc_base.py`` for what every framework shares).
 """
 
-import inspect
 import os
 import sys
 import threading
@@ -41,7 +40,6 @@ import torch
 import torch.distributed as dist
 
 from ...cc_base import CC_OPS, CommMonitorBase
-from ...structure import flatten_tensors
 
 NAMESPACES = ("torch.distributed", "torch.distributed.distributed_c10d")
 
@@ -138,7 +136,6 @@ class CommMonitor(CommMonitorBase):
 
     def attach(self) -> None:
         self._pending_works: List[_NotifyingWork] = []
-        self._signatures: Dict[int, inspect.Signature] = {}
         super().attach()
 
     def distributed_rank(self) -> Optional[int]:
@@ -153,17 +150,12 @@ class CommMonitor(CommMonitorBase):
                 yield module, op, op
 
     def call_tensors(self, op, original, args, kwargs):
-        sig = self._signatures.get(id(original))
-        if sig is None:
-            sig = self._signatures[id(original)] = inspect.signature(original)
-        bound = sig.bind_partial(*args, **kwargs).arguments
-        inputs, outputs = CC_OPS[op]
+        bound = self.bind(original, args, kwargs)
         is_async = bool(bound.get("async_op", False)) or op in ("isend", "irecv", "batch_isend_irecv")
         if op == "batch_isend_irecv":
             ops = bound.get("p2p_op_list")
             return _p2p_tensors(ops, True), _p2p_tensors(ops, None), is_async
-        return (flatten_tensors([bound.get(n) for n in inputs], _is_tensor),
-                flatten_tensors([bound.get(n) for n in outputs], _is_tensor), is_async)
+        return (*self.table_tensors(op, bound, _is_tensor), is_async)
 
     def prepare_call(self, op, args, kwargs):
         if op != "batch_isend_irecv":
