@@ -10,6 +10,11 @@ finite. Counting NaNs costs about as much as all other statistics together, and 
 finite norm proves there is none. On accelerators the NaN count is computed on the
 device for every tensor.
 
+On the CPU, contiguous fp32/bf16/fp16 tensors go through the one-pass C kernel of
+``monitor_v2.native`` when it could be built: one read of the data for all statistics
+and the NaN count (ATen needs three and a fourth for NaNs), with the results already on
+the host. Elsewhere, and without a C compiler, ATen's reductions give the same numbers.
+
 ``to_host`` moves the vectors of a whole step to the host in one transfer per
 (device, dtype) group: the number of transfers does not grow with the tensors.
 """
@@ -17,14 +22,18 @@ device for every tensor.
 import math
 import weakref
 from collections import defaultdict
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ... import native
 from ...stats import EMPTY_VECTOR, Record, StatPlan
 
 
 _CHUNK = 1 << 20
+_NATIVE_CODES = {torch.float32: native.F32, torch.bfloat16: native.BF16, torch.float16: native.F16}
+# Plain tensors only: a subclass may not own the memory its data pointer names.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _accumulator_dtype(t: torch.Tensor) -> torch.dtype:
@@ -43,7 +52,8 @@ def _prepared(t: torch.Tensor) -> torch.Tensor:
 
 
 class TorchStatsEngine:
-    def __init__(self) -> None:
+    def __init__(self, use_native: bool = True) -> None:
+        self._native = native.load() if use_native else None
         self._zeros: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = {}
         # The module monitor often observes one tensor object twice in a step (a block's
         # output is the next block's input; the root's output is the head's output). With
@@ -52,7 +62,7 @@ class TorchStatsEngine:
         # new tensor that reuses a dead one's id, is computed again. Collectives write
         # into tensors from C++ without moving the version counter, so the cc monitor
         # clears the cache after each of them (``forget``). Cleared at every step end.
-        self._seen: Dict[Tuple[int, StatPlan], Tuple["weakref.ref", int, torch.Tensor, Optional[torch.Tensor], int]] = {}
+        self._seen: Dict[Tuple[int, StatPlan], Tuple["weakref.ref", int, Any, Any, int]] = {}
 
     def _zero(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         key = (device, dtype)
@@ -79,9 +89,22 @@ class TorchStatsEngine:
         norm = p[:, 3].sum().sqrt()
         return torch.stack((p[:, 0].min(), p[:, 1].max(), p[:, 2].sum(), norm)), norm
 
+    def _native_vector(self, t: torch.Tensor, plan: StatPlan) -> Optional[Tuple[List[float], Optional[int]]]:
+        """Host statistics from the one-pass kernel, or None where it does not apply."""
+        kernel = self._native
+        code = _NATIVE_CODES.get(t.dtype)
+        if (kernel is None or code not in kernel.dtype_codes or t.device.type != "cpu" or type(t) not in _PLAIN
+                or t.layout != torch.strided or not t.is_contiguous() or t.is_neg()):
+            return None
+        vector, nans = kernel.stats(t.data_ptr(), t.numel(), code, torch.get_num_threads())
+        return vector, nans if plan.nans else None
+
     def _vector(
         self, t: torch.Tensor, plan: StatPlan, norm: Optional[torch.Tensor]
-    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    ) -> Tuple[Any, Any]:
+        host = self._native_vector(t, plan)
+        if host is not None:
+            return host
         if t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16) and t.is_contiguous():
             vector, norm = self._cpu_low_precision(t, plan)
             return vector, self._nan_count(t, plan, norm, vector[2], vector[1])

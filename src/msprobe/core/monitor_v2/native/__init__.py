@@ -1,0 +1,186 @@
+"""An optional compiled kernel that reduces a CPU buffer in one read.
+
+ATen needs three passes for the statistics (``aminmax``, which runs at half speed,
+``sum`` and a norm): about 3.5 times the cost of reading the data once. The C kernel in
+``stats_kernel.c`` computes min, max, sum, sum of squares and the NaN count in a single
+pass, at the speed of one ``torch._foreach_norm`` pass.
+
+The package ships the C source, not a binary. ``load()`` builds it once per machine with
+the system C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``; about 0.4 s), keeps
+the library in a cache directory and checks it on known data before using it. Without a
+compiler, or with ``MSPROBE_MONITOR_NATIVE=0``, ``load()`` returns ``None`` and the
+engines use framework reductions: the same numbers, slower. Nothing here knows a
+framework: callers pass a data pointer, an element count and a dtype code.
+"""
+
+import ctypes
+import hashlib
+import logging
+import math
+import os
+import platform
+import shlex
+import shutil
+import struct
+import subprocess
+import tempfile
+import threading
+from typing import List, Optional, Sequence, Tuple
+
+logger = logging.getLogger("msprobe.monitor_v2")
+
+ENV_SWITCH = "MSPROBE_MONITOR_NATIVE"
+ENV_CACHE = "MSPROBE_MONITOR_CACHE_DIR"
+
+# Codes understood by the kernel (see the enum in stats_kernel.c).
+F32, BF16, F16 = 0, 1, 2
+
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stats_kernel.c")
+_BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-pthread"]
+# Retried without CPU-specific clones where the compiler or libc lacks them.
+_FLAG_SETS = [_BASE_FLAGS, _BASE_FLAGS + ["-DMSPROBE_NO_CLONES"]]
+
+
+class NativeStats:
+    """The loaded kernel: ``stats(pointer, count, dtype_code, threads)``."""
+
+    def __init__(self, lib: ctypes.CDLL, path: str) -> None:
+        self.path = path
+        self._fn = lib.msprobe_stats
+        self._fn.restype = ctypes.c_int64
+        self._fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+                             ctypes.POINTER(ctypes.c_double)]
+        lib.msprobe_stats_dtypes.restype = ctypes.c_int
+        mask = lib.msprobe_stats_dtypes()
+        self.dtype_codes = frozenset(code for code in (F32, BF16, F16) if mask & (1 << code))
+
+    def stats(self, pointer: int, count: int, dtype_code: int, threads: int = 1) -> Tuple[List[float], int]:
+        """``([min, max, sum, norm], nan_count)`` of ``count`` elements at ``pointer``
+        (contiguous, ``count`` > 0). Min and max are NaN when the count is not zero.
+        ctypes releases the GIL for the duration of the call."""
+        out = (ctypes.c_double * 4)()
+        nans = self._fn(pointer, count, dtype_code, threads, out)
+        mn, mx, total, sumsq = out
+        if nans:
+            mn = mx = math.nan
+        return [mn, mx, total, math.sqrt(sumsq) if sumsq == sumsq else sumsq], nans
+
+
+_lock = threading.Lock()
+_loaded: Optional[NativeStats] = None
+_tried = False
+
+
+def load() -> Optional[NativeStats]:
+    """The kernel, built on first use in this process; ``None`` where it cannot be built
+    (the reason is logged once) or ``MSPROBE_MONITOR_NATIVE=0``."""
+    global _loaded, _tried
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    with _lock:
+        if not _tried:
+            _tried = True
+            try:
+                _loaded = _build_and_load()
+            except _Unavailable as exc:
+                logger.info("monitor_v2: the one-pass statistics kernel is not used (%s); "
+                            "framework reductions give the same numbers about 3x slower.", exc)
+            except Exception as exc:  # never let an optional speed-up stop training
+                logger.warning("monitor_v2: the one-pass statistics kernel failed to load (%s: %s); "
+                               "using framework reductions.", type(exc).__name__, exc)
+        return _loaded
+
+
+class _Unavailable(Exception):
+    pass
+
+
+def _compiler() -> List[str]:
+    cc = os.environ.get("CC")
+    if cc:
+        return shlex.split(cc)
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
+        if path:
+            return [path]
+    raise _Unavailable("no C compiler found; set CC or install gcc")
+
+
+def _cache_dir() -> str:
+    configured = os.environ.get(ENV_CACHE)
+    if configured:
+        return configured
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "msprobe-monitor")
+
+
+def _build_and_load() -> NativeStats:
+    with open(_SOURCE, "rb") as f:
+        source = f.read()
+    compiler = _compiler()
+    errors = []
+    for flags in _FLAG_SETS:
+        key = hashlib.sha256(source + "\0".join(compiler + flags).encode()).hexdigest()[:16]
+        name = f"stats_kernel-{key}-{platform.system()}-{platform.machine()}.so"
+        try:
+            path = _cached_build(compiler, flags, name)
+            native = NativeStats(ctypes.CDLL(path), path)
+        except (_Unavailable, OSError) as exc:
+            errors.append(str(exc))
+            continue
+        _self_test(native)
+        return native
+    raise _Unavailable("; ".join(errors))
+
+
+def _cached_build(compiler: List[str], flags: List[str], name: str) -> str:
+    for directory in (_cache_dir(), None):
+        try:
+            if directory is None:  # an unwritable cache: build for this process only
+                directory = tempfile.mkdtemp(prefix="msprobe_native_")
+            os.makedirs(directory, exist_ok=True)
+        except OSError:
+            continue
+        path = os.path.join(directory, name)
+        if os.path.exists(path):
+            return path
+        # Ranks that start together each build under their own name; the rename is atomic.
+        partial = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            result = subprocess.run(compiler + flags + ["-o", partial, _SOURCE],
+                                    capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise _Unavailable(f"running {compiler[0]} failed: {exc}") from None
+        if result.returncode != 0:
+            _remove(partial)
+            last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+            raise _Unavailable(f"{' '.join(compiler)} exited with {result.returncode}: {last}")
+        try:
+            os.replace(partial, path)
+            return path
+        except OSError:
+            _remove(partial)
+    raise _Unavailable("no writable directory to build the kernel in")
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def _self_test(native: NativeStats) -> None:
+    """Check the build on data whose statistics are known exactly, crossing the vector
+    width, a block boundary and a tail, with a NaN in a second run."""
+    values: Sequence[float] = [((i * 37) % 101 - 50) / 8.0 for i in range(4096 + 16 + 5)]
+    expected = [min(values), max(values), math.fsum(values), math.sqrt(math.fsum(v * v for v in values))]
+    buf = ctypes.create_string_buffer(struct.pack(f"{len(values)}f", *values))
+    got, nans = native.stats(ctypes.addressof(buf), len(values), F32)
+    if nans != 0 or any(not math.isclose(g, e, rel_tol=1e-6) for g, e in zip(got, expected)):
+        raise _Unavailable(f"self-test failed: {got} instead of {expected}")
+    bf16 = struct.pack("<3H", 0x3F80, 0x7FC0, 0xC000)  # 1.0, NaN, -2.0
+    buf16 = ctypes.create_string_buffer(bf16)
+    got, nans = native.stats(ctypes.addressof(buf16), 3, BF16)
+    if nans != 1 or not math.isnan(got[0]) or not math.isnan(got[2]):
+        raise _Unavailable(f"self-test failed on bf16 with a NaN: {got}, {nans} NaN")

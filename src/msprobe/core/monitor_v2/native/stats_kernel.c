@@ -1,0 +1,186 @@
+/* One pass over a contiguous CPU buffer: min, max, sum, sum of squares and NaN count.
+ *
+ * ATen has no kernel that reduces all of these in one read (aminmax, sum and a norm
+ * read the data three times, aminmax at half speed). This kernel keeps LANES
+ * independent accumulators, which the compiler turns into vector registers, sums
+ * blocks of BLOCK elements in float and the block totals in double (a block whose
+ * float sums overflow is summed again in double), and counts NaNs as it goes. Min and max skip NaN (the caller reports NaN for them when the count is
+ * not zero). Large buffers are split over `threads` POSIX threads.
+ *
+ * Built at run time by msprobe's native.py with the system C compiler; on x86-64 the
+ * reducers are cloned for AVX-512, AVX2 and baseline CPUs and picked when loaded, so
+ * one build runs on every machine that shares the cache. */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 16
+#define BLOCK 4096
+#define MIN_PER_THREAD ((int64_t)1 << 20)
+#define MAX_THREADS 64
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(MSPROBE_NO_CLONES)
+#define VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define VECTOR_CLONES
+#endif
+
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+
+typedef struct {
+    const void *data;
+    int64_t n;
+    int dtype;
+    float mn, mx;
+    double sum, sq;
+    int64_t nans;
+} part_t;
+
+static inline float bf16_value(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+#define REDUCE(LOAD)                                                               \
+    float mn[LANES], mx[LANES];                                                    \
+    double sum = 0.0, sq = 0.0;                                                    \
+    int64_t nans = 0, i = 0, n = p->n;                                             \
+    for (int j = 0; j < LANES; j++) {                                              \
+        mn[j] = INFINITY;                                                          \
+        mx[j] = -INFINITY;                                                         \
+    }                                                                              \
+    while (n - i >= LANES) {                                                       \
+        int64_t start = i, stop = n - i > BLOCK ? i + BLOCK : n - (n - i) % LANES; \
+        float bs[LANES] = {0}, bq[LANES] = {0};                                    \
+        int32_t bn[LANES] = {0};                                                   \
+        for (; i < stop; i += LANES) {                                             \
+            for (int j = 0; j < LANES; j++) {                                      \
+                float v = LOAD(i + j);                                             \
+                mn[j] = v < mn[j] ? v : mn[j];                                     \
+                mx[j] = v > mx[j] ? v : mx[j];                                     \
+                bs[j] += v;                                                        \
+                bq[j] += v * v;                                                    \
+                bn[j] += v != v;                                                   \
+            }                                                                      \
+        }                                                                          \
+        double block_sum = 0.0, block_sq = 0.0;                                    \
+        for (int j = 0; j < LANES; j++) {                                          \
+            block_sum += bs[j];                                                    \
+            block_sq += bq[j];                                                     \
+            nans += bn[j];                                                         \
+        }                                                                          \
+        if (!isfinite(block_sum) || !isfinite(block_sq)) {                         \
+            /* fp32 overflowed (or met Inf/NaN): redo this block in double. */      \
+            block_sum = block_sq = 0.0;                                            \
+            for (int64_t k = start; k < stop; k++) {                               \
+                double v = LOAD(k);                                                \
+                block_sum += v;                                                    \
+                block_sq += v * v;                                                 \
+            }                                                                      \
+        }                                                                          \
+        sum += block_sum;                                                          \
+        sq += block_sq;                                                            \
+    }                                                                              \
+    for (; i < n; i++) {                                                           \
+        float v = LOAD(i);                                                         \
+        mn[0] = v < mn[0] ? v : mn[0];                                             \
+        mx[0] = v > mx[0] ? v : mx[0];                                             \
+        sum += v;                                                                  \
+        sq += (double)v * v;                                                       \
+        nans += v != v;                                                            \
+    }                                                                              \
+    p->mn = mn[0];                                                                 \
+    p->mx = mx[0];                                                                 \
+    for (int j = 1; j < LANES; j++) {                                              \
+        p->mn = mn[j] < p->mn ? mn[j] : p->mn;                                     \
+        p->mx = mx[j] > p->mx ? mx[j] : p->mx;                                     \
+    }                                                                              \
+    p->sum = sum;                                                                  \
+    p->sq = sq;                                                                    \
+    p->nans = nans;
+
+VECTOR_CLONES static void reduce_f32(part_t *p) {
+    const float *x = (const float *)p->data;
+#define LOAD_F32(k) x[k]
+    REDUCE(LOAD_F32)
+}
+
+VECTOR_CLONES static void reduce_bf16(part_t *p) {
+    const uint16_t *x = (const uint16_t *)p->data;
+#define LOAD_BF16(k) bf16_value(x[k])
+    REDUCE(LOAD_BF16)
+}
+
+#ifdef __FLT16_MAX__
+VECTOR_CLONES static void reduce_f16(part_t *p) {
+    const _Float16 *x = (const _Float16 *)p->data;
+#define LOAD_F16(k) ((float)x[k])
+    REDUCE(LOAD_F16)
+}
+#endif
+
+/* Bit i set: dtype i is supported by this build. */
+int msprobe_stats_dtypes(void) {
+#ifdef __FLT16_MAX__
+    return (1 << F32) | (1 << BF16) | (1 << F16);
+#else
+    return (1 << F32) | (1 << BF16);
+#endif
+}
+
+static void *run_part(void *arg) {
+    part_t *p = (part_t *)arg;
+    switch (p->dtype) {
+    case BF16: reduce_bf16(p); break;
+#ifdef __FLT16_MAX__
+    case F16: reduce_f16(p); break;
+#endif
+    default: reduce_f32(p); break;
+    }
+    return NULL;
+}
+
+/* out = {min, max, sum, sum of squares}; returns the NaN count. */
+int64_t msprobe_stats(const void *data, int64_t n, int dtype, int threads, double *out) {
+    part_t parts[MAX_THREADS];
+    pthread_t tids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    size_t item = dtype == F32 ? 4 : 2;
+    if (threads > n / MIN_PER_THREAD) threads = (int)(n / MIN_PER_THREAD);
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads < 1) threads = 1;
+    int64_t chunk = (n / threads) & ~(int64_t)(LANES - 1);
+    for (int t = 0; t < threads; t++) {
+        int64_t begin = chunk * t;
+        parts[t].data = (const char *)data + begin * item;
+        parts[t].n = t == threads - 1 ? n - begin : chunk;
+        parts[t].dtype = dtype;
+    }
+    /* A thread that cannot be started is run here instead. */
+    for (int t = 1; t < threads; t++)
+        started[t] = pthread_create(&tids[t], NULL, run_part, &parts[t]) == 0;
+    run_part(&parts[0]);
+    for (int t = 1; t < threads; t++) {
+        if (started[t])
+            pthread_join(tids[t], NULL);
+        else
+            run_part(&parts[t]);
+    }
+    double mn = parts[0].mn, mx = parts[0].mx, sum = 0.0, sq = 0.0;
+    int64_t nans = 0;
+    for (int t = 0; t < threads; t++) {
+        mn = parts[t].mn < mn ? parts[t].mn : mn;
+        mx = parts[t].mx > mx ? parts[t].mx : mx;
+        sum += parts[t].sum;
+        sq += parts[t].sq;
+        nans += parts[t].nans;
+    }
+    out[0] = mn;
+    out[1] = mx;
+    out[2] = sum;
+    out[3] = sq;
+    return nans;
+}
