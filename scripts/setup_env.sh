@@ -5,6 +5,8 @@
 #                                    time), pytest, transformers (tests build models from a
 #                                    config, no download), matplotlib, and Debian's chromium
 #                                    (the HTML report is checked in a headless browser)
+# Both profiles install gcc where no C compiler exists: the monitor builds its one-pass
+# statistics kernel with it.
 # numpy stays <2: MindSpore's C++ is built against NumPy 1.x.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,11 +29,18 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -c "$check"
   echo "$want" > "$stamp"
 fi
-if [ "$profile" = test ] && ! command -v chromium >/dev/null 2>&1; then
+# apt_install PACKAGE WHY: installs a Debian package when running as root, or says how.
+apt_install() {
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-      || echo "setup_env: could not install chromium; the HTML report test will say how" >&2
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$1" >/dev/null) \
+      || echo "setup_env: could not install $1; $2" >&2
   else
-    echo "setup_env: chromium is missing (sudo apt-get install chromium); the HTML report test needs it" >&2
+    echo "setup_env: $1 is missing (sudo apt-get install $1); $2" >&2
   fi
+}
+if ! command -v cc >/dev/null 2>&1 && ! command -v gcc >/dev/null 2>&1; then
+  apt_install gcc "the monitor's one-pass statistics kernel is built with it (without it, statistics are about 3x slower and its tests fail)"
+fi
+if [ "$profile" = test ] && ! command -v chromium >/dev/null 2>&1; then
+  apt_install chromium "the HTML report test needs it"
 fi

@@ -2,9 +2,11 @@
  *
  * ATen has no kernel that reduces all of these in one read (aminmax, sum and a norm
  * read the data three times, aminmax at half speed). This kernel keeps LANES
- * independent accumulators, which the compiler turns into vector registers, sums
- * blocks of BLOCK elements in float and the block totals in double (a block whose
- * float sums overflow is summed again in double), and counts NaNs as it goes. Min and max skip NaN (the caller reports NaN for them when the count is
+ * independent accumulators, which the compiler turns into vector registers, and sums
+ * blocks of BLOCK elements in float and the block totals in double. A NaN makes the
+ * block's float sums NaN, so only a block whose sums are not finite (NaN, Inf, or fp32
+ * overflow) is read again, in double, counting its NaNs: finite data pays nothing for
+ * the count. Min and max skip NaN (the caller reports NaN for them when the count is
  * not zero). Large buffers are split over `threads` POSIX threads.
  *
  * Built at run time by msprobe's native.py with the system C compiler; on x86-64 the
@@ -55,7 +57,6 @@ static inline float bf16_value(uint16_t h) {
     while (n - i >= LANES) {                                                       \
         int64_t start = i, stop = n - i > BLOCK ? i + BLOCK : n - (n - i) % LANES; \
         float bs[LANES] = {0}, bq[LANES] = {0};                                    \
-        int32_t bn[LANES] = {0};                                                   \
         for (; i < stop; i += LANES) {                                             \
             for (int j = 0; j < LANES; j++) {                                      \
                 float v = LOAD(i + j);                                             \
@@ -63,22 +64,22 @@ static inline float bf16_value(uint16_t h) {
                 mx[j] = v > mx[j] ? v : mx[j];                                     \
                 bs[j] += v;                                                        \
                 bq[j] += v * v;                                                    \
-                bn[j] += v != v;                                                   \
             }                                                                      \
         }                                                                          \
         double block_sum = 0.0, block_sq = 0.0;                                    \
         for (int j = 0; j < LANES; j++) {                                          \
             block_sum += bs[j];                                                    \
             block_sq += bq[j];                                                     \
-            nans += bn[j];                                                         \
         }                                                                          \
         if (!isfinite(block_sum) || !isfinite(block_sq)) {                         \
-            /* fp32 overflowed (or met Inf/NaN): redo this block in double. */      \
+            /* fp32 overflowed, or the block holds Inf or NaN (a NaN makes the      \
+               sums NaN, so finite blocks need no count): redo it in double. */    \
             block_sum = block_sq = 0.0;                                            \
             for (int64_t k = start; k < stop; k++) {                               \
                 double v = LOAD(k);                                                \
                 block_sum += v;                                                    \
                 block_sq += v * v;                                                 \
+                nans += v != v;                                                    \
             }                                                                      \
         }                                                                          \
         sum += block_sum;                                                          \
