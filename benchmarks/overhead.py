@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 import torch  # noqa: E402
 
 from gpt import GPT, GPTConfig, synthetic_batches  # noqa: E402
+from msprobe.core.monitor_v2 import native  # noqa: E402
 from msprobe.core.monitor_v2.frameworks.pytorch.stats import StatPlan, TorchStatsEngine  # noqa: E402
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2  # noqa: E402
 
@@ -153,6 +154,7 @@ class Bench:
         self.data = synthetic_batches(self.cfg, args.batch, seed=0, device=self.device)
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.out = tempfile.mkdtemp(prefix="msprobe_bench_")
+        self.busy = 0.0  # seconds the last monitored window spent in the monitor's code
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -190,6 +192,7 @@ class Bench:
             self.sync()
             result = time.perf_counter() - t0
         if mon is not None:
+            self.busy = mon.busy_seconds
             mon.stop()
         return result
 
@@ -215,13 +218,15 @@ class Bench:
         return on.get("cpu", 0) - base.get("cpu", 0), on.get("item", 0) - base.get("item", 0)
 
     def run_config(self, name: str, cfg: dict) -> dict:
-        ratios = []
+        ratios, busy, plain = [], [], []
         for r in range(self.args.rounds):
             order = (None, cfg) if r % 2 == 0 else (cfg, None)
             results = {}
             for which in order:
                 results[which is not None] = self.window(which)
             ratios.append(results[True] / results[False])
+            busy.append(self.busy / results[False])
+            plain.append(results[False] / self.args.steps_per_window)
         mem = []
         for _ in range(2):
             off = self.window(None, measure_memory=True)
@@ -232,6 +237,11 @@ class Bench:
             "median": statistics.median(ratios),
             "min": min(ratios),
             "max": max(ratios),
+            # The monitor's own code, timed inside it: the direct part of the overhead,
+            # without the machine's run-to-run noise (it misses indirect costs such as
+            # caches the statistics evict).
+            "busy": statistics.median(busy),
+            "busy_ms": statistics.median(busy) * statistics.median(plain) * 1e3,
             "mem": statistics.median(mem),
             "cpu": cpu_per_step,
             "item": items_per_step,
@@ -296,6 +306,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--only", action="append", help="run only configs whose name contains this (repeatable)")
     p.add_argument("--skip-engine", action="store_true", help="skip the statistics-engine micro-benchmark")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one round: checks that the benchmark runs")
+    p.add_argument("--no-native", action="store_true",
+                   help="ATen reductions only, without the one-pass C kernel (as on a machine without a C compiler)")
     args = p.parse_args(argv)
     if args.smoke:
         args.layers, args.d_model, args.heads, args.vocab, args.context, args.batch = 2, 32, 2, 128, 16, 2
@@ -305,13 +317,17 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
+    if args.no_native:
+        os.environ[native.ENV_SWITCH] = "0"
     torch.set_num_threads(args.threads)
     bench = Bench(args)
     n_params = sum(p.numel() for p in bench.model.parameters())
     print(f"model: GPT {args.layers} layers, d_model {args.d_model}, {args.heads} heads, vocab {args.vocab}, "
           f"context {args.context}, batch {args.batch}; {n_params / 1e6:.1f}M parameters "
           f"({bench.param_bytes / 2**20:.1f} MiB); AdamW; device {args.device}, {args.threads} thread(s)")
-    print(f"{args.rounds} rounds x {args.steps_per_window} steps per window; torch {torch.__version__}")
+    kernel = "ATen reductions only (--no-native)" if native.load() is None else "one-pass C kernel"
+    print(f"{args.rounds} rounds x {args.steps_per_window} steps per window; torch {torch.__version__}; "
+          f"CPU statistics: {kernel}")
     bench.train_steps(args.warmup)
     rows = []
     for name, cfg in configs(args.layers).items():
@@ -319,14 +335,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             continue
         row = bench.run_config(name, cfg)
         rows.append(row)
-        print(f"  {name:<28} ratio {row['median']:.3f}  ({row['min']:.3f}..{row['max']:.3f})", flush=True)
+        print(f"  {name:<28} ratio {row['median']:.3f}  ({row['min']:.3f}..{row['max']:.3f}); "
+              f"monitor code {100 * row['busy']:.1f} %", flush=True)
     print()
-    print("| config | median ratio (with / without) | spread (min..max) | peak memory delta | "
+    print("| config | median ratio (with / without) | spread (min..max) | monitor code per step | peak memory delta | "
           ".cpu() per step | .item() per step |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
         mem_pct = 100.0 * row["mem"] / bench.param_bytes
         print(f"| {row['name']} | {row['median']:.3f} | {row['min']:.3f}..{row['max']:.3f} | "
+              f"{row['busy_ms']:.1f} ms ({100 * row['busy']:.1f} %) | "
               f"{row['mem'] / 2**20:+.1f} MiB ({mem_pct:+.1f} % of params) | {row['cpu']:.1f} | {row['item']:.1f} |")
     if not args.skip_engine:
         t_stats, t_floor, n, numel = engine_bench(args)

@@ -3,15 +3,22 @@ that it cannot rot; its numbers are not asserted (ratios are measured, not teste
 
 import re
 import subprocess
+
+import pytest
 import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "overhead.py"
 
 
-def test_overhead_benchmark_smoke_mode_prints_every_config():
-    proc = subprocess.run([sys.executable, str(BENCH), "--smoke"], capture_output=True, text=True, timeout=300)
+@pytest.mark.parametrize("flags, statistics", [
+    ([], "one-pass C kernel"),
+    (["--no-native"], "ATen reductions only (--no-native)"),
+], ids=["native", "aten"])
+def test_overhead_benchmark_smoke_mode_prints_every_config(flags, statistics):
+    proc = subprocess.run([sys.executable, str(BENCH), "--smoke", *flags], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"CPU statistics: {statistics}" in proc.stdout
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "config" not in line]
     names = [line.split("|")[1].strip() for line in table]
     assert names == ["weight_grad", "optimizer", "param", "module (2 layers)", "module (every module)",

@@ -759,8 +759,8 @@ def test_same_tensor_twice_in_a_step_is_computed_once_and_in_place_change_is_see
     engine = TorchStatsEngine()
     plan = StatPlan.from_ops(ALL_OPS)
     calls = []
-    real = engine._vector  # the computation, on either reduction path
-    monkeypatch.setattr(engine, "_vector", lambda t, *a, **k: calls.append(1) or real(t, *a, **k))
+    real = engine._compute  # the computation, on either reduction path
+    monkeypatch.setattr(engine, "_compute", lambda t, *a, **k: calls.append(1) or real(t, *a, **k))
     t = torch.arange(6, dtype=torch.float32)
     first = engine.record(t, plan, 0, "a.output.0", "forward", cache=True)
     second = engine.record(t, plan, 0, "b.input.0", "forward", cache=True)

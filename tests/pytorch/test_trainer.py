@@ -385,3 +385,24 @@ def test_a_failing_start_leaves_nothing_installed(write_config):
     with pytest.raises(ConfigError, match="grad_acc_steps"):
         mon.start(model=model, optimizer=opt, grad_acc_steps="4")
     assert hook_state(model, opt) == before
+
+
+def test_own_cost_is_measured_and_logged_at_stop(write_config, caplog):
+    cfg = {"start_step": 1, "step_interval": 2, **ALL_ON}
+    model = TinyMLP()
+    opt = torch.optim.AdamW(model.parameters())
+    mon = TrainerMonitorV2(write_config(cfg))
+    mon.start(model=model, optimizer=opt)
+    assert mon.busy_seconds == 0.0
+    for x, y in make_batches(5):  # steps 0..4: 1 and 3 are written
+        loss_fn(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    busy = mon.busy_seconds
+    assert busy > 0.0
+    with caplog.at_level(logging.INFO, logger="msprobe.monitor_v2"):
+        mon.stop()
+    (line,) = [r.getMessage() for r in caplog.records if "its own code took" in r.getMessage()]
+    assert "stopped after 5 steps (2 written)" in line
+    assert f"{busy:.3f} s" in line
+    assert f"{1e3 * busy / 2:.1f} ms per written step" in line

@@ -18,6 +18,7 @@ import os
 import sys
 import threading
 import traceback
+from time import perf_counter
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from .monitor import Monitor
@@ -227,6 +228,7 @@ class CommMonitorBase(Monitor):
         return wrapper
 
     def _before(self, op: str, original: Callable, args: Tuple, kwargs: Dict[str, Any], frame: Any) -> Optional[Call]:
+        start = perf_counter()
         try:
             if self.codelines and not self._matches_codeline(frame):
                 return None
@@ -242,8 +244,11 @@ class CommMonitorBase(Monitor):
         except Exception as exc:  # noqa: BLE001
             self.errors.report(f"cc {op} (before the call)", exc)
             return None
+        finally:
+            self.errors.busy += perf_counter() - start
 
     def _after(self, call: Call, result: Any) -> Any:
+        start = perf_counter()
         try:
             tensors = self.result_tensors(call.op, result, call.results)
 
@@ -258,6 +263,8 @@ class CommMonitorBase(Monitor):
         except Exception as exc:  # noqa: BLE001
             self.errors.report(f"cc {call.op} (after the call)", exc)
             return result
+        finally:
+            self.errors.busy += perf_counter() - start
 
     def _record(self, t: Any, tag: str) -> None:
         rec = self.session.engine.record(t, self.plan, 0, tag, "comm")

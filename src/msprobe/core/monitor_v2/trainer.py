@@ -7,6 +7,7 @@ transfer per device, and hands them to the writer, which merges and formats rows
 """
 
 import logging
+import time
 import os
 from typing import Any, Dict, List, Mapping, Optional, Union
 
@@ -42,12 +43,20 @@ class TrainerMonitorV2:
         self._undo_step_hooks = None
         self._patched = False
         self._warned_manual_step = False
+        self._steps = 0
+        self._written_steps = 0
 
     # ------------------------------------------------------------------ properties
     @property
     def current_step(self) -> int:
         """The step being trained now (0-based; advanced by ``step()``)."""
         return self._step
+
+    @property
+    def busy_seconds(self) -> float:
+        """Wall time spent so far in the monitor's own code on the training path (hooks,
+        the optimizer-step hooks, ``step()``): its direct cost, logged by ``stop()``."""
+        return self.errors.busy
 
     @property
     def rank_dir(self) -> Optional[str]:
@@ -158,7 +167,9 @@ class TrainerMonitorV2:
                     "Logged once."
                 )
             return
+        start = time.perf_counter()
         self._advance()
+        self.errors.busy += time.perf_counter() - start
 
     def _advance(self) -> None:
         step = self._step
@@ -178,6 +189,8 @@ class TrainerMonitorV2:
             except Exception as exc:  # noqa: BLE001
                 self.errors.report("writing step results", exc)
         self._session.engine.forget()
+        self._steps += 1
+        self._written_steps += self._active
         self._begin_step(step + 1)
 
     # ---------------------------------------------------------------------- stop
@@ -198,3 +211,8 @@ class TrainerMonitorV2:
                 self.errors.report(f"{m.name} detach", exc)
         self._writer.close()
         self._session = None
+        if self._steps:
+            logger.info(
+                "monitor_v2: stopped after %d steps (%d written); its own code took %.3f s on the "
+                "training path, %.1f ms per written step.", self._steps, self._written_steps,
+                self.errors.busy, 1e3 * self.errors.busy / max(1, self._written_steps))

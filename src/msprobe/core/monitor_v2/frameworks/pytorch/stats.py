@@ -90,21 +90,26 @@ class TorchStatsEngine:
         return torch.stack((p[:, 0].min(), p[:, 1].max(), p[:, 2].sum(), norm)), norm
 
     def _native_vector(self, t: torch.Tensor, plan: StatPlan) -> Optional[Tuple[List[float], Optional[int]]]:
-        """Host statistics from the one-pass kernel, or None where it does not apply."""
+        """Host statistics of a raw (unprepared) tensor from the one-pass kernel, or None
+        where it does not apply. It runs first and touches nothing but the tensor's
+        metadata: hooks run between large kernels, with the CPU caches cold, where every
+        skipped Python call (detach, no_grad) is worth several microseconds."""
         kernel = self._native
-        code = _NATIVE_CODES.get(t.dtype)
-        if (kernel is None or code not in kernel.dtype_codes or t.device.type != "cpu" or type(t) not in _PLAIN
-                or t.layout != torch.strided or not t.is_contiguous() or t.is_neg()):
+        if kernel is None:
             return None
-        vector, nans = kernel.stats(t.data_ptr(), t.numel(), code, torch.get_num_threads())
+        code = _NATIVE_CODES.get(t.dtype)
+        if (code not in kernel.dtype_codes or not t.is_cpu or type(t) not in _PLAIN or t.layout != torch.strided
+                or not t.is_contiguous() or t.is_neg()):
+            return None
+        numel = t.numel()
+        if numel == 0:
+            return None
+        vector, nans = kernel.stats(t.data_ptr(), numel, code, torch.get_num_threads())
         return vector, nans if plan.nans else None
 
     def _vector(
         self, t: torch.Tensor, plan: StatPlan, norm: Optional[torch.Tensor]
     ) -> Tuple[Any, Any]:
-        host = self._native_vector(t, plan)
-        if host is not None:
-            return host
         if t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16) and t.is_contiguous():
             vector, norm = self._cpu_low_precision(t, plan)
             return vector, self._nan_count(t, plan, norm, vector[2], vector[1])
@@ -159,19 +164,27 @@ class TorchStatsEngine:
         seen = self._seen.get(key) if cacheable else None
         if seen is not None and seen[0]() is t and seen[1] == t._version:
             return Record(vpp_stage, name, scope, micro_step, seen[2], seen[3], seen[4])
-        original = t
+        vector, nans, numel = self._compute(t, plan)
+        if cacheable and numel:
+            try:
+                self._seen[key] = (weakref.ref(t), t._version, vector, nans, numel)
+            except TypeError:  # a tensor subclass without weak references: no caching
+                pass
+        return Record(vpp_stage, name, scope, micro_step, vector, nans, numel)
+
+    def _compute(self, t: torch.Tensor, plan: StatPlan) -> Tuple[Any, Any, int]:
+        """``(vector, nans, numel)`` of one tensor: the one-pass kernel where it applies,
+        else ATen reductions on the prepared tensor."""
+        host = self._native_vector(t, plan)
+        if host is not None:
+            return host[0], host[1], t.numel()
         with torch.no_grad():
             t = _prepared(t)
             numel = t.numel()
             if numel == 0:
-                return Record(vpp_stage, name, scope, micro_step, EMPTY_VECTOR, 0, 0)
+                return EMPTY_VECTOR, 0, 0
             vector, nans = self._vector(t, plan, None)
-        if cacheable:
-            try:
-                self._seen[key] = (weakref.ref(original), original._version, vector, nans, numel)
-            except TypeError:  # a tensor subclass without weak references: no caching
-                pass
-        return Record(vpp_stage, name, scope, micro_step, vector, nans, numel)
+        return vector, nans, numel
 
     def record_many(
         self,
@@ -183,9 +196,14 @@ class TorchStatsEngine:
         kernel per (device, dtype) group (on the CPU a dot product per tensor is faster)."""
         out: List[Optional[Record]] = [None] * len(tensors)
         groups: Dict[Tuple[torch.device, torch.dtype], List[int]] = defaultdict(list)
+        prepared: Dict[int, torch.Tensor] = {}
         with torch.no_grad():
-            prepared = [_prepared(t) for t in tensors]
-            for i, t in enumerate(prepared):
+            for i, t in enumerate(tensors):
+                host = self._native_vector(t, plan)
+                if host is not None:
+                    out[i] = Record(*keys[i], host[0], host[1], t.numel())
+                    continue
+                t = prepared[i] = _prepared(t)
                 if t.numel() == 0:
                     out[i] = Record(*keys[i], EMPTY_VECTOR, 0, 0)
                 else:
