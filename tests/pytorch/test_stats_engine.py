@@ -239,6 +239,15 @@ def test_integer_and_bool_known_values():
         assert_stats(via_record_many([t])[0], want, what=str(t))
 
 
+def test_a_negative_view_is_not_read_as_raw_memory():
+    """Its sign is held in a bit, not in memory: the statistics are those of its values."""
+    x = _values((64,), torch.float32)
+    neg = torch._neg_view(x)
+    assert neg.is_neg()
+    assert_stats(via_record(neg), numpy_stats(-x))
+    assert_stats(via_record_many([neg])[0], numpy_stats(-x))
+
+
 def test_requires_grad_and_parameter_inputs():
     p = torch.nn.Parameter(make_tensor(torch.float32, "3d"))
     y = p * 2  # non-leaf with a grad_fn

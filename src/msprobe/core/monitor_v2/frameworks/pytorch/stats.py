@@ -19,6 +19,8 @@ the host. Elsewhere, and without a C compiler, ATen's reductions give the same n
 (device, dtype) group: the number of transfers does not grow with the tensors.
 """
 
+import dataclasses
+import functools
 import math
 import weakref
 from collections import defaultdict
@@ -38,6 +40,18 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def _accumulator_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+@functools.lru_cache(maxsize=None)
+def _without_nans(plan: StatPlan) -> StatPlan:
+    return dataclasses.replace(plan, nans=False)
+
+
+def _for_dtype(plan: StatPlan, t: torch.Tensor) -> StatPlan:
+    """Integer and bool tensors hold no NaN: their count is known without a pass."""
+    if plan.nans and not (t.is_floating_point() or t.is_complex()):
+        return _without_nans(plan)
+    return plan
 
 
 def _prepared(t: torch.Tensor) -> torch.Tensor:
@@ -99,12 +113,16 @@ class TorchStatsEngine:
             return None
         code = _NATIVE_CODES.get(t.dtype)
         if (code not in kernel.dtype_codes or not t.is_cpu or type(t) not in _PLAIN or t.layout != torch.strided
-                or not t.is_contiguous() or t.is_neg()):
+                or t.is_nested or not t.is_contiguous() or t.is_neg()):
             return None
         numel = t.numel()
         if numel == 0:
             return None
-        vector, nans = kernel.stats(t.data_ptr(), numel, code, torch.get_num_threads())
+        try:
+            pointer = t.data_ptr()
+        except RuntimeError:  # no storage (functorch wrappers look like plain tensors)
+            return None
+        vector, nans = kernel.stats(pointer, numel, code, torch.get_num_threads())
         return vector, nans if plan.nans else None
 
     def _vector(
@@ -179,6 +197,7 @@ class TorchStatsEngine:
         if host is not None:
             return host[0], host[1], t.numel()
         with torch.no_grad():
+            plan = _for_dtype(plan, t)
             t = _prepared(t)
             numel = t.numel()
             if numel == 0:
@@ -197,12 +216,14 @@ class TorchStatsEngine:
         out: List[Optional[Record]] = [None] * len(tensors)
         groups: Dict[Tuple[torch.device, torch.dtype], List[int]] = defaultdict(list)
         prepared: Dict[int, torch.Tensor] = {}
+        plans: Dict[int, StatPlan] = {}
         with torch.no_grad():
             for i, t in enumerate(tensors):
                 host = self._native_vector(t, plan)
                 if host is not None:
                     out[i] = Record(*keys[i], host[0], host[1], t.numel())
                     continue
+                plans[i] = _for_dtype(plan, t)
                 t = prepared[i] = _prepared(t)
                 if t.numel() == 0:
                     out[i] = Record(*keys[i], EMPTY_VECTOR, 0, 0)
@@ -215,7 +236,7 @@ class TorchStatsEngine:
                     acc = torch.float64 if dtype == torch.float64 else torch.float32
                     norms = torch._foreach_norm(group, 2, dtype=acc)
                 for i, t, n in zip(idx, group, norms):
-                    vector, nans = self._vector(t, plan, n)
+                    vector, nans = self._vector(t, plans[i], n)
                     out[i] = Record(*keys[i], vector, nans, t.numel())
         return out  # type: ignore[return-value]
 
