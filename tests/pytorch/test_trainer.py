@@ -406,3 +406,41 @@ def test_own_cost_is_measured_and_logged_at_stop(write_config, caplog):
     assert "stopped after 5 steps (2 written)" in line
     assert f"{busy:.3f} s" in line
     assert f"{1e3 * busy / 2:.1f} ms per written step" in line
+
+
+def test_native_kernel_and_aten_reductions_write_the_same_rows(write_config, tmp_path, monkeypatch):
+    """The one-pass C kernel (the default on the CPU) and ATen's reductions (without a
+    C compiler) agree on every row of a training with every monitor, a NaN included."""
+    from msprobe.core.monitor_v2 import native
+
+    assert native.load() is not None, "the one-pass kernel did not build: is a C compiler (gcc) installed?"
+    outputs = {}
+    for path in ("native", "aten"):
+        if path == "aten":
+            monkeypatch.setenv(native.ENV_SWITCH, "0")
+        cfg = {**ALL_ON, "output_dir": str(tmp_path / path)}
+        cfg["monitors"] = {**ALL_ON["monitors"], "module": {"enabled": True}}
+        model = TinyMLP()
+        opt = torch.optim.AdamW(model.parameters())
+        mon = TrainerMonitorV2(write_config(cfg, name=f"{path}.json"))
+        mon.start(model=model, optimizer=opt)
+        for k, (x, y) in enumerate(make_batches(3)):
+            if k == 2:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            loss_fn(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        mon.stop()
+        outputs[path] = {m: rows_of(cfg["output_dir"], m) for m in ("weight_grad", "optimizer", "param", "module")}
+    for monitor, rows in outputs["native"].items():
+        other = outputs["aten"][monitor]
+        assert rows and [(r["module_name"], r["scope"], r["step"]) for r in rows] == \
+            [(r["module_name"], r["scope"], r["step"]) for r in other]
+        for a, b in zip(rows, other):
+            for op in ("min", "max", "mean", "norm", "nans"):
+                va, vb = float(a[op]), float(b[op])
+                assert (np.isnan(va) and np.isnan(vb)) or va == pytest.approx(vb, rel=1e-5, abs=1e-7), \
+                    (monitor, a["module_name"], a["scope"], op, va, vb)
+    nan_rows = [r for r in outputs["native"]["module"] if r["nans"] not in ("0", "")]
+    assert nan_rows, "the injected NaN is reported"
