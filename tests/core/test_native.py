@@ -122,7 +122,15 @@ LOAD_AND_REPORT = (
 )
 
 
-def test_built_once_per_cache_directory_and_reused(tmp_path):
+@pytest.fixture
+def group_writable_umask():
+    """A umask of 002 (common on shared machines) for the processes this test starts."""
+    old = os.umask(0o002)
+    yield
+    os.umask(old)
+
+
+def test_built_once_per_cache_directory_and_reused(tmp_path, group_writable_umask):
     env = {native.ENV_CACHE: str(tmp_path)}
     first = _run(LOAD_AND_REPORT, env)
     assert first.returncode == 0, first.stderr
@@ -130,7 +138,7 @@ def test_built_once_per_cache_directory_and_reused(tmp_path):
     assert path and os.path.dirname(path) == str(tmp_path)
     built = os.stat(path).st_mtime_ns
     second = _run(LOAD_AND_REPORT, env)
-    assert json.loads(second.stdout) == path
+    assert json.loads(second.stdout) == path, "our own build is trusted whatever the umask"
     assert os.stat(path).st_mtime_ns == built, "a cached build is reused, not rebuilt"
     assert [f for f in os.listdir(tmp_path) if f.endswith(".tmp")] == []
 
@@ -162,3 +170,14 @@ def test_switched_off_by_environment_variable(tmp_path):
     result = _run(LOAD_AND_REPORT, {native.ENV_CACHE: str(tmp_path), native.ENV_SWITCH: "0"})
     assert json.loads(result.stdout) is None
     assert os.listdir(tmp_path) == [], "nothing is built when switched off"
+
+
+def test_a_cached_library_others_may_write_is_not_loaded(tmp_path):
+    env = {native.ENV_CACHE: str(tmp_path)}
+    first = _run(LOAD_AND_REPORT, env)
+    path = json.loads(first.stdout)
+    os.chmod(path, 0o777)  # as if planted in a shared directory
+    second = _run(LOAD_AND_REPORT, env)
+    assert second.returncode == 0, second.stderr
+    other = json.loads(second.stdout)
+    assert other and other != path and not other.startswith(str(tmp_path)), other

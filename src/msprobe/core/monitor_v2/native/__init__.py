@@ -143,7 +143,9 @@ def _cached_build(compiler: List[str], flags: List[str], name: str) -> str:
             continue
         path = os.path.join(directory, name)
         if os.path.exists(path):
-            return path
+            if _trusted(path):
+                return path
+            continue  # someone else's file: build a private copy instead
         # Ranks that start together each build under their own name; the rename is atomic.
         partial = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
@@ -156,11 +158,21 @@ def _cached_build(compiler: List[str], flags: List[str], name: str) -> str:
             last = (result.stderr.strip().splitlines() or ["no output"])[-1]
             raise _Unavailable(f"{' '.join(compiler)} exited with {result.returncode}: {last}")
         try:
+            os.chmod(partial, 0o755)  # whatever the umask: see _trusted
             os.replace(partial, path)
             return path
         except OSError:
             _remove(partial)
     raise _Unavailable("no writable directory to build the kernel in")
+
+
+def _trusted(path: str) -> bool:
+    """A cached library is loaded only if this user owns it and nobody else may write it
+    (a shared or world-writable cache directory must not be a way to run code here)."""
+    if not hasattr(os, "getuid"):
+        return True
+    info = os.stat(path)
+    return info.st_uid == os.getuid() and not info.st_mode & 0o022
 
 
 def _remove(path: str) -> None:
