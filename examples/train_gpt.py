@@ -408,6 +408,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"warning: the monitor contained {mon.errors.count} error(s) during training (see the log above)")
 
     ok = summarise(os.path.abspath(mon.rank_dir), losses)
+    print(f"the monitor's own code: {mon.busy_seconds:.3f} s on the training path")
     print(f"done in {time.perf_counter() - t0:.1f} s")
     out_root = os.path.dirname(os.path.abspath(mon.rank_dir))
     shown = os.path.relpath(out_root)
