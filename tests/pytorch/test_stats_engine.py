@@ -794,3 +794,43 @@ def test_a_new_tensor_reusing_a_dead_tensors_id_is_not_confused(monkeypatch):
         recs.append(engine.record(torch.full((4,), value), plan, 0, f"t{value}", "forward", cache=True))
     engine.to_host(recs)
     assert [r.vector[0] for r in recs] == [1.0, 2.0, 3.0]
+
+
+def test_a_view_of_memory_already_seen_is_not_read_again_unless_changed(monkeypatch):
+    engine = TorchStatsEngine()
+    plan = StatPlan.from_ops(ALL_OPS)
+    calls = []
+    real = engine._compute
+    monkeypatch.setattr(engine, "_compute", lambda t, *a, **k: calls.append(1) or real(t, *a, **k))
+    base = _values((4, 6), torch.float32)
+    first = engine.record(base, plan, 0, "a.grad_output.0", "backward", cache=True)
+    flat = base.view(24)  # another object, the same memory: how autograd passes gradients on
+    second = engine.record(flat, plan, 0, "b.grad_input.0", "backward", cache=True)
+    assert len(calls) == 1
+    engine.record(base[1:], plan, 0, "c", "backward", cache=True)  # other memory: read
+    engine.record(base.t(), plan, 0, "d", "backward", cache=True)  # not contiguous: read
+    assert len(calls) == 3
+    flat.mul_(-1)  # a view shares its base's version counter: both are stale now
+    third = engine.record(base.view(2, 12), plan, 0, "e", "backward", cache=True)
+    assert len(calls) == 4
+    alias = base.data  # a version counter of its own (the documented blind spot for `base`)
+    alias.add_(1)
+    fourth = engine.record(alias, plan, 0, "f", "backward", cache=True)
+    assert len(calls) == 5, "a modified alias is read again"
+    engine.to_host([first, second, third, fourth])
+    want = numpy_stats(base)
+    assert_stats({op: v for op, v in zip(("min", "max"), fourth.vector[:2])}, want, ops=("min", "max"))
+    assert first.vector == second.vector and third.vector[0] == -first.vector[1]
+
+
+def test_memory_seen_through_a_dead_tensor_is_read_again(monkeypatch):
+    engine = TorchStatsEngine()
+    plan = StatPlan.from_ops(ALL_OPS)
+    calls = []
+    real = engine._compute
+    monkeypatch.setattr(engine, "_compute", lambda t, *a, **k: calls.append(1) or real(t, *a, **k))
+    base = _values((32,), torch.float32)
+    engine.record(base.view(4, 8), plan, 0, "a", "forward", cache=True)  # that view dies at once
+    gc.collect()
+    engine.record(base.view(8, 4), plan, 0, "b", "forward", cache=True)
+    assert len(calls) == 2, "only a living first tensor proves the memory was not freed and reused"
