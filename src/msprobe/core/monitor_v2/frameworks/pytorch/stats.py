@@ -1,19 +1,19 @@
 """Device side of the statistics engine for PyTorch.
 
-Each tensor becomes a 4-vector ``[min, max, sum, norm]`` on its own device, computed
-in fp32 (fp64 for fp64 tensors), plus a 0-d int64 NaN count. Nothing is cloned: the
-reductions read the tensor in place (integer and bool tensors are cast to fp32 first,
-a temporary that is freed at once). No value is read back to the host here, with one
-exception that is not a synchronisation: on the CPU the tensor already lives on the
-host, so the engine reads its norm (or sum) and counts NaNs only when that is not
-finite. Counting NaNs costs about as much as all other statistics together, and a
-finite norm proves there is none. On accelerators the NaN count is computed on the
-device for every tensor.
+Each tensor becomes a 4-vector ``[min, max, sum, norm]``, plus a NaN count. Nothing is
+cloned or kept: the reductions read the tensor in place.
 
-On the CPU, contiguous fp32/bf16/fp16 tensors go through the one-pass C kernel of
-``monitor_v2.native`` when it could be built: one read of the data for all statistics
-and the NaN count (ATen needs three and a fourth for NaNs), with the results already on
-the host. Elsewhere, and without a C compiler, ATen's reductions give the same numbers.
+- On the CPU, contiguous fp32/bf16/fp16 tensors go through the one-pass C kernel of
+  ``monitor_v2.native`` when it could be built: one read of the data for all
+  statistics and the NaN count, with the results already on the host (sums in fp64).
+- Elsewhere, and without a C compiler, ATen's reductions compute the vector on the
+  tensor's own device in fp32 (fp64 for fp64 tensors; integer and bool tensors are cast
+  to fp32 first, a temporary freed at once). No value is read back to the host, with
+  one exception that is not a synchronisation: on the CPU the tensor already lives on
+  the host, so the engine reads its norm (or sum) and counts NaNs only when that is not
+  finite. Counting NaNs costs about as much as all other statistics together, and a
+  finite norm proves there is none. On accelerators the NaN count is computed on the
+  device for every floating-point tensor.
 
 ``to_host`` moves the vectors of a whole step to the host in one transfer per
 (device, dtype) group: the number of transfers does not grow with the tensors.
@@ -54,15 +54,24 @@ def _for_dtype(plan: StatPlan, t: torch.Tensor) -> StatPlan:
     return plan
 
 
-def _memory_key(t: torch.Tensor, plan: StatPlan) -> Optional[Tuple[int, int, torch.dtype, StatPlan]]:
-    """Where a contiguous plain tensor's values live; the same key means the same values."""
+def _data_pointer(t: torch.Tensor) -> Optional[int]:
+    """The address of a plain, dense, contiguous tensor's first element, whose memory
+    then holds exactly its values in order; None for anything else (subclasses, views
+    with a sign or conjugate bit, nested or sparse tensors, storage-less wrappers such
+    as functorch's, which look like plain tensors)."""
     if (type(t) not in _PLAIN or t.layout != torch.strided or t.is_nested or not t.is_contiguous()
             or t.is_neg() or t.is_conj()):
         return None
     try:
-        return (t.data_ptr(), t.numel(), t.dtype, plan)
-    except RuntimeError:  # no storage
+        return t.data_ptr()
+    except RuntimeError:
         return None
+
+
+def _memory_key(t: torch.Tensor, plan: StatPlan) -> Optional[Tuple[int, int, torch.dtype, StatPlan]]:
+    """Where a tensor's values live; the same key means the same values."""
+    pointer = _data_pointer(t)
+    return None if pointer is None else (pointer, t.numel(), t.dtype, plan)
 
 
 def _prepared(t: torch.Tensor) -> torch.Tensor:
@@ -129,20 +138,13 @@ class TorchStatsEngine:
         metadata: hooks run between large kernels, with the CPU caches cold, where every
         skipped Python call (detach, no_grad) is worth several microseconds."""
         kernel = self._native
-        if kernel is None:
-            return None
-        code = _NATIVE_CODES.get(t.dtype)
-        if (code not in kernel.dtype_codes or not t.is_cpu or type(t) not in _PLAIN or t.layout != torch.strided
-                or t.is_nested or not t.is_contiguous() or t.is_neg()):
+        if kernel is None or not t.is_cpu or _NATIVE_CODES.get(t.dtype) not in kernel.dtype_codes:
             return None
         numel = t.numel()
-        if numel == 0:
+        pointer = _data_pointer(t) if numel else None
+        if pointer is None:
             return None
-        try:
-            pointer = t.data_ptr()
-        except RuntimeError:  # no storage (functorch wrappers look like plain tensors)
-            return None
-        vector, nans = kernel.stats(pointer, numel, code, torch.get_num_threads())
+        vector, nans = kernel.stats(pointer, numel, _NATIVE_CODES[t.dtype], torch.get_num_threads())
         return vector, nans if plan.nans else None
 
     def _vector(
@@ -196,7 +198,8 @@ class TorchStatsEngine:
         micro_step: Optional[int] = None,
         cache: bool = False,
     ) -> Record:
-        """Statistics of one tensor, computed now (inside a hook), kept on the device."""
+        """Statistics of one tensor, computed now (inside a hook): kept on the device, or
+        host values where the one-pass kernel read a CPU tensor."""
         cacheable = cache and not t.is_inference()  # inference tensors have no version counter
         key = memory_key = None
         if cacheable:
