@@ -764,12 +764,17 @@ def test_format_value_literals():
 
 
 # ------------------------------------------------------- one computation per tensor
-def test_same_tensor_twice_in_a_step_is_computed_once_and_in_place_change_is_seen(monkeypatch):
+def _counting_engine(monkeypatch):
+    """An engine whose reductions (on either path) are counted in ``calls``."""
     engine = TorchStatsEngine()
-    plan = StatPlan.from_ops(ALL_OPS)
     calls = []
-    real = engine._compute  # the computation, on either reduction path
+    real = engine._compute
     monkeypatch.setattr(engine, "_compute", lambda t, *a, **k: calls.append(1) or real(t, *a, **k))
+    return engine, StatPlan.from_ops(ALL_OPS), calls
+
+
+def test_same_tensor_twice_in_a_step_is_computed_once_and_in_place_change_is_seen(monkeypatch):
+    engine, plan, calls = _counting_engine(monkeypatch)
     t = torch.arange(6, dtype=torch.float32)
     first = engine.record(t, plan, 0, "a.output.0", "forward", cache=True)
     second = engine.record(t, plan, 0, "b.input.0", "forward", cache=True)
@@ -797,11 +802,7 @@ def test_a_new_tensor_reusing_a_dead_tensors_id_is_not_confused(monkeypatch):
 
 
 def test_a_view_of_memory_already_seen_is_not_read_again_unless_changed(monkeypatch):
-    engine = TorchStatsEngine()
-    plan = StatPlan.from_ops(ALL_OPS)
-    calls = []
-    real = engine._compute
-    monkeypatch.setattr(engine, "_compute", lambda t, *a, **k: calls.append(1) or real(t, *a, **k))
+    engine, plan, calls = _counting_engine(monkeypatch)
     base = _values((4, 6), torch.float32)
     first = engine.record(base, plan, 0, "a.grad_output.0", "backward", cache=True)
     flat = base.view(24)  # another object, the same memory: how autograd passes gradients on
@@ -824,11 +825,7 @@ def test_a_view_of_memory_already_seen_is_not_read_again_unless_changed(monkeypa
 
 
 def test_memory_seen_through_a_dead_tensor_is_read_again(monkeypatch):
-    engine = TorchStatsEngine()
-    plan = StatPlan.from_ops(ALL_OPS)
-    calls = []
-    real = engine._compute
-    monkeypatch.setattr(engine, "_compute", lambda t, *a, **k: calls.append(1) or real(t, *a, **k))
+    engine, plan, calls = _counting_engine(monkeypatch)
     base = _values((32,), torch.float32)
     engine.record(base.view(4, 8), plan, 0, "a", "forward", cache=True)  # that view dies at once
     gc.collect()
