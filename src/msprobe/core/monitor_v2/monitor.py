@@ -8,7 +8,6 @@ and ``collect()`` when the step ends; ``detach()`` once at ``stop()``. A monitor
 work in its hooks when ``active`` is false.
 """
 
-import functools
 import logging
 from time import perf_counter
 from typing import Any, Callable, ClassVar, List, Mapping, Sequence, Set, Tuple
@@ -40,7 +39,8 @@ class ContainedErrors:
             )
 
     def wrap(self, site: str, fn: Callable[..., Any]) -> Callable[..., None]:
-        @functools.wraps(fn)
+        # No functools.wraps: the module monitor wraps new graph hooks on every written
+        # step, and copying the metadata costs more than the rest of the wrapping.
         def guarded(*args: Any, **kwargs: Any) -> None:
             start = perf_counter()
             try:
