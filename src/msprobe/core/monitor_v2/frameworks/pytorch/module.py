@@ -39,6 +39,19 @@ def _is_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor)
 
 
+_ACCUMULATE_GRAD: Dict[type, bool] = {}
+
+
+def _is_accumulate_grad(node: Any) -> bool:
+    """Whether a graph node accumulates into a leaf (has ``variable``). Decided once per
+    node type: ``hasattr`` on the other C++ node types raises inside, on every edge."""
+    kind = type(node)
+    known = _ACCUMULATE_GRAD.get(kind)
+    if known is None:
+        known = _ACCUMULATE_GRAD[kind] = hasattr(node, "variable")
+    return known
+
+
 def _in_backward() -> bool:
     return torch._C._current_autograd_node() is not None
 
@@ -193,12 +206,13 @@ class ModuleMonitor(Monitor):
                 if child is None:
                     continue
                 i = edge_targets.get((child, nr))
-                if i is None and hasattr(child, "variable"):  # AccumulateGrad of a leaf
+                is_leaf = _is_accumulate_grad(child)
+                if i is None and is_leaf:
                     i = leaf_targets.get(id(child.variable))
                 if i is not None:
                     hooks.setdefault(node, []).append((e, i))
                     counts[i] = counts.get(i, 0) + 1
-                elif not hasattr(child, "variable") and child._sequence_nr() >= boundary and child not in visited:
+                elif not is_leaf and child._sequence_nr() >= boundary and child not in visited:
                     stack.append(child)
         # An input reached by several edges gets one accumulator shared by their hooks.
         sums = {i: _GradInputSum(c) for i, c in counts.items() if c > 1}
