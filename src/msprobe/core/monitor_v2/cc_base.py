@@ -156,6 +156,8 @@ class CommMonitorBase(Monitor):
         self._lock = threading.Lock()
         self._local = threading.local()
         self._records: List[Record] = []
+        self._in_flight = 0  # asynchronous calls whose 'post' rows are not recorded yet
+        self._warned_in_flight = False
         self._patches: List[Patch] = []
         self._seen_stacks: Set[Tuple] = set()
         self._stack_log: Optional[str] = None
@@ -197,6 +199,13 @@ class CommMonitorBase(Monitor):
         self.poll_pending()
         with self._lock:
             records, self._records = self._records, []
+            in_flight = self._in_flight
+        if in_flight and self.active and not self._warned_in_flight:
+            self._warned_in_flight = True
+            logger.warning(
+                "monitor_v2 cc: %d asynchronous communication call(s) had not completed when step %d "
+                "ended; their 'post' rows are written with the step in which they complete. Logged once.",
+                in_flight, self.step)
         return records
 
     # ------------------------------------------------------------------ the wrapper
@@ -259,7 +268,17 @@ class CommMonitorBase(Monitor):
             if not call.is_async or result is None:
                 record()
                 return result
-            return self.when_done(call.op, result, self.errors.wrap("cc async completion", record))
+
+            def record_when_done() -> None:
+                try:
+                    record()
+                finally:
+                    with self._lock:
+                        self._in_flight -= 1
+
+            with self._lock:
+                self._in_flight += 1
+            return self.when_done(call.op, result, self.errors.wrap("cc async completion", record_when_done))
         except Exception as exc:  # noqa: BLE001
             self.errors.report(f"cc {call.op} (after the call)", exc)
             return result
