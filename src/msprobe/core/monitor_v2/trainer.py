@@ -7,8 +7,8 @@ transfer per device, and hands them to the writer, which merges and formats rows
 """
 
 import logging
-import time
 import os
+import time
 from typing import Any, Dict, List, Mapping, Optional, Union
 
 from .alert import make_alerter
@@ -43,7 +43,6 @@ class TrainerMonitorV2:
         self._undo_step_hooks = None
         self._patched = False
         self._warned_manual_step = False
-        self._steps = 0
         self._written_steps = 0
 
     # ------------------------------------------------------------------ properties
@@ -189,7 +188,6 @@ class TrainerMonitorV2:
             except Exception as exc:  # noqa: BLE001
                 self.errors.report("writing step results", exc)
         self._session.engine.forget()
-        self._steps += 1
         self._written_steps += self._active
         self._begin_step(step + 1)
 
@@ -211,8 +209,8 @@ class TrainerMonitorV2:
                 self.errors.report(f"{m.name} detach", exc)
         self._writer.close()
         self._session = None
-        if self._steps:
+        if self._step:  # steps count from 0 and advance by one: _step steps have ended
             logger.info(
                 "monitor_v2: stopped after %d steps (%d written); its own code took %.3f s on the "
-                "training path, %.1f ms per written step.", self._steps, self._written_steps,
+                "training path, %.1f ms per written step.", self._step, self._written_steps,
                 self.errors.busy, 1e3 * self.errors.busy / max(1, self._written_steps))
