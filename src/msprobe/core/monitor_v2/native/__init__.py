@@ -63,7 +63,7 @@ class NativeStats:
         mn, mx, total, sumsq = out
         if nans:
             mn = mx = math.nan
-        return [mn, mx, total, math.sqrt(sumsq) if sumsq == sumsq else sumsq], nans
+        return [mn, mx, total, math.sqrt(sumsq)], nans  # sqrt keeps NaN and inf
 
 
 _lock = threading.Lock()
