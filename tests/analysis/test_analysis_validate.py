@@ -4,6 +4,7 @@ checked (writable, or creatable) but never created."""
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,31 @@ def test_output_dir_that_cannot_be_written(tmp_path):
             assert res.code == 2 and "not writable" in res.err
         finally:
             ro.chmod(0o700)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux's")
+def test_validate_refuses_what_the_library_refuses(tmp_path):
+    """One check for both: /proc/x passes every permission test (as root) yet cannot be
+    created; validate says what the library says, and leaves nothing behind."""
+    cfg = {"output_dir": "/proc/x", "monitors": {"param": {"enabled": True}}}
+    with pytest.raises(ConfigError) as lib:
+        load_config(cfg)
+    res = cli("validate", write(tmp_path, cfg))
+    assert res.code == 2 and res.err.strip() == str(lib.value)
+    assert "cannot be created" in res.err
+    # a creatable path is created by the check and removed again, parents included
+    deep = tmp_path / "new" / "deeper"
+    res = cli("validate", write(tmp_path, {"output_dir": str(deep), "monitors": {"param": {"enabled": True}}}))
+    assert res.code == 0 and "(will be created)" in res.out
+    assert not (tmp_path / "new").exists()
+
+
+def test_no_monitor_enabled_is_not_a_plain_ok(tmp_path):
+    cfg = {"output_dir": str(tmp_path), "monitors": {"weight_grad": {"enable": True}}}
+    res = cli("validate", write(tmp_path, cfg))
+    assert res.code == 0
+    assert res.out.startswith("VALID BUT WRITES NOTHING (no monitor is enabled)")
+    assert "did you mean 'enabled'?" in res.err and "no monitor is enabled" in res.err
+    cfg["monitors"]["weight_grad"]["enabled"] = True
+    res = cli("validate", write(tmp_path, cfg))
+    assert res.out.startswith("OK with 1 warning(s) (above): ")

@@ -467,7 +467,7 @@ def test_empty_ops_means_all_five(tmp_path):
 
 def test_known_ops_give_no_warning(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger=LOGGER)
-    TrainerMonitorV2({"output_dir": str(tmp_path), "monitors": {"param": {"ops": ["nans", "min"]}}})
+    TrainerMonitorV2({"output_dir": str(tmp_path), "monitors": {"param": {"enabled": True, "ops": ["nans", "min"]}}})
     assert _warnings(caplog) == []
 
 

@@ -114,6 +114,19 @@ def _unknown_field(path: str, name: str, known, kind: str = "field") -> str:
     return f"monitor_v2 config: unknown {kind} '{path}'{hint} Known {kind}s: {', '.join(known)}"
 
 
+def _unused_monitor_field(path: str, key: str, known: Tuple[str, ...], raw: Mapping[str, Any]) -> str:
+    """The warning for a field a known monitor does not use (the spec keeps it a warning,
+    so that configs of the original tool run): name the known field it resembles, and say
+    loudly when a misspelt ``enabled`` leaves the monitor off."""
+    close = difflib.get_close_matches(key.lower(), list(known), n=1, cutoff=0.6)
+    message = f"monitor_v2 config: field '{path}.{key}' is not used by this tool and is ignored"
+    if close:
+        message += f"; did you mean '{close[0]}'?"
+        if close[0] == "enabled" and raw.get("enabled") is None and not path.endswith(".module"):
+            message += f" As written, monitor '{path.split('.')[-1]}' is OFF (\"enabled\" defaults to false)."
+    return message + f" (known fields: {', '.join(known)})"
+
+
 # ----------------------------------------------------------------- per-monitor fields
 # name -> (checker(path, value) -> parsed value, default)
 Checker = Callable[[str, Any], Any]
@@ -241,12 +254,10 @@ def _parse_monitor(name: str, raw: Any) -> MonitorSettings:
             raw = {**nested, **raw}
 
     specific = _MONITOR_FIELDS[name]
+    known = _COMMON_FIELDS + tuple(specific)
     for key in raw:
-        if key not in specific and key not in _COMMON_FIELDS:
-            logger.warning(
-                "monitor_v2 config: field '%s.%s' is not used by this tool and is ignored "
-                "(known fields: %s)", path, key, ", ".join(_COMMON_FIELDS + tuple(specific)),
-            )
+        if key not in known:
+            logger.warning("%s", _unused_monitor_field(path, str(key), known, raw))
 
     enabled_raw = raw.get("enabled")
     enabled = (name == "module") if enabled_raw is None else check_bool(f"{path}.enabled", enabled_raw)
@@ -291,17 +302,39 @@ def _read_source(source: Union[str, os.PathLike, Mapping]) -> Dict[str, Any]:
     return data
 
 
-def check_output_dir(path: str) -> str:
-    """Create ``path`` (with parents) and prove that a file can be written in it."""
+def check_output_dir(path: Any, keep: bool = True) -> str:
+    """Create ``path`` (with parents) and prove that a file can be written in it: the one
+    check of ``output_dir``, shared by the library and ``msprobe-monitor validate``.
+
+    ``keep=False`` (validate) removes the directories this check created, so the file
+    system is left as it was; the probe file is always removed."""
     if not isinstance(path, str) or not path.strip():
         raise _fail("output_dir", path, "must be a non-empty path string")
+    created = []  # directories that did not exist, deepest first
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        created.append(probe)
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        raise _fail("output_dir", path, f"must be a writable directory ({probe!r} exists and is not a directory)")
     try:
         os.makedirs(path, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".msprobe_write_check_", dir=path)
+        fd, probe_file = tempfile.mkstemp(prefix=".msprobe_write_check_", dir=path)
         os.close(fd)
-        os.remove(probe)
+        os.remove(probe_file)
     except OSError as exc:
-        raise _fail("output_dir", path, f"must be a writable directory ({exc.strerror or exc})") from None
+        what = "cannot be created: " if created else ""
+        raise _fail("output_dir", path, f"must be a writable directory ({what}{exc.strerror or exc})") from None
+    finally:
+        if not keep:
+            for directory in created:
+                try:
+                    os.rmdir(directory)
+                except OSError:
+                    pass  # not created after all (the error above), or no longer empty
     return path
 
 
@@ -360,6 +393,12 @@ def load_config(source: Union[str, os.PathLike, Mapping], fr: Optional[str] = No
                 field=f"monitors.{name}",
             )
         monitors[name] = _parse_monitor(name, entry)
+
+    if not any(m.enabled for m in monitors.values()):
+        logger.warning(
+            "monitor_v2 config: no monitor is enabled (monitors: %s), so nothing will be written. "
+            "Turn one on, e.g. \"monitors\": {\"weight_grad\": {\"enabled\": true}}",
+            ", ".join(f"{n} off" for n in monitors) or "none listed")
 
     output_dir = "./" if get("output_dir") is None else get("output_dir")
     output_dir = check_output_dir(output_dir)

@@ -8,6 +8,7 @@ transfer per device, and hands them to the writer, which merges and formats rows
 
 import logging
 import os
+import sys
 import time
 from typing import Any, Dict, List, Mapping, Optional, Union
 
@@ -44,6 +45,8 @@ class TrainerMonitorV2:
         self._patched = False
         self._warned_manual_step = False
         self._written_steps = 0
+        self._steps_with_rows = 0  # written steps that produced at least one row
+        self._optimizer_steps = 0  # optimizer.step() calls seen (patched or not)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -143,6 +146,7 @@ class TrainerMonitorV2:
     def _after_optimizer_step(self) -> None:
         if self._state != "running":
             return
+        self._optimizer_steps += 1
         for m in self.monitors:
             try:
                 m.after_optimizer_step()
@@ -185,6 +189,7 @@ class TrainerMonitorV2:
             try:
                 self._session.engine.to_host([r for recs in records.values() for r in recs])
                 self._writer.write_step(step, records)
+                self._steps_with_rows += 1
             except Exception as exc:  # noqa: BLE001
                 self.errors.report("writing step results", exc)
         self._session.engine.forget()
@@ -209,8 +214,46 @@ class TrainerMonitorV2:
                 self.errors.report(f"{m.name} detach", exc)
         self._writer.close()
         self._session = None
+        problem = self._why_nothing_was_written()
+        if problem:
+            logger.warning("monitor_v2: rank %d wrote no rows: %s", self.rank, problem)
         if self._step:  # steps count from 0 and advance by one: _step steps have ended
-            logger.info(
-                "monitor_v2: stopped after %d steps (%d written); its own code took %.3f s on the "
-                "training path, %.1f ms per written step.", self._step, self._written_steps,
-                self.errors.busy, 1e3 * self.errors.busy / max(1, self._written_steps))
+            _announce(
+                f"monitor_v2: rank {self.rank} stopped after {self._step} steps, {self._written_steps} written "
+                f"to {self.rank_dir}; its own code took {self.errors.busy:.3f} s on the training path "
+                f"({1e3 * self.errors.busy / max(1, self._written_steps):.1f} ms per written step). "
+                f"Read them: msprobe-monitor summary {self.config.output_dir}")
+
+    def _why_nothing_was_written(self) -> Optional[str]:
+        """The likely cause when a monitored rank ran but wrote nothing (None otherwise)."""
+        if self._steps_with_rows or not self.monitors:  # no monitor: warned at construction
+            return None
+        if self.errors.count:
+            return f"the monitor contained {self.errors.count} error(s) (logged above)."
+        sched = self.schedule
+        if self._step == 0:
+            if self._optimizer_steps and not self._patched:
+                return (f"optimizer.step() ran {self._optimizer_steps} time(s) but mon.step() was never called, so "
+                        f"no step ended. With \"patch_optimizer_step\": false, call mon.step() after each "
+                        f"optimizer.step(), or drop that field so that optimizer.step() ends the step by itself.")
+            if not self._optimizer_steps:
+                return ("no step ended: neither mon.step() nor a patched optimizer.step() was called "
+                        "(pass the optimizer to start(), or call mon.step() once per training step).")
+        if self._written_steps == 0:
+            return (f"{self._step} step(s) ended (0..{self._step - 1}) and none was in the collection window "
+                    f"(start_step {sched.start_step}, step_interval {sched.step_interval}"
+                    + (f", stop_step {sched.stop_step}" if sched.stop_step is not None else "")
+                    + f"); the first step written would be step {sched.start_step}.")
+        return (f"{self._written_steps} step(s) were in the collection window but the monitors "
+                f"({', '.join(m.name for m in self.monitors)}) reported nothing: e.g. 'targets' that match "
+                f"no module, an optimizer that holds none of the model's parameters, or no backward pass.")
+
+
+def _announce(message: str) -> None:
+    """The one end-of-run line. Through logging (INFO) once the program has configured
+    logging; otherwise on stderr, where Python's default setup (no handlers: warnings
+    only) would hide an INFO record."""
+    if logger.hasHandlers():
+        logger.info(message)
+    else:
+        print(message, file=sys.stderr, flush=True)

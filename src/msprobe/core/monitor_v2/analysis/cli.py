@@ -583,7 +583,10 @@ def cmd_validate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if res.ok:
         d = res.details
         where = "exists" if d["output_dir_exists"] else "will be created"
-        print(f"OK: {args.config}: monitors {', '.join(d['monitors']) or '(none enabled)'}; output_dir "
+        # a config that validates but would write nothing is not a plain OK
+        status = ("VALID BUT WRITES NOTHING (no monitor is enabled)" if not d["monitors"]
+                  else f"OK with {len(res.warnings)} warning(s) (above)" if res.warnings else "OK")
+        print(f"{status}: {args.config}: monitors {', '.join(d['monitors']) or '(none enabled)'}; output_dir "
               f"{d['output_dir']} ({where}); steps from {d['start_step']}"
               + (f" to {d['stop_step'] - 1}" if d["stop_step"] is not None else "")
               + f" every {d['step_interval']}, {d['step_count_per_record']} per file", file=out)

@@ -1,13 +1,14 @@
 """``validate CONFIG``: the library's own validation, without its side effects.
 
 ``load_config`` creates ``output_dir`` (with its parents) and writes a probe file in it.
-``validate`` must not, so it runs ``load_config`` on a copy of the parsed config whose
-``output_dir`` is a fresh temporary directory (removed afterwards): every other field
-gets exactly the library's checks and messages. ``output_dir`` itself is then checked
-without touching the file system: it must be a non-empty string, and either an existing
-writable directory or a path whose nearest existing ancestor is a writable directory
-(so that the library could create it). With ``create_output_dir`` the real
-``load_config(path)`` runs instead, creating ``output_dir`` as training would.
+``validate`` leaves nothing behind, so it runs ``load_config`` on a copy of the parsed
+config whose ``output_dir`` is a fresh temporary directory (removed afterwards): every
+other field gets exactly the library's checks and messages. ``output_dir`` itself then
+gets the library's own check (``config.check_output_dir``: create it, write and remove a
+probe file) with ``keep=False``, which removes the directories the check created: a path
+the library would refuse (``/proc/x``, below a file, read-only) is refused here too, with
+the same message. With ``create_output_dir`` the real ``load_config(path)`` runs
+instead, creating ``output_dir`` as training would.
 
 A relative ``output_dir`` is resolved against the current directory, as the training
 process would resolve it against its own.
@@ -45,34 +46,8 @@ class _Capture(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def _describe(value: Any) -> str:
-    return f"{value!r} ({type(value).__name__})"
-
-
-def _output_dir_problem(value: Any) -> Optional[str]:
-    """Why the library would reject ``output_dir`` (None if it would accept it)."""
-    if value is None:
-        value = "./"
-    prefix = f"monitor_v2 config: field 'output_dir' = {_describe(value)}: "
-    if not isinstance(value, str) or not value.strip():
-        return prefix + "must be a non-empty path string"
-    path = os.path.abspath(value)
-    probe = path
-    while not os.path.exists(probe):
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
-    if not os.path.isdir(probe):
-        return prefix + f"must be a writable directory ({probe!r} exists and is not a directory)"
-    if not os.access(probe, os.W_OK | os.X_OK):
-        what = "is not writable" if probe == path else f"cannot be created: {probe!r} is not writable"
-        return prefix + f"must be a writable directory ({what})"
-    return None
-
-
 def validate(path: str, fr: Optional[str] = None, create_output_dir: bool = False) -> ValidateResult:
-    from ..config import load_config  # the library's validation, the same code as training
+    from ..config import check_output_dir, load_config  # the library's own checks
     from ..errors import ConfigError
 
     handler = _Capture()
@@ -83,6 +58,7 @@ def validate(path: str, fr: Optional[str] = None, create_output_dir: bool = Fals
     tmp = None
     try:
         raw: Any = None
+        existed = False
         try:
             with open(path, encoding="utf-8") as f:
                 raw = json.load(f)
@@ -98,9 +74,9 @@ def validate(path: str, fr: Optional[str] = None, create_output_dir: bool = Fals
                 tmp = tempfile.mkdtemp(prefix="msprobe_validate_")
                 copy["output_dir"] = tmp
                 cfg = load_config(copy, fr=fr)
-                problem = _output_dir_problem(raw.get("output_dir"))
-                if problem is not None:
-                    return ValidateResult(False, path, problem, "output_dir", handler.messages)
+                out_dir = "./" if raw.get("output_dir") is None else raw["output_dir"]
+                existed = isinstance(out_dir, str) and os.path.isdir(out_dir)
+                check_output_dir(out_dir, keep=False)
         except ConfigError as exc:
             return ValidateResult(False, path, str(exc), exc.field, handler.messages)
         out_dir = raw.get("output_dir") if isinstance(raw, dict) else cfg.output_dir
@@ -108,7 +84,7 @@ def validate(path: str, fr: Optional[str] = None, create_output_dir: bool = Fals
         details = {
             "framework": cfg.framework,
             "output_dir": os.path.abspath(out_dir),
-            "output_dir_exists": os.path.isdir(out_dir),
+            "output_dir_exists": existed if not create_output_dir and isinstance(raw, dict) else True,
             "monitors": [m.name for m in cfg.enabled_monitors],
             "ranks": list(cfg.ranks) if cfg.ranks else "all",
             "start_step": cfg.schedule.start_step,

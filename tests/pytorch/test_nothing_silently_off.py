@@ -1,0 +1,128 @@
+"""A monitor is never off, or writing nothing, without a word: a misspelt field gets a
+"did you mean", a config with no monitor enabled warns (constructor and ``validate``),
+``stop()`` names the likely cause when steps ran but no row was written, and its one
+end-of-run line is visible without any logging configuration."""
+
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import TinyMLP, loss_fn, make_batches
+from msprobe.core.monitor_v2.config import load_config
+from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
+
+LOGGER = "msprobe.monitor_v2"
+
+
+def warnings_of(caplog):
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def train(mon, steps, manual_step=False):
+    model = TinyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon.start(model=model, optimizer=opt)
+    for x, y in make_batches(steps):
+        loss_fn(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        if manual_step:
+            mon.step()
+    mon.stop()
+
+
+def test_misspelt_enabled_suggests_the_field_and_says_the_monitor_is_off(tmp_path, caplog):
+    cfg = {"output_dir": str(tmp_path), "monitors": {"weight_grad": {"enable": True, "opps": ["min"]}}}
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        config = load_config(cfg)
+    assert config.enabled_monitors == []
+    msgs = warnings_of(caplog)
+    (enable,) = [m for m in msgs if "'monitors.weight_grad.enable'" in m]
+    assert "did you mean 'enabled'?" in enable and "monitor 'weight_grad' is OFF" in enable
+    (opps,) = [m for m in msgs if "'monitors.weight_grad.opps'" in m]
+    assert "did you mean 'ops'?" in opps and "OFF" not in opps
+    assert any("no monitor is enabled" in m and "weight_grad off" in m for m in msgs)
+
+
+def test_enabled_monitor_with_a_misspelt_extra_field_is_not_called_off(tmp_path, caplog):
+    cfg = {"output_dir": str(tmp_path), "monitors": {"weight_grad": {"enabled": True, "enable": True}}}
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        config = load_config(cfg)
+    assert [m.name for m in config.enabled_monitors] == ["weight_grad"]
+    (msg,) = warnings_of(caplog)
+    assert "did you mean 'enabled'?" in msg and "OFF" not in msg
+
+
+def test_no_monitor_enabled_warns_at_construction(write_config, caplog):
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        TrainerMonitorV2(write_config({"monitors": {}}))
+    assert any("no monitor is enabled" in m and "nothing will be written" in m for m in warnings_of(caplog))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        TrainerMonitorV2(write_config({"monitors": {"param": {"enabled": True}}}))
+    assert warnings_of(caplog) == []
+
+
+def test_stop_names_a_missing_step_call(write_config, caplog, tmp_path):
+    mon = TrainerMonitorV2(write_config({"patch_optimizer_step": False, "monitors": {"param": {"enabled": True}}}))
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        train(mon, 3)
+    (msg,) = warnings_of(caplog)
+    assert "rank 0 wrote no rows" in msg
+    assert "optimizer.step() ran 3 time(s) but mon.step() was never called" in msg
+    assert not (tmp_path / "out" / "rank_0").exists() or not list((tmp_path / "out" / "rank_0").iterdir())
+
+
+def test_stop_names_a_window_that_was_never_reached(write_config, caplog):
+    mon = TrainerMonitorV2(write_config({"start_step": 10, "monitors": {"param": {"enabled": True}}}))
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        train(mon, 4)
+    (msg,) = warnings_of(caplog)
+    assert "4 step(s) ended (0..3) and none was in the collection window (start_step 10" in msg
+    assert "first step written would be step 10" in msg
+
+
+def test_stop_names_monitors_that_reported_nothing(write_config, caplog):
+    mon = TrainerMonitorV2(write_config({"monitors": {"module": {"targets": ["no_such_module"]}}}))
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        train(mon, 2)
+    assert any("2 step(s) were in the collection window but the monitors (module) reported nothing" in m
+               for m in warnings_of(caplog))
+
+
+def test_a_run_that_writes_gives_no_warning(write_config, caplog):
+    mon = TrainerMonitorV2(write_config({"patch_optimizer_step": False, "monitors": {"param": {"enabled": True}}}))
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        train(mon, 2, manual_step=True)
+    assert warnings_of(caplog) == []
+    assert any("stopped after 2 steps, 2 written" in r.getMessage() for r in caplog.records)
+
+
+SCRIPT = """
+import torch
+from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
+model = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+mon = TrainerMonitorV2({"output_dir": OUT, "monitors": {"weight_grad": {"enabled": True}}})
+mon.start(model=model, optimizer=opt)
+for _ in range(3):
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+mon.stop()
+"""
+
+
+@pytest.mark.parametrize("configure", ["", "import logging; logging.basicConfig(level=logging.INFO)\n"])
+def test_end_of_run_line_is_visible_with_and_without_logging_setup(tmp_path, configure):
+    out = tmp_path / "out"
+    code = f"OUT = {str(out)!r}\n" + configure + SCRIPT
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "stopped after" in line]
+    assert len(lines) == 1, proc.stderr
+    assert f"rank 0 stopped after 3 steps, 3 written to {out / 'rank_0'}" in lines[0]
+    assert f"msprobe-monitor summary {out}" in lines[0]
+    assert lines[0].startswith("INFO:msprobe.monitor_v2:") == bool(configure)
