@@ -319,7 +319,8 @@ def summarise(rank_dir: str, losses: Dict[int, float]) -> bool:
             continue
         if r["scope"] == "reduced":
             s["sumsq"] = s.get("sumsq", 0.0) + norm * norm
-            if norm > s.get("top_norm", -1.0):
+            top = s.get("top_norm", -1.0)
+            if not math.isnan(top) and (math.isnan(norm) or norm > top):  # the first NaN wins
                 s["top_norm"], s["top_name"] = norm, r["module_name"]
         elif r["scope"] == "unreduced":
             mb = s.setdefault("mb_sumsq", defaultdict(float))
@@ -327,44 +328,111 @@ def summarise(rank_dir: str, losses: Dict[int, float]) -> bool:
     for r in all_rows.get("optimizer", []):
         if r["scope"] == "exp_avg_sq" and num(r, "max") is not None:
             s = per_step[int(r["step"])]
-            s["v_max"] = max(s.get("v_max", 0.0), num(r, "max"))
+            s["v_max"] = nan_max(s.get("v_max"), num(r, "max"))
     for r in all_rows.get("param", []):
         if num(r, "norm") is None:
             continue
         s = per_step[int(r["step"])]
         key = "p_before" if r["scope"] == "param_origin" else "p_after"
         s[key] = s.get(key, 0.0) + num(r, "norm") ** 2
-    nan_total = 0
+    # Rows, not NaN elements: one NaN gradient is also a NaN reduced gradient, NaN moments and
+    # NaN parameters, so summing the elements of all files would count it several times.
+    nan_rows: Dict[str, int] = defaultdict(int)  # "monitor scope" -> rows with a NaN/Inf
+    total_rows = 0
     for monitor, rows in all_rows.items():
         for r in rows:
-            n = int(r["nans"]) if r.get("nans") not in (None, "") else 0
-            nan_total += n
-            per_step[int(r["step"])]["nans"] = per_step[int(r["step"])].get("nans", 0) + n
+            total_rows += 1
+            if not row_is_finite(r):
+                nan_rows[f"{monitor} {r['scope']}"] += 1
+                per_step[int(r["step"])]["bad_rows"] = per_step[int(r["step"])].get("bad_rows", 0) + 1
 
     print()
     if duplicates:
         print(f"note: {duplicates} row(s) repeat a (step, name, scope) of an earlier run appended to the "
               f"same files; the summary uses the last of each")
     print("Summary per written step (from the CSV files):")
-    print("  grad norm     = sqrt(sum of norm^2) over the 'reduced' weight_grad rows (global gradient norm)")
-    print("  micro-batches = the same over the 'unreduced' rows of each micro_step (per micro-batch gradient)")
-    print("  param norm    = global parameter norm after the update (param_updated)")
-    head = (f"  {'step':>4}  {'loss':>7}  {'grad norm':>9}  {'micro-batches':>17}  {'largest grad (norm)':<34}"
-            f"  {'max exp_avg_sq':>14}  {'param norm':>10}  {'nans':>4}")
-    print(head)
-    print("  " + "-" * (len(head) - 2))
+    print("  grad norm      = sqrt(sum of norm^2) over the 'reduced' weight_grad rows (global gradient norm)")
+    print("  micro-batches  = the same over the 'unreduced' rows of each micro_step (per micro-batch gradient)")
+    print("  param norm     = global parameter norm after the update (param_updated)")
+    print("  non-finite rows = CSV rows of that step (all monitors) holding a NaN or Inf")
+    header = ["step", "loss", "grad norm", "micro-batches", "largest grad (norm)", "max exp_avg_sq",
+              "param norm", "non-finite rows"]
+    left = {"largest grad (norm)"}
+    table = []
     for step in sorted(per_step):
         s = per_step[step]
-        grad = fnum(math.sqrt(s["sumsq"])) if "sumsq" in s else "-"
         mb = s.get("mb_sumsq")
-        mbs = " / ".join(fnum(math.sqrt(mb[k])) for k in sorted(mb)) if mb else "-"
-        top = f"{s['top_name']} ({fnum(s['top_norm'])})" if "top_name" in s else "-"
-        vmax = fnum(s["v_max"]) if "v_max" in s else "-"
-        pnorm = fnum(math.sqrt(s["p_after"])) if "p_after" in s else "-"
-        loss = f"{losses[step]:.4f}" if step in losses else "-"
-        print(f"  {step:>4}  {loss:>7}  {grad:>9}  {mbs:>17}  {top:<34}  {vmax:>14}  {pnorm:>10}  {s.get('nans', 0):>4}")
-    print(f"NaN count over all files: {nan_total}" + ("" if nan_total == 0 else "  <-- look at the rows with nans > 0"))
+        table.append([
+            str(step),
+            f"{losses[step]:.4f}" if step in losses else "-",
+            fnum(math.sqrt(s["sumsq"])) if "sumsq" in s else "-",
+            " / ".join(fnum(math.sqrt(mb[k])) for k in sorted(mb)) if mb else "-",
+            f"{s['top_name']} ({fnum(s['top_norm'])})" if "top_name" in s else "-",
+            fnum(s["v_max"]) if "v_max" in s else "-",
+            fnum(math.sqrt(s["p_after"])) if "p_after" in s else "-",
+            str(s.get("bad_rows", 0)),
+        ])
+    widths = [max(len(row[i]) for row in [header] + table) for i in range(len(header))]
+
+    def line(cells: List[str]) -> str:
+        return "  " + "  ".join(c.ljust(w) if h in left else c.rjust(w)
+                                for c, w, h in zip(cells, widths, header)).rstrip()
+
+    print(line(header))
+    print("  " + "  ".join("-" * w for w in widths))
+    for row in table:
+        print(line(row))
+    bad = sum(nan_rows.values())
+    if bad:
+        parts = ", ".join(f"{k} {v}" for k, v in sorted(nan_rows.items(), key=lambda kv: -kv[1]))
+        print(f"non-finite rows: {bad} of {total_rows} rows hold a NaN or Inf ({parts}); "
+              f"where it started: msprobe-monitor anomalies (below)")
+    else:
+        print(f"non-finite rows: none of {total_rows} rows holds a NaN or Inf")
     return True
+
+
+def nan_max(a: Optional[float], b: float) -> float:
+    """max() that keeps a NaN (Python's max(0.0, nan) is 0.0, hiding it)."""
+    if a is None:
+        return b
+    if math.isnan(a) or math.isnan(b):
+        return math.nan
+    return max(a, b)
+
+
+def row_is_finite(row: Dict[str, str]) -> bool:
+    """No NaN count and no NaN/Inf statistic (an empty tensor, nan min/max/mean with norm 0, is finite)."""
+    if row.get("nans") not in (None, "") and int(row["nans"]) > 0:
+        return False
+    norm = num(row, "norm")
+    if norm is not None and not math.isfinite(norm):
+        return False
+    if norm == 0.0:
+        return True
+    return all(v is None or math.isfinite(v) for v in (num(row, op) for op in ("min", "max", "mean")))
+
+
+def command_lines(out_root: str) -> List[str]:
+    """The commands that read ``out_root``, as they run when pasted into the shell the demo
+    was started from (``scripts/demo.sh`` passes that directory in MSPROBE_DEMO_CALLER_CWD)."""
+    caller = os.environ.get("MSPROBE_DEMO_CALLER_CWD") or os.getcwd()
+
+    def shown(path: str) -> str:
+        rel = os.path.relpath(path, caller)
+        return path if rel.startswith("..") else rel
+
+    tool = os.path.join(os.path.dirname(sys.executable), "msprobe-monitor")
+    if os.path.isfile(tool) and os.access(tool, os.X_OK):
+        prog = shown(tool)
+        prog = prog if os.sep in prog else os.path.join(".", prog)
+    else:  # not installed: the same tool as a module (the checkout's src on the path)
+        src = os.path.join(os.path.dirname(HERE), "src")
+        prog = f"PYTHONPATH={shown(src)} {shown(sys.executable)} -m msprobe.core.monitor_v2.analysis"
+    out = shown(out_root)
+    return [f"  {prog} summary {out}     # what was collected, first NaN/Inf",
+            f"  {prog} anomalies {out}   # NaN/Inf in execution order, spikes",
+            f"  {prog} plot {out}        # PNG trends and report.html"]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -411,9 +479,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"the monitor's own code: {mon.busy_seconds:.3f} s on the training path")
     print(f"done in {time.perf_counter() - t0:.1f} s")
     out_root = os.path.dirname(os.path.abspath(mon.rank_dir))
-    shown = os.path.relpath(out_root)
-    print(f"next: msprobe-monitor summary {out_root if shown.startswith('..') else shown} "
-          f"(also: anomalies, plot, diff; see the README)")
+    print("next: read the results (docs/cli.md explains each command):")
+    print("\n".join(command_lines(out_root)))
     return 0 if ok else 1
 
 
