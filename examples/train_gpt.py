@@ -1,5 +1,8 @@
 """Main-job demo: train a small GPT on synthetic data with Monitor V2 switched on.
 
+It is also a complete, commented integration example: look for "Monitor V2, call 1/2/3"
+in ``train()`` for the three calls a training script needs.
+
     .venv/bin/python examples/train_gpt.py               # defaults: < 60 s on 2 CPU cores
     .venv/bin/python examples/train_gpt.py --steps 100 --out /tmp/run1
     .venv/bin/python examples/train_gpt.py --config my_monitor_v2_config.json
@@ -9,7 +12,8 @@ Without ``--config`` the demo writes ``<out>/monitor_v2_config.json`` enabling t
 ops. The monitor needs three calls (constructor + ``start``, ``stop``); ``optimizer.step()``
 is patched by ``start()`` (``patch_optimizer_step`` at its default) so it advances the
 monitor's step counter itself. After training, the script reads the CSV files back with
-the ``csv`` module only and prints a summary.
+the ``csv`` module only and prints a summary, then the ``msprobe-monitor`` commands that
+read them.
 """
 
 import argparse

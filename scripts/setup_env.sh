@@ -32,7 +32,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q --disable-pip-version-check "${deps[@]:0:2}" 2>&1 | grep -v "is ignored" || true
   if [ "$profile" = test ]; then
     echo "setup_env: installing the test profile: MindSpore 2.10 (CPU, about 800 MB download, 2.5 GB on disk)" \
-         "and ${deps[*]:3} (together about 1.1 GB download; .venv ends near 4.4 GB)..."
+         "and ${deps[*]:3} (together about 1 GB to download; .venv ends near 4.4 GB)..."
   fi
   .venv/bin/python -m pip install -q --disable-pip-version-check "${deps[@]}" 2>&1 | grep -v "is ignored" || true
   echo "setup_env: installing msprobe-monitor itself (editable, no download)..."
