@@ -23,7 +23,7 @@ logger = logging.getLogger("msprobe.monitor_v2")
 
 
 class TrainerMonitorV2:
-    """Monitor a training loop; see the README for the config reference.
+    """Monitor a training loop; the config reference is docs/configuration.md.
 
     >>> mon = TrainerMonitorV2("./monitor_v2_config.json", fr="pytorch")
     >>> mon.start(model=model, optimizer=optimizer, grad_acc_steps=4)
