@@ -47,13 +47,22 @@ def test_misspelt_enabled_suggests_the_field_and_says_the_monitor_is_off(tmp_pat
     assert any("no monitor is enabled" in m and "weight_grad off" in m for m in msgs)
 
 
+def test_misspelt_enabled_of_module_says_it_stays_on(tmp_path, caplog):
+    cfg = {"output_dir": str(tmp_path), "monitors": {"module": {"enable": False}}}
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        config = load_config(cfg)
+    assert [m.name for m in config.enabled_monitors] == ["module"]
+    (msg,) = warnings_of(caplog)
+    assert "did you mean 'enabled'?" in msg and "monitor 'module' is ON" in msg
+
+
 def test_enabled_monitor_with_a_misspelt_extra_field_is_not_called_off(tmp_path, caplog):
     cfg = {"output_dir": str(tmp_path), "monitors": {"weight_grad": {"enabled": True, "enable": True}}}
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         config = load_config(cfg)
     assert [m.name for m in config.enabled_monitors] == ["weight_grad"]
     (msg,) = warnings_of(caplog)
-    assert "did you mean 'enabled'?" in msg and "OFF" not in msg
+    assert "did you mean 'enabled'?" in msg and "As written" not in msg
 
 
 def test_no_monitor_enabled_warns_at_construction(write_config, caplog):

@@ -117,13 +117,16 @@ def _unknown_field(path: str, name: str, known, kind: str = "field") -> str:
 def _unused_monitor_field(path: str, key: str, known: Tuple[str, ...], raw: Mapping[str, Any]) -> str:
     """The warning for a field a known monitor does not use (the spec keeps it a warning,
     so that configs of the original tool run): name the known field it resembles, and say
-    loudly when a misspelt ``enabled`` leaves the monitor off."""
+    loudly what a misspelt ``enabled`` leaves the monitor at (off, or on for ``module``)."""
     close = difflib.get_close_matches(key.lower(), list(known), n=1, cutoff=0.6)
     message = f"monitor_v2 config: field '{path}.{key}' is not used by this tool and is ignored"
     if close:
         message += f"; did you mean '{close[0]}'?"
-        if close[0] == "enabled" and raw.get("enabled") is None and not path.endswith(".module"):
-            message += f" As written, monitor '{path.split('.')[-1]}' is OFF (\"enabled\" defaults to false)."
+        if close[0] == "enabled" and raw.get("enabled") is None:
+            name = path.split(".")[-1]
+            on = name == "module"  # the default of "enabled"
+            message += (f" As written, monitor '{name}' is {'ON' if on else 'OFF'} "
+                        f"(\"enabled\" defaults to {'true' if on else 'false'} for it).")
     return message + f" (known fields: {', '.join(known)})"
 
 
