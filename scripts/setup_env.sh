@@ -30,11 +30,11 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   t0=$SECONDS
   echo "setup_env: installing torch 2.13 (CPU) and numpy into .venv (about 200 MB download, 1 GB on disk)..."
   .venv/bin/python -m pip install -q --disable-pip-version-check "${deps[@]:0:2}" 2>&1 | grep -v "is ignored" || true
-  if [ "$profile" = test ]; then
+  if [ "${#deps[@]}" -gt 2 ]; then
     echo "setup_env: installing the test profile: MindSpore 2.10 (CPU, about 800 MB download, 2.5 GB on disk)" \
          "and ${deps[*]:3} (together about 1 GB to download; .venv ends near 4.4 GB)..."
+    .venv/bin/python -m pip install -q --disable-pip-version-check "${deps[@]}" 2>&1 | grep -v "is ignored" || true
   fi
-  .venv/bin/python -m pip install -q --disable-pip-version-check "${deps[@]}" 2>&1 | grep -v "is ignored" || true
   echo "setup_env: installing msprobe-monitor itself (editable, no download)..."
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e . 2>&1 | grep -v "is ignored" || true
   .venv/bin/python -c "$check"
