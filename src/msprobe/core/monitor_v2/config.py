@@ -330,7 +330,8 @@ def check_output_dir(path: Any, keep: bool = True) -> str:
         os.remove(probe_file)
     except OSError as exc:
         what = "cannot be created: " if created else ""
-        raise _fail("output_dir", path, f"must be a writable directory ({what}{exc.strerror or exc})") from None
+        why = f"{probe!r} is not writable" if isinstance(exc, PermissionError) else exc.strerror or str(exc)
+        raise _fail("output_dir", path, f"must be a writable directory ({what}{why})") from None
     finally:
         if not keep:
             for directory in created:
