@@ -220,3 +220,12 @@ def test_examples_run(page, tmp_path):
                 assert proc.returncode in (0, 1), f"{where}: {command}\n{proc.stdout}\n{proc.stderr}"
         else:
             raise AssertionError(f"{where}: runnable blocks are python or sh")
+
+
+@pytest.mark.parametrize("page", ALL_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_python_block_is_valid_python(page):
+    """Blocks that cannot run alone (they need a distributed job, a model of yours) are at
+    least valid Python; the runnable ones are run above."""
+    for info, text in split_fences(page.read_text(encoding="utf-8")):
+        if info is not None and info.split()[:1] == ["python"]:
+            compile(text, f"{page.relative_to(ROOT)} ```{info}", "exec")
