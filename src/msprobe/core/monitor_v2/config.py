@@ -291,17 +291,31 @@ def _read_source(source: Union[str, os.PathLike, Mapping]) -> Dict[str, Any]:
     return data
 
 
-def check_output_dir(path: str) -> str:
-    """Create ``path`` (with parents) and prove that a file can be written in it."""
+def output_dir_text_problem(path: Any) -> Optional[str]:
+    """Why ``path`` cannot name a directory at all (None if it can); shared with ``validate``."""
     if not isinstance(path, str) or not path.strip():
-        raise _fail("output_dir", path, "must be a non-empty path string")
+        return "must be a non-empty path string"
+    if "\0" in path:
+        return "must not contain a NUL character (\\0)"
+    return None
+
+
+def check_output_dir(path: str) -> str:
+    """Create ``path`` (with parents), prove that a file can be written in it, and return
+    it as an absolute path: a relative ``output_dir`` is resolved once, here, against the
+    working directory of the constructor, whatever the working directory at ``start()``."""
+    problem = output_dir_text_problem(path)
+    if problem is not None:
+        raise _fail("output_dir", path, problem)
     try:
+        path = os.path.abspath(path)
         os.makedirs(path, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".msprobe_write_check_", dir=path)
         os.close(fd)
         os.remove(probe)
-    except OSError as exc:
-        raise _fail("output_dir", path, f"must be a writable directory ({exc.strerror or exc})") from None
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise _fail("output_dir", path, f"must be a writable directory ({reason})") from None
     return path
 
 

@@ -187,6 +187,7 @@ class TrainerMonitorV2:
                 self._writer.write_step(step, records)
             except Exception as exc:  # noqa: BLE001
                 self.errors.report("writing step results", exc)
+                self._writer.report_lost(step, exc)
         self._session.engine.forget()
         self._written_steps += self._active
         self._begin_step(step + 1)
@@ -207,10 +208,16 @@ class TrainerMonitorV2:
                 m.detach()
             except Exception as exc:  # noqa: BLE001
                 self.errors.report(f"{m.name} detach", exc)
-        self._writer.close()
+        try:
+            self._writer.close()  # logs what was lost; never raises for output problems
+        except Exception as exc:  # noqa: BLE001 - stop() must not mask the training's own error
+            logger.warning("monitor_v2: closing the output failed: %r", exc)
         self._session = None
         if self._step:  # steps count from 0 and advance by one: _step steps have ended
+            lost = len(self._writer.lost_steps)
+            written = self._written_steps - lost
             logger.info(
-                "monitor_v2: stopped after %d steps (%d written); its own code took %.3f s on the "
-                "training path, %.1f ms per written step.", self._step, self._written_steps,
-                self.errors.busy, 1e3 * self.errors.busy / max(1, self._written_steps))
+                "monitor_v2: stopped after %d steps (%d written%s); its own code took %.3f s on the "
+                "training path, %.1f ms per written step.", self._step, written,
+                f", {lost} lost: see the warning above" if lost else "",
+                self.errors.busy, 1e3 * self.errors.busy / max(1, written))
