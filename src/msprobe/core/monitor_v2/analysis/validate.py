@@ -13,7 +13,6 @@ A relative ``output_dir`` is resolved against the current directory, as the trai
 process would resolve it against its own.
 """
 
-import json
 import logging
 import os
 import shutil
@@ -45,17 +44,16 @@ class _Capture(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def _describe(value: Any) -> str:
-    return f"{value!r} ({type(value).__name__})"
-
-
 def _output_dir_problem(value: Any) -> Optional[str]:
     """Why the library would reject ``output_dir`` (None if it would accept it)."""
+    from ..config import _describe, output_dir_text_problem  # the constructor's wording
+
     if value is None:
         value = "./"
     prefix = f"monitor_v2 config: field 'output_dir' = {_describe(value)}: "
-    if not isinstance(value, str) or not value.strip():
-        return prefix + "must be a non-empty path string"
+    problem = output_dir_text_problem(value)
+    if problem is not None:
+        return prefix + problem
     path = os.path.abspath(value)
     probe = path
     while not os.path.exists(probe):
@@ -63,6 +61,12 @@ def _output_dir_problem(value: Any) -> Optional[str]:
         if parent == probe:
             break
         probe = parent
+    if probe != path and os.path.isdir(probe):
+        # the directories load_config would create: each name must fit the file system
+        limit = os.pathconf(probe, "PC_NAME_MAX") if hasattr(os, "pathconf") else 255
+        for name in os.path.relpath(path, probe).split(os.sep):
+            if len(os.fsencode(name)) > limit:
+                return prefix + f"must be a writable directory (File name too long: {name[:40]!r}...)"
     if not os.path.isdir(probe):
         return prefix + f"must be a writable directory ({probe!r} exists and is not a directory)"
     if not os.access(probe, os.W_OK | os.X_OK):
@@ -72,7 +76,7 @@ def _output_dir_problem(value: Any) -> Optional[str]:
 
 
 def validate(path: str, fr: Optional[str] = None, create_output_dir: bool = False) -> ValidateResult:
-    from ..config import load_config  # the library's validation, the same code as training
+    from ..config import load_config, read_config_file  # the library's validation, the same code as training
     from ..errors import ConfigError
 
     handler = _Capture()
@@ -84,14 +88,8 @@ def validate(path: str, fr: Optional[str] = None, create_output_dir: bool = Fals
     try:
         raw: Any = None
         try:
-            with open(path, encoding="utf-8") as f:
-                raw = json.load(f)
-        except (OSError, ValueError, UnicodeDecodeError):
-            raw = None
-        try:
-            if create_output_dir or not isinstance(raw, dict):
-                # unreadable or not an object: load_config fails while reading, before
-                # it touches output_dir, with its own message
+            raw = read_config_file(path)  # every unreadable file is a ConfigError, as in training
+            if create_output_dir:
                 cfg = load_config(path, fr=fr)
             else:
                 copy = dict(raw)
@@ -103,7 +101,7 @@ def validate(path: str, fr: Optional[str] = None, create_output_dir: bool = Fals
                     return ValidateResult(False, path, problem, "output_dir", handler.messages)
         except ConfigError as exc:
             return ValidateResult(False, path, str(exc), exc.field, handler.messages)
-        out_dir = raw.get("output_dir") if isinstance(raw, dict) else cfg.output_dir
+        out_dir = cfg.output_dir if create_output_dir else raw.get("output_dir")
         out_dir = "./" if out_dir is None else out_dir
         details = {
             "framework": cfg.framework,

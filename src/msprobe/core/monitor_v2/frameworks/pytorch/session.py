@@ -2,12 +2,12 @@
 parameter names, the optimizer, the statistics engine, and the optimizer-step hooks."""
 
 import logging
-import os
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Sequence, Tuple
 
 import torch
 
 from ...errors import ConfigError
+from .. import rank_from_environment
 from .fsdp import FlatParamLayout, clean_name, fsdp1_layouts, fsdp2_modules, fsdp2_sharded_params
 from .stats import TorchStatsEngine
 
@@ -22,7 +22,8 @@ def global_rank() -> int:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return int(os.environ.get("RANK", "0") or 0)
+    rank = rank_from_environment(("RANK",))
+    return 0 if rank is None else rank
 
 
 def _as_chunks(model: Any) -> Tuple[List[torch.nn.Module], bool]:
