@@ -100,7 +100,9 @@ class TorchSession:
         """Tensors and row keys for ``(param, tensor)`` pairs read at the optimizer step.
 
         An FSDP1 flat shard is cut into one view per original parameter; local shards
-        without elements (a rank that holds nothing of a parameter) are left out."""
+        without elements (a rank that holds nothing of a parameter) are left out. A
+        parameter without elements (``numel() == 0``) keeps its rows, as in every monitor:
+        ``nan`` min/max/mean, 0 norm and NaNs."""
         tensors, keys = [], []
         for info, t in items:
             flat = self.flat_layouts.get(id(info.param))
@@ -110,7 +112,7 @@ class TorchSession:
                     keys.append((info.vpp_stage, seg.name + suffix, scope, None))
                 continue
             local = t.to_local() if hasattr(t, "to_local") else t
-            if local.numel() == 0:
+            if local.numel() == 0 and t.numel() != 0:
                 continue
             tensors.append(t)
             keys.append((info.vpp_stage, info.name + suffix, scope, None))

@@ -290,6 +290,8 @@ class TorchStatsEngine:
         host = self._native_vector(t, plan)
         if host is not None:
             return host[0], host[1], t.numel()
+        if t.layout != torch.strided:
+            return self._sparse(t, plan)
         with torch.no_grad():
             plan = _for_dtype(plan, t)
             t = _prepared(t)
@@ -298,6 +300,35 @@ class TorchStatsEngine:
                 return EMPTY_VECTOR, 0, 0
             vector, nans = self._vector(t, plan)
         return vector, nans, numel
+
+    def _sparse(self, t: torch.Tensor, plan: StatPlan) -> Tuple[Any, Any, int]:
+        """Statistics of the dense tensor a sparse one stands for (``nn.Embedding(sparse=True)``
+        gradients): its implicit zeros count, as in ``t.to_dense()``, which is never built.
+        COO indices may repeat (an embedding row looked up twice), so the tensor is coalesced
+        first: a temporary the size of the stored values (on a GPU, coalescing synchronises
+        with the host). The stored values then give the sum, the sum of squares and the NaN
+        count; min and max also take 0 when some elements are not stored."""
+        with torch.no_grad():
+            t = t.detach()
+            if t.layout == torch.sparse_coo:
+                t = t.coalesce()
+                values = t._values()
+            else:  # compressed layouts (CSR, CSC, BSR, BSC) store each element once
+                values = t.values()
+            numel = t.numel()
+            if numel == 0:
+                return EMPTY_VECTOR, 0, 0
+            vector, nans, stored = self._compute(values, plan)
+            if stored == numel:
+                return vector, nans, numel
+            if stored == 0:
+                return (0.0, 0.0, 0.0, 0.0), 0, numel
+            if isinstance(vector, torch.Tensor):  # clamp keeps NaN
+                vector = torch.stack((vector[0].clamp(max=0), vector[1].clamp(min=0), vector[2], vector[3]))
+            else:
+                mn, mx, total, norm = vector
+                vector = [mn if mn != mn else min(mn, 0.0), mx if mx != mx else max(mx, 0.0), total, norm]
+            return vector, nans, numel
 
     def record_many(
         self,
