@@ -241,7 +241,7 @@ def test_output_dir_removed_mid_run_is_recreated(tmp_path, caplog, per_file):
     assert not any("lost" in m for m in _messages(caplog, logging.WARNING))
 
 
-def test_output_dir_removed_every_step_loses_nothing_after(tmp_path):
+def test_deleted_file_is_recreated_not_written_blind(tmp_path, caplog):
     """Several steps per file: rows never go to a deleted file."""
     out = tmp_path / "out"
     loop = _Loop({"output_dir": str(out), "step_count_per_record": 10, "monitors": CFG_MONITORS})
@@ -249,6 +249,8 @@ def test_output_dir_removed_every_step_loses_nothing_after(tmp_path):
     (out / "rank_0" / "param_step0-9.csv").unlink()
     loop.run(1)
     loop.mon.stop()
+    recreated = [m for m in _messages(caplog, logging.WARNING) if "re-created" in m]
+    assert len(recreated) == 1 and "param_step0-9.csv was deleted" in recreated[0]
     assert sorted(set(_steps_in_files(out, "param"))) == [3]
     assert sorted(set(_steps_in_files(out, "weight_grad"))) == [0, 1, 2, 3]
 

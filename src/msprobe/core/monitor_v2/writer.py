@@ -177,7 +177,7 @@ class CsvWriter:
                     return current
             except OSError:
                 pass
-            self._note_recreated(f"{os.path.basename(current.path)} was deleted")
+            self._note_recreated(f"the file {os.path.basename(current.path)} was deleted")
         current.close()
         del self._files[monitor]
         return None
@@ -186,8 +186,8 @@ class CsvWriter:
         if not self._warned_recreated:
             self._warned_recreated = True
             logger.warning(
-                "monitor_v2: %s while the run was writing to %s; writing goes on in a re-created file "
-                "(and directory, if it was removed). Rows written to the deleted files are gone. Logged once.",
+                "monitor_v2: %s while the run was writing to %s; writing goes on in re-created files "
+                "(and directories). Rows written to the deleted files are gone. Logged once.",
                 what, self.rank_dir,
             )
 
@@ -197,7 +197,7 @@ class CsvWriter:
             return os.open(path, flags, 0o644)
         except FileNotFoundError:  # the directory was removed: re-create it, once per removal
             os.makedirs(self.rank_dir, exist_ok=True)
-            self._note_recreated(f"the directory {self.rank_dir} was removed")
+            self._note_recreated("the output directory was removed")
             return os.open(path, flags, 0o644)
 
     def _open(self, monitor: str, step: int) -> Tuple[_OpenFile, bool]:
