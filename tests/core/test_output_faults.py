@@ -2,19 +2,21 @@
 the run writes to it, a relative ``output_dir``, a file where ``rank_<r>`` should be, and
 module names a CSV cannot hold as they are.
 
-The full disk is real where the tests run as root: a small tmpfs is mounted and filled.
-Elsewhere the error is injected at the writer's only write to the file system
-(``writer._write_all``); the test id says which (``tmpfs`` or ``injected``).
+The full disk is real where the tests may mount a file system (root, outside a restricted
+container): a 1 MiB tmpfs is mounted, filled and unmounted. The same tests also run with
+the error injected at the writer's only write to the file system (``writer._write_all``),
+which is what runs without root; the test id says which (``tmpfs`` or ``injected``).
 """
 
 import csv
 import errno
+import functools
 import logging
 import os
 import re
 import shutil
 import subprocess
-import uuid
+import tempfile
 
 import pytest
 import torch
@@ -127,23 +129,36 @@ class _InjectedDisk:
         self.full = False
 
 
-def _can_mount():
-    return os.geteuid() == 0 and shutil.which("mount") is not None
+@functools.lru_cache(maxsize=None)
+def _tmpfs_mountable():
+    """Whether this process may mount a tmpfs (root, and a kernel/container that allows it);
+    tried once, at collection."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    where = tempfile.mkdtemp(prefix="msprobe_tmpfs_probe_")
+    try:
+        ok = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", where],
+                            capture_output=True).returncode == 0
+        if ok:
+            subprocess.run(["umount", where], check=True)
+        return ok
+    finally:
+        os.rmdir(where)
 
 
-@pytest.fixture(params=["tmpfs" if _can_mount() else "injected"])
+# A real full disk where a tmpfs can be mounted, and the injected error everywhere (the
+# path CI takes without root): the test ids say which ran.
+DISKS = (["tmpfs"] if _tmpfs_mountable() else []) + ["injected"]
+
+
+@pytest.fixture(params=DISKS)
 def small_disk(request, tmp_path, monkeypatch):
     root = tmp_path / "disk"
     root.mkdir()
     if request.param == "injected":
         yield _InjectedDisk(root, monkeypatch)
         return
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(root)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:  # root without the right to mount (a container): say so, inject instead
-        logging.getLogger(LOGGER).warning("cannot mount a tmpfs (%s); injecting ENOSPC instead", proc.stderr.strip())
-        yield _InjectedDisk(root, monkeypatch)
-        return
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(root)], check=True)
     try:
         yield _TmpfsDisk(root)
     finally:

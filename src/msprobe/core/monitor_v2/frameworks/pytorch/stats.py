@@ -34,6 +34,7 @@ cloned or kept: the reductions read the tensor in place.
 
 import dataclasses
 import functools
+import logging
 import math
 import weakref
 from collections import defaultdict
@@ -44,6 +45,8 @@ import torch
 from ... import native
 from ...stats import EMPTY_VECTOR, Record, StatPlan
 
+logger = logging.getLogger("msprobe.monitor_v2")
+
 
 _CHUNK = 1 << 20  # bf16/fp16 CPU tensors are cast to fp32 in chunks of this many elements
 _DOT_CHUNK = 1 << 12  # CPU: fp32 partial sums of squares over this many elements, added in fp64
@@ -53,9 +56,13 @@ _NATIVE_CODES = {torch.float32: native.F32, torch.bfloat16: native.BF16, torch.f
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+# Device types found to lack fp64 reductions (Apple MPS is known; others are found by trying).
+_NO_FP64 = {"mps"}
+
+
 def _wide_dtype(device: torch.device) -> torch.dtype:
     """The dtype the sums are accumulated in: fp64 wherever the device has it."""
-    return torch.float32 if device.type == "mps" else torch.float64
+    return torch.float32 if device.type in _NO_FP64 else torch.float64
 
 
 def _sumsq_cpu(flat: torch.Tensor) -> torch.Tensor:
@@ -199,15 +206,18 @@ class TorchStatsEngine:
             vector, norm = self._cpu_low_precision(t, plan)
             return vector, self._nan_count(t, plan, norm, vector[2], vector[1])
         wide = _wide_dtype(t.device)
+        total = sumsq = None
+        if plan.total or plan.norm:
+            total, sumsq = self._sums(t, plan, wide, self._zero(t.device, wide))
+            wide = total.dtype  # fp32 where the device turned out to lack fp64
         zero = self._zero(t.device, wide)
+        total = zero if total is None else total
+        sumsq = zero if sumsq is None else sumsq
         if plan.minmax:
             mn, mx = torch.aminmax(t)
             mn, mx = mn.to(wide), mx.to(wide)
         else:
             mn = mx = zero
-        total = sumsq = zero
-        if plan.total or plan.norm:
-            total, sumsq = self._sums(t, plan, wide, zero)
         norm = sumsq.sqrt() if plan.norm else zero
         vector = torch.stack((mn, mx, total if plan.total else zero, norm))
         return vector, self._nan_count(t, plan, norm, total, mx)
@@ -216,7 +226,17 @@ class TorchStatsEngine:
               zero: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(sum, sum of squares)`` of a prepared tensor, in ``wide`` (see the module doc)."""
         if t.device.type != "cpu":
-            return _sums_wide(t.reshape(-1), wide)
+            try:
+                return _sums_wide(t.reshape(-1), wide)
+            except (RuntimeError, TypeError):
+                if wide == torch.float32:
+                    raise
+                # A device without fp64 kernels (some NPUs): fp32 from now on, and say so once.
+                _NO_FP64.add(t.device.type)
+                logger.warning("monitor_v2: %s tensors cannot be summed in fp64 here; statistics are "
+                               "accumulated in fp32 on this device (large values may give inf norms)",
+                               t.device.type)
+                return _sums_wide(t.reshape(-1), torch.float32)
         if t.dtype not in (torch.float32, torch.float64):
             t = t.float()  # bf16/fp16 views that are not contiguous: a temporary
         flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1)  # a temporary at most
