@@ -19,8 +19,8 @@ fi
 deps=("torch==2.13.0" "numpy<2")
 check="import torch, numpy, msprobe.core.monitor_v2.trainer"
 if [ "$profile" = test ]; then
-  deps+=("mindspore==2.10.0" "pytest>=7" "transformers>=4.40,<5" "matplotlib>=3.5")
-  check="$check, mindspore, pytest, transformers, matplotlib"
+  deps+=("mindspore==2.10.0" "pytest>=7" "transformers>=4.40,<5" "matplotlib>=3.5" "hypothesis>=6.100")
+  check="$check, mindspore, pytest, transformers, matplotlib, hypothesis"
 fi
 stamp=.venv/.msprobe-installed-$profile
 want="${deps[*]} $(sha1sum pyproject.toml | cut -c1-12)"

@@ -141,3 +141,21 @@ def test_no_monitor_enabled_is_not_a_plain_ok(tmp_path):
     cfg["monitors"]["weight_grad"]["enabled"] = True
     res = cli("validate", write(tmp_path, cfg))
     assert res.out.startswith("OK with 1 warning(s) (above): ")
+
+
+# ------------------------------------------------------------- issue 12: hostile input
+@pytest.mark.parametrize("content, expect", [
+    pytest.param('{"output_dir": "caf\xe9"}'.encode("latin-1"), "not UTF-8", id="latin-1"),
+    pytest.param('{"output_dir": "x"}'.encode("utf-16"), "UTF-16", id="utf-16"),
+    pytest.param(b'{"start_step": 1' + b"0" * 5000 + b"}", "thousands of digits", id="huge-integer"),
+    pytest.param(b'{"monitors": ' + b"[" * 100000 + b"]" * 100000 + b"}", "too deeply", id="deep-nesting"),
+    pytest.param(b'{"output_dir": "a\\u0000b"}', "NUL", id="nul-in-output-dir"),
+])
+def test_hostile_config_is_a_config_error(tmp_path, content, expect):
+    path = tmp_path / "cfg.json"
+    path.write_bytes(content)
+    res = cli("validate", path)
+    assert res.code == 2 and res.out == "", (res.code, res.out, res.err)
+    assert expect in res.err and "internal error" not in res.err
+    data = cli("validate", path, "--json").json()
+    assert data["ok"] is False and data["exit_code"] == 2 and expect in data["error"]

@@ -257,7 +257,7 @@ def test_defaults(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = TrainerMonitorV2({}).config
     assert cfg.framework == "pytorch"
-    assert os.path.normpath(cfg.output_dir) == "."
+    assert cfg.output_dir == str(tmp_path)  # "./", resolved at construction (issue 12)
     assert cfg.format == "csv"
     assert cfg.async_write is False
     assert cfg.ranks is None

@@ -9,12 +9,14 @@ an unknown top-level field or monitor name is an error.
 A JSON ``null`` is read as "use the default" for every optional field.
 """
 
+import codecs
 import difflib
 import json
 import logging
 import math
 import os
 import re
+import reprlib
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
@@ -34,12 +36,28 @@ FRAMEWORK_ALIASES: Dict[str, str] = {
     "ms": "mindspore",
 }
 DEFAULT_EPS = 1e-8
-CODELINE_PATTERN = re.compile(r"^(?P<file>.+)\[(?P<line>\d+)\]$")
+CODELINE_PATTERN = re.compile(r"^(?P<file>.+)\[(?P<line>[0-9]+)\]$")
+# Step counts, ranks and micro-batch counts are int64 in every framework: a larger value
+# is a typo (and one with thousands of digits cannot even be printed by Python's repr).
+MAX_INT = 2**63 - 1
+
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxstring = 120
+_SHORT_REPR.maxother = 120
+_SHORT_REPR.maxlevel = 3
 
 
 # --------------------------------------------------------------------------- checks
 def _describe(value: Any) -> str:
-    return f"{value!r} ({type(value).__name__})"
+    """A short, always printable description of a config value (nested or huge values
+    are cut: a message must never fail, nor fill a screen)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+        return f"an integer of about {int(abs(value).bit_length() * math.log10(2)) + 1} digits (int)"
+    try:
+        text = _SHORT_REPR.repr(value)
+    except (ValueError, RecursionError):  # e.g. a huge integer deep inside a list
+        text = f"<{type(value).__name__}>"
+    return f"{text} ({type(value).__name__})"
 
 
 def _fail(path: str, value: Any, allowed: str) -> ConfigError:
@@ -50,10 +68,8 @@ def _fail(path: str, value: Any, allowed: str) -> ConfigError:
 
 def check_int(path: str, value: Any, minimum: int) -> int:
     # bool is a subclass of int; "true" is never a step count.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _fail(path, value, f"must be an integer >= {minimum}")
-    if value < minimum:
-        raise _fail(path, value, f"must be an integer >= {minimum}")
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_INT:
+        raise _fail(path, value, f"must be an integer >= {minimum} (at most {MAX_INT})")
     return value
 
 
@@ -66,9 +82,13 @@ def check_bool(path: str, value: Any) -> bool:
 def check_positive_number(path: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _fail(path, value, "must be a number > 0")
-    if not math.isfinite(value) or value <= 0:
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond the range of a float
+        number = math.inf
+    if not math.isfinite(number) or number <= 0:
         raise _fail(path, value, "must be a finite number > 0")
-    return float(value)
+    return number
 
 
 def check_str_list(path: str, value: Any) -> Tuple[str, ...]:
@@ -98,8 +118,20 @@ def check_codelines(path: str, value: Any) -> Tuple[Tuple[str, int], ...]:
             raise _fail(
                 f"{path}[{i}]", entry, "must have the form 'file.py[line]', e.g. 'train.py[23]'"
             )
+        if len(match.group("line")) > 18:
+            raise _fail(f"{path}[{i}]", entry, "has a line number too large to be a line of a file")
         parsed.append((match.group("file"), int(match.group("line"))))
     return tuple(parsed)
+
+
+def check_keys(path: str, raw: Mapping) -> None:
+    """Keys of a config object are strings (a dict config may hold anything)."""
+    for key in raw:
+        if not isinstance(key, str):
+            where = f"'{path}'" if path else "the config"
+            raise ConfigError(
+                f"monitor_v2 config: {where} has the key {_describe(key)}: keys must be strings "
+                f"(field names)", field=path or None)
 
 
 def normalize_framework(value: Any, path: str = "framework") -> str:
@@ -186,6 +218,7 @@ def _parse_alert(raw: Any) -> Optional[AlertSettings]:
         return AlertSettings()
     if not isinstance(raw, Mapping):
         raise _fail("alert", raw, "must be true/false or an object such as {\"spike_factor\": 10}")
+    check_keys("alert", raw)
     for key in raw:
         if key not in _ALERT_FIELDS:
             raise ConfigError(_unknown_field(f"alert.{key}", key, _ALERT_FIELDS), field=f"alert.{key}")
@@ -242,6 +275,7 @@ def _parse_monitor(name: str, raw: Any) -> MonitorSettings:
     path = f"monitors.{name}"
     if not isinstance(raw, Mapping):
         raise _fail(path, raw, "must be an object such as {\"enabled\": true}")
+    check_keys(path, raw)
     raw = dict(raw)
     if name == "cc" and "cc_distribution" in raw:
         # Older configs nest the cc fields in cc_distribution (with "enable"); direct
@@ -250,6 +284,7 @@ def _parse_monitor(name: str, raw: Any) -> MonitorSettings:
         if nested is not None:
             if not isinstance(nested, Mapping):
                 raise _fail(f"{path}.cc_distribution", nested, "must be an object")
+            check_keys(f"{path}.cc_distribution", nested)
             nested = dict(nested)
             enable = nested.pop("enable", None)
             if enable is not None and "enabled" not in raw:
@@ -280,6 +315,53 @@ _TOP_LEVEL = (
 )
 
 
+_BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
+         (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16"))
+
+
+def _decode(path: str, data: bytes) -> str:
+    """The text of a config file, which must be UTF-8 (a UTF-8 byte-order mark is allowed)."""
+    for bom, name in _BOMS:
+        if data.startswith(bom):
+            raise ConfigError(
+                f"monitor_v2 config: '{path}' is encoded as {name} (it starts with a {name} byte-order mark); "
+                f"config files must be UTF-8: save it again as UTF-8")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        guess = "UTF-16 without a byte-order mark" if b"\0" in data[:64] else "Latin-1 or another 8-bit encoding"
+        raise ConfigError(
+            f"monitor_v2 config: '{path}' is not UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start} "
+            f"is not valid UTF-8; the file looks like {guess}); config files must be UTF-8: save it "
+            f"again as UTF-8") from None
+
+
+def read_config_file(path: str) -> Dict[str, Any]:
+    """The JSON object in the file ``path``; every way it can be unreadable is a ``ConfigError``."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"monitor_v2 config: cannot read '{path}': {reason}") from None
+    text = _decode(path, data)
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"monitor_v2 config: '{path}' is not valid JSON: {exc.msg} at line {exc.lineno}, "
+            f"column {exc.colno}"
+        ) from None
+    except RecursionError:
+        raise ConfigError(f"monitor_v2 config: '{path}' nests arrays or objects too deeply to be a config") from None
+    except ValueError:  # an integer literal with more digits than Python converts (4300)
+        raise ConfigError(f"monitor_v2 config: '{path}' holds an integer literal with thousands of digits; "
+                          f"no config value is that large") from None
+    if not isinstance(parsed, dict):
+        raise ConfigError(f"monitor_v2 config: '{path}' must hold a JSON object, got {type(parsed).__name__}")
+    return parsed
+
+
 def _read_source(source: Union[str, os.PathLike, Mapping]) -> Dict[str, Any]:
     if isinstance(source, Mapping):
         return dict(source)
@@ -287,34 +369,36 @@ def _read_source(source: Union[str, os.PathLike, Mapping]) -> Dict[str, Any]:
         raise ConfigError(
             f"monitor_v2 config: expected a path to a JSON file or a dict, got {_describe(source)}"
         )
-    path = os.fspath(source)
+    return read_config_file(os.fspath(source))
+
+
+def output_dir_text_problem(path: Any) -> Optional[str]:
+    """Why ``path`` cannot name a directory at all (None if it can); shared with ``validate``."""
+    if not isinstance(path, str) or not path.strip():
+        return "must be a non-empty path string"
+    if "\0" in path:
+        return "must not contain a NUL character (\\0)"
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise ConfigError(f"monitor_v2 config: cannot read '{path}': {exc.strerror or exc}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(
-            f"monitor_v2 config: '{path}' is not valid JSON: {exc.msg} at line {exc.lineno}, "
-            f"column {exc.colno}"
-        ) from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"monitor_v2 config: '{path}' must hold a JSON object, got {type(data).__name__}")
-    return data
+        os.fsencode(path)
+    except UnicodeError:
+        return "holds characters that the file system encoding cannot represent (a lone surrogate?)"
+    return None
 
 
 def check_output_dir(path: Any, keep: bool = True) -> str:
-    """Create ``path`` (with parents) and prove that a file can be written in it: the one
-    check of ``output_dir``, shared by the library and ``msprobe-monitor validate``.
+    """Create ``path`` (with parents), prove that a file can be written in it, and return
+    it as an absolute path: the one check of ``output_dir``, shared by the library and
+    ``msprobe-monitor validate``. A relative ``output_dir`` is resolved once, here, against
+    the working directory of the constructor, whatever the working directory at ``start()``.
 
     ``keep=False`` (validate) removes the directories this check created, so the file
     system is left as it was; the probe file is always removed."""
-    if not isinstance(path, str) or not path.strip():
-        raise _fail("output_dir", path, "must be a non-empty path string")
+    problem = output_dir_text_problem(path)
+    if problem is not None:
+        raise _fail("output_dir", path, problem)
+    path = os.path.abspath(path)
     created = []  # directories that did not exist, deepest first
-    probe = os.path.abspath(path)
+    probe = path
     while not os.path.exists(probe):
         created.append(probe)
         parent = os.path.dirname(probe)
@@ -328,9 +412,12 @@ def check_output_dir(path: Any, keep: bool = True) -> str:
         fd, probe_file = tempfile.mkstemp(prefix=".msprobe_write_check_", dir=path)
         os.close(fd)
         os.remove(probe_file)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         what = "cannot be created: " if created else ""
-        why = f"{probe!r} is not writable" if isinstance(exc, PermissionError) else exc.strerror or str(exc)
+        if isinstance(exc, PermissionError):
+            why = f"{probe!r} is not writable"
+        else:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise _fail("output_dir", path, f"must be a writable directory ({what}{why})") from None
     finally:
         if not keep:
@@ -345,6 +432,7 @@ def check_output_dir(path: Any, keep: bool = True) -> str:
 def load_config(source: Union[str, os.PathLike, Mapping], fr: Optional[str] = None) -> MonitorConfig:
     """Read and validate a config (path or parsed dict); ``fr`` overrides ``framework``."""
     raw = _read_source(source)
+    check_keys("", raw)
     for key in raw:
         if key not in _TOP_LEVEL:
             raise ConfigError(_unknown_field(key, key, _TOP_LEVEL), field=key)
@@ -389,6 +477,7 @@ def load_config(source: Union[str, os.PathLike, Mapping], fr: Optional[str] = No
     raw_monitors = {} if get("monitors") is None else get("monitors")
     if not isinstance(raw_monitors, Mapping):
         raise _fail("monitors", raw_monitors, "must be an object {name: {...}} with names " + ", ".join(MONITOR_NAMES))
+    check_keys("monitors", raw_monitors)
     monitors = {}
     for name, entry in raw_monitors.items():
         if name not in MONITOR_NAMES:

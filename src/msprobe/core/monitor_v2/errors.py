@@ -24,3 +24,9 @@ class ConfigError(MonitorError, ValueError):
 
 class MonitorStateError(MonitorError, RuntimeError):
     """The monitor was used in a way its lifecycle does not allow (e.g. ``start()`` twice)."""
+
+
+class OutputError(MonitorError, OSError):
+    """The output directory cannot be used when monitoring starts (e.g. a file stands
+    where ``<output_dir>/rank_<r>`` should be). Raised by ``start()``; once training
+    runs, output problems are logged and counted instead, never raised."""

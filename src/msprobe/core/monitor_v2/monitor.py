@@ -9,6 +9,8 @@ work in its hooks when ``active`` is false.
 """
 
 import logging
+import os
+import traceback
 from time import perf_counter
 from typing import Any, Callable, ClassVar, List, Mapping, Sequence, Set, Tuple
 
@@ -16,6 +18,21 @@ from .config import MonitorSettings
 from .stats import Record
 
 logger = logging.getLogger("msprobe.monitor_v2")
+
+
+def short_error(exc: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message (at file:line in function)``, the message cut
+    at ``limit`` characters."""
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    more = len(text) > 1 or len(first) > limit
+    message = f"{type(exc).__name__}: {first[:limit]}" if first else type(exc).__name__
+    message += " [...]" if more else ""
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ is not None else []
+    if frames:
+        last = frames[-1]
+        message += f" (at {os.path.basename(last.filename)}:{last.lineno} in {last.name})"
+    return message
 
 
 class ContainedErrors:
@@ -33,10 +50,13 @@ class ContainedErrors:
         self.count += 1
         if site not in self._reported:
             self._reported.add(site)
+            # Short: some framework errors carry kilobytes (PyTorch's list of dispatch keys).
+            # The whole error and its traceback go to the DEBUG level.
             logger.error(
                 "monitor_v2: error in %s, contained (training goes on; later errors at this site "
-                "are not logged again): %r", site, exc, exc_info=exc,
+                "are not logged again): %s", site, short_error(exc),
             )
+            logger.debug("monitor_v2: the error in %s in full", site, exc_info=exc)
 
     def wrap(self, site: str, fn: Callable[..., Any]) -> Callable[..., None]:
         # No functools.wraps: the module monitor wraps new graph hooks on every written

@@ -192,6 +192,7 @@ class TrainerMonitorV2:
                 self._steps_with_rows += 1
             except Exception as exc:  # noqa: BLE001
                 self.errors.report("writing step results", exc)
+                self._writer.report_lost(step, exc)
         self._session.engine.forget()
         self._written_steps += self._active
         self._begin_step(step + 1)
@@ -212,16 +213,22 @@ class TrainerMonitorV2:
                 m.detach()
             except Exception as exc:  # noqa: BLE001
                 self.errors.report(f"{m.name} detach", exc)
-        self._writer.close()
+        try:
+            self._writer.close()  # logs what was lost; never raises for output problems
+        except Exception as exc:  # noqa: BLE001 - stop() must not mask the training's own error
+            logger.warning("monitor_v2: closing the output failed: %r", exc)
         self._session = None
         problem = self._why_nothing_was_written()
         if problem:
             logger.warning("monitor_v2: rank %d wrote no rows: %s", self.rank, problem)
         if self._step:  # steps count from 0 and advance by one: _step steps have ended
+            lost = len(self._writer.lost_steps)
+            written = self._written_steps - lost
             _announce(
-                f"monitor_v2: rank {self.rank} stopped after {self._step} steps, {self._written_steps} written "
-                f"to {self.rank_dir}; its own code took {self.errors.busy:.3f} s on the training path "
-                f"({1e3 * self.errors.busy / max(1, self._written_steps):.1f} ms per written step). "
+                f"monitor_v2: rank {self.rank} stopped after {self._step} steps, {written} written "
+                f"to {self.rank_dir}" + (f" ({lost} lost: see the warning above)" if lost else "")
+                + f"; its own code took {self.errors.busy:.3f} s on the training path "
+                f"({1e3 * self.errors.busy / max(1, written):.1f} ms per written step). "
                 f"Read them: msprobe-monitor summary {self.config.output_dir}")
 
     def _why_nothing_was_written(self) -> Optional[str]:

@@ -14,7 +14,6 @@ A relative ``output_dir`` is resolved against the current directory, as the trai
 process would resolve it against its own.
 """
 
-import json
 import logging
 import os
 import shutil
@@ -47,7 +46,7 @@ class _Capture(logging.Handler):
 
 
 def validate(path: str, fr: Optional[str] = None, create_output_dir: bool = False) -> ValidateResult:
-    from ..config import check_output_dir, load_config  # the library's own checks
+    from ..config import check_output_dir, load_config, read_config_file  # the library's own checks
     from ..errors import ConfigError
 
     handler = _Capture()
@@ -60,14 +59,8 @@ def validate(path: str, fr: Optional[str] = None, create_output_dir: bool = Fals
         raw: Any = None
         existed = False
         try:
-            with open(path, encoding="utf-8") as f:
-                raw = json.load(f)
-        except (OSError, ValueError, UnicodeDecodeError):
-            raw = None
-        try:
-            if create_output_dir or not isinstance(raw, dict):
-                # unreadable or not an object: load_config fails while reading, before
-                # it touches output_dir, with its own message
+            raw = read_config_file(path)  # every unreadable file is a ConfigError, as in training
+            if create_output_dir:
                 cfg = load_config(path, fr=fr)
             else:
                 copy = dict(raw)
@@ -79,7 +72,7 @@ def validate(path: str, fr: Optional[str] = None, create_output_dir: bool = Fals
                 check_output_dir(out_dir, keep=False)
         except ConfigError as exc:
             return ValidateResult(False, path, str(exc), exc.field, handler.messages)
-        out_dir = raw.get("output_dir") if isinstance(raw, dict) else cfg.output_dir
+        out_dir = cfg.output_dir if create_output_dir else raw.get("output_dir")
         out_dir = "./" if out_dir is None else out_dir
         details = {
             "framework": cfg.framework,

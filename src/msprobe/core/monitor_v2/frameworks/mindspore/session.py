@@ -8,13 +8,13 @@ hook runs right after it: they play the role of PyTorch's optimizer step hooks.
 """
 
 import logging
-import os
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import mindspore as ms
 from mindspore import nn
 
 from ...errors import ConfigError, MonitorError
+from .. import rank_from_environment
 from .optimizer_state import optimizer_states
 from .stats import MsStatsEngine
 
@@ -29,10 +29,8 @@ def global_rank() -> int:
             return get_rank()
     except Exception:  # noqa: BLE001
         pass
-    for var in ("RANK_ID", "RANK"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 0
+    rank = rank_from_environment(("RANK_ID", "RANK"))
+    return 0 if rank is None else rank
 
 
 def check_pynative() -> None:

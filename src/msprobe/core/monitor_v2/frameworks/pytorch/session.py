@@ -2,12 +2,12 @@
 parameter names, the optimizer, the statistics engine, and the optimizer-step hooks."""
 
 import logging
-import os
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Sequence, Tuple
 
 import torch
 
 from ...errors import ConfigError
+from .. import rank_from_environment
 from .fsdp import FlatParamLayout, clean_name, fsdp1_layouts, fsdp2_modules, fsdp2_sharded_params
 from .stats import TorchStatsEngine
 
@@ -22,7 +22,8 @@ def global_rank() -> int:
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return int(os.environ.get("RANK", "0") or 0)
+    rank = rank_from_environment(("RANK",))
+    return 0 if rank is None else rank
 
 
 def _as_chunks(model: Any) -> Tuple[List[torch.nn.Module], bool]:
@@ -99,7 +100,9 @@ class TorchSession:
         """Tensors and row keys for ``(param, tensor)`` pairs read at the optimizer step.
 
         An FSDP1 flat shard is cut into one view per original parameter; local shards
-        without elements (a rank that holds nothing of a parameter) are left out."""
+        without elements (a rank that holds nothing of a parameter) are left out. A
+        parameter without elements (``numel() == 0``) keeps its rows, as in every monitor:
+        ``nan`` min/max/mean, 0 norm and NaNs."""
         tensors, keys = [], []
         for info, t in items:
             flat = self.flat_layouts.get(id(info.param))
@@ -109,7 +112,7 @@ class TorchSession:
                     keys.append((info.vpp_stage, seg.name + suffix, scope, None))
                 continue
             local = t.to_local() if hasattr(t, "to_local") else t
-            if local.numel() == 0:
+            if local.numel() == 0 and t.numel() != 0:
                 continue
             tensors.append(t)
             keys.append((info.vpp_stage, info.name + suffix, scope, None))

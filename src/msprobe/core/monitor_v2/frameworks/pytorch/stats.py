@@ -7,13 +7,26 @@ cloned or kept: the reductions read the tensor in place.
   ``monitor_v2.native`` when it could be built: one read of the data for all
   statistics and the NaN count, with the results already on the host (sums in fp64).
 - Elsewhere, and without a C compiler, ATen's reductions compute the vector on the
-  tensor's own device in fp32 (fp64 for fp64 tensors; integer and bool tensors are cast
-  to fp32 first, a temporary freed at once). No value is read back to the host, with
-  one exception that is not a synchronisation: on the CPU the tensor already lives on
-  the host, so the engine reads its norm (or sum) and counts NaNs only when that is not
-  finite. Counting NaNs costs about as much as all other statistics together, and a
-  finite norm proves there is none. On accelerators the NaN count is computed on the
-  device for every floating-point tensor.
+  tensor's own device. The sum and the sum of squares are accumulated so that finite
+  values give finite, accurate results (a 4M-element norm within ~1e-9 of an fp64
+  reference; fp32 values up to the fp32 maximum never report ``inf``):
+
+  * on accelerators, in fp64: the tensor is cast to fp64 in chunks of 2^22 elements (a
+    32 MiB temporary, freed at once), so memory does not grow with the tensor; devices
+    without fp64 (Apple MPS) stay in fp32;
+  * on the CPU, ATen's fp64 reductions of fp32 data are ~20x slower than its fp32 ones,
+    so partial sums of squares over 2^12 elements are computed in fp32 (one batched
+    BLAS call) and added in fp64, as the C kernel does; ATen's fp32 sum is already
+    accurate (cascade summation). When a partial overflows (values beyond ~1e19), the
+    result is not finite although the data may be; only then (the tensor is in host
+    memory: reading the result is not a synchronisation) the tensor is summed again
+    in fp64 chunks.
+
+  Integer and bool tensors are cast to fp32 first (a temporary freed at once). No value
+  is read back to the host on accelerators. On the CPU the engine also reads the norm (or
+  sum) to count NaNs only when it is not finite: counting NaNs costs about as much as all
+  other statistics together, and a finite norm proves there is none. On accelerators the
+  NaN count is computed on the device for every floating-point tensor.
 
 ``to_host`` moves the vectors of a whole step to the host in one transfer per
 (device, dtype) group: the number of transfers does not grow with the tensors.
@@ -21,6 +34,7 @@ cloned or kept: the reductions read the tensor in place.
 
 import dataclasses
 import functools
+import logging
 import math
 import weakref
 from collections import defaultdict
@@ -31,15 +45,52 @@ import torch
 from ... import native
 from ...stats import EMPTY_VECTOR, Record, StatPlan
 
+logger = logging.getLogger("msprobe.monitor_v2")
 
-_CHUNK = 1 << 20
+
+_CHUNK = 1 << 20  # bf16/fp16 CPU tensors are cast to fp32 in chunks of this many elements
+_DOT_CHUNK = 1 << 12  # CPU: fp32 partial sums of squares over this many elements, added in fp64
+_WIDE_CHUNK = 1 << 22  # accelerators: elements cast to fp64 at a time
 _NATIVE_CODES = {torch.float32: native.F32, torch.bfloat16: native.BF16, torch.float16: native.F16}
 # Plain tensors only: a subclass may not own the memory its data pointer names.
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _accumulator_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
+# Device types found to lack fp64 reductions (Apple MPS is known; others are found by trying).
+_NO_FP64 = {"mps"}
+
+
+def _wide_dtype(device: torch.device) -> torch.dtype:
+    """The dtype the sums are accumulated in: fp64 wherever the device has it."""
+    return torch.float32 if device.type in _NO_FP64 else torch.float64
+
+
+def _sumsq_cpu(flat: torch.Tensor) -> torch.Tensor:
+    """Sum of squares of a contiguous 1-D CPU tensor, as a 0-d fp64 tensor: fp32 dot
+    products over rows of 2^12 elements (one batched BLAS call, as fast as one dot
+    product over the whole tensor, whose fp32 accumulator drifts by ~1e-4 over 4M
+    elements), added in fp64."""
+    n = flat.numel()
+    if n <= _DOT_CHUNK:
+        return torch.dot(flat, flat).double()
+    k = n // _DOT_CHUNK
+    rows = flat[: k * _DOT_CHUNK].view(k, 1, _DOT_CHUNK)
+    total = torch.bmm(rows, rows.transpose(1, 2)).double().sum()
+    tail = flat[k * _DOT_CHUNK:]
+    return total + torch.dot(tail, tail).double() if tail.numel() else total
+
+
+def _sums_wide(flat: torch.Tensor, wide: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(sum, sum of squares)`` of a 1-D tensor accumulated in ``wide``, chunk by chunk
+    (a bounded temporary)."""
+    sums, squares = [], []
+    for c in flat.split(_WIDE_CHUNK):
+        c = c.to(wide)
+        sums.append(c.sum())
+        squares.append(torch.dot(c, c))
+    if len(sums) == 1:
+        return sums[0], squares[0]
+    return torch.stack(sums).sum(), torch.stack(squares).sum()
 
 
 @functools.lru_cache(maxsize=None)
@@ -120,17 +171,20 @@ class TorchStatsEngine:
         ATen's CPU reductions of bf16/fp16 with an fp32 accumulator are about ten times
         slower than fp32 ones; casting chunks of 2^20 elements to fp32 (a 4 MiB temporary)
         and reducing those is much faster, and the per-chunk partials merge exactly."""
-        zero = self._zero(t.device, torch.float32)
+        zero = self._zero(t.device, torch.float64)
         flat = t.view(-1)
         parts = []
         for start in range(0, flat.numel(), _CHUNK):
             c = flat[start:start + _CHUNK].float()
             mn, mx = torch.aminmax(c) if plan.minmax else (zero, zero)
-            parts.append(torch.stack((mn, mx, c.sum() if plan.total else zero,
-                                      torch.dot(c, c) if plan.norm else zero)))
+            parts.append(torch.stack((mn.double(), mx.double(), c.sum().double() if plan.total else zero,
+                                      _sumsq_cpu(c) if plan.norm else zero)))
         p = torch.stack(parts)
-        norm = p[:, 3].sum().sqrt()
-        return torch.stack((p[:, 0].min(), p[:, 1].max(), p[:, 2].sum(), norm)), norm
+        total, sumsq = p[:, 2].sum(), p[:, 3].sum()
+        if (plan.total or plan.norm) and not math.isfinite((total + sumsq).item()):
+            total, sumsq = self._exact_sums(t, plan, zero)
+        norm = sumsq.sqrt()
+        return torch.stack((p[:, 0].min(), p[:, 1].max(), total, norm)), norm
 
     def _native_vector(self, t: torch.Tensor, plan: StatPlan) -> Optional[Tuple[List[float], Optional[int]]]:
         """Host statistics of a raw (unprepared) tensor from the one-pass kernel, or None
@@ -147,32 +201,57 @@ class TorchStatsEngine:
         vector, nans = kernel.stats(pointer, numel, _NATIVE_CODES[t.dtype], torch.get_num_threads())
         return vector, nans if plan.nans else None
 
-    def _vector(
-        self, t: torch.Tensor, plan: StatPlan, norm: Optional[torch.Tensor]
-    ) -> Tuple[Any, Any]:
+    def _vector(self, t: torch.Tensor, plan: StatPlan) -> Tuple[Any, Any]:
         if t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16) and t.is_contiguous():
             vector, norm = self._cpu_low_precision(t, plan)
             return vector, self._nan_count(t, plan, norm, vector[2], vector[1])
-        acc = _accumulator_dtype(t)
-        zero = self._zero(t.device, acc)
+        wide = _wide_dtype(t.device)
+        total = sumsq = None
+        if plan.total or plan.norm:
+            total, sumsq = self._sums(t, plan, wide, self._zero(t.device, wide))
+            wide = total.dtype  # fp32 where the device turned out to lack fp64
+        zero = self._zero(t.device, wide)
+        total = zero if total is None else total
+        sumsq = zero if sumsq is None else sumsq
         if plan.minmax:
             mn, mx = torch.aminmax(t)
-            if mn.dtype != acc:
-                mn, mx = mn.to(acc), mx.to(acc)
+            mn, mx = mn.to(wide), mx.to(wide)
         else:
             mn = mx = zero
-        total = t.sum(dtype=acc) if plan.total else zero
-        if norm is None:
-            if not plan.norm:
-                norm = zero
-            elif t.dtype == acc and t.device.type == "cpu" and t.is_contiguous():
-                # On the CPU a BLAS dot product is about twice as fast as vector_norm.
-                flat = t.view(-1)
-                norm = torch.dot(flat, flat).sqrt()
-            else:
-                norm = torch.linalg.vector_norm(t, dtype=acc)
-        vector = torch.stack((mn, mx, total, norm))
+        norm = sumsq.sqrt() if plan.norm else zero
+        vector = torch.stack((mn, mx, total if plan.total else zero, norm))
         return vector, self._nan_count(t, plan, norm, total, mx)
+
+    def _sums(self, t: torch.Tensor, plan: StatPlan, wide: torch.dtype,
+              zero: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(sum, sum of squares)`` of a prepared tensor, in ``wide`` (see the module doc)."""
+        if t.device.type != "cpu":
+            try:
+                return _sums_wide(t.reshape(-1), wide)
+            except (RuntimeError, TypeError):
+                if wide == torch.float32:
+                    raise
+                # A device without fp64 kernels (some NPUs): fp32 from now on, and say so once.
+                _NO_FP64.add(t.device.type)
+                logger.warning("monitor_v2: %s tensors cannot be summed in fp64 here; statistics are "
+                               "accumulated in fp32 on this device (large values may give inf norms)",
+                               t.device.type)
+                return _sums_wide(t.reshape(-1), torch.float32)
+        if t.dtype not in (torch.float32, torch.float64):
+            t = t.float()  # bf16/fp16 views that are not contiguous: a temporary
+        flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1)  # a temporary at most
+        total = flat.sum().double() if plan.total else zero
+        sumsq = _sumsq_cpu(flat) if plan.norm else zero
+        # Host memory: reading the result is not a synchronisation. Not finite: an fp32
+        # partial overflowed, or the data holds inf/NaN; summing in fp64 tells them apart.
+        if flat.dtype != torch.float64 and not math.isfinite((total + sumsq).item()):
+            return self._exact_sums(flat, plan, zero)
+        return total, sumsq
+
+    @staticmethod
+    def _exact_sums(t: torch.Tensor, plan: StatPlan, zero: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        total, sumsq = _sums_wide(t.reshape(-1), torch.float64)
+        return (total if plan.total else zero), (sumsq if plan.norm else zero)
 
     @staticmethod
     def _nan_count(t: torch.Tensor, plan: StatPlan, norm: torch.Tensor, total: torch.Tensor,
@@ -231,14 +310,45 @@ class TorchStatsEngine:
         host = self._native_vector(t, plan)
         if host is not None:
             return host[0], host[1], t.numel()
+        if t.layout != torch.strided:
+            return self._sparse(t, plan)
         with torch.no_grad():
             plan = _for_dtype(plan, t)
             t = _prepared(t)
             numel = t.numel()
             if numel == 0:
                 return EMPTY_VECTOR, 0, 0
-            vector, nans = self._vector(t, plan, None)
+            vector, nans = self._vector(t, plan)
         return vector, nans, numel
+
+    def _sparse(self, t: torch.Tensor, plan: StatPlan) -> Tuple[Any, Any, int]:
+        """Statistics of the dense tensor a sparse one stands for (``nn.Embedding(sparse=True)``
+        gradients): its implicit zeros count, as in ``t.to_dense()``, which is never built.
+        COO indices may repeat (an embedding row looked up twice), so the tensor is coalesced
+        first: a temporary the size of the stored values (on a GPU, coalescing synchronises
+        with the host). The stored values then give the sum, the sum of squares and the NaN
+        count; min and max also take 0 when some elements are not stored."""
+        with torch.no_grad():
+            t = t.detach()
+            if t.layout == torch.sparse_coo:
+                t = t.coalesce()
+                values = t._values()
+            else:  # compressed layouts (CSR, CSC, BSR, BSC) store each element once
+                values = t.values()
+            numel = t.numel()
+            if numel == 0:
+                return EMPTY_VECTOR, 0, 0
+            vector, nans, stored = self._compute(values, plan)
+            if stored == numel:
+                return vector, nans, numel
+            if stored == 0:
+                return (0.0, 0.0, 0.0, 0.0), 0, numel
+            if isinstance(vector, torch.Tensor):  # clamp keeps NaN
+                vector = torch.stack((vector[0].clamp(max=0), vector[1].clamp(min=0), vector[2], vector[3]))
+            else:
+                mn, mx, total, norm = vector
+                vector = [mn if mn != mn else min(mn, 0.0), mx if mx != mx else max(mx, 0.0), total, norm]
+            return vector, nans, numel
 
     def record_many(
         self,
@@ -246,34 +356,8 @@ class TorchStatsEngine:
         plan: StatPlan,
         keys: Sequence[Tuple[int, str, str, Optional[int]]],
     ) -> List[Record]:
-        """Statistics of many tensors at once; on accelerators, norms with one foreach
-        kernel per (device, dtype) group (on the CPU a dot product per tensor is faster)."""
-        out: List[Optional[Record]] = [None] * len(tensors)
-        groups: Dict[Tuple[torch.device, torch.dtype], List[int]] = defaultdict(list)
-        prepared: Dict[int, torch.Tensor] = {}
-        plans: Dict[int, StatPlan] = {}
-        with torch.no_grad():
-            for i, t in enumerate(tensors):
-                host = self._native_vector(t, plan)
-                if host is not None:
-                    out[i] = Record(*keys[i], host[0], host[1], t.numel())
-                    continue
-                plans[i] = _for_dtype(plan, t)
-                t = prepared[i] = _prepared(t)
-                if t.numel() == 0:
-                    out[i] = Record(*keys[i], EMPTY_VECTOR, 0, 0)
-                else:
-                    groups[(t.device, t.dtype)].append(i)
-            for (_, dtype), idx in groups.items():
-                group = [prepared[i] for i in idx]
-                norms: Sequence[Optional[torch.Tensor]] = [None] * len(group)
-                if plan.norm and group[0].device.type != "cpu":
-                    acc = torch.float64 if dtype == torch.float64 else torch.float32
-                    norms = torch._foreach_norm(group, 2, dtype=acc)
-                for i, t, n in zip(idx, group, norms):
-                    vector, nans = self._vector(t, plans[i], n)
-                    out[i] = Record(*keys[i], vector, nans, t.numel())
-        return out  # type: ignore[return-value]
+        """Statistics of many tensors at once (parameters, gradients, optimizer states)."""
+        return [Record(*key, *self._compute(t, plan)) for t, key in zip(tensors, keys)]
 
     def forget(self) -> None:
         """Forget the tensors seen so far (step end, or after a collective)."""
