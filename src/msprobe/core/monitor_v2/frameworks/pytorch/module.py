@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ...monitor import Monitor, select_modules
+from ...monitor import EVAL_SCOPE, Monitor, select_modules
 from ...stats import Record
 from ...structure import flatten_tensors
 from .copies import ModuleHooks
@@ -50,7 +50,6 @@ _get_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)
 _compiler_disable = getattr(getattr(torch, "compiler", None), "disable", None)
 
 TRAIN_SCOPE = "forward"
-EVAL_SCOPE = "eval_forward"
 
 
 def _eager(hook: Any) -> Any:
