@@ -178,3 +178,30 @@ def test_nonfinite_values_in_an_evaluation_pass_are_still_alerted(write_config, 
     mon.stop()
     messages = alerts(caplog)
     assert messages and "step 1" in messages[0] and "fc2.input.0 (scope eval_forward" in messages[0], messages
+
+
+class FailsOnEmpty(TinyMLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if x.shape[0] == 0:
+            raise ValueError("empty batch")
+        return out
+
+
+def test_an_evaluation_pass_that_raises_does_not_mark_the_next_training_pass(write_config):
+    model = FailsOnEmpty()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = TrainerMonitorV2(write_config({"monitors": {"module": {"enabled": True}}, "patch_optimizer_step": False}))
+    mon.start(model=model, optimizer=opt)
+    x, y = make_batches(1)[0]
+    model.eval()
+    with torch.no_grad(), pytest.raises(ValueError):
+        model(x[:0])
+    model.train()
+    loss_fn(model, x, y).backward()  # same step: its rows must be training rows
+    opt.step()
+    mon.step()
+    mon.stop()
+    rows = rows_of(mon.config.output_dir, "module")
+    assert_row_matches(find_row(rows, step=0, module_name="FailsOnEmpty.input.0", scope="forward"), numpy_stats(x))
+    assert_row_matches(find_row(rows, step=0, module_name="fc1.input.0", scope="eval_forward"), numpy_stats(x[:0]))

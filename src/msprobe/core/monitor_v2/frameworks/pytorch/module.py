@@ -328,6 +328,7 @@ class ModuleMonitor(Monitor):
     def begin_step(self, step: int, active: bool) -> None:
         super().begin_step(step, active)
         self._calls.clear()
+        self._pass_depth = 0  # no model call spans a step boundary; never let a count drift
 
     def collect(self) -> List[Record]:
         for acc, (vpp, name) in list(self._pending.values()):
