@@ -8,6 +8,7 @@ import torch
 
 from ...errors import ConfigError
 from .. import rank_from_environment
+from .copies import set_without_copy
 from .fsdp import FlatParamLayout, clean_name, fsdp1_layouts, fsdp2_modules, fsdp2_sharded_params
 from .stats import TorchStatsEngine
 
@@ -45,6 +46,21 @@ def _as_chunks(model: Any) -> Tuple[List[torch.nn.Module], bool]:
     return chunks, is_list
 
 
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The user's own module below the wrappers that add nothing to it: DDP and
+    ``torch.compile``'s ``OptimizedModule`` (its ``_orig_mod`` runs the compiled code, so
+    hooks on it and its submodules see every call), in any nesting."""
+    compiled = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    optimized = getattr(compiled, "OptimizedModule", ())
+    while True:
+        if isinstance(chunk, torch.nn.parallel.DistributedDataParallel):
+            chunk = chunk.module
+        elif optimized and isinstance(chunk, optimized):
+            chunk = chunk._orig_mod
+        else:
+            return chunk
+
+
 class ParamInfo:
     __slots__ = ("index", "vpp_stage", "name", "param")
 
@@ -59,9 +75,9 @@ class TorchSession:
     def __init__(self, model: Any, optimizer: Any, context: Mapping[str, Any], rank_dir: str) -> None:
         self.rank_dir = rank_dir
         self.chunks, self.is_chunk_list = _as_chunks(model)
-        # Names are read below DDP's wrapper, so they match the user's model (no "module.").
-        self.roots = [c.module if isinstance(c, torch.nn.parallel.DistributedDataParallel) else c
-                      for c in self.chunks]
+        # Names are read below DDP's and torch.compile's wrappers, so they match the
+        # user's model (no "module.", no "_orig_mod.").
+        self.roots = [unwrap(c) for c in self.chunks]
         self.optimizer = optimizer
         self.context = dict(context)
         self.engine = TorchStatsEngine()
@@ -180,17 +196,13 @@ class TorchSession:
             )
         had_instance_attr = "step" in vars(opt)
         previous = vars(opt).get("step")
-        original = opt.step
-
-        def step(*args: Any, **kwargs: Any) -> Any:
-            before()
-            result = original(*args, **kwargs)
-            after()
-            return result
-
-        opt.step = step
+        step = _PatchedStep(opt.step, before, after)
+        # Copies and pickles of the optimizer get its step() as it was before.
+        copy_state = set_without_copy(opt, "step", step)
 
         def undo_wrapper() -> None:
+            if copy_state is not None:
+                copy_state.uninstall()
             if vars(opt).get("step") is not step:
                 logger.warning("monitor_v2: %s.step was replaced after start(); leaving it as it is",
                                type(opt).__name__)
@@ -201,3 +213,21 @@ class TorchSession:
                 del opt.step
 
         return undo_wrapper
+
+
+class _PatchedStep:
+    """The instance-level ``step`` of an optimizer that is not a ``torch.optim.Optimizer``:
+    ``before()``, the original ``step``, ``after()``."""
+
+    __slots__ = ("original", "before", "after")
+
+    def __init__(self, original: Callable[..., Any], before: Callable[[], None], after: Callable[[], None]) -> None:
+        self.original = original
+        self.before = before
+        self.after = after
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.before()
+        result = self.original(*args, **kwargs)
+        self.after()
+        return result
