@@ -225,9 +225,9 @@ class TrainerMonitorV2:
             lost = len(self._writer.lost_steps)
             written = self._written_steps - lost
             _announce(
-                f"monitor_v2: rank {self.rank} stopped after {self._step} steps, {written} written "
-                f"to {self.rank_dir}" + (f" ({lost} lost: see the warning above)" if lost else "")
-                + f"; its own code took {self.errors.busy:.3f} s on the training path "
+                f"monitor_v2: rank {self.rank} stopped after {self._step} steps, {written} written"
+                + (f" ({lost} lost: see the warning above)" if lost else "")
+                + f" to {self.rank_dir}; its own code took {self.errors.busy:.3f} s on the training path "
                 f"({1e3 * self.errors.busy / max(1, written):.1f} ms per written step). "
                 f"Read them: msprobe-monitor summary {self.config.output_dir}")
 
