@@ -337,7 +337,8 @@ def run_monitored(model, steps_batches, config, optimizer=None, **start_kwargs):
     return mon, losses
 
 
-def assert_rows_match_reference(rows, exp, step: int, check_missing: bool = True) -> None:
+def assert_rows_match_reference(rows, exp, step: int, check_missing: bool = True,
+                                forward_scope: str = "forward") -> None:
     got = {tag_of(r): r for r in rows if r["step"] == str(step)}
     per_step = [r for r in rows if r["step"] == str(step)]
     assert len(per_step) == len(got), "one row per tag and step"
@@ -347,7 +348,7 @@ def assert_rows_match_reference(rows, exp, step: int, check_missing: bool = True
             continue
         row = got[tag]
         try:
-            assert row["scope"] == ("forward" if ".input." in tag or ".output." in tag else "backward"), row
+            assert row["scope"] == (forward_scope if ".input." in tag or ".output." in tag else "backward"), row
             assert row["vpp_stage"] == "0"
             check(row, tensors)
         except AssertionError as exc:
@@ -525,8 +526,8 @@ def test_checkpointed_block_forward_counted_once(tmp_path, ckpt, no_monitor_erro
 
 
 def test_no_grad_eval_and_inference_mode(tmp_path, no_monitor_errors):
-    """Test 5: forward rows only, no backward rows, no error; then a training step still
-    gets its backward rows."""
+    """Test 5: forward rows only, under the evaluation scope, no backward rows, no error;
+    then a training step still gets its forward and backward rows."""
     model = TinyGPT()
     ref = fresh_copy(model)
     data = make_data(3, seed=13)
@@ -547,12 +548,12 @@ def test_no_grad_eval_and_inference_mode(tmp_path, no_monitor_errors):
     rows = rows_of(tmp_path / "out", "module")
     for step in (0, 1):
         step_rows = [r for r in rows if r["step"] == str(step)]
-        assert step_rows and all(r["scope"] == "forward" for r in step_rows)
+        assert step_rows and all(r["scope"] == "eval_forward" for r in step_rows)
         ref.eval()
         with torch.no_grad():
             exp = _reference(ref, [data[step]], grads=False)
-        assert_rows_match_reference(rows, exp, step)
-    assert any(r["scope"] == "backward" for r in rows if r["step"] == "2")
+        assert_rows_match_reference(rows, exp, step, forward_scope="eval_forward")
+    assert {r["scope"] for r in rows if r["step"] == "2"} == {"forward", "backward"}
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,19 @@ pass built, which leaves the graph as it is:
 
 Recomputation (activation checkpointing) runs forward hooks again during the
 backward pass; those calls record no forward statistics, so nothing is counted twice.
+
+Evaluation passes: a call of a model chunk given to ``start()`` made with gradients off
+(``torch.no_grad()``, ``torch.inference_mode()``) or in evaluation mode (``.eval()``)
+is an evaluation pass, as Lightning and the Hugging Face Trainer run between steps. Its
+forward rows go under their own scope ``eval_forward``, never into the training step's
+``forward`` rows. The chunk's call decides for every module inside it: reentrant
+activation checkpointing runs the training forward of a block under ``no_grad``, and a
+frozen submodule may be kept in ``eval()`` mode while the model trains.
+
+Copies and ``torch.compile``: the forward hooks are left out of ``torch.save``,
+``copy.deepcopy`` and EMA/SWA copies of the modules (see ``copies.py``), and Dynamo does
+not trace them (``torch.compiler.disable``): a compiled model breaks its graph at each
+monitored module, and the hooks run eagerly on the real tensors there.
 """
 
 import logging
@@ -25,14 +38,30 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ...monitor import Monitor, remove_all, select_modules
+from ...monitor import Monitor, select_modules
 from ...stats import Record
 from ...structure import flatten_tensors
+from .copies import ModuleHooks
 from .stats import StatPlan
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
 _get_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)
+_compiler_disable = getattr(getattr(torch, "compiler", None), "disable", None)
+
+TRAIN_SCOPE = "forward"
+EVAL_SCOPE = "eval_forward"
+
+
+def _eager(hook: Any) -> Any:
+    """A module hook that Dynamo runs eagerly instead of tracing it. Traced, the hook's
+    reads of the monitor's state (is this step written?) would become guards, and the
+    compiled code would be recompiled at every change until the recompile limit."""
+    return _compiler_disable(hook) if _compiler_disable is not None else hook
+
+
+def _is_evaluation(module: torch.nn.Module) -> bool:
+    return not torch.is_grad_enabled() or not module.training
 
 
 def _is_tensor(x: Any) -> bool:
@@ -76,11 +105,12 @@ class _Call:
     input, its producer edges (or the leaf tensor itself), and the sequence number from
     which autograd nodes belong to this call."""
 
-    __slots__ = ("inputs", "boundary")
+    __slots__ = ("inputs", "boundary", "scope")
 
-    def __init__(self, inputs: List[Any], boundary: int) -> None:
+    def __init__(self, inputs: List[Any], boundary: int, scope: str) -> None:
         self.inputs = inputs
         self.boundary = boundary
+        self.scope = scope
 
 
 class _GradInputSum:
@@ -99,14 +129,39 @@ class ModuleMonitor(Monitor):
     def attach(self) -> None:
         self.plan = StatPlan.from_ops(self.settings.ops)
         targets: Sequence[str] = self.settings.get("targets")
-        self._handles: List[Any] = []
+        self._hooks = ModuleHooks()
         self._calls: Dict[int, List[_Call]] = {}
         self._pending: Dict[int, Tuple[_GradInputSum, Tuple[int, str]]] = {}
         self._warned: set = set()
+        self._pass_depth = 0  # nesting of model chunk calls in progress
+        self._eval_pass = False  # whether the outermost one is an evaluation pass
         self.attached = True
         named = [(vpp, name, m) for vpp, root in enumerate(self.session.roots) for name, m in root.named_modules()]
         for vpp, tag, module in select_modules(named, targets, self.session.qualify):
             self._hook(module, vpp, tag)
+        roots = {id(r): r for r in self.session.roots}
+        for root in roots.values():
+            self._track_passes(root)
+
+    def _track_passes(self, root: torch.nn.Module) -> None:
+        """Hooks around each call of a model chunk: the first to run before the call and
+        the last after it, so that the chunk's own rows are classified too."""
+
+        def enter(mod: torch.nn.Module, args: Tuple) -> None:
+            if self._pass_depth == 0:
+                self._eval_pass = _is_evaluation(mod)
+            self._pass_depth += 1
+
+        def leave(mod: torch.nn.Module, args: Tuple, output: Any) -> None:
+            if self._pass_depth:
+                self._pass_depth -= 1
+
+        self._hooks.forward_pre(root, _eager(self.errors.wrap("module pass tracking", enter)), prepend=True)
+        self._hooks.forward(root, _eager(self.errors.wrap("module pass tracking", leave)), always_call=True)
+
+    def _forward_scope(self, module: torch.nn.Module) -> str:
+        evaluation = self._eval_pass if self._pass_depth else _is_evaluation(module)
+        return EVAL_SCOPE if evaluation else TRAIN_SCOPE
 
     def _hook(self, module: torch.nn.Module, vpp: int, tag: str) -> None:
         def pre_hook(mod: torch.nn.Module, args: Tuple, kwargs: Dict) -> None:
@@ -119,28 +174,25 @@ class ModuleMonitor(Monitor):
             if self.active:
                 self._after_forward(mod, vpp, tag, output)
 
-        self._handles.append(
-            module.register_forward_pre_hook(self.errors.wrap(f"module forward pre-hook of {tag}", pre_hook),
-                                             with_kwargs=True)
-        )
-        self._handles.append(
-            module.register_forward_hook(self.errors.wrap(f"module forward hook of {tag}", post_hook),
-                                         with_kwargs=True, always_call=True)
-        )
+        self._hooks.forward_pre(module, _eager(self.errors.wrap(f"module forward pre-hook of {tag}", pre_hook)),
+                                with_kwargs=True)
+        self._hooks.forward(module, _eager(self.errors.wrap(f"module forward hook of {tag}", post_hook)),
+                            with_kwargs=True, always_call=True)
 
     # ------------------------------------------------------------------ forward
     def _before_forward(self, module: torch.nn.Module, vpp: int, tag: str, args: Tuple, kwargs: Dict) -> None:
         inputs = flatten_tensors((args, kwargs), _is_tensor)
         recompute = _in_backward()
+        scope = self._forward_scope(module)
         if not recompute:
             engine = self.session.engine
             for i, t in enumerate(inputs):
-                self._records.append(engine.record(t, self.plan, vpp, f"{tag}.input.{i}", "forward", cache=True))
+                self._records.append(engine.record(t, self.plan, vpp, f"{tag}.input.{i}", scope, cache=True))
         # Nodes created from here on belong to this call; grad_input needs the inputs'
         # producers as they are now, before any in-place op inside the module.
         boundary = _get_sequence_nr() if _get_sequence_nr is not None else -1
         producers = [_grad_edges(t) if t.grad_fn is not None else t for t in inputs]
-        self._calls.setdefault(id(module), []).append(_Call(producers, boundary))
+        self._calls.setdefault(id(module), []).append(_Call(producers, boundary, scope))
 
     def _after_forward(self, module: torch.nn.Module, vpp: int, tag: str, output: Any) -> None:
         stack = self._calls.get(id(module))
@@ -148,8 +200,9 @@ class ModuleMonitor(Monitor):
         outputs = flatten_tensors(output, _is_tensor)
         if not _in_backward():
             engine = self.session.engine
+            scope = call.scope if call is not None else self._forward_scope(module)
             for i, t in enumerate(outputs):
-                self._records.append(engine.record(t, self.plan, vpp, f"{tag}.output.{i}", "forward", cache=True))
+                self._records.append(engine.record(t, self.plan, vpp, f"{tag}.output.{i}", scope, cache=True))
         if torch.is_grad_enabled() and any(t.requires_grad for t in outputs):
             self._hook_grad_outputs(vpp, tag, outputs, call)
             if call is not None:
@@ -262,6 +315,6 @@ class ModuleMonitor(Monitor):
 
     def detach(self) -> None:
         self.attached = False
-        remove_all(self._handles)
+        self._hooks.remove_all()
         self._calls.clear()
         self._pending.clear()

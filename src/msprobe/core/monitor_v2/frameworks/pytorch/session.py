@@ -45,6 +45,21 @@ def _as_chunks(model: Any) -> Tuple[List[torch.nn.Module], bool]:
     return chunks, is_list
 
 
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The user's own module below the wrappers that add nothing to it: DDP and
+    ``torch.compile``'s ``OptimizedModule`` (its ``_orig_mod`` runs the compiled code, so
+    hooks on it and its submodules see every call), in any nesting."""
+    compiled = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    optimized = getattr(compiled, "OptimizedModule", ())
+    while True:
+        if isinstance(chunk, torch.nn.parallel.DistributedDataParallel):
+            chunk = chunk.module
+        elif optimized and isinstance(chunk, optimized):
+            chunk = chunk._orig_mod
+        else:
+            return chunk
+
+
 class ParamInfo:
     __slots__ = ("index", "vpp_stage", "name", "param")
 
@@ -61,8 +76,9 @@ class TorchSession:
         self.chunks, self.is_chunk_list = _as_chunks(model)
         # What the training stack (plain torch, DeepSpeed, Megatron...) keeps where: see stacks.py.
         self.stack: TrainingStack = detect_stack(self.chunks, optimizer)
-        # Names are read below the wrappers, so they match the user's model (no "module.").
-        self.roots = [self.stack.unwrap(c) for c in self.chunks]
+        # Names are read below the stack's wrappers and below DDP's and torch.compile's,
+        # so they match the user's model (no "module.", no "_orig_mod.").
+        self.roots = [unwrap(self.stack.unwrap(c)) for c in self.chunks]
         self.optimizer = optimizer
         self.context = dict(context)
         if self.context.get("micro_batch_number") is None and self.context.get("grad_acc_steps") is None:

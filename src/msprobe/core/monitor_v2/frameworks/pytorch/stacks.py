@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Seque
 import torch
 
 from ...errors import ConfigError
+from .copies import set_without_copy
 
 if TYPE_CHECKING:  # pragma: no cover
     from .session import ParamInfo, TorchSession
@@ -166,23 +167,16 @@ def wrap_method(obj: Any, method: str, before: Callable[[], None], after: Callab
                 when: Optional[Callable[[], bool]] = None) -> Callable[[], None]:
     """Wrap ``obj.<method>`` at instance level with ``before``/``after`` (only for calls
     where ``when()`` is true, if given); returns the undo, which restores the instance
-    exactly as it was (or leaves a later replacement alone, with a warning)."""
+    exactly as it was (or leaves a later replacement alone, with a warning). Copies and
+    pickles of ``obj`` get the method as it was before."""
     had_instance_attr = method in vars(obj)
     previous = vars(obj).get(method)
-    original = getattr(obj, method)
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        hooked = when is None or when()
-        if hooked:
-            before()
-        result = original(*args, **kwargs)
-        if hooked:
-            after()
-        return result
-
-    setattr(obj, method, wrapper)
+    wrapper = _PatchedMethod(getattr(obj, method), before, after, when)
+    copy_state = set_without_copy(obj, method, wrapper)
 
     def undo() -> None:
+        if copy_state is not None:
+            copy_state.uninstall()
         if vars(obj).get(method) is not wrapper:
             logger.warning("monitor_v2: %s.%s was replaced after start(); leaving it as it is",
                            type(obj).__name__, method)
@@ -193,6 +187,29 @@ def wrap_method(obj: Any, method: str, before: Callable[[], None], after: Callab
             delattr(obj, method)
 
     return undo
+
+
+class _PatchedMethod:
+    """The instance-level method put by ``wrap_method``: ``before()``, the original,
+    ``after()`` (when ``when()`` is true or not given)."""
+
+    __slots__ = ("original", "before", "after", "when")
+
+    def __init__(self, original: Callable[..., Any], before: Callable[[], None], after: Callable[[], None],
+                 when: Optional[Callable[[], bool]]) -> None:
+        self.original = original
+        self.before = before
+        self.after = after
+        self.when = when
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        hooked = self.when is None or self.when()
+        if hooked:
+            self.before()
+        result = self.original(*args, **kwargs)
+        if hooked:
+            self.after()
+        return result
 
 
 def detect_stack(chunks: List[torch.nn.Module], optimizer: Any) -> TrainingStack:
