@@ -24,3 +24,8 @@ class ConfigError(MonitorError, ValueError):
 
 class MonitorStateError(MonitorError, RuntimeError):
     """The monitor was used in a way its lifecycle does not allow (e.g. ``start()`` twice)."""
+
+
+class MissingDependencyError(MonitorError, ImportError):
+    """An optional integration was used without the library it integrates with; the
+    message names the package to install."""

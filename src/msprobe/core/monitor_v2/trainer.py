@@ -44,12 +44,19 @@ class TrainerMonitorV2:
         self._patched = False
         self._warned_manual_step = False
         self._written_steps = 0
+        self._optimizer_steps = 0
 
     # ------------------------------------------------------------------ properties
     @property
     def current_step(self) -> int:
         """The step being trained now (0-based; advanced by ``step()``)."""
         return self._step
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Real optimizer steps seen since ``start()`` (updates the optimizer ran; a step
+        that a gradient scaler skipped for overflow is not one)."""
+        return self._optimizer_steps
 
     @property
     def busy_seconds(self) -> float:
@@ -64,12 +71,15 @@ class TrainerMonitorV2:
         return os.path.join(self.config.output_dir, f"rank_{self.rank}")
 
     # --------------------------------------------------------------------- start
-    def start(self, model: Any = None, optimizer: Any = None, **context: Any) -> None:
+    def start(self, model: Any = None, optimizer: Any = None, *, first_step: int = 0, **context: Any) -> None:
         """Install the enabled monitors on ``model`` (a module, or a list of model
         chunks) and ``optimizer``. ``context`` (e.g. ``grad_acc_steps``) reaches every
-        monitor."""
+        monitor. ``first_step``: the number of the first step monitored (a run resumed
+        at step N starts at N, so that steps keep the training framework's numbers)."""
         if self._state != "new":
             raise MonitorStateError(f"start() was already called (monitor is {self._state}); create a new TrainerMonitorV2")
+        if isinstance(first_step, bool) or not isinstance(first_step, int) or first_step < 0:
+            raise ConfigError(f"start(): first_step must be an integer >= 0, got {first_step!r}", field="first_step")
         backend = load_backend(self.config.framework)
         self.rank = backend.global_rank()
         if self.config.ranks is not None and self.rank not in self.config.ranks:
@@ -122,7 +132,7 @@ class TrainerMonitorV2:
             self._writer.close()
             raise
         self._state = "running"
-        self._begin_step(0)
+        self._begin_step(first_step)
 
     # ---------------------------------------------------------------- step logic
     def _begin_step(self, step: int) -> None:
@@ -143,6 +153,7 @@ class TrainerMonitorV2:
     def _after_optimizer_step(self) -> None:
         if self._state != "running":
             return
+        self._optimizer_steps += 1
         for m in self.monitors:
             try:
                 m.after_optimizer_step()

@@ -115,20 +115,14 @@ class TrainingStack:
         """Call ``before``/``after`` around every ``optimizer.step()``; returns the undo.
 
         A ``torch.optim.Optimizer`` gets removable step hooks (no attribute is patched);
+        a wrapper of one (Accelerate, Lightning) is hooked through the optimizer it wraps;
         another object with a ``step`` method gets an instance-level wrapper that the undo
         removes again."""
-        opt = self.optimizer
+        opt = hookable_optimizer(self.optimizer)
         if opt is None:
             return lambda: None
         if isinstance(opt, torch.optim.Optimizer):
-            pre = opt.register_step_pre_hook(lambda *_: before())
-            post = opt.register_step_post_hook(lambda *_: after())
-
-            def undo() -> None:
-                pre.remove()
-                post.remove()
-
-            return undo
+            return optimizer_step_hooks(opt, before, after)
         if not callable(getattr(opt, "step", None)):
             raise ConfigError(
                 f"start(): optimizer must have a step() method, got {type(opt).__name__}", field="optimizer"
@@ -161,6 +155,81 @@ def tensor_states(info: "ParamInfo", state: Any) -> Iterator[Tuple["ParamInfo", 
     for key, value in state.items():
         if key != "step" and isinstance(value, torch.Tensor) and value.dim() > 0:
             yield info, key, value
+
+
+def hookable_optimizer(opt: Any) -> Any:
+    """The optimizer whose own ``step()`` is the real step, below the wrappers that
+    subclass ``torch.optim.Optimizer`` without being one:
+
+    - Accelerate's ``AcceleratedOptimizer`` never runs ``Optimizer.__init__`` (it has no
+      hook dictionaries); its ``step()``/``zero_grad()`` run on every micro-batch and
+      reach the wrapped optimizer (``.optimizer``) only when gradients are synchronised.
+    - Lightning's ``LightningOptimizer`` (``._optimizer``) routes ``step()`` through the
+      strategy and precision plugin to the wrapped optimizer.
+
+    Anything else is returned as it is."""
+    for _ in range(8):  # wrappers of wrappers, never a cycle
+        if not isinstance(opt, torch.optim.Optimizer):
+            return opt
+        if "_optimizer_step_pre_hooks" not in vars(opt):
+            inner = vars(opt).get("optimizer")
+        elif any(c.__name__ == "LightningOptimizer" for c in type(opt).__mro__):
+            inner = vars(opt).get("_optimizer")
+        else:
+            return opt
+        if inner is None or inner is opt:
+            return opt
+        opt = inner
+    return opt
+
+
+def optimizer_step_hooks(opt: torch.optim.Optimizer, before: Callable[[], None],
+                         after: Callable[[], None]) -> Callable[[], None]:
+    """Step hooks on a ``torch.optim.Optimizer``; returns their undo.
+
+    ``before`` runs when the gradients are final and the update has not begun: right
+    before ``step()`` runs, or, for ``step(closure)``, right after the closure's first
+    call (Lightning runs the last micro-batch's forward/backward and the clipping inside
+    the closure; LBFGS calls it again for line searches, which re-evaluate the same
+    point). The closure is wrapped for that call only: nothing stays on the optimizer.
+    If the closure is never called, ``before`` runs right before ``after``."""
+    pending = [False]  # a closure was wrapped and has not run yet in this step
+
+    def run_before_once() -> None:
+        if pending[0]:
+            pending[0] = False
+            before()
+
+    def pre_hook(_opt: Any, args: Tuple[Any, ...], kwargs: dict) -> Optional[Tuple[Tuple[Any, ...], dict]]:
+        in_kwargs = kwargs.get("closure") is not None
+        closure = kwargs["closure"] if in_kwargs else (args[0] if args else None)
+        pending[0] = False
+        if not callable(closure):
+            before()
+            return None
+        pending[0] = True
+
+        def closure_then_before() -> Any:
+            result = closure()
+            run_before_once()
+            return result
+
+        if in_kwargs:
+            return args, dict(kwargs, closure=closure_then_before)
+        return (closure_then_before,) + tuple(args[1:]), kwargs
+
+    def post_hook(*_: Any) -> None:
+        run_before_once()
+        after()
+
+    pre = opt.register_step_pre_hook(pre_hook)
+    post = opt.register_step_post_hook(post_hook)
+
+    def undo() -> None:
+        pre.remove()
+        post.remove()
+
+    return undo
 
 
 def wrap_method(obj: Any, method: str, before: Callable[[], None], after: Callable[[], None],
