@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from tests.conftest import assert_row_matches, find_row, numpy_stats, rows_of
+from conftest import assert_row_matches, find_row, numpy_stats, rows_of
 
 transformers = pytest.importorskip("transformers", reason="the test profile of scripts/setup_env.sh installs transformers")
 
