@@ -200,9 +200,11 @@ def optimizer_step_hooks(opt: torch.optim.Optimizer, before: Callable[[], None],
             pending[0] = False
             before()
 
-    def pre_hook(_opt: Any, args: Tuple[Any, ...], kwargs: dict) -> Optional[Tuple[Tuple[Any, ...], dict]]:
+    def pre_hook(optimizer: Any, args: Tuple[Any, ...], kwargs: dict) -> Optional[Tuple[Tuple[Any, ...], dict]]:
+        # ``args`` are step()'s positional arguments, the optimizer itself first.
+        first = 1 if args and args[0] is optimizer else 0
         in_kwargs = kwargs.get("closure") is not None
-        closure = kwargs["closure"] if in_kwargs else (args[0] if args else None)
+        closure = kwargs["closure"] if in_kwargs else (args[first] if len(args) > first else None)
         pending[0] = False
         if not callable(closure):
             before()
@@ -216,7 +218,7 @@ def optimizer_step_hooks(opt: torch.optim.Optimizer, before: Callable[[], None],
 
         if in_kwargs:
             return args, dict(kwargs, closure=closure_then_before)
-        return (closure_then_before,) + tuple(args[1:]), kwargs
+        return tuple(args[:first]) + (closure_then_before,) + tuple(args[first + 1:]), kwargs
 
     def post_hook(*_: Any) -> None:
         run_before_once()
