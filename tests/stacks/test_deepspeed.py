@@ -84,6 +84,8 @@ def check_whole_or_shards(run: Run, monitor: str, scope: str, step: int, name: s
     module_name = module_name or name
     per_rank = [run.rows(r, monitor, step=step, module_name=module_name, scope=scope) for r in range(2)]
     ref = numpy_stats(full)
+    if run.bf16:  # bf16 rounding is relative to the tensor's magnitude, not to each element
+        atol = max(atol, rtol * max(abs(ref["min"]), abs(ref["max"])))
     if not run.sharded:
         for r in range(2):
             assert_row_matches(one(per_rank[r]), ref, rtol=rtol, atol=atol)
@@ -167,10 +169,27 @@ def test_reduced_is_the_rank_mean_and_its_norm_the_frameworks(run: Run):
         assert math.isclose(total, norm, rel_tol=1e-4 if not run.bf16 else 1e-2), (s, total, norm)
 
 
+def test_params_and_moments_match_deepspeeds_public_api(run: Run):
+    """ZeRO-1/2/3: the local shards make up what safe_get_full_fp32_param and
+    safe_get_full_optimizer_state return (the fp32 masters and their Adam moments)."""
+    if not run.sharded:
+        assert run.refs[0]["ds"] == [None] * STEPS  # ZeRO-0 has no such API: replica only
+        return
+    for s in range(STEPS):
+        full = run.refs[0]["ds"][s]
+        for name in run.names:
+            check_whole_or_shards(run, "param", "param_updated", s, name, full[name], 1e-5, 1e-9)
+            for key in ("exp_avg", "exp_avg_sq"):
+                check_whole_or_shards(run, "optimizer", key, s, name, full[f"{name}.{key}"], 1e-5, 1e-12,
+                                      module_name=f"{name}.{key}")
+
+
 def test_params_and_moments_per_parameter(run: Run):
     refs = run.refs[0]
-    # the fp32 masters: updated by DeepSpeed from its own reduction, by torch AdamW here
-    rtol, atol = (1e-4, 1e-7) if not run.bf16 else (5e-3, 1e-4)
+    # The fp32 masters, updated by DeepSpeed from its own reduction and by torch AdamW here.
+    # bf16: DeepSpeed reduces in bf16; where the ranks' gradients nearly cancel, the
+    # rounding changes the sign-like first Adam steps by up to 2 * lr per element.
+    rtol, atol = (1e-4, 1e-7) if not run.bf16 else (5e-3, 2 * 1e-2)
     for s in range(STEPS):
         for name in run.names:
             check_whole_or_shards(run, "param", "param_origin", s, name, refs["masters_before"][s][name], rtol, atol)

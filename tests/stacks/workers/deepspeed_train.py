@@ -16,7 +16,9 @@ rows with:
   BF16_Optimizer, the gradient dtype otherwise), ``mean``: the rank average of ``acc``
   in fp64 (gathered from both ranks);
 - ``masters``/``exp_avg``/``exp_avg_sq``: a plain ``torch.optim.AdamW`` on fp32 copies of
-  the initial weights, stepped with ``mean``;
+  the initial weights, stepped with ``mean`` clipped to the global norm ``CLIP``;
+- ``ds``: the masters and moments after each step through DeepSpeed's public
+  ``safe_get_full_fp32_param``/``safe_get_full_optimizer_state`` (ZeRO-1/2/3);
 - ``grad_norm``: ``engine.get_global_grad_norm()``; ``identical``: the monitored run's
   losses and parameters equal the unmonitored run's bit for bit; ``restored``: ``stop()``
   left the engine as it was; ``warnings``: what the monitor logged.
@@ -36,6 +38,7 @@ from msprobe.core.monitor_v2.trainer import TrainerMonitorV2  # noqa: E402
 
 STEPS = 3
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.01
+CLIP = 1.0  # DeepSpeed's default, explicit: with gas 1 the gradients of this model exceed it
 
 
 class Net(torch.nn.Module):
@@ -58,6 +61,7 @@ def ds_config(stage: int, dtype: str, gas: int) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
                                                   "weight_decay": WD, "torch_adam": True}},
         "zero_optimization": {"stage": stage},
+        "gradient_clipping": CLIP,
         "steps_per_print": 10 ** 9,
     }
     if dtype == "bf16":
@@ -89,6 +93,22 @@ def full_masters(engine, stage: int):
     for n, p in engine.module.named_parameters():
         m = safe_get_full_fp32_param(p)
         out[n] = (m if m is not None else p).detach().float().clone()
+    return out
+
+
+def public_state(engine):
+    """fp32 masters and Adam moments after a step, whole, through DeepSpeed's public API
+    (collectives; None where it offers none: ZeRO-0)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out = {}
+    for n, p in engine.module.named_parameters():
+        master = safe_get_full_fp32_param(p)
+        if master is None:
+            return None
+        out[n] = master.detach().float().clone()
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[f"{n}.{key}"] = safe_get_full_optimizer_state(p, key).detach().float().clone()
     return out
 
 
@@ -130,7 +150,7 @@ def train(config: str, out_dir: str, monitored: bool):
             monitors.append(mon)
 
     ref = {"names": names, "kind": kind, "mb": [], "acc": [], "mean": [], "grad_norm": [],
-           "masters_before": [], "masters_after": [], "exp_avg": [], "exp_avg_sq": []}
+           "masters_before": [], "masters_after": [], "exp_avg": [], "exp_avg_sq": [], "ds": []}
     losses = []
     for step, batches in enumerate(micro_batches(rank, dtype, gas)):
         replica.load_state_dict(full_params(engine, stage))
@@ -153,8 +173,11 @@ def train(config: str, out_dir: str, monitored: bool):
         gathered = [None, None]
         dist.all_gather_object(gathered, {n: t.double() for n, t in acc.items()})
         mean = {n: (gathered[0][n] + gathered[1][n]) / 2 for n in names}
+        # DeepSpeed clips inside its step (after the monitor read 'reduced'), by the global norm
+        total = sum(float((m * m).sum()) for m in mean.values()) ** 0.5
+        scale = CLIP / (total + 1e-6) if total + 1e-6 > CLIP else 1.0
         for n in names:
-            masters[n].grad = mean[n].float().reshape(masters[n].shape)
+            masters[n].grad = (mean[n] * scale).float().reshape(masters[n].shape)
         ref_opt.step()
         ref_opt.zero_grad()
         ref["mb"].append(mb_grads)
@@ -163,6 +186,7 @@ def train(config: str, out_dir: str, monitored: bool):
         norm = engine.get_global_grad_norm()
         ref["grad_norm"].append(None if norm is None else float(norm))
         ref["masters_after"].append({n: masters[n].detach().clone() for n in names})
+        ref["ds"].append(public_state(engine))
         ref["exp_avg"].append({n: ref_opt.state[masters[n]]["exp_avg"].clone() for n in names})
         ref["exp_avg_sq"].append({n: ref_opt.state[masters[n]]["exp_avg_sq"].clone() for n in names})
 
