@@ -18,7 +18,7 @@ session and the monitors call only these hook points:
 - ``reduced_grads(session)``: ``(ParamInfo, tensor)`` of the gradients as they stand at
   the step, after the data-parallel reduction; local shards allowed (a tensor without
   elements is left out).
-- ``unreduced_capture(per_micro_batch, micro_batches)``: None for the default hooks on
+- ``unreduced_capture(session, per_micro_batch, micro_batches)``: None for the default hooks on
   the model parameters, or an ``UnreducedCapture``: the adapter's own hooks, which call
   back ``on_micro_batch(info, grad)`` / ``on_accumulated(info, grad)``, or a reason why
   the value cannot be captured exactly (logged once; no such rows are written).
@@ -66,7 +66,8 @@ class UnreducedCapture:
     backward pass with that pass's own gradient (``monitor_mbs_grad=true``), or
     ``on_accumulated(info, grad)`` once per backward pass with the local gradient
     accumulated so far (the monitor counts the passes and records after the announced
-    last micro-batch). ``not_observable`` instead is the reason why the value cannot be
+    last micro-batch); ``grad`` may be a zero-argument callable returning it, for a value
+    that costs work to build (called only when the row is recorded). ``not_observable`` instead is the reason why the value cannot be
     captured exactly: it is logged once and no ``unreduced`` rows are written."""
 
     def __init__(self, install: Optional[Callable[[GradCallback, GradCallback], List[Any]]] = None,
@@ -130,7 +131,8 @@ class TrainingStack:
         return wrap_method(opt, "step", before, after)
 
     # ------------------------------------------------------------- gradients
-    def unreduced_capture(self, per_micro_batch: bool, micro_batches: int) -> Optional[UnreducedCapture]:
+    def unreduced_capture(self, session: "TorchSession", per_micro_batch: bool,
+                          micro_batches: int) -> Optional[UnreducedCapture]:
         return None
 
     def reduced_grads(self, session: "TorchSession") -> List[Tuple["ParamInfo", torch.Tensor]]:
