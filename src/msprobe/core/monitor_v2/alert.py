@@ -9,7 +9,9 @@ written, from the statistics already on the host (no synchronisation of its own)
 - Spikes: a row's norm larger than ``spike_factor`` times the median of the same tensor's
   last ``spike_window`` written norms, once ``spike_warmup`` of them are known (a robust
   rule: one earlier outlier does not move the median). At most ``MAX_SPIKES_PER_STEP``
-  lines per step.
+  lines per step. Rows of evaluation passes (scope ``eval_forward``) are not checked
+  for spikes: they sum over however many batches the evaluation ran, which changes their
+  norm from one evaluation to the next (they are checked for non-finite values).
 """
 
 import logging
@@ -19,6 +21,7 @@ from collections import deque
 from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 from .config import AlertSettings
+from .monitor import EVAL_SCOPE
 from .stats import Row
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -78,7 +81,7 @@ class Alerter:
         for monitor, rows in rows_by_monitor:
             for row in rows:
                 value = row.stat.value("norm")
-                if not math.isfinite(value):
+                if not math.isfinite(value) or row.scope == EVAL_SCOPE:
                     continue
                 key = (monitor, row.vpp_stage, row.name, row.scope, row.micro_step)
                 history = self._history.get(key)

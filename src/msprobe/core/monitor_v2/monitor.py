@@ -17,6 +17,10 @@ from .stats import Record
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
+# Scope of the module rows of evaluation passes (forward passes without gradients or in
+# eval mode, run between training steps): kept apart from the training step's rows.
+EVAL_SCOPE = "eval_forward"
+
 
 class ContainedErrors:
     """Runs hook bodies so that an exception is logged once per site and never reaches

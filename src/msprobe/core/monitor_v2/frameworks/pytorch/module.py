@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ...monitor import Monitor, select_modules
+from ...monitor import EVAL_SCOPE, Monitor, select_modules
 from ...stats import Record
 from ...structure import flatten_tensors
 from .copies import ModuleHooks
@@ -50,7 +50,6 @@ _get_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)
 _compiler_disable = getattr(getattr(torch, "compiler", None), "disable", None)
 
 TRAIN_SCOPE = "forward"
-EVAL_SCOPE = "eval_forward"
 
 
 def _eager(hook: Any) -> Any:
@@ -58,6 +57,19 @@ def _eager(hook: Any) -> Any:
     reads of the monitor's state (is this step written?) would become guards, and the
     compiled code would be recompiled at every change until the recompile limit."""
     return _compiler_disable(hook) if _compiler_disable is not None else hook
+
+
+def _warn_if_already_compiled() -> None:
+    # Frames Dynamo compiled since the process started or torch._dynamo.reset() (private).
+    convert_frame = getattr(getattr(torch, "_dynamo", None), "convert_frame", None)
+    compiled = getattr(getattr(convert_frame, "input_codes", None), "seen_ids", None)
+    if not compiled:
+        return
+    logger.warning(
+        "monitor_v2 module: torch.compile already compiled code in this process before start(). If it compiled "
+        "this model, the compiled code does not see the hooks added now (Dynamo does not guard on module hooks, "
+        "torch._dynamo.config.skip_nnmodule_hook_guards): modules inside it are not recorded. Start the monitor "
+        "before the first call of the compiled model, or call torch._dynamo.reset() before start().")
 
 
 def _is_evaluation(module: torch.nn.Module) -> bool:
@@ -142,6 +154,7 @@ class ModuleMonitor(Monitor):
         roots = {id(r): r for r in self.session.roots}
         for root in roots.values():
             self._track_passes(root)
+        _warn_if_already_compiled()
 
     def _track_passes(self, root: torch.nn.Module) -> None:
         """Hooks around each call of a model chunk: the first to run before the call and

@@ -1,0 +1,132 @@
+"""Evaluation passes between training steps (issue 12, item 6).
+
+Lightning and the Hugging Face Trainer run validation loops between optimizer steps,
+with ``model.eval()`` and ``torch.no_grad()`` / ``torch.inference_mode()``. Their
+forward rows go under scope ``eval_forward`` of the step the monitor is in, never into
+the training step's ``forward``/``backward`` rows, and the spike alert does not flag
+them, even when the evaluation data are on another scale. Every value is checked
+against NumPy statistics of copies of the tensors the model saw.
+"""
+
+import contextlib
+import copy
+import logging
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from conftest import TinyMLP, assert_row_matches, find_row, loss_fn, make_batches, numpy_stats, rows_of
+from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
+
+LOGGER = "msprobe.monitor_v2"
+STEPS = 6
+EVAL_BATCHES = 3
+
+
+class CheckpointedMLP(TinyMLP):
+    """``fc2`` under reentrant activation checkpointing when training (as Hugging Face
+    models do): its training forward runs under ``no_grad`` inside the training pass, and
+    must still count as training."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc1(x))
+        if self.training and torch.is_grad_enabled():
+            return checkpoint(self.fc2, h, use_reentrant=True)
+        return self.fc2(h)
+
+
+def evaluation(kind: str):
+    if kind == "eval+no_grad":
+        return torch.no_grad()
+    if kind == "eval+inference_mode":
+        return torch.inference_mode()
+    if kind == "train+no_grad":
+        return torch.no_grad()
+    return contextlib.nullcontext()  # "eval, gradients on": a loop that forgot no_grad
+
+
+def alerts(caplog):
+    return [r.getMessage() for r in caplog.records if "monitor_v2 alert:" in r.getMessage()]
+
+
+@pytest.mark.parametrize("kind", ["eval+no_grad", "eval+inference_mode", "train+no_grad", "eval+grad"])
+def test_evaluation_loops_between_steps_are_kept_apart(write_config, caplog, kind):
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    model = CheckpointedMLP()
+    twin = copy.deepcopy(model)  # never monitored: the training must not change
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.01)
+    cfg = {"alert": {"spike_factor": 5, "spike_warmup": 3},
+           "monitors": {"module": {"enabled": True}, "weight_grad": {"enabled": True}}}
+    mon = TrainerMonitorV2(write_config(cfg))
+    mon.start(model=model, optimizer=opt)
+    train = make_batches(STEPS, seed=3)
+    val = [(x * 1000.0, y) for x, y in make_batches(EVAL_BATCHES, seed=4)]  # another scale: would spike
+    eval_outputs = {}  # step the monitor is in -> outputs of its evaluation loop
+    for s, (x, y) in enumerate(train):
+        for m in (model, twin):
+            m.train()
+            m.fc1.eval()  # a frozen submodule kept in eval mode: still training
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        twin_loss = loss_fn(twin, x, y)
+        twin_loss.backward()
+        assert torch.equal(loss, twin_loss)
+        opt.step()  # ends step s
+        opt.zero_grad()
+        twin_opt.step()
+        twin_opt.zero_grad()
+        if s < STEPS - 1:  # an evaluation after the last step would belong to a step never written
+            model.train(kind.startswith("train"))
+            outs = []
+            with evaluation(kind):
+                for vx, _ in val:
+                    outs.append(model(vx).detach().clone())
+            eval_outputs[s + 1] = outs
+    mon.stop()
+    assert mon.errors.count == 0
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+
+    rows = rows_of(mon.config.output_dir, "module")
+    for s, (x, _) in enumerate(train):
+        step_rows = [r for r in rows if r["step"] == str(s)]
+        # training rows: the training batch alone (an evaluation merged in would change them)
+        assert_row_matches(find_row(step_rows, module_name="fc1.input.0", scope="forward"), numpy_stats(x))
+        assert_row_matches(find_row(step_rows, module_name="CheckpointedMLP.input.0", scope="forward"), numpy_stats(x))
+        assert {r["scope"] for r in step_rows} == ({"forward", "backward", "eval_forward"} if s in eval_outputs
+                                                   else {"forward", "backward"})
+        forward_tags = {r["module_name"] for r in step_rows if r["scope"] == "forward"}
+        assert {"fc1.output.0", "act.input.0", "fc2.output.0", "CheckpointedMLP.output.0"} <= forward_tags
+        if s not in eval_outputs:
+            continue
+        # evaluation rows: every batch of the loop, together
+        inputs = torch.cat([vx for vx, _ in val])
+        outputs = torch.cat(eval_outputs[s])
+        for tag, want in (("CheckpointedMLP.input.0", inputs), ("fc1.input.0", inputs),
+                          ("fc2.output.0", outputs), ("CheckpointedMLP.output.0", outputs)):
+            assert_row_matches(find_row(step_rows, module_name=tag, scope="eval_forward"), numpy_stats(want),
+                               rtol=1e-5, atol=1e-4)
+    spikes = [m for m in alerts(caplog) if "spike" in m]
+    assert not spikes, spikes
+
+
+def test_nonfinite_values_in_an_evaluation_pass_are_still_alerted(write_config, caplog):
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    model = TinyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = TrainerMonitorV2(write_config({"alert": True, "monitors": {"module": {"enabled": True, "targets": ["fc2"]}}}))
+    mon.start(model=model, optimizer=opt)
+    x, y = make_batches(1)[0]
+    loss_fn(model, x, y).backward()
+    opt.step()
+    model.eval()
+    with torch.no_grad():
+        model(x * float("nan"))
+    model.train()
+    loss_fn(model, x, y).backward()
+    opt.step()
+    mon.stop()
+    messages = alerts(caplog)
+    assert messages and "step 1" in messages[0] and "fc2.input.0 (scope eval_forward" in messages[0], messages
