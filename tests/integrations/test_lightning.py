@@ -33,3 +33,21 @@ def test_lightning_ddp_two_processes(tmp_path):
         assert saved["ok"], saved
     # Each rank wrote its own local gradients; DDP averages them into 'reduced'.
     assert (out / "rank_0").is_dir() and (out / "rank_1").is_dir()
+
+
+def test_plain_start_on_a_lightning_optimizer_hooks_the_wrapped_one(tmp_path):
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    from conftest import TinyMLP, make_batches
+    from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
+
+    model = TinyMLP()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMonitorV2({"output_dir": str(tmp_path / "out"), "monitors": {"weight_grad": {"enabled": True}}})
+    mon.start(model, LightningOptimizer(inner))
+    x, y = make_batches(1)[0]
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    inner.step()  # what Lightning's precision plugin calls
+    assert mon.current_step == 1 and len(inner._optimizer_step_pre_hooks) == 1
+    mon.stop()
+    assert not inner._optimizer_step_pre_hooks

@@ -122,3 +122,26 @@ def test_wrapper_without_optimizer_init_is_hooked_through_the_wrapped_one(tmp_pa
     for name, p in model.named_parameters():
         assert_row_matches(find_row(rows, step=3, module_name=f"{name}.exp_avg", scope="exp_avg"),
                            numpy_stats(inner.state[p]["exp_avg"]))
+
+
+def test_hook_free_optimizer_without_a_wrapped_one_gets_a_step_wrapper(tmp_path):
+    class Bare(torch.optim.Optimizer):  # never runs Optimizer.__init__, wraps nothing
+        def __init__(self, params):
+            self.param_groups = [{"params": list(params)}]
+            self.state = {}
+
+        def step(self, closure=None):
+            with torch.no_grad():
+                for p in self.param_groups[0]["params"]:
+                    p.sub_(0.1 * p.grad)
+
+    model = TinyMLP()
+    optimizer = Bare(model.parameters())
+    mon = TrainerMonitorV2({"output_dir": str(tmp_path / "out"), "monitors": {"weight_grad": {"enabled": True}}})
+    mon.start(model, optimizer)
+    for x, y in make_batches(2):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    assert mon.current_step == 2
+    mon.stop()
+    assert "step" not in vars(optimizer)

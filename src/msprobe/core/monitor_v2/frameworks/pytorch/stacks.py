@@ -122,7 +122,7 @@ class TrainingStack:
         opt = hookable_optimizer(self.optimizer)
         if opt is None:
             return lambda: None
-        if isinstance(opt, torch.optim.Optimizer):
+        if isinstance(opt, torch.optim.Optimizer) and "_optimizer_step_pre_hooks" in vars(opt):
             return optimizer_step_hooks(opt, before, after)
         if not callable(getattr(opt, "step", None)):
             raise ConfigError(
@@ -173,13 +173,13 @@ def hookable_optimizer(opt: Any) -> Any:
     for _ in range(8):  # wrappers of wrappers, never a cycle
         if not isinstance(opt, torch.optim.Optimizer):
             return opt
-        if "_optimizer_step_pre_hooks" not in vars(opt):
-            inner = vars(opt).get("optimizer")
-        elif any(c.__name__ == "LightningOptimizer" for c in type(opt).__mro__):
-            inner = vars(opt).get("_optimizer")
-        else:
-            return opt
-        if inner is None or inner is opt:
+        own = vars(opt)
+        if "_optimizer_step_pre_hooks" in own and not any(c.__name__ == "LightningOptimizer" for c in type(opt).__mro__):
+            return opt  # a fully initialised optimizer
+        inner = own.get("optimizer")
+        if not isinstance(inner, torch.optim.Optimizer):
+            inner = own.get("_optimizer")
+        if not isinstance(inner, torch.optim.Optimizer) or inner is opt:
             return opt
         opt = inner
     return opt
