@@ -201,3 +201,40 @@ def test_an_existing_instance_getstate_is_kept(write_config):
     assert calls and not copied.fc1._forward_pre_hooks and "__getstate__" not in vars(copied.fc1)
     mon.stop()
     assert vars(model.fc1)["__getstate__"] is getstate
+
+
+def test_start_stop_cycles_with_copies_leave_nothing_behind(write_config):
+    """Three start/stop cycles over many steps, each with checkpoints, copies and
+    evaluation passes: after each stop() nothing references the monitor any more (it is
+    garbage collected), and the model is as it was."""
+    import gc
+    import weakref
+
+    model = TinyMLP()
+    clean = hook_counts(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    batches = make_batches(4, seed=11)
+    copies = []
+    for cycle in range(3):
+        mon = TrainerMonitorV2(write_config({"step_interval": 50, "monitors": ALL_MONITORS}))
+        mon.start(model=model, optimizer=opt)
+        for s in range(300):
+            x, y = batches[s % 4]
+            loss_fn(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            if s % 100 == 0:
+                copies.append(save_and_load(model))
+                copies.append(copy.deepcopy(model))
+                model.eval()
+                with torch.no_grad():
+                    model(x)
+                model.train()
+        assert mon.current_step == 300 and mon.errors.count == 0
+        mon.stop()
+        ref = weakref.ref(mon)
+        del mon
+        gc.collect()
+        assert ref() is None, f"cycle {cycle}: something still references the monitor"
+        assert hook_counts(model) == clean
+        assert all(hook_counts(c) == clean for c in copies)

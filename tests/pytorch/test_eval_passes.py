@@ -112,6 +112,54 @@ def test_evaluation_loops_between_steps_are_kept_apart(write_config, caplog, kin
     assert not spikes, spikes
 
 
+class LightningStyle(TinyMLP):
+    """As a LightningModule: the loop calls ``training_step``/``validation_step``, which
+    call the submodules; the model itself is never called."""
+
+    def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc1(x))
+        out = checkpoint(self.fc2, h, use_reentrant=True)  # trains under no_grad inside
+        return torch.nn.functional.mse_loss(out, y)
+
+    def validation_step(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+@pytest.mark.parametrize("grad_off", [torch.inference_mode, torch.no_grad])
+def test_lightning_style_steps_that_call_submodules(write_config, grad_off):
+    model = LightningStyle()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = TrainerMonitorV2(write_config({"monitors": {"module": {"enabled": True}}}))
+    mon.start(model=model, optimizer=opt)
+    train = make_batches(3, seed=5)
+    val = [x * 100.0 for x, _ in make_batches(2, seed=6)]
+    for s, (x, y) in enumerate(train):
+        model.train()  # what Lightning does around the loops
+        model.fc1.eval()
+        model.training_step(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        model.eval()
+        with grad_off():
+            for vx in val:
+                model.validation_step(vx)
+    mon.stop()
+    assert mon.errors.count == 0
+    rows = rows_of(mon.config.output_dir, "module")
+    assert not [r for r in rows if r["module_name"].startswith("LightningStyle")]  # never called
+    for s, (x, _) in enumerate(train):
+        step_rows = [r for r in rows if r["step"] == str(s)]
+        assert_row_matches(find_row(step_rows, module_name="fc1.input.0", scope="forward"), numpy_stats(x))
+        assert {r["module_name"] for r in step_rows if r["scope"] == "forward"} == {
+            "fc1.input.0", "fc1.output.0", "act.input.0", "act.output.0", "fc2.input.0", "fc2.output.0"}
+        assert any(r["scope"] == "backward" for r in step_rows)
+        if s:
+            assert_row_matches(find_row(step_rows, module_name="fc1.input.0", scope="eval_forward"),
+                               numpy_stats(torch.cat(val)))
+        else:
+            assert not [r for r in step_rows if r["scope"] == "eval_forward"]
+
+
 def test_nonfinite_values_in_an_evaluation_pass_are_still_alerted(write_config, caplog):
     caplog.set_level(logging.WARNING, logger=LOGGER)
     model = TinyMLP()
@@ -130,3 +178,30 @@ def test_nonfinite_values_in_an_evaluation_pass_are_still_alerted(write_config, 
     mon.stop()
     messages = alerts(caplog)
     assert messages and "step 1" in messages[0] and "fc2.input.0 (scope eval_forward" in messages[0], messages
+
+
+class FailsOnEmpty(TinyMLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if x.shape[0] == 0:
+            raise ValueError("empty batch")
+        return out
+
+
+def test_an_evaluation_pass_that_raises_does_not_mark_the_next_training_pass(write_config):
+    model = FailsOnEmpty()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = TrainerMonitorV2(write_config({"monitors": {"module": {"enabled": True}}, "patch_optimizer_step": False}))
+    mon.start(model=model, optimizer=opt)
+    x, y = make_batches(1)[0]
+    model.eval()
+    with torch.no_grad(), pytest.raises(ValueError):
+        model(x[:0])
+    model.train()
+    loss_fn(model, x, y).backward()  # same step: its rows must be training rows
+    opt.step()
+    mon.step()
+    mon.stop()
+    rows = rows_of(mon.config.output_dir, "module")
+    assert_row_matches(find_row(rows, step=0, module_name="FailsOnEmpty.input.0", scope="forward"), numpy_stats(x))
+    assert_row_matches(find_row(rows, step=0, module_name="fc1.input.0", scope="eval_forward"), numpy_stats(x[:0]))

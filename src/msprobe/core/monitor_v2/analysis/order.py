@@ -7,7 +7,7 @@ rank  rows                                                                 micro
 ====  ==================================================================  ==========
 0     ``param`` ``param_origin``: the parameters the step's forward used   0
       (read before ``optimizer.step()``, unchanged since the step began)
-1     ``module`` ``forward`` rows, in module call order (file order)       0
+1     ``module`` ``forward`` and ``eval_forward`` rows, in call order      0
 2     ``module`` ``backward`` rows, in backward order (file order)         0
 3     ``weight_grad`` ``unreduced``, per micro-batch                       micro_step
 4     ``cc`` ``comm``                                                      last
@@ -31,6 +31,7 @@ LAST = 1 << 30
 _PHASES = {
     ("param", "param_origin"): 0,
     ("module", "forward"): 1,
+    ("module", "eval_forward"): 1,  # evaluation passes: forward passes, in file (call) order
     ("module", "backward"): 2,
     ("weight_grad", "unreduced"): 3,
     ("weight_grad", "reduced"): 5,

@@ -21,11 +21,13 @@ backward pass; those calls record no forward statistics, so nothing is counted t
 
 Evaluation passes: a call of a model chunk given to ``start()`` made with gradients off
 (``torch.no_grad()``, ``torch.inference_mode()``) or in evaluation mode (``.eval()``)
-is an evaluation pass, as Lightning and the Hugging Face Trainer run between steps. Its
-forward rows go under their own scope ``eval_forward``, never into the training step's
-``forward`` rows. The chunk's call decides for every module inside it: reentrant
-activation checkpointing runs the training forward of a block under ``no_grad``, and a
-frozen submodule may be kept in ``eval()`` mode while the model trains.
+is an evaluation pass, as the Hugging Face Trainer runs between steps. Its forward rows
+go under their own scope ``eval_forward``, never into the training step's ``forward``
+rows. The chunk's call decides for every module inside it: reentrant activation
+checkpointing runs the training forward of a block under ``no_grad``, and a frozen
+submodule may be kept in ``eval()`` mode while the model trains. A module called outside
+a chunk's call (Lightning's ``training_step``/``validation_step`` call submodules) is in
+an evaluation pass when its chunk is in ``eval()`` mode or inference mode is on.
 
 Copies and ``torch.compile``: the forward hooks are left out of ``torch.save``,
 ``copy.deepcopy`` and EMA/SWA copies of the modules (see ``copies.py``), and Dynamo does
@@ -172,8 +174,14 @@ class ModuleMonitor(Monitor):
         self._hooks.forward_pre(root, _eager(self.errors.wrap("module pass tracking", enter)), prepend=True)
         self._hooks.forward(root, _eager(self.errors.wrap("module pass tracking", leave)), always_call=True)
 
-    def _forward_scope(self, module: torch.nn.Module) -> str:
-        evaluation = self._eval_pass if self._pass_depth else _is_evaluation(module)
+    def _forward_scope(self, vpp: int) -> str:
+        if self._pass_depth:
+            evaluation = self._eval_pass
+        else:
+            # A submodule called outside the model's own call (a LightningModule's
+            # training_step calls its submodules): the model's mode decides, or inference
+            # mode. Plain no_grad does not: reentrant checkpointing trains under it.
+            evaluation = not self.session.roots[vpp].training or torch.is_inference_mode_enabled()
         return EVAL_SCOPE if evaluation else TRAIN_SCOPE
 
     def _hook(self, module: torch.nn.Module, vpp: int, tag: str) -> None:
@@ -196,7 +204,7 @@ class ModuleMonitor(Monitor):
     def _before_forward(self, module: torch.nn.Module, vpp: int, tag: str, args: Tuple, kwargs: Dict) -> None:
         inputs = flatten_tensors((args, kwargs), _is_tensor)
         recompute = _in_backward()
-        scope = self._forward_scope(module)
+        scope = self._forward_scope(vpp)
         if not recompute:
             engine = self.session.engine
             for i, t in enumerate(inputs):
@@ -213,7 +221,7 @@ class ModuleMonitor(Monitor):
         outputs = flatten_tensors(output, _is_tensor)
         if not _in_backward():
             engine = self.session.engine
-            scope = call.scope if call is not None else self._forward_scope(module)
+            scope = call.scope if call is not None else self._forward_scope(vpp)
             for i, t in enumerate(outputs):
                 self._records.append(engine.record(t, self.plan, vpp, f"{tag}.output.{i}", scope, cache=True))
         if torch.is_grad_enabled() and any(t.requires_grad for t in outputs):
@@ -320,6 +328,7 @@ class ModuleMonitor(Monitor):
     def begin_step(self, step: int, active: bool) -> None:
         super().begin_step(step, active)
         self._calls.clear()
+        self._pass_depth = 0  # no model call spans a step boundary; never let a count drift
 
     def collect(self) -> List[Record]:
         for acc, (vpp, name) in list(self._pending.values()):
