@@ -146,3 +146,17 @@ def test_trainer_callback_stops_on_exception(tmp_path):
     assert callback.monitor is None and optimizer_hooks == {}
     assert sorted({int(r["step"]) for r in rows_of(out, "weight_grad")}) == [0, 1]
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters() if hasattr(p, "_post_accumulate_grad_hooks"))
+
+
+def test_trainer_callback_resumed_run_keeps_the_trainer_step_numbers(tmp_path):
+    def run(out, resume=None):
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / "hf"), max_steps=4, per_device_train_batch_size=BATCH, report_to=[],
+            use_cpu=True, save_strategy="steps", save_steps=2, disable_tqdm=True, seed=0)
+        callback = MonitorTrainerCallback({"output_dir": str(out), "monitors": {"weight_grad": {"enabled": True}}})
+        trainer = transformers.Trainer(model=_model(), args=args, train_dataset=_data(8, 0, 1), callbacks=[callback])
+        trainer.train(resume_from_checkpoint=resume)
+        return sorted({int(r["step"]) for r in rows_of(out, "weight_grad")})
+
+    assert run(tmp_path / "first") == [0, 1, 2, 3]
+    assert run(tmp_path / "resumed", resume=str(tmp_path / "hf" / "checkpoint-2")) == [2, 3]
