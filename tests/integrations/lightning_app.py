@@ -37,7 +37,8 @@ class Regressor(pl.LightningModule):
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         step = self.trainer.global_step
         self.before_clip[step] = {n: p.grad.detach().clone() for n, p in self.named_parameters()}
-        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
+                            gradient_clip_algorithm=gradient_clip_algorithm)
         self.after_clip[step] = {n: p.grad.detach().clone() for n, p in self.named_parameters()}
 
     def configure_optimizers(self):
@@ -74,7 +75,8 @@ def fit(config=None, strategy="auto", devices=1, extra_callbacks=()):
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, accumulate_grad_batches=ACC,
         gradient_clip_val=0.05, val_check_interval=ACC, limit_val_batches=1, num_sanity_val_steps=1,
-        callbacks=[c for c in (monitored, probe, *extra_callbacks) if c is not None], logger=False, enable_checkpointing=False,
+        callbacks=[c for c in (monitored, probe, *extra_callbacks) if c is not None], logger=False,
+        enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, deterministic=True,
     )
     train, val = loaders(devices)

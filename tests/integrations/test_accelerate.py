@@ -43,7 +43,8 @@ def _train(start=None, scaler=None):
         optimizer.scaler = scaler
         optimizer._accelerate_step_called = False
         optimizer._optimizer_original_step_method = optimizer.optimizer.step
-        optimizer._optimizer_patched_step_method = accelerate.optimizer.patch_optimizer_step(optimizer, optimizer.optimizer.step)
+        optimizer._optimizer_patched_step_method = accelerate.optimizer.patch_optimizer_step(
+            optimizer, optimizer.optimizer.step)
     names = {id(p): n for n, p in model.named_parameters()}
     ref = {"unreduced": [], "reduced": [], "losses": []}
     optimizer.optimizer.register_step_pre_hook(
@@ -146,4 +147,5 @@ def test_accelerate_monitor_needs_the_prepared_optimizer(tmp_path):
     accelerator = accelerate.Accelerator(cpu=True)
     model = TinyMLP()
     with pytest.raises(Exception, match="AcceleratedOptimizer"):
-        AccelerateMonitor({"output_dir": str(tmp_path)}, accelerator, model, torch.optim.SGD(model.parameters(), lr=0.1))
+        AccelerateMonitor({"output_dir": str(tmp_path)}, accelerator, model,
+                          torch.optim.SGD(model.parameters(), lr=0.1))

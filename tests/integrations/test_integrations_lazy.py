@@ -29,7 +29,8 @@ def test_missing_library_names_what_to_install(monkeypatch, name, blocked, hint)
 
 def test_importing_the_package_imports_no_framework():
     code = ("import sys, msprobe.core.monitor_v2.integrations as i, msprobe.core.monitor_v2.trainer; "
-            "print(sorted(m for m in ('transformers', 'lightning', 'pytorch_lightning', 'accelerate') if m in sys.modules))")
+            "print(sorted(m for m in ('transformers', 'lightning', 'pytorch_lightning', 'accelerate') "
+            "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

@@ -12,7 +12,8 @@ import torch
 
 from conftest import assert_row_matches, find_row, numpy_stats, rows_of
 
-transformers = pytest.importorskip("transformers", reason="the test profile of scripts/setup_env.sh installs transformers")
+transformers = pytest.importorskip("transformers",
+                                   reason="the test profile of scripts/setup_env.sh installs transformers")
 
 from msprobe.core.monitor_v2.integrations import MonitorTrainerCallback  # noqa: E402
 
@@ -133,8 +134,9 @@ def test_trainer_callback_stops_on_exception(tmp_path):
             if state.global_step == 2:
                 raise RuntimeError("boom")
 
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=4, per_device_train_batch_size=BATCH,
-                                          report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=4,
+                                          per_device_train_batch_size=BATCH, report_to=[], use_cpu=True,
+                                          save_strategy="no", disable_tqdm=True)
     model = _model()
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_data(8, 0, 1), callbacks=[callback, Boom()])
     optimizer_hooks = None
@@ -145,7 +147,7 @@ def test_trainer_callback_stops_on_exception(tmp_path):
             optimizer_hooks = dict(trainer.optimizer.optimizer._optimizer_step_pre_hooks)
     assert callback.monitor is None and optimizer_hooks == {}
     assert sorted({int(r["step"]) for r in rows_of(out, "weight_grad")}) == [0, 1]
-    assert all(not p._post_accumulate_grad_hooks for p in model.parameters() if hasattr(p, "_post_accumulate_grad_hooks"))
+    assert all(not getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters())
 
 
 def test_trainer_callback_resumed_run_keeps_the_trainer_step_numbers(tmp_path):

@@ -174,7 +174,8 @@ def hookable_optimizer(opt: Any) -> Any:
         if not isinstance(opt, torch.optim.Optimizer):
             return opt
         own = vars(opt)
-        if "_optimizer_step_pre_hooks" in own and not any(c.__name__ == "LightningOptimizer" for c in type(opt).__mro__):
+        lightning = any(c.__name__ == "LightningOptimizer" for c in type(opt).__mro__)
+        if "_optimizer_step_pre_hooks" in own and not lightning:
             return opt  # a fully initialised optimizer
         inner = own.get("optimizer")
         if not isinstance(inner, torch.optim.Optimizer):
