@@ -30,3 +30,8 @@ class OutputError(MonitorError, OSError):
     """The output directory cannot be used when monitoring starts (e.g. a file stands
     where ``<output_dir>/rank_<r>`` should be). Raised by ``start()``; once training
     runs, output problems are logged and counted instead, never raised."""
+
+
+class MissingDependencyError(MonitorError, ImportError):
+    """An optional integration was used without the library it integrates with; the
+    message names the package to install."""

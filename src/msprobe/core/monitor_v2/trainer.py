@@ -55,6 +55,12 @@ class TrainerMonitorV2:
         return self._step
 
     @property
+    def optimizer_steps(self) -> int:
+        """Real optimizer steps seen since ``start()`` (updates the optimizer ran; a step
+        that a gradient scaler skipped for overflow is not one)."""
+        return self._optimizer_steps
+
+    @property
     def busy_seconds(self) -> float:
         """Wall time spent so far in the monitor's own code on the training path (hooks,
         the optimizer-step hooks, ``step()``): its direct cost, logged by ``stop()``."""
@@ -67,12 +73,15 @@ class TrainerMonitorV2:
         return os.path.join(self.config.output_dir, f"rank_{self.rank}")
 
     # --------------------------------------------------------------------- start
-    def start(self, model: Any = None, optimizer: Any = None, **context: Any) -> None:
+    def start(self, model: Any = None, optimizer: Any = None, *, first_step: int = 0, **context: Any) -> None:
         """Install the enabled monitors on ``model`` (a module, or a list of model
         chunks) and ``optimizer``. ``context`` (e.g. ``grad_acc_steps``) reaches every
-        monitor."""
+        monitor. ``first_step``: the number of the first step monitored (a run resumed
+        at step N starts at N, so that steps keep the training framework's numbers)."""
         if self._state != "new":
             raise MonitorStateError(f"start() was already called (monitor is {self._state}); create a new TrainerMonitorV2")
+        if isinstance(first_step, bool) or not isinstance(first_step, int) or first_step < 0:
+            raise ConfigError(f"start(): first_step must be an integer >= 0, got {first_step!r}", field="first_step")
         backend = load_backend(self.config.framework)
         self.rank = backend.global_rank()
         if self.config.ranks is not None and self.rank not in self.config.ranks:
@@ -125,7 +134,7 @@ class TrainerMonitorV2:
             self._writer.close()
             raise
         self._state = "running"
-        self._begin_step(0)
+        self._begin_step(first_step)
 
     # ---------------------------------------------------------------- step logic
     def _begin_step(self, step: int) -> None:

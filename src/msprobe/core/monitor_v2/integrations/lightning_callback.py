@@ -1,0 +1,83 @@
+"""Lightning: ``MonitorLightningCallback``.
+
+>>> trainer = L.Trainer(..., callbacks=[MonitorLightningCallback("monitor_v2_config.json")])
+
+Works with ``lightning`` (``lightning.pytorch``) or, if that is not installed, the older
+``pytorch_lightning`` package.
+"""
+
+import importlib
+import logging
+from typing import Any, Optional
+
+from ..errors import MissingDependencyError
+from ._common import ConfigSource, FrameworkStepMonitor, require
+
+logger = logging.getLogger("msprobe.monitor_v2")
+
+
+def _lightning() -> Any:
+    try:
+        return importlib.import_module("lightning.pytorch")
+    except ImportError:
+        pass
+    try:
+        return require("pytorch_lightning", "lightning", "MonitorLightningCallback")
+    except MissingDependencyError:
+        raise MissingDependencyError(
+            "msprobe-monitor's MonitorLightningCallback needs Lightning, which is not installed "
+            "(neither 'lightning.pytorch' nor 'pytorch_lightning' imports); install it with: pip install lightning"
+        ) from None
+
+
+_pl = _lightning()
+
+
+class MonitorLightningCallback(_pl.Callback):
+    """Monitors a Lightning ``Trainer.fit`` run.
+
+    - ``on_train_start``: the strategy has built the optimizer and wrapped the model
+      (DDP...): the monitor starts on the ``LightningModule`` (names as in the user's
+      module) and ``trainer.optimizers[0]`` at ``trainer.global_step``, with
+      ``accumulate_grad_batches``. The sanity-check validation before it is not monitored.
+    - ``on_train_batch_end``: the monitor's step follows ``trainer.global_step``.
+      With gradient accumulation Lightning runs the last micro-batch's
+      forward/backward and the clipping inside ``optimizer.step(closure)``: ``reduced``
+      is read after that closure, before the update.
+    - ``on_train_end``, ``on_exception`` and ``teardown`` stop the monitor.
+    - Validation (``model.eval()`` under ``inference_mode``) is not merged into the
+      training steps' ``module`` rows.
+    """
+
+    def __init__(self, config: ConfigSource, fr: Optional[str] = None) -> None:
+        super().__init__()
+        self.driver = FrameworkStepMonitor(config, fr, integration="MonitorLightningCallback")
+
+    @property
+    def monitor(self) -> Any:
+        """The running ``TrainerMonitorV2`` (None outside ``trainer.fit()``)."""
+        return self.driver.monitor
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        optimizers = list(trainer.optimizers)
+        if not optimizers:
+            logger.warning("monitor_v2 MonitorLightningCallback: the Trainer has no optimizer; nothing is monitored")
+            return
+        if len(optimizers) > 1:
+            logger.warning("monitor_v2 MonitorLightningCallback: %d optimizers; only the first one is monitored",
+                           len(optimizers))
+        self.driver.start(pl_module, optimizers[0], global_step=trainer.global_step,
+                          grad_acc_steps=trainer.accumulate_grad_batches)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.driver.sync(trainer.global_step)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.driver.sync(trainer.global_step)
+        self.driver.stop()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self.driver.stop()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self.driver.stop()

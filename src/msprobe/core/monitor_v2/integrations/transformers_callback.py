@@ -1,0 +1,101 @@
+"""Hugging Face ``transformers.Trainer``: ``MonitorTrainerCallback``.
+
+>>> trainer = Trainer(model=model, args=args, ..., callbacks=[MonitorTrainerCallback("monitor_v2_config.json")])
+"""
+
+import logging
+import sys
+from typing import Any, Optional
+
+from ..frameworks.pytorch.copies import set_without_copy
+from ._common import ConfigSource, FrameworkStepMonitor, require
+
+logger = logging.getLogger("msprobe.monitor_v2")
+
+_transformers = require("transformers", "transformers", "MonitorTrainerCallback")
+
+
+class MonitorTrainerCallback(_transformers.TrainerCallback):
+    """Monitors a ``transformers.Trainer`` run.
+
+    - ``on_train_begin``: the model and the optimizer exist, wrapped by the Trainer
+      (Accelerate's ``AcceleratedOptimizer``; the monitor hooks the optimizer it wraps):
+      the monitor starts at the Trainer's global step with its
+      ``gradient_accumulation_steps``.
+    - ``on_step_end``: the monitor's step follows ``state.global_step``.
+    - ``on_train_end`` stops the monitor; an exception out of ``trainer.train()`` stops it
+      too when the callback was given to the Trainer's constructor (the Trainer has no
+      callback event for exceptions, so its ``train`` is wrapped at instance level).
+    - Evaluation runs (``model.eval()`` under ``no_grad``) are not merged into the
+      training steps' ``module`` rows.
+    """
+
+    def __init__(self, config: ConfigSource, fr: Optional[str] = None) -> None:
+        super().__init__()
+        self.driver = FrameworkStepMonitor(config, fr, integration="MonitorTrainerCallback")
+        self._guarded: Any = None
+
+    @property
+    def monitor(self) -> Any:
+        """The running ``TrainerMonitorV2`` (None outside ``trainer.train()``)."""
+        return self.driver.monitor
+
+    # The Trainer calls on_init_end at the end of its __init__: find it on the stack.
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = _calling_trainer()
+        if trainer is not None and self._guarded is not trainer:
+            set_without_copy(trainer, "train", _StopOnException(trainer.train, self.driver))
+            self._guarded = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
+        if model is None or optimizer is None:
+            logger.warning("monitor_v2 MonitorTrainerCallback: the Trainer gave no model/optimizer at "
+                           "on_train_begin; nothing is monitored")
+            return
+        if self._guarded is None:
+            logger.info("monitor_v2 MonitorTrainerCallback: added after the Trainer was built; the monitor "
+                        "stops at the end of training but not on an exception (pass it in Trainer(callbacks=[...]))")
+        self.driver.start(model, optimizer, global_step=state.global_step,
+                          grad_acc_steps=args.gradient_accumulation_steps)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.driver.sync(state.global_step)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.driver.sync(state.global_step)
+        self.driver.stop()
+
+
+class _StopOnException:
+    """``trainer.train`` that stops the monitor when an exception leaves it."""
+
+    __slots__ = ("original", "driver")
+
+    def __init__(self, original: Any, driver: FrameworkStepMonitor) -> None:
+        self.original = original
+        self.driver = driver
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.original(*args, **kwargs)
+        except BaseException:
+            try:
+                self.driver.stop()
+            except Exception as exc:  # noqa: BLE001 - the training error is the one to raise
+                logger.error("monitor_v2 MonitorTrainerCallback: stopping after an exception failed: %r", exc)
+            raise
+
+
+def _calling_trainer() -> Any:
+    """The ``transformers.Trainer`` whose method is on the call stack (the callback's own
+    frames and the callback handler's are a few levels down)."""
+    frame = sys._getframe(1)
+    for _ in range(16):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, _transformers.Trainer):
+            return candidate
+        frame = frame.f_back
+    return None

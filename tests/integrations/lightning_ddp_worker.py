@@ -1,0 +1,67 @@
+"""Worker for test_lightning.py, run by torchrun with 2 gloo ranks: trains with and
+without the monitor under Lightning's DDP strategy and checks each rank's rows against
+its references; the local gradient before the all-reduce is cloned by a communication
+hook that then reduces as DDP does (average)."""
+
+import os
+import sys
+
+import torch
+import lightning.pytorch as pl
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/, for conftest
+
+from lightning_app import CONFIG_MONITORS, check_run, fit  # noqa: E402
+
+
+class CloneLocalGrads(pl.Callback):
+    """A DDP communication hook (registered once the strategy has wrapped the model; the
+    strategy registers hooks only on CUDA) that stores ``local[step][name]`` = the local
+    accumulated gradient as it enters the all-reduce, then averages as DDP does."""
+
+    def __init__(self, local):
+        self.local = local
+
+    def on_fit_start(self, trainer, pl_module):
+        names = {id(p): n for n, p in pl_module.named_parameters()}
+        local = self.local
+
+        def clone_then_average(state, bucket):
+            step = local.setdefault(trainer.global_step, {})
+            for p, g in zip(bucket.parameters(), bucket.gradients()):
+                step[names[id(p)]] = g.detach().clone()
+            buffer = bucket.buffer().div_(dist.get_world_size())
+            return dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0])
+
+        trainer.strategy.model.register_comm_hook(None, clone_then_average)
+
+
+def strategy():
+    return DDPStrategy(process_group_backend="gloo")
+
+
+def main(out_dir: str) -> None:
+    local_on, local_off = {}, {}
+    module, monitored, probe = fit({"output_dir": out_dir, "monitors": CONFIG_MONITORS}, strategy(), 2,
+                                   [CloneLocalGrads(local_on)])
+    plain, _, _ = fit(None, strategy(), 2, [CloneLocalGrads(local_off)])
+    rank = dist.get_rank()
+    assert torch.equal(torch.stack(module.losses), torch.stack(plain.losses))
+    for (n, p), (_, q) in zip(module.named_parameters(), plain.named_parameters()):
+        assert torch.equal(p, q), n
+    check_run(out_dir, module, monitored, probe, rank=rank, unreduced=local_on)
+    # The ranks' local gradients differ (different data) and average to the reduced one.
+    other = [None, None]
+    dist.all_gather_object(other, {s: {n: g for n, g in grads.items()} for s, grads in local_on.items()})
+    for step in range(len(module.before_clip)):
+        for name, reduced in module.before_clip[step].items():
+            mean = (other[0][step][name] + other[1][step][name]) / 2
+            assert torch.allclose(mean, reduced, rtol=1e-5, atol=1e-7), (step, name)
+            assert not torch.equal(other[0][step][name], other[1][step][name]), (step, name)
+    torch.save({"ok": True, "rank": rank}, os.path.join(out_dir, f"ref_rank{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

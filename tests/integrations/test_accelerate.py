@@ -1,0 +1,151 @@
+"""Accelerate, one process: the plain API on accelerator.prepare's objects (the
+``AcceleratedOptimizer`` is hooked through the optimizer it wraps) and AccelerateMonitor.
+
+References are NumPy statistics of clones the test takes: the accumulated gradient right
+before the loop clips it (``unreduced``) and, in a step pre-hook on the wrapped
+optimizer, the gradient the update uses (``reduced``)."""
+
+import logging
+
+import pytest
+import torch
+
+accelerate = pytest.importorskip("accelerate", reason="the test profile of scripts/setup_env.sh installs accelerate")
+
+from conftest import TinyMLP, assert_row_matches, find_row, numpy_stats, rows_of  # noqa: E402
+from msprobe.core.monitor_v2.integrations import AccelerateMonitor  # noqa: E402
+from msprobe.core.monitor_v2.trainer import TrainerMonitorV2  # noqa: E402
+
+STEPS, ACC = 6, 2
+MONITORS = {"weight_grad": {"enabled": True}, "param": {"enabled": True}, "optimizer": {"enabled": True},
+            "module": {"enabled": True}}
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    yield
+    accelerate.state.AcceleratorState._reset_state(True)
+    accelerate.state.GradientState._reset_state()
+
+
+def _train(start=None, scaler=None):
+    """6 optimizer steps of 2 micro-batches with clipping; ``start(accelerator, model,
+    optimizer)`` returns what to stop (or None). Returns losses, model, references."""
+    accelerator = accelerate.Accelerator(gradient_accumulation_steps=ACC, cpu=True)
+    model = TinyMLP(seed=3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(4)
+    data = torch.utils.data.TensorDataset(torch.randn(STEPS * ACC * 4, 6, generator=g),
+                                          torch.randn(STEPS * ACC * 4, 3, generator=g))
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    if scaler is not None:
+        optimizer.scaler = scaler
+        optimizer._accelerate_step_called = False
+        optimizer._optimizer_original_step_method = optimizer.optimizer.step
+        optimizer._optimizer_patched_step_method = accelerate.optimizer.patch_optimizer_step(
+            optimizer, optimizer.optimizer.step)
+    names = {id(p): n for n, p in model.named_parameters()}
+    ref = {"unreduced": [], "reduced": [], "losses": []}
+    optimizer.optimizer.register_step_pre_hook(
+        lambda o, a, k: ref["reduced"].append({names[id(p)]: p.grad.clone() for p in o.param_groups[0]["params"]}))
+    running = start(accelerator, model, optimizer) if start is not None else None
+    try:
+        for x, y in loader:
+            with accelerator.accumulate(model):
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                ref["losses"].append(loss.detach().clone())
+                accelerator.backward(loss if scaler is None else scaler.scale(loss))
+                if accelerator.sync_gradients:
+                    ref["unreduced"].append({n: p.grad.clone() for n, p in model.named_parameters()})
+                    if scaler is None:
+                        accelerator.clip_grad_norm_(model.parameters(), 0.1)
+                optimizer.step()
+                optimizer.zero_grad()
+    finally:
+        if running is not None:
+            running.stop()
+    return model, optimizer, ref
+
+
+def _check_values(out, ref, steps):
+    rows = rows_of(out, "weight_grad")
+    assert sorted({int(r["step"]) for r in rows}) == list(range(steps))
+    clipped = 0
+    for step in range(steps):
+        for name, grad in ref["unreduced"][step].items():
+            row = find_row(rows, step=step, module_name=name, scope="unreduced")
+            assert row["micro_step"] == str(ACC)
+            assert_row_matches(row, numpy_stats(grad))
+            used = ref["reduced"][step][name]
+            assert_row_matches(find_row(rows, step=step, module_name=name, scope="reduced"), numpy_stats(used))
+            clipped += not torch.equal(grad, used)
+    assert clipped
+
+
+def test_plain_api_hooks_the_wrapped_optimizer(tmp_path):
+    out = tmp_path / "out"
+    monitors = []
+
+    def start(accelerator, model, optimizer):
+        mon = TrainerMonitorV2({"output_dir": str(out), "monitors": MONITORS})
+        mon.start(model, optimizer, grad_acc_steps=accelerator.gradient_accumulation_steps)
+        monitors.append(mon)
+        return mon
+
+    model, optimizer, ref = _train(start)
+    mon = monitors[0]
+    # 12 AcceleratedOptimizer.step() calls, 6 real steps: 6 monitor steps.
+    assert mon.current_step == STEPS and mon.optimizer_steps == STEPS
+    _check_values(out, ref, STEPS)
+    # stop() left the wrapper and the wrapped optimizer as they were.
+    assert "step" not in vars(optimizer) and len(optimizer.optimizer._optimizer_step_post_hooks) == 0
+    plain_model, _, plain = _train()
+    assert torch.equal(torch.stack(ref["losses"]), torch.stack(plain["losses"]))
+    for p, q in zip(model.parameters(), plain_model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_accelerate_monitor_follows_sync_steps_and_says_skips_once(tmp_path, caplog):
+    out = tmp_path / "out"
+    helpers = []
+
+    def start(accelerator, model, optimizer):
+        helper = AccelerateMonitor({"output_dir": str(out), "monitors": MONITORS}, accelerator, model, optimizer)
+        helpers.append(helper)
+        return helper
+
+    model, optimizer, ref = _train(start)
+    assert helpers[0].monitor is None and "step" not in vars(optimizer)
+    _check_values(out, ref, STEPS)
+
+    # A gradient scaler that finds inf skips the update: the step still counts, said once.
+    out2 = tmp_path / "out2"
+
+    class InfScaler(torch.amp.GradScaler):
+        def unscale_(self, optimizer):
+            for group in optimizer.param_groups:
+                group["params"][0].grad.fill_(float("inf"))
+            return super().unscale_(optimizer)
+
+    def start_skip(accelerator, model, optimizer):
+        helper = AccelerateMonitor({"output_dir": str(out2), "monitors": {"weight_grad": {"enabled": True}}},
+                                   accelerator, model, optimizer)
+        helpers.append(helper)
+        return helper
+
+    with caplog.at_level(logging.WARNING, logger="msprobe.monitor_v2"):
+        _train(start_skip, scaler=InfScaler("cpu", init_scale=1.0))
+    skips = [r for r in caplog.records if "without an optimizer update" in r.getMessage()]
+    assert len(skips) == 1
+    rows = rows_of(out2, "weight_grad")
+    assert sorted({int(r["step"]) for r in rows}) == list(range(STEPS))
+    assert not [r for r in rows if r["scope"] == "reduced"]
+
+
+def test_accelerate_monitor_needs_the_prepared_optimizer(tmp_path):
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = TinyMLP()
+    with pytest.raises(Exception, match="AcceleratedOptimizer"):
+        AccelerateMonitor({"output_dir": str(tmp_path)}, accelerator, model,
+                          torch.optim.SGD(model.parameters(), lr=0.1))

@@ -1,0 +1,164 @@
+"""transformers.Trainer with MonitorTrainerCallback: gradient accumulation, clipping and an
+evaluation loop, on CPU with a tiny GPT-2 built from a config (no download).
+
+Reference values are NumPy statistics of clones taken by the test itself: the accumulated
+local gradient right before the Trainer clips it (``unreduced``) and the gradient the
+optimizer update uses (``reduced``: at ``on_pre_optimizer_step``, after clipping)."""
+
+import logging
+
+import pytest
+import torch
+
+from conftest import assert_row_matches, find_row, numpy_stats, rows_of
+
+transformers = pytest.importorskip("transformers",
+                                   reason="the test profile of scripts/setup_env.sh installs transformers")
+
+from msprobe.core.monitor_v2.integrations import MonitorTrainerCallback  # noqa: E402
+
+STEPS, GRAD_ACC, BATCH, TRAIN_VOCAB, SEQ = 6, 2, 2, 16, 6
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=2 * TRAIN_VOCAB, n_positions=SEQ, n_embd=16, n_layer=1, n_head=2,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _data(n: int, low: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(low, low + TRAIN_VOCAB, (n, SEQ), generator=g)
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+class _Reference(transformers.TrainerCallback):
+    """Clones of the gradients the update uses, and the monitor's step, at each step."""
+
+    def __init__(self, monitored=None):
+        self.reduced, self.steps_seen = {}, []
+        self.monitored = monitored
+        self.model = None
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.reduced[state.global_step] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.monitored is not None:
+            self.steps_seen.append((state.global_step, self.monitored.monitor.current_step))
+
+
+def _train(tmp_path, name, callback_config=None):
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / f"hf_{name}"), max_steps=STEPS, per_device_train_batch_size=BATCH,
+        per_device_eval_batch_size=BATCH, gradient_accumulation_steps=GRAD_ACC, max_grad_norm=0.05,
+        learning_rate=1e-2, eval_strategy="steps", eval_steps=2, logging_steps=1, save_strategy="no",
+        report_to=[], use_cpu=True, seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
+    )
+    monitored = MonitorTrainerCallback(callback_config) if callback_config else None
+    reference = _Reference(monitored)
+    callbacks = [c for c in (monitored, reference) if c is not None]
+    model = _model()
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_data(STEPS * GRAD_ACC * BATCH, 0, 1),
+                                   eval_dataset=_data(4, TRAIN_VOCAB, 2), callbacks=callbacks)
+    # The accumulated gradient before clipping: clones right before the Trainer's clip call.
+    unreduced, batches = {}, {}
+    clip = trainer.accelerator.clip_grad_norm_
+
+    def clip_with_clones(parameters, *a, **kw):
+        parameters = list(parameters)
+        unreduced[trainer.state.global_step] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        return clip(parameters, *a, **kw)
+
+    trainer.accelerator.clip_grad_norm_ = clip_with_clones
+    # The training micro-batches' input ids, per step (eval batches run under no_grad).
+    model.register_forward_pre_hook(
+        lambda m, a, kw: batches.setdefault(trainer.state.global_step, []).append(kw["input_ids"].clone())
+        if torch.is_grad_enabled() else None, with_kwargs=True)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+    return trainer, model, monitored, reference, unreduced, batches, losses, evals
+
+
+def test_trainer_callback_values_steps_eval_and_bit_identity(tmp_path, caplog):
+    out = tmp_path / "out"
+    config = {"output_dir": str(out), "monitors": {
+        "weight_grad": {"enabled": True}, "module": {"enabled": True, "targets": ["wte"]},
+        "param": {"enabled": True}, "optimizer": {"enabled": True}}}
+    with caplog.at_level(logging.WARNING, logger="msprobe.monitor_v2"):
+        trainer, model, monitored, ref, unreduced, batches, losses, evals = _train(tmp_path, "on", config)
+    plain = _train(tmp_path, "off")
+    # The monitor never changes the training: losses, evaluation losses, parameters.
+    assert losses == plain[6] and evals == plain[7] and len(losses) == STEPS and len(evals) == 3
+    for (n, p), (n2, p2) in zip(model.named_parameters(), plain[1].named_parameters()):
+        assert n == n2 and torch.equal(p, p2), n
+    # One monitor step per Trainer step, numbered as the Trainer numbers them; stopped at the end.
+    assert trainer.state.global_step == STEPS
+    assert ref.steps_seen == [(s, s) for s in range(1, STEPS + 1)]
+    assert monitored.monitor is None
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+    rows = rows_of(out, "weight_grad")
+    assert sorted({int(r["step"]) for r in rows}) == list(range(STEPS))
+    clipped = 0
+    for step in range(STEPS):
+        for name, grad in unreduced[step].items():
+            row = find_row(rows, step=step, module_name=name, scope="unreduced")
+            assert row["micro_step"] == str(GRAD_ACC)
+            assert_row_matches(row, numpy_stats(grad), rtol=1e-4, atol=1e-6)
+            reduced = ref.reduced[step][name]
+            assert_row_matches(find_row(rows, step=step, module_name=name, scope="reduced"), numpy_stats(reduced),
+                               rtol=1e-4, atol=1e-6)
+            clipped += not torch.equal(grad, reduced)
+    assert clipped, "max_grad_norm must clip, or 'reduced' and 'unreduced' cannot be told apart"
+
+    # Evaluation passes are not merged into the training steps' forward rows.
+    module_rows = rows_of(out, "module")
+    name = "transformer.wte.input.0"
+    for step in range(STEPS):
+        ids = torch.cat(batches[step])
+        assert_row_matches(find_row(module_rows, step=step, module_name=name, scope="forward"), numpy_stats(ids))
+    # Evaluations after steps 2, 4 and 6 run in monitor steps 2, 4 and 6; step 6 never ends.
+    evaluated = [r for r in module_rows if r["module_name"] == name and r["scope"] == "eval_forward"]
+    assert [r["step"] for r in evaluated] == ["2", "4"] and all(float(r["min"]) >= TRAIN_VOCAB for r in evaluated)
+
+
+def test_trainer_callback_stops_on_exception(tmp_path):
+    out = tmp_path / "out"
+    callback = MonitorTrainerCallback({"output_dir": str(out), "monitors": {"weight_grad": {"enabled": True}}})
+
+    class Boom(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                raise RuntimeError("boom")
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), max_steps=4,
+                                          per_device_train_batch_size=BATCH, report_to=[], use_cpu=True,
+                                          save_strategy="no", disable_tqdm=True)
+    model = _model()
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_data(8, 0, 1), callbacks=[callback, Boom()])
+    optimizer_hooks = None
+    with pytest.raises(RuntimeError, match="boom"):
+        try:
+            trainer.train()
+        finally:
+            optimizer_hooks = dict(trainer.optimizer.optimizer._optimizer_step_pre_hooks)
+    assert callback.monitor is None and optimizer_hooks == {}
+    assert sorted({int(r["step"]) for r in rows_of(out, "weight_grad")}) == [0, 1]
+    assert all(not getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters())
+
+
+def test_trainer_callback_resumed_run_keeps_the_trainer_step_numbers(tmp_path):
+    def run(out, resume=None):
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / "hf"), max_steps=4, per_device_train_batch_size=BATCH, report_to=[],
+            use_cpu=True, save_strategy="steps", save_steps=2, disable_tqdm=True, seed=0)
+        callback = MonitorTrainerCallback({"output_dir": str(out), "monitors": {"weight_grad": {"enabled": True}}})
+        trainer = transformers.Trainer(model=_model(), args=args, train_dataset=_data(8, 0, 1), callbacks=[callback])
+        trainer.train(resume_from_checkpoint=resume)
+        return sorted({int(r["step"]) for r in rows_of(out, "weight_grad")})
+
+    assert run(tmp_path / "first") == [0, 1, 2, 3]
+    assert run(tmp_path / "resumed", resume=str(tmp_path / "hf" / "checkpoint-2")) == [2, 3]
