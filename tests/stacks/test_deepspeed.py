@@ -13,7 +13,6 @@ import math
 from pathlib import Path
 from typing import Dict, List
 
-import numpy as np
 import pytest
 import torch
 
