@@ -37,14 +37,11 @@ Everything below reads private attributes, defensively: one missing in another v
 is logged once, naming what is not observed, and training goes on.
 """
 
-import logging
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from .stacks import TrainingStack, UnreducedCapture, wrap_method
-
-logger = logging.getLogger("msprobe.monitor_v2")
 
 _KINDS = {
     "FP16_UnfusedOptimizer": "masters",
