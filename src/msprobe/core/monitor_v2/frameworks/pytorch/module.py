@@ -75,9 +75,12 @@ def _graph_breaks_allowed() -> bool:
 _graph_breaks_allowed._dynamo_marked_constant = True  # torch._dynamo.assume_constant_result
 
 
-def _warn_once_fullgraph(warned: List[bool] = []) -> None:  # noqa: B006 - a process-wide flag
-    if not warned:
-        warned.append(True)
+_warned_fullgraph: List[bool] = []  # process-wide: compiled code outlives a monitor
+
+
+def _warn_once_fullgraph() -> None:
+    if not _warned_fullgraph:
+        _warned_fullgraph.append(True)
         logger.warning("monitor_v2 module: a model compiled with fullgraph=True (or error_on_graph_break) cannot "
                        "run the monitor's hooks inside its graph: modules inside it are not recorded. Logged once.")
 
