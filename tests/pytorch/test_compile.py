@@ -140,3 +140,30 @@ def test_inductor_compiled_model(write_config):
     assert mon.errors.count == 0
     # Inductor's kernels round differently from NumPy's fp64 in the last bits
     check_rows(mon.config.output_dir, batches, params, written=[0, 2], rtol=1e-4)
+
+
+def test_fullgraph_compile_trains_and_says_what_is_not_recorded(write_config, caplog):
+    """``fullgraph=True`` forbids graph breaks: the hooks then do nothing inside the
+    compiled code (training must not fail); ``weight_grad`` is recorded as usual."""
+    caplog.set_level(logging.WARNING, logger="msprobe.monitor_v2")
+    model = TinyMLP()
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.05)
+    mon = TrainerMonitorV2(write_config({"monitors": {"module": {"enabled": True}, "weight_grad": {"enabled": True}}}))
+    mon.start(model=model, optimizer=opt)
+    cm = torch.compile(model, backend="eager", fullgraph=True)
+    batches = make_batches(3, seed=10)
+    losses, params = train(cm, model, opt, mon, batches, no_recompile_after=1)
+    mon.stop()
+    assert mon.errors.count == 0
+    twin_losses, _ = train(twin, twin, twin_opt, None, batches)
+    assert all(torch.equal(a, b) for a, b in zip(losses, twin_losses))
+    assert any("fullgraph=True" in r.getMessage() for r in caplog.records)
+    assert rows_of(mon.config.output_dir, "module") == []
+    wg = rows_of(mon.config.output_dir, "weight_grad")
+    assert len(wg) == 3 * 4 * 2  # steps x parameters x (unreduced, reduced)
+    for s, (x, y) in enumerate(batches):
+        _, _, grad_out = reference(params[s], x, y)
+        want = numpy_stats(torch.as_tensor(grad_out.sum(axis=0)))  # d(loss)/d(fc2.bias)
+        assert_row_matches(find_row(wg, step=s, module_name="fc2.bias", scope="reduced"), want, atol=1e-6)

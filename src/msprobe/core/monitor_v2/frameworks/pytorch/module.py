@@ -49,16 +49,61 @@ from .stats import StatPlan
 logger = logging.getLogger("msprobe.monitor_v2")
 
 _get_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)
-_compiler_disable = getattr(getattr(torch, "compiler", None), "disable", None)
+_compiler = getattr(torch, "compiler", None)
+_compiler_disable = getattr(_compiler, "disable", None)
+_is_compiling = getattr(_compiler, "is_compiling", None)
 
 TRAIN_SCOPE = "forward"
 
 
-def _eager(hook: Any) -> Any:
-    """A module hook that Dynamo runs eagerly instead of tracing it. Traced, the hook's
-    reads of the monitor's state (is this step written?) would become guards, and the
-    compiled code would be recompiled at every change until the recompile limit."""
-    return _compiler_disable(hook) if _compiler_disable is not None else hook
+def _graph_breaks_allowed() -> bool:
+    """Whether the code Dynamo is tracing now may break its graph (not under
+    ``fullgraph=True`` or ``error_on_graph_break``). Dynamo runs this function while
+    tracing and takes its result as a constant (``assume_constant_result``)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator  # private; absent: allowed
+
+        tx = InstructionTranslator.current_tx()
+        allowed = not (getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
+    except Exception:  # noqa: BLE001 - another torch version: break the graph as usual
+        return True
+    if not allowed:
+        _warn_once_fullgraph()
+    return allowed
+
+
+_graph_breaks_allowed._dynamo_marked_constant = True  # torch._dynamo.assume_constant_result
+
+
+_warned_fullgraph: List[bool] = []  # process-wide: compiled code outlives a monitor
+
+
+def _warn_once_fullgraph() -> None:
+    if not _warned_fullgraph:
+        _warned_fullgraph.append(True)
+        logger.warning("monitor_v2 module: a model compiled with fullgraph=True (or error_on_graph_break) cannot "
+                       "run the monitor's hooks inside its graph: modules inside it are not recorded. Logged once.")
+
+
+def _eager(body: Any) -> Any:
+    """A module hook that Dynamo does not trace: where the hook is met while compiling,
+    the graph breaks and the hook runs eagerly on the real tensors (traced, its reads of
+    the monitor's state would become guards, and the compiled code would be recompiled at
+    every change until the recompile limit). Where the graph may not break
+    (``fullgraph=True``), the hook does nothing inside the compiled code."""
+    if _compiler_disable is None or _is_compiling is None:
+        return body
+    disabled = _compiler_disable(body)
+
+    def hook(*args: Any, **kwargs: Any) -> None:
+        if _is_compiling():
+            if _graph_breaks_allowed():
+                disabled(*args, **kwargs)
+            return None
+        body(*args, **kwargs)
+        return None
+
+    return hook
 
 
 def _warn_if_already_compiled() -> None:
