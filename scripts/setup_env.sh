@@ -4,7 +4,8 @@
 #   bash scripts/setup_env.sh test   + MindSpore 2.10 (CPU; an 800 MB download the first
 #                                    time), pytest, transformers (tests build models from a
 #                                    config, no download), matplotlib, and Debian's chromium
-#                                    (the HTML report is checked in a headless browser)
+#                                    (the HTML report is checked in a headless browser),
+#                                    megatron-core
 # Both profiles install gcc where no C compiler exists: the monitor builds its one-pass
 # statistics kernel with it.
 # numpy stays <2: MindSpore's C++ is built against NumPy 1.x.
@@ -20,6 +21,9 @@ check="import torch, numpy, msprobe.core.monitor_v2.trainer"
 if [ "$profile" = test ]; then
   deps+=("mindspore==2.10.0" "pytest>=7" "transformers>=4.40,<5" "matplotlib>=3.5")
   check="$check, mindspore, pytest, transformers, matplotlib"
+  # Megatron-Core (pure Python; its tests run on the CPU through tests/stacks/megatron_cpu_shim.py)
+  deps+=("megatron-core==0.16.1")
+  check="$check, megatron.core"
 fi
 stamp=.venv/.msprobe-installed-$profile
 want="${deps[*]} $(sha1sum pyproject.toml | cut -c1-12)"

@@ -1,29 +1,47 @@
-"""Megatron-Core: its model wrappers, gradient buffers and optimizers, as the PyTorch
-monitors need them (written against Megatron-Core 0.16; nothing here imports Megatron).
+"""Megatron-Core adapter (written against Megatron-Core 0.16; nothing here imports
+Megatron): ``mon.start(model=ddp_model_or_list_of_chunks, optimizer=get_megatron_optimizer(...))``.
 
-What Megatron does differently from plain torch (see docs/frameworks.md):
+What Megatron does differently from plain torch (user documentation: docs/frameworks.md):
 
-- ``DistributedDataParallel`` (Megatron's own) hooks every parameter's gradient
-  accumulator: it adds ``param.grad`` into ``param.main_grad`` (a view into a flat fp32
-  or model-dtype buffer) and sets ``param.grad`` to None. ``main_grad`` holds the local
-  accumulated gradient until ``finish_grad_sync()`` (or ``start_grad_sync()``) reduces
-  it: all-reduce, or reduce-scatter with the distributed optimizer, where only this
-  rank's slice of each parameter is reduced.
-- The optimizers (``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``,
-  ``DistributedOptimizer``, all inside a ``ChainedOptimizer``) give the torch optimizer
-  fp32 master copies (or local shards of them), so the torch optimizer's parameters and
-  state are not the model's parameters.
+- Its ``DistributedDataParallel`` hooks each parameter's gradient accumulator node:
+  the hook adds ``param.grad`` into ``param.main_grad`` (a view into a flat fp32 or
+  model-dtype buffer) and sets ``param.grad`` to None. ``main_grad`` holds the local
+  gradient accumulated over the micro-batches until ``finish_grad_sync()`` reduces it:
+  all-reduce, or reduce-scatter with the distributed optimizer (then only this rank's
+  slice of each parameter is reduced; the rest of ``main_grad`` is stale).
+- Its optimizers (``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``,
+  ``DistributedOptimizer``, all inside the ``ChainedOptimizer`` that
+  ``get_megatron_optimizer`` returns) give the torch optimizer fp32 master copies, or
+  this rank's shards of them, so the torch optimizer's tensors are not the model's
+  parameters. ``ChainedOptimizer.state`` is a ``ProxyDict`` without ``get``: state is
+  read from each inner torch optimizer instead.
+
+Rows:
+- ``unreduced`` (accumulated): a post-hook on the same gradient accumulator node,
+  registered after Megatron's, reads ``main_grad`` once Megatron has added the pass's
+  gradient; after the last announced micro-batch it is the whole local gradient, and
+  the reduction has not started (``overlap_grad_reduce=False``). With
+  ``overlap_grad_reduce=True`` the reduction starts inside backward: not observable.
+- ``unreduced`` (per micro-batch): a tensor hook on the parameter sees the pass's own
+  gradient before Megatron adds it to ``main_grad``.
+- ``reduced``: ``main_grad`` when ``optimizer.step()`` is called (before the step copies,
+  unscales and clips it), this rank's slice under the distributed optimizer.
+- ``param`` / ``optimizer``: the fp32 masters (or master shards; the parameter itself for
+  an fp32 model without the distributed optimizer) and their Adam moments, per name.
 
 Private attributes are read defensively: a layout this module does not recognise is
 logged once, naming what is not observable, and never raises into training.
 """
 
-import logging
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+import functools
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-logger = logging.getLogger("msprobe.monitor_v2")
+from .stacks import GradCallback, TrainingStack, UnreducedCapture, tensor_states
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .session import ParamInfo, TorchSession
 
 # Wrappers whose ``.module`` is the user's model: their names never reach the CSV.
 _WRAPPERS = ("DistributedDataParallel", "Float16Module")
@@ -31,6 +49,10 @@ _WRAPPERS = ("DistributedDataParallel", "Float16Module")
 
 def is_megatron(obj: Any) -> bool:
     return type(obj).__module__.startswith("megatron.")
+
+
+def is_megatron_ddp(chunk: Any) -> bool:
+    return is_megatron(chunk) and hasattr(chunk, "ddp_config") and callable(getattr(chunk, "finish_grad_sync", None))
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -45,31 +67,6 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
             module = inner
         else:
             return module
-
-
-def grad_sync_chunks(chunks: Sequence[Any]) -> List[Any]:
-    """The chunks that are Megatron ``DistributedDataParallel`` objects."""
-    return [c for c in chunks if is_megatron(c) and callable(getattr(c, "finish_grad_sync", None))
-            and hasattr(c, "ddp_config")]
-
-
-def uses_megatron(model_chunks: Sequence[Any], optimizer: Any) -> bool:
-    return bool(grad_sync_chunks(model_chunks)) or (optimizer is not None and is_megatron(optimizer))
-
-
-class _Once:
-    """Log a message once per key."""
-
-    def __init__(self) -> None:
-        self._said: set = set()
-
-    def __call__(self, key: str, message: str, *args: Any) -> None:
-        if key not in self._said:
-            self._said.add(key)
-            logger.warning("monitor_v2 Megatron-Core: " + message + " Logged once.", *args)
-
-
-say_once = _Once()
 
 
 # ------------------------------------------------------------------- optimizers
@@ -92,12 +89,7 @@ class MasterEntry:
 
     def state(self) -> Dict[str, Any]:
         state = getattr(self.torch_optimizer, "state", None)
-        if state is None:
-            return {}
-        try:
-            return state[self.value] if self.value in state else {}
-        except (TypeError, KeyError):
-            return {}
+        return state[self.value] if state is not None and self.value in state else {}
 
     def reduced_grad(self) -> Optional[torch.Tensor]:
         """The gradient the optimizer will use, as it stands now: ``main_grad`` (or
@@ -124,101 +116,174 @@ def leaf_optimizers(optimizer: Any) -> Iterator[Any]:
 
 
 def _pairs(opt: Any, model_attr: str, value_attr: str) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
-    model_groups = getattr(opt, model_attr)
-    value_groups = getattr(opt, value_attr)
-    return [(p, v) for mg, vg in zip(model_groups, value_groups) for p, v in zip(mg, vg)]
+    return [(p, v) for mg, vg in zip(getattr(opt, model_attr), getattr(opt, value_attr)) for p, v in zip(mg, vg)]
 
 
-def _distributed_entries(opt: Any) -> List[MasterEntry]:
-    pairs = _pairs(opt, "model_float16_groups", "shard_fp32_from_float16_groups")
-    pairs += _pairs(opt, "model_fp32_groups", "shard_fp32_groups")
-    entries = []
-    for p, shard in pairs:
-        if shard is None:  # precision-aware optimizer: the master lives inside the fused optimizer
-            say_once(f"no-master-{type(opt).__name__}",
-                     "%s keeps no fp32 master shards (precision-aware optimizer): its optimizer and "
-                     "param rows are not written.", type(opt).__name__)
-            continue
-        rng = opt._get_model_param_range_map(p)["param"]
-        entries.append(MasterEntry(p, shard, opt.optimizer, (rng.start, rng.end)))
-    return entries
+class MegatronStack(TrainingStack):
+    name = "megatron"
 
+    def __init__(self, chunks: List[torch.nn.Module], optimizer: Any) -> None:
+        super().__init__(chunks, optimizer)
+        self.ddp_chunks = [c for c in chunks if is_megatron_ddp(c)]
+        self.entries: List[MasterEntry] = self._optimizer_entries() if optimizer is not None else []
 
-def _float16_entries(opt: Any) -> List[MasterEntry]:
-    pairs = _pairs(opt, "float16_groups", "fp32_from_float16_groups")
-    pairs += [(p, p) for group in opt.fp32_from_fp32_groups for p in group]
-    return [MasterEntry(p, master, opt.optimizer) for p, master in pairs]
+    @classmethod
+    def detect(cls, chunks: List[torch.nn.Module], optimizer: Any) -> Optional["MegatronStack"]:
+        wrapped = any(is_megatron(c) and type(c).__name__ in _WRAPPERS for c in chunks)
+        if wrapped or (optimizer is not None and is_megatron(optimizer)):
+            return cls(chunks, optimizer)
+        return None
 
+    # ----------------------------------------------------------------- names
+    def unwrap(self, chunk: torch.nn.Module) -> torch.nn.Module:
+        return unwrap(chunk)
 
-def _plain_entries(opt: Any) -> List[MasterEntry]:
-    inner = opt.optimizer
-    return [MasterEntry(p, p, inner) for group in inner.param_groups for p in group["params"]]
+    def optimizer_model_params(self) -> Optional[List[torch.Tensor]]:
+        if self.optimizer is None or not is_megatron(self.optimizer):
+            return None
+        return [e.model_param for e in self.entries]
 
-
-def optimizer_entries(optimizer: Any) -> List[MasterEntry]:
-    """Every parameter of a Megatron optimizer (``ChainedOptimizer`` or one of the
-    optimizers it chains), mapped to the model parameter it belongs to."""
-    entries: List[MasterEntry] = []
-    for opt in leaf_optimizers(optimizer):
-        kind = type(opt).__name__
+    def context_defaults(self) -> dict:
+        """Megatron-LM sets up the number of micro-batches; read it when it exists."""
         try:
-            if hasattr(opt, "shard_fp32_from_float16_groups"):
-                entries += _distributed_entries(opt)
-            elif hasattr(opt, "fp32_from_float16_groups"):
-                entries += _float16_entries(opt)
-            elif isinstance(getattr(opt, "optimizer", None), torch.optim.Optimizer):
-                entries += _plain_entries(opt)
-            else:
-                say_once(f"layout-{kind}", "%s has no layout this version knows (no inner torch "
-                         "optimizer): its optimizer, param and reduced weight_grad rows are not written.", kind)
-        except (AttributeError, KeyError, TypeError) as exc:
-            say_once(f"layout-{kind}", "could not map the parameters of %s to the model (%r; a Megatron "
-                     "version this monitor does not know?): its optimizer, param and reduced weight_grad "
-                     "rows are not written.", kind, exc)
-    return entries
+            from megatron.core.num_microbatches_calculator import get_num_microbatches
 
+            return {"grad_acc_steps": int(get_num_microbatches())}
+        except Exception:  # noqa: BLE001 - not set up (Megatron-Core used directly): nothing known
+            return {}
 
-# ----------------------------------------------------------- gradient reduction
-class GradSyncTap:
-    """Calls ``before_sync(chunk)`` right before a Megatron DDP chunk reduces its
-    gradients (``start_grad_sync`` or ``finish_grad_sync``, whichever runs first), by
-    wrapping the two methods on the instance; ``undo()`` removes the wrappers again.
+    # ------------------------------------------------------ optimizer layouts
+    def _optimizer_entries(self) -> List[MasterEntry]:
+        """Every parameter of a Megatron optimizer (``ChainedOptimizer`` or one of the
+        optimizers it chains), mapped to the model parameter it belongs to."""
+        if not is_megatron(self.optimizer):
+            return []
+        entries: List[MasterEntry] = []
+        for opt in leaf_optimizers(self.optimizer):
+            kind = type(opt).__name__
+            try:
+                if hasattr(opt, "shard_fp32_from_float16_groups"):
+                    entries += self._distributed_entries(opt)
+                elif hasattr(opt, "fp32_from_float16_groups"):
+                    pairs = _pairs(opt, "float16_groups", "fp32_from_float16_groups")
+                    pairs += [(p, p) for group in opt.fp32_from_fp32_groups for p in group]
+                    entries += [MasterEntry(p, master, opt.optimizer) for p, master in pairs]
+                elif isinstance(getattr(opt, "optimizer", None), torch.optim.Optimizer):
+                    entries += [MasterEntry(p, p, opt.optimizer)
+                                for group in opt.optimizer.param_groups for p in group["params"]]
+                else:
+                    self.log_once(f"layout-{kind}", "%s keeps no torch optimizer this version knows: its "
+                                  "optimizer, param and reduced weight_grad rows are not written. Logged once.",
+                                  kind)
+            except (AttributeError, KeyError, TypeError) as exc:
+                self.log_once(f"layout-{kind}", "could not map the tensors of %s to the model's parameters "
+                              "(%r; a Megatron-Core version this monitor does not know?): its optimizer, param "
+                              "and reduced weight_grad rows are not written. Logged once.", kind, exc)
+        return entries
 
-    With ``overlap_grad_reduce`` the reduction starts inside backward, so there is no
-    such point: those chunks are not wrapped and ``overlapped`` lists them."""
-
-    _METHODS = ("start_grad_sync", "finish_grad_sync")
-
-    def __init__(self, chunks: Sequence[Any], before_sync: Callable[[Any], None]) -> None:
-        self._wrapped: List[Tuple[Any, str, Callable, bool, Any]] = []
-        self.overlapped: List[Any] = []
-        for chunk in chunks:
-            if getattr(chunk.ddp_config, "overlap_grad_reduce", False):
-                self.overlapped.append(chunk)
+    def _distributed_entries(self, opt: Any) -> List[MasterEntry]:
+        pairs = _pairs(opt, "model_float16_groups", "shard_fp32_from_float16_groups")
+        pairs += _pairs(opt, "model_fp32_groups", "shard_fp32_groups")
+        entries = []
+        for p, shard in pairs:
+            if shard is None:
+                self.log_once("no-master", "%s keeps no fp32 master shards here (precision-aware optimizer: "
+                              "they live inside the fused optimizer): their optimizer and param rows are not "
+                              "written. Logged once.", type(opt).__name__)
                 continue
-            for method in self._METHODS:
-                if callable(getattr(chunk, method, None)):
-                    self._wrap(chunk, method, before_sync)
+            rng = opt._get_model_param_range_map(p)["param"]
+            entries.append(MasterEntry(p, shard, opt.optimizer, (rng.start, rng.end)))
+        return entries
 
-    def _wrap(self, chunk: Any, method: str, before_sync: Callable[[Any], None]) -> None:
-        original = getattr(chunk, method)
-        had_instance_attr = method in vars(chunk)
-        previous = vars(chunk).get(method)
+    def _pairs_for(self, session: "TorchSession") -> Iterator[Tuple["ParamInfo", MasterEntry]]:
+        for e in self.entries:
+            try:
+                info = session.info(e.model_param)
+            except KeyError:  # a parameter of a model chunk not given to start()
+                continue
+            yield info, e
 
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            before_sync(chunk)
-            return original(*args, **kwargs)
+    # ------------------------------------------------------------- gradients
+    def reduced_grads(self, session: "TorchSession") -> List[Tuple["ParamInfo", torch.Tensor]]:
+        if not is_megatron(self.optimizer):
+            return super().reduced_grads(session)
+        out = []
+        for info, e in self._pairs_for(session):
+            grad = e.reduced_grad()
+            if grad is not None:
+                out.append((info, grad))
+        return out
 
-        setattr(chunk, method, wrapper)
-        self._wrapped.append((chunk, method, wrapper, had_instance_attr, previous))
+    def unreduced_capture(self, per_micro_batch: bool, micro_batches: int,
+                          session: "TorchSession") -> Optional[UnreducedCapture]:
+        if not self.ddp_chunks:
+            return None  # no Megatron DDP: gradients are in .grad, the default hooks read them
+        overlapped = [c for c in self.ddp_chunks if getattr(c.ddp_config, "overlap_grad_reduce", False)]
+        if overlapped and not per_micro_batch:
+            return UnreducedCapture(not_observable=(
+                "Megatron-Core's DistributedDataParallel with overlap_grad_reduce=True starts reducing "
+                "main_grad inside the last backward pass, so the accumulated local gradient is never whole "
+                "and unreduced at one point (monitor_mbs_grad=true gives each micro-batch's own gradient)"))
+        return UnreducedCapture(install=functools.partial(self._install_unreduced, per_micro_batch, session))
 
-    def undo(self) -> None:
-        while self._wrapped:
-            chunk, method, wrapper, had_instance_attr, previous = self._wrapped.pop()
-            if vars(chunk).get(method) is not wrapper:
-                logger.warning("monitor_v2: %s.%s was replaced after start(); leaving it as it is",
-                               type(chunk).__name__, method)
-            elif had_instance_attr:
-                setattr(chunk, method, previous)
-            else:
-                delattr(chunk, method)
+    def _install_unreduced(self, per_micro_batch: bool, session: "TorchSession", on_micro_batch: GradCallback,
+                           on_accumulated: GradCallback) -> List[Any]:
+        handles: List[Any] = []
+        for chunk in self.ddp_chunks:
+            for p in chunk.module.parameters():
+                if not (p.requires_grad and hasattr(p, "main_grad")):
+                    continue
+                info = session.info(p)
+                if per_micro_batch:
+                    handles.append(p.register_hook(functools.partial(self._micro_batch_grad, on_micro_batch, info, p)))
+                    continue
+                node = _grad_accumulator(p)
+                if node is None:
+                    self.log_once("no-grad-acc", "no gradient accumulator node found for %s: no accumulated "
+                                  "'unreduced' rows for it. Logged once.", info.name)
+                    continue
+                # Runs after Megatron's hook on the same node (hooks run in the order they
+                # were registered), when main_grad includes this pass's gradient.
+                handles.append(node.register_hook(functools.partial(self._accumulated, on_accumulated, info, p)))
+        return handles
+
+    def _micro_batch_grad(self, callback: GradCallback, info: "ParamInfo", p: torch.Tensor,
+                          grad: torch.Tensor) -> None:
+        if getattr(p, "grad_added_to_main_grad", False):
+            # Fused weight-gradient accumulation (Transformer Engine / APEX) already wrote the
+            # gradient into main_grad; what reaches autograd is a placeholder.
+            self.log_once("fused-wgrad", "gradient_accumulation_fusion adds weight gradients straight into "
+                          "main_grad: per-micro-batch 'unreduced' rows of those parameters (e.g. %s) are not "
+                          "written. Logged once.", info.name)
+            return
+        callback(info, grad)
+
+    @staticmethod
+    def _accumulated(callback: GradCallback, info: "ParamInfo", p: torch.Tensor, *_: Any) -> None:
+        callback(info, p.main_grad)
+
+    # ------------------------------------------------------ optimizer, params
+    def param_values(self, session: "TorchSession") -> List[Tuple["ParamInfo", torch.Tensor]]:
+        if not is_megatron(self.optimizer):
+            return super().param_values(session)
+        return [(info, e.value) for info, e in self._pairs_for(session)]
+
+    def optimizer_states(self, session: "TorchSession") -> Iterator[Tuple["ParamInfo", str, torch.Tensor]]:
+        if not is_megatron(self.optimizer):
+            yield from super().optimizer_states(session)
+            return
+        for info, e in self._pairs_for(session):
+            yield from tensor_states(info, e.state())
+
+
+def _grad_accumulator(p: torch.Tensor) -> Optional[Any]:
+    """The gradient accumulator node of a leaf parameter: the same node Megatron's DDP
+    hooked (it keeps a reference to it, so autograd hands out that node again)."""
+    with torch.enable_grad():
+        grad_fn = p.expand_as(p).grad_fn
+    if grad_fn is None or not grad_fn.next_functions:
+        return None
+    return grad_fn.next_functions[0][0]
+
+
+STACK = MegatronStack
