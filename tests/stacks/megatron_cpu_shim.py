@@ -41,12 +41,17 @@ class CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def install() -> Callable[[], None]:
-    """Enter the CPU mapping for the rest of the process (or until the undo is called)."""
+def install(mode: bool = True) -> Callable[[], None]:
+    """Point Megatron's CUDA calls at the CPU for the rest of the process (or until the
+    undo is called). ``mode=False`` leaves out the TorchFunctionMode (which sees every
+    torch call): enter ``CudaToCpuMode()`` yourself around model and optimizer
+    construction and ``optimizer.step()``; forward and backward do not need it."""
     import megatron.core.tensor_parallel.random as mrandom
 
     saved = [
-        (torch.cuda, "current_device", lambda: 0),
+        # A device, not an index: factories given device=torch.cuda.current_device() then
+        # work without the mode (forward and backward run outside it in the benchmark).
+        (torch.cuda, "current_device", lambda: torch.device("cpu")),
         (torch.cuda, "get_rng_state", lambda device="cuda": torch.get_rng_state()),
         (torch.cuda, "manual_seed", lambda seed: torch.default_generator.manual_seed(seed)),
         (mrandom, "_get_cuda_rng_state", lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()),
@@ -59,7 +64,8 @@ def install() -> Callable[[], None]:
     # changed inside a fork, which is expected.
     logging.getLogger(mrandom.__name__).setLevel(logging.ERROR)
     stack = contextlib.ExitStack()
-    stack.enter_context(CudaToCpuMode())
+    if mode:
+        stack.enter_context(CudaToCpuMode())
 
     def undo() -> None:
         stack.close()
