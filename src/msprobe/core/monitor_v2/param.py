@@ -1,6 +1,7 @@
 """``param``: parameters right before (``param_origin``) and right after
 (``param_updated``) the optimizer's update. Framework-independent: it reads the
-session's optimizer parameters and the shared engine interface."""
+session's ``param_values()`` (the values the optimizer updates: the parameters, or
+the fp32 masters a training stack keeps for them) and the shared engine interface."""
 
 from .monitor import Monitor
 from .stats import StatPlan
@@ -15,8 +16,7 @@ class ParamMonitor(Monitor):
         self.enabled = self.settings.get("param_distribution")
 
     def _read(self, scope: str) -> None:
-        items = [(i, i.param) for i in self.session.optimizer_params()]
-        tensors, keys = self.session.expand(items, scope)
+        tensors, keys = self.session.expand(self.session.param_values(), scope)
         self._records += self.session.engine.record_many(tensors, self.plan, keys)
 
     def before_optimizer_step(self) -> None:

@@ -110,6 +110,10 @@ class MsSession:
     def optimizer_params(self) -> List[ParamInfo]:
         return [self._by_id[id(p)] for p in self.optimizer_parameters()]
 
+    def param_values(self) -> List[Tuple[ParamInfo, Any]]:
+        """The values the optimizer updates, per parameter: the parameters themselves."""
+        return [(i, i.param) for i in self.optimizer_params()]
+
     def expand(self, items: Sequence[Tuple[ParamInfo, Any]], scope: str, suffix: str = ""):
         tensors = [t for _, t in items]
         keys = [(i.vpp_stage, i.name + suffix, scope, None) for i, _ in items]

@@ -3,12 +3,13 @@ parameter names, the optimizer, the statistics engine, and the optimizer-step ho
 
 import logging
 import os
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from ...errors import ConfigError
 from .fsdp import FlatParamLayout, clean_name, fsdp1_layouts, fsdp2_modules, fsdp2_sharded_params
+from .stacks import TrainingStack, UnreducedCapture, detect_stack
 from .stats import TorchStatsEngine
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -58,11 +59,14 @@ class TorchSession:
     def __init__(self, model: Any, optimizer: Any, context: Mapping[str, Any], rank_dir: str) -> None:
         self.rank_dir = rank_dir
         self.chunks, self.is_chunk_list = _as_chunks(model)
-        # Names are read below DDP's wrapper, so they match the user's model (no "module.").
-        self.roots = [c.module if isinstance(c, torch.nn.parallel.DistributedDataParallel) else c
-                      for c in self.chunks]
+        # What the training stack (plain torch, DeepSpeed, Megatron...) keeps where: see stacks.py.
+        self.stack: TrainingStack = detect_stack(self.chunks, optimizer)
+        # Names are read below the wrappers, so they match the user's model (no "module.").
+        self.roots = [self.stack.unwrap(c) for c in self.chunks]
         self.optimizer = optimizer
         self.context = dict(context)
+        if self.context.get("micro_batch_number") is None and self.context.get("grad_acc_steps") is None:
+            self.context.update(self.stack.context_defaults())
         self.engine = TorchStatsEngine()
         self.params: List[ParamInfo] = []
         self._by_id: Dict[int, ParamInfo] = {}
@@ -72,11 +76,18 @@ class TorchSession:
                     self._add(vpp, self.qualify(vpp, clean_name(name)), p)
         self.n_model_params = len(self.params)
         self._find_fsdp()
+        self._optimizer_params: List[ParamInfo] = []
         if optimizer is not None:
-            for g, group in enumerate(optimizer.param_groups):
-                for i, p in enumerate(group["params"]):
-                    if id(p) not in self._by_id:  # not part of the model given to start()
-                        self._add(0, f"param_groups.{g}.params.{i}", p)
+            model_params = self.stack.optimizer_model_params()
+            if model_params is not None:
+                self._optimizer_params = _unique([self._by_id[id(p)] for p in model_params if id(p) in self._by_id])
+            else:
+                for g, group in enumerate(optimizer.param_groups):
+                    for i, p in enumerate(group["params"]):
+                        if id(p) not in self._by_id:  # not part of the model given to start()
+                            self._add(0, f"param_groups.{g}.params.{i}", p)
+                        self._optimizer_params.append(self._by_id[id(p)])
+                self._optimizer_params = _unique(self._optimizer_params)
 
     def _find_fsdp(self) -> None:
         """FSDP1 flat parameters (by id) and the FSDP2 modules of the model chunks; the
@@ -132,69 +143,36 @@ class TorchSession:
         return [i for i in self.params[: self.n_model_params] if i.param.requires_grad]
 
     def optimizer_params(self) -> List[ParamInfo]:
-        if self.optimizer is None:
-            return []
-        seen, out = set(), []
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(self._by_id[id(p)])
-        return out
+        """The model parameters the optimizer updates (for flat or master tensors: the
+        parameters they stand for), each once, in the optimizer's order."""
+        return list(self._optimizer_params)
+
+    def reduced_grads(self) -> List[Tuple[ParamInfo, torch.Tensor]]:
+        """Gradients as they stand at the optimizer step (local shards allowed)."""
+        return self.stack.reduced_grads(self)
+
+    def param_values(self) -> List[Tuple[ParamInfo, torch.Tensor]]:
+        """The values the optimizer updates, per parameter (fp32 masters where the stack
+        keeps them; local shards allowed)."""
+        return self.stack.param_values(self)
 
     def optimizer_states(self) -> Iterator[Tuple[ParamInfo, str, torch.Tensor]]:
-        """Every per-parameter tensor the optimizer keeps, under its own name: Adam/AdamW
-        ``exp_avg``/``exp_avg_sq`` (and ``max_exp_avg_sq``), SGD ``momentum_buffer``,
-        Adagrad ``sum``, RMSprop ``square_avg``... The scalar ``step`` is not state of the
-        parameter's values."""
-        state = self.optimizer.state
-        for info in self.optimizer_params():
-            for key, value in state.get(info.param, {}).items():
-                if key != "step" and isinstance(value, torch.Tensor) and value.dim() > 0:
-                    yield info, key, value
+        """Every per-parameter tensor the optimizer keeps, under its own name (see
+        ``TrainingStack.optimizer_states``)."""
+        return self.stack.optimizer_states(self)
+
+    def unreduced_capture(self, per_micro_batch: bool, micro_batches: int) -> Optional[UnreducedCapture]:
+        return self.stack.unreduced_capture(per_micro_batch, micro_batches)
 
     def install_step_hooks(self, before: Callable[[], None], after: Callable[[], None]) -> Callable[[], None]:
-        """Call ``before``/``after`` around every ``optimizer.step()``; returns the undo.
+        """Call ``before``/``after`` around every real optimizer step; returns the undo."""
+        return self.stack.install_step_hooks(before, after)
 
-        A ``torch.optim.Optimizer`` gets removable step hooks (no attribute is patched);
-        another object with a ``step`` method gets an instance-level wrapper that the undo
-        removes again."""
-        opt = self.optimizer
-        if opt is None:
-            return lambda: None
-        if isinstance(opt, torch.optim.Optimizer):
-            pre = opt.register_step_pre_hook(lambda *_: before())
-            post = opt.register_step_post_hook(lambda *_: after())
 
-            def undo() -> None:
-                pre.remove()
-                post.remove()
-
-            return undo
-        if not callable(getattr(opt, "step", None)):
-            raise ConfigError(
-                f"start(): optimizer must have a step() method, got {type(opt).__name__}", field="optimizer"
-            )
-        had_instance_attr = "step" in vars(opt)
-        previous = vars(opt).get("step")
-        original = opt.step
-
-        def step(*args: Any, **kwargs: Any) -> Any:
-            before()
-            result = original(*args, **kwargs)
-            after()
-            return result
-
-        opt.step = step
-
-        def undo_wrapper() -> None:
-            if vars(opt).get("step") is not step:
-                logger.warning("monitor_v2: %s.step was replaced after start(); leaving it as it is",
-                               type(opt).__name__)
-                return
-            if had_instance_attr:
-                opt.step = previous
-            else:
-                del opt.step
-
-        return undo_wrapper
+def _unique(infos: List[ParamInfo]) -> List[ParamInfo]:
+    seen, out = set(), []
+    for info in infos:
+        if info.index not in seen:
+            seen.add(info.index)
+            out.append(info)
+    return out

@@ -13,7 +13,12 @@ backward pass before it is accumulated into ``.grad``, i.e. that micro-batch's o
 gradient (all uses of a shared parameter already summed).
 
 Under DDP these hooks run before the bucket's all-reduce; under FSDP the hooks go on the
-unsharded gradient before the reduce-scatter (see ``fsdp.py``).
+unsharded gradient before the reduce-scatter (see ``fsdp.py``). A training stack that
+keeps local gradients in its own buffers (DeepSpeed, Megatron-Core) installs its own
+capture instead, or says why the value cannot be captured exactly (``stacks.py``).
+
+``reduced`` is what the session's training stack reports at the optimizer step:
+``param.grad`` for plain torch/DDP/FSDP, the stack's reduced buffers otherwise.
 """
 
 import functools
@@ -26,6 +31,8 @@ from ...config import resolve_micro_batches
 from ...monitor import Monitor, remove_all, weight_grad_rows
 from ...stats import Record
 from .fsdp import FlatSegment, fsdp2_params
+from .session import ParamInfo
+from .stacks import UnreducedCapture
 from .stats import StatPlan
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -58,8 +65,13 @@ class WeightGradMonitor(Monitor):
         session = self.session
         self._warned_short = False
         self._reset()
-        infos = session.model_params() or [i for i in session.optimizer_params() if i.param.requires_grad]
         self.sources: List[GradSource] = []
+        self._adapter_sources: Dict[int, GradSource] = {}
+        capture = session.unreduced_capture(self.per_micro_batch, self.micro_batches)
+        if capture is not None:
+            self._attach_capture(capture)
+            return
+        infos = session.model_params() or [i for i in session.optimizer_params() if i.param.requires_grad]
         for info in infos:
             if id(info.param) in session.fsdp_managed:
                 continue
@@ -71,6 +83,26 @@ class WeightGradMonitor(Monitor):
             hook = functools.partial(self._hook_fsdp2_unsharded, module)
             self._handles.append(module.register_forward_hook(
                 self.errors.wrap("weight_grad FSDP2 forward hook", lambda *_, h=hook: h())))
+
+    def _attach_capture(self, capture: UnreducedCapture) -> None:
+        """A training stack that keeps local gradients elsewhere captures them itself."""
+        if capture.not_observable is not None:
+            logger.warning("monitor_v2 weight_grad: no 'unreduced' rows are written: %s. Logged once.",
+                           capture.not_observable)
+            return
+        site = "weight_grad unreduced hook"
+        self._handles.extend(capture.install(
+            self.errors.wrap(site, lambda info, grad: self._on_micro_batch_grad(self._adapter_source(info), grad)),
+            self.errors.wrap(site, lambda info, grad: self._on_accumulated_value(self._adapter_source(info), grad)),
+        ))
+
+    def _adapter_source(self, info: ParamInfo) -> GradSource:
+        source = self._adapter_sources.get(info.index)
+        if source is None:
+            source = GradSource(info.index, [(info.vpp_stage, info.name, None)])
+            self._adapter_sources[info.index] = source
+            self.sources.append(source)
+        return source
 
     def _hook_tensor(self, tensor: torch.Tensor, source: GradSource) -> None:
         self.sources.append(source)
@@ -118,11 +150,15 @@ class WeightGradMonitor(Monitor):
             self._record(source, grad, self._count_pass(source))
 
     def _on_accumulated_grad(self, source: GradSource, tensor: torch.Tensor) -> None:
+        self._on_accumulated_value(source, tensor.grad)
+
+    def _on_accumulated_value(self, source: GradSource, grad: Optional[torch.Tensor]) -> None:
+        """``grad``: the local gradient accumulated over this step's passes so far."""
         if not self.active:
             return
         n = self._count_pass(source)
-        if n >= self.micro_batches and tensor.grad is not None:
-            self._record(source, tensor.grad, 0)
+        if n >= self.micro_batches and grad is not None:
+            self._record(source, grad, 0)
 
     # --------------------------------------------------------- optimizer step
     def before_optimizer_step(self) -> None:
@@ -132,8 +168,7 @@ class WeightGradMonitor(Monitor):
             self._read_short_sources()
         # Read again, never reused from 'unreduced': code that edits gradients through
         # ``.data`` or from C++ (clipping, unscaling) does not move the version counter.
-        items = [(i, i.param.grad) for i in self.session.optimizer_params() if i.param.grad is not None]
-        tensors, keys = self.session.expand(items, "reduced")
+        tensors, keys = self.session.expand(self.session.reduced_grads(), "reduced")
         self._reduced = self.session.engine.record_many(tensors, self.plan, keys)
 
     def _read_short_sources(self) -> None:

@@ -1,0 +1,214 @@
+"""Training-stack adapters: where a framework that wraps the model and the optimizer
+(DeepSpeed, Megatron-Core) keeps what the monitors read.
+
+``detect_stack(chunks, optimizer)`` looks at the objects passed to ``start()`` and returns
+one adapter. ``TrainingStack`` itself is the adapter of plain torch, DDP and FSDP (what
+the monitors did before adapters existed); a framework adapter subclasses it, overrides
+``detect`` and only the hook points that differ, and is listed in ``_ADAPTERS``. The
+session and the monitors call only these hook points:
+
+- ``unwrap(chunk)``: the module whose ``named_parameters()``/``named_modules()`` give the
+  model's own names (no ``module.`` prefix of ``DeepSpeedEngine``, Megatron's DDP or
+  ``Float16Module``).
+- ``optimizer_model_params()``: the *model* parameters the optimizer updates, in order
+  (None: the tensors in ``optimizer.param_groups``). Flat or fp32-master tensors in the
+  param groups are thus named after the parameters they belong to.
+- ``install_step_hooks(before, after)``: hook the call that is the real optimizer step,
+  once per step (not a wrapper's per-micro-batch ``step()``); returns the undo.
+- ``reduced_grads(session)``: ``(ParamInfo, tensor)`` of the gradients as they stand at
+  the step, after the data-parallel reduction; local shards allowed (a tensor without
+  elements is left out).
+- ``unreduced_capture(per_micro_batch, micro_batches)``: None for the default hooks on
+  the model parameters, or an ``UnreducedCapture``: the adapter's own hooks, which call
+  back ``on_micro_batch(info, grad)`` / ``on_accumulated(info, grad)``, or a reason why
+  the value cannot be captured exactly (logged once; no such rows are written).
+- ``param_values(session)`` / ``optimizer_states(session)``: ``(ParamInfo, tensor)`` and
+  ``(ParamInfo, state_name, tensor)`` of what the optimizer updates, flat partitions and
+  fp32 masters mapped back to parameter names (local shards allowed).
+- ``context_defaults()``: values the framework knows (e.g. ``grad_acc_steps``), used
+  when the user passed none to ``start()``.
+
+Adapters import their framework lazily (only once it is already imported by the user)
+and read its private attributes defensively: what a version does not expose is logged
+once, naming what is not observed, and never raises into the training loop.
+"""
+
+import importlib
+import logging
+import sys
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from ...errors import ConfigError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .session import ParamInfo, TorchSession
+
+logger = logging.getLogger("msprobe.monitor_v2")
+
+GradCallback = Callable[["ParamInfo", torch.Tensor], None]
+
+# (module that must already be imported by the user, adapter module in this package).
+# An adapter module defines ``STACK``, a TrainingStack subclass.
+_ADAPTERS: Sequence[Tuple[str, str]] = (
+    ("deepspeed", "deepspeed_stack"),
+    # Megatron-Core: ("megatron.core", "megatron_stack"),
+)
+
+
+class UnreducedCapture:
+    """How ``weight_grad`` captures ``unreduced`` gradients under a stack.
+
+    ``install(on_micro_batch, on_accumulated)`` installs the adapter's hooks and returns
+    their removable handles. A hook calls ``on_micro_batch(info, grad)`` once per
+    backward pass with that pass's own gradient (``monitor_mbs_grad=true``), or
+    ``on_accumulated(info, grad)`` once per backward pass with the local gradient
+    accumulated so far (the monitor counts the passes and records after the announced
+    last micro-batch). ``not_observable`` instead is the reason why the value cannot be
+    captured exactly: it is logged once and no ``unreduced`` rows are written."""
+
+    def __init__(self, install: Optional[Callable[[GradCallback, GradCallback], List[Any]]] = None,
+                 not_observable: Optional[str] = None) -> None:
+        if (install is None) == (not_observable is None):
+            raise ValueError("UnreducedCapture needs exactly one of install / not_observable")
+        self.install = install
+        self.not_observable = not_observable
+
+
+class TrainingStack:
+    """Plain torch, torch DDP and FSDP (FSDP's flat parameters are handled by the
+    session's ``expand``)."""
+
+    name = "torch"
+
+    def __init__(self, chunks: List[torch.nn.Module], optimizer: Any) -> None:
+        self.chunks = chunks
+        self.optimizer = optimizer
+        self._logged: set = set()
+
+    @classmethod
+    def detect(cls, chunks: List[torch.nn.Module], optimizer: Any) -> Optional["TrainingStack"]:
+        return cls(chunks, optimizer)
+
+    def log_once(self, key: str, msg: str, *args: Any) -> None:
+        """Warn once per adapter and key (what cannot be observed, and why)."""
+        if key not in self._logged:
+            self._logged.add(key)
+            logger.warning("monitor_v2 (%s): " + msg, self.name, *args)
+
+    # ----------------------------------------------------------------- names
+    def unwrap(self, chunk: torch.nn.Module) -> torch.nn.Module:
+        if isinstance(chunk, torch.nn.parallel.DistributedDataParallel):
+            return chunk.module
+        return chunk
+
+    def optimizer_model_params(self) -> Optional[List[torch.Tensor]]:
+        return None
+
+    def context_defaults(self) -> dict:
+        return {}
+
+    # ------------------------------------------------------------------ step
+    def install_step_hooks(self, before: Callable[[], None], after: Callable[[], None]) -> Callable[[], None]:
+        """Call ``before``/``after`` around every ``optimizer.step()``; returns the undo.
+
+        A ``torch.optim.Optimizer`` gets removable step hooks (no attribute is patched);
+        another object with a ``step`` method gets an instance-level wrapper that the undo
+        removes again."""
+        opt = self.optimizer
+        if opt is None:
+            return lambda: None
+        if isinstance(opt, torch.optim.Optimizer):
+            pre = opt.register_step_pre_hook(lambda *_: before())
+            post = opt.register_step_post_hook(lambda *_: after())
+
+            def undo() -> None:
+                pre.remove()
+                post.remove()
+
+            return undo
+        if not callable(getattr(opt, "step", None)):
+            raise ConfigError(
+                f"start(): optimizer must have a step() method, got {type(opt).__name__}", field="optimizer"
+            )
+        return wrap_method(opt, "step", before, after)
+
+    # ------------------------------------------------------------- gradients
+    def unreduced_capture(self, per_micro_batch: bool, micro_batches: int) -> Optional[UnreducedCapture]:
+        return None
+
+    def reduced_grads(self, session: "TorchSession") -> List[Tuple["ParamInfo", torch.Tensor]]:
+        return [(i, i.param.grad) for i in session.optimizer_params() if i.param.grad is not None]
+
+    # ------------------------------------------------------ optimizer, params
+    def param_values(self, session: "TorchSession") -> List[Tuple["ParamInfo", torch.Tensor]]:
+        return [(i, i.param) for i in session.optimizer_params()]
+
+    def optimizer_states(self, session: "TorchSession") -> Iterator[Tuple["ParamInfo", str, torch.Tensor]]:
+        """Every per-parameter tensor the optimizer keeps, under its own name: Adam/AdamW
+        ``exp_avg``/``exp_avg_sq`` (and ``max_exp_avg_sq``), SGD ``momentum_buffer``,
+        Adagrad ``sum``, RMSprop ``square_avg``... The scalar ``step`` is not state of the
+        parameter's values."""
+        state = self.optimizer.state
+        for info in session.optimizer_params():
+            yield from tensor_states(info, state.get(info.param, {}))
+
+
+def tensor_states(info: "ParamInfo", state: Any) -> Iterator[Tuple["ParamInfo", str, torch.Tensor]]:
+    """The non-scalar tensors of one parameter's optimizer state, by state name."""
+    for key, value in state.items():
+        if key != "step" and isinstance(value, torch.Tensor) and value.dim() > 0:
+            yield info, key, value
+
+
+def wrap_method(obj: Any, method: str, before: Callable[[], None], after: Callable[[], None],
+                when: Optional[Callable[[], bool]] = None) -> Callable[[], None]:
+    """Wrap ``obj.<method>`` at instance level with ``before``/``after`` (only for calls
+    where ``when()`` is true, if given); returns the undo, which restores the instance
+    exactly as it was (or leaves a later replacement alone, with a warning)."""
+    had_instance_attr = method in vars(obj)
+    previous = vars(obj).get(method)
+    original = getattr(obj, method)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        hooked = when is None or when()
+        if hooked:
+            before()
+        result = original(*args, **kwargs)
+        if hooked:
+            after()
+        return result
+
+    setattr(obj, method, wrapper)
+
+    def undo() -> None:
+        if vars(obj).get(method) is not wrapper:
+            logger.warning("monitor_v2: %s.%s was replaced after start(); leaving it as it is",
+                           type(obj).__name__, method)
+            return
+        if had_instance_attr:
+            setattr(obj, method, previous)
+        else:
+            delattr(obj, method)
+
+    return undo
+
+
+def detect_stack(chunks: List[torch.nn.Module], optimizer: Any) -> TrainingStack:
+    """The adapter for the objects given to ``start()``: the first framework adapter
+    whose framework is imported and that recognises them, else plain torch."""
+    for trigger, module_name in _ADAPTERS:
+        if trigger not in sys.modules:
+            continue  # the user never imported the framework: it cannot be in use
+        try:
+            module = importlib.import_module(f"{__package__}.{module_name}")
+            stack = module.STACK.detect(chunks, optimizer)
+        except Exception as exc:  # noqa: BLE001 - a framework we cannot read is not fatal
+            logger.warning("monitor_v2: could not inspect the objects passed to start() as %s (%r); "
+                           "monitoring them as plain torch", trigger, exc)
+            continue
+        if stack is not None:
+            logger.info("monitor_v2: training stack %s detected", stack.name)
+            return stack
+    return TrainingStack(chunks, optimizer)
