@@ -175,7 +175,9 @@ def test_optimizer_moments_and_masters_per_parameter_name(out, config):
             for name, state in st["state"].items():
                 for key in ("exp_avg", "exp_avg_sq"):
                     row = pick(opt, step=s, module_name=f"{name}.{key}", scope=key)
-                    assert_row_matches(row, numpy_stats(state[key]), rtol=RTOL, atol=1e-12)
+                    # absolute slack for a mean near 0: fp32 summation error at this scale
+                    scale = float(state[key].abs().max())
+                    assert_row_matches(row, numpy_stats(state[key]), rtol=RTOL, atol=1e-6 * scale)
                 before, after = st["before"][name], st["after"][name]
                 assert before.dtype == torch.float32  # fp32 masters (or fp32 parameters)
                 assert_row_matches(pick(par, step=s, module_name=name, scope="param_origin"), numpy_stats(before),

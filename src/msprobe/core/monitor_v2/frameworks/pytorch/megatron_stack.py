@@ -214,8 +214,8 @@ class MegatronStack(TrainingStack):
                 out.append((info, grad))
         return out
 
-    def unreduced_capture(self, per_micro_batch: bool, micro_batches: int,
-                          session: "TorchSession") -> Optional[UnreducedCapture]:
+    def unreduced_capture(self, session: "TorchSession", per_micro_batch: bool,
+                          micro_batches: int) -> Optional[UnreducedCapture]:
         if not self.ddp_chunks:
             return None  # no Megatron DDP: gradients are in .grad, the default hooks read them
         overlapped = [c for c in self.ddp_chunks if getattr(c.ddp_config, "overlap_grad_reduce", False)]

@@ -162,7 +162,7 @@ class TorchSession:
         return self.stack.optimizer_states(self)
 
     def unreduced_capture(self, per_micro_batch: bool, micro_batches: int) -> Optional[UnreducedCapture]:
-        return self.stack.unreduced_capture(per_micro_batch, micro_batches)
+        return self.stack.unreduced_capture(self, per_micro_batch, micro_batches)
 
     def install_step_hooks(self, before: Callable[[], None], after: Callable[[], None]) -> Callable[[], None]:
         """Call ``before``/``after`` around every real optimizer step; returns the undo."""

@@ -18,7 +18,7 @@ session and the monitors call only these hook points:
 - ``reduced_grads(session)``: ``(ParamInfo, tensor)`` of the gradients as they stand at
   the step, after the data-parallel reduction; local shards allowed (a tensor without
   elements is left out).
-- ``unreduced_capture(per_micro_batch, micro_batches)``: None for the default hooks on
+- ``unreduced_capture(session, per_micro_batch, micro_batches)``: None for the default hooks on
   the model parameters, or an ``UnreducedCapture``: the adapter's own hooks, which call
   back ``on_micro_batch(info, grad)`` / ``on_accumulated(info, grad)``, or a reason why
   the value cannot be captured exactly (logged once; no such rows are written).
@@ -53,7 +53,7 @@ GradCallback = Callable[["ParamInfo", torch.Tensor], None]
 # An adapter module defines ``STACK``, a TrainingStack subclass.
 _ADAPTERS: Sequence[Tuple[str, str]] = (
     ("deepspeed", "deepspeed_stack"),
-    # Megatron-Core: ("megatron.core", "megatron_stack"),
+    ("megatron.core", "megatron_stack"),
 )
 
 
@@ -135,7 +135,8 @@ class TrainingStack:
         return wrap_method(opt, "step", before, after)
 
     # ------------------------------------------------------------- gradients
-    def unreduced_capture(self, per_micro_batch: bool, micro_batches: int) -> Optional[UnreducedCapture]:
+    def unreduced_capture(self, session: "TorchSession", per_micro_batch: bool,
+                          micro_batches: int) -> Optional[UnreducedCapture]:
         return None
 
     def reduced_grads(self, session: "TorchSession") -> List[Tuple["ParamInfo", torch.Tensor]]:
