@@ -6,7 +6,8 @@ Trains a small Megatron-Core GPTModel (TP=PP=1, DP=2) with Megatron's
 ``DistributedDataParallel`` and ``get_megatron_optimizer`` in four configurations
 (fp32 / bf16 with ``Float16Module``, without / with the distributed optimizer), each
 three times: without the monitor, with it (``monitor_mbs_grad`` false; module monitor
-on) and with it (``monitor_mbs_grad`` true). 3 steps of 2 micro-batches each.
+on) and with it (``monitor_mbs_grad`` true); plus fp32 with ``overlap_grad_reduce``,
+with the monitor only. 3 steps of 2 micro-batches each, ``no_sync()`` on the first.
 
 The references are taken by this script, not by the monitor, and saved per run to
 ``<OUT_DIR>/<config>-<run>/ref_rank<r>.pt``:
@@ -22,6 +23,7 @@ The references are taken by this script, not by the monitor, and saved per run t
 The CPU shim (tests/stacks/megatron_cpu_shim.py) is installed before Megatron runs.
 """
 
+import contextlib
 import logging
 import os
 import sys
@@ -37,11 +39,14 @@ import megatron_cpu_shim  # noqa: E402
 
 STEPS, ACC = 3, 2
 VOCAB, SEQ, BATCH = 64, 8, 2
-CONFIGS = {  # name: (bf16, distributed optimizer)
-    "fp32": (False, False),
-    "fp32-distopt": (False, True),
-    "bf16": (True, False),
-    "bf16-distopt": (True, True),
+CONFIGS = {  # name: (bf16, distributed optimizer, overlap_grad_reduce)
+    "fp32": (False, False, False),
+    "fp32-distopt": (False, True, False),
+    "bf16": (True, False, False),
+    "bf16-distopt": (True, True, False),
+    # The reduction starts inside the last backward pass: its main_grad clones race with
+    # it, so the test compares with the "fp32" run (same seeds, data and arithmetic).
+    "fp32-overlap": (False, False, True),
 }
 
 
@@ -54,7 +59,7 @@ class LogCapture(logging.Handler):
         self.records.append((record.levelname, record.getMessage()))
 
 
-def build(bf16: bool, distopt: bool):
+def build(bf16: bool, distopt: bool, overlap: bool = False):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -72,7 +77,7 @@ def build(bf16: bool, distopt: bool):
     gpt = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
                    max_sequence_length=SEQ)
     model = Float16Module(cfg, gpt) if bf16 else gpt
-    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap,
                                             use_distributed_optimizer=distopt)
     ddp = DistributedDataParallel(cfg, ddp_cfg, model)
     opt = get_megatron_optimizer(
@@ -131,9 +136,9 @@ def masters_and_state(opt, gpt, ranges):
 def train(config: str, run: str, out_dir: str):
     from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
-    bf16, distopt = CONFIGS[config]
+    bf16, distopt, overlap = CONFIGS[config]
     rank = dist.get_rank()
-    gpt, ddp, opt = build(bf16, distopt)
+    gpt, ddp, opt = build(bf16, distopt, overlap)
     run_dir = os.path.join(out_dir, f"{config}-{run}")
     mon = None
     capture = LogCapture()
@@ -149,6 +154,7 @@ def train(config: str, run: str, out_dir: str):
         if run == "acc":
             monitors["module"] = {"enabled": True}
         mon = TrainerMonitorV2({"output_dir": run_dir, "async_write": False, "monitors": monitors})
+        before_start = {"optimizer": set(vars(opt)), "ddp": set(vars(ddp))}
         mon.start(model=ddp, optimizer=opt, grad_acc_steps=ACC)
     ref = {"steps": [], "losses": []}
     for step in range(STEPS):
@@ -157,8 +163,10 @@ def train(config: str, run: str, out_dir: str):
         acc = []
         for mb in range(ACC):
             tokens, pos, mask, labels = micro_batch(step, mb, rank)
-            loss = ddp(tokens, pos, mask, labels=labels).float().mean() / ACC
-            loss.backward()
+            # as Megatron's schedules do: no reduction before the last micro-batch
+            with ddp.no_sync() if mb < ACC - 1 else contextlib.nullcontext():
+                loss = ddp(tokens, pos, mask, labels=labels).float().mean() / ACC
+                loss.backward()
             ref["losses"].append(loss.detach().clone())
             acc.append({n: p.main_grad.detach().clone() for n, p in gpt.named_parameters()})
         ddp.finish_grad_sync()
@@ -173,6 +181,8 @@ def train(config: str, run: str, out_dir: str):
                              "state": {n: st for n, (_, st) in after.items()}})
     if mon is not None:
         mon.stop()
+        # stop() removed every instance-level wrapper it installed
+        ref["restored"] = before_start == {"optimizer": set(vars(opt)), "ddp": set(vars(ddp))}
     logger.removeHandler(capture)
     ref["final"] = {n: p.detach().clone() for n, p in gpt.named_parameters()}
     ref["names"] = [n for n, _ in gpt.named_parameters()]
@@ -192,7 +202,7 @@ def main() -> None:
 
     parallel_state.initialize_model_parallel(1, 1)
     for config in configs:
-        for run in ("plain", "acc", "mbs"):
+        for run in ("acc", "mbs") if CONFIGS[config][2] else ("plain", "acc", "mbs"):
             train(config, run, out_dir)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
