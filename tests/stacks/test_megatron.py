@@ -229,3 +229,20 @@ def test_overlap_grad_reduce(out, run):
             for name in base["names"]:
                 assert_row_matches(pick(wg, step=s, module_name=name, scope="reduced"), numpy_stats(st["synced"][name]),
                                    rtol=RTOL, atol=ATOL)
+
+
+def test_private_attribute_moved_is_one_log_line_not_a_crash(out):
+    """A Megatron version without ``_get_model_param_range_map``: one warning naming the
+    optimizer and what is not written; unreduced rows and training unaffected."""
+    for rank in RANKS:
+        r = ref(out, "fp32-distopt", "moved", rank)
+        said = [m for level, m in r["logs"] if level == "WARNING"]
+        assert len(said) == 1 and "DistributedOptimizer" in said[0] and "not written" in said[0], said
+        assert not [m for level, m in r["logs"] if level == "ERROR"]
+        wg = rows(out, "fp32-distopt", "moved", "weight_grad", rank)
+        assert {x["scope"] for x in wg} == {"unreduced"}
+        assert rows(out, "fp32-distopt", "moved", "optimizer", rank) == []
+        assert rows(out, "fp32-distopt", "moved", "param", rank) == []
+        plain = ref(out, "fp32-distopt", "plain", rank)
+        for name, p in plain["final"].items():
+            assert torch.equal(p, r["final"][name]), name

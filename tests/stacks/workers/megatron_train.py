@@ -7,7 +7,9 @@ Trains a small Megatron-Core GPTModel (TP=PP=1, DP=2) with Megatron's
 (fp32 / bf16 with ``Float16Module``, without / with the distributed optimizer), each
 three times: without the monitor, with it (``monitor_mbs_grad`` false; module monitor
 on) and with it (``monitor_mbs_grad`` true); plus fp32 with ``overlap_grad_reduce``,
-with the monitor only. 3 steps of 2 micro-batches each, ``no_sync()`` on the first.
+with the monitor only; plus the distributed optimizer with its private range map
+hidden while ``start()`` runs (a version that moved it). 3 steps of 2 micro-batches
+each, ``no_sync()`` on the first.
 
 The references are taken by this script, not by the monitor, and saved per run to
 ``<OUT_DIR>/<config>-<run>/ref_rank<r>.pt``:
@@ -155,7 +157,17 @@ def train(config: str, run: str, out_dir: str):
             monitors["module"] = {"enabled": True}
         mon = TrainerMonitorV2({"output_dir": run_dir, "async_write": False, "monitors": monitors})
         before_start = {"optimizer": set(vars(opt)), "ddp": set(vars(ddp))}
-        mon.start(model=ddp, optimizer=opt, grad_acc_steps=ACC)
+        if run == "moved":  # a Megatron version without the private range map, while start() reads it
+            inner = opt.chained_optimizers[0]
+
+            def moved(param):
+                raise AttributeError("'DistributedOptimizer' object has no attribute '_get_model_param_range_map'")
+
+            inner._get_model_param_range_map = moved
+            mon.start(model=ddp, optimizer=opt, grad_acc_steps=ACC)
+            del inner._get_model_param_range_map
+        else:
+            mon.start(model=ddp, optimizer=opt, grad_acc_steps=ACC)
     ref = {"steps": [], "losses": []}
     for step in range(STEPS):
         ddp.zero_grad_buffer()
@@ -204,6 +216,8 @@ def main() -> None:
     for config in configs:
         for run in ("acc", "mbs") if CONFIGS[config][2] else ("plain", "acc", "mbs"):
             train(config, run, out_dir)
+    if "fp32-distopt" in configs:
+        train("fp32-distopt", "moved", out_dir)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
