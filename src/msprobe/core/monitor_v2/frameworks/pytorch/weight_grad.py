@@ -23,7 +23,7 @@ capture instead, or says why the value cannot be captured exactly (``stacks.py``
 
 import functools
 import logging
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -152,12 +152,14 @@ class WeightGradMonitor(Monitor):
     def _on_accumulated_grad(self, source: GradSource, tensor: torch.Tensor) -> None:
         self._on_accumulated_value(source, tensor.grad)
 
-    def _on_accumulated_value(self, source: GradSource, grad: Optional[torch.Tensor]) -> None:
+    def _on_accumulated_value(self, source: GradSource, grad: Any) -> None:
         """``grad``: the local gradient accumulated over this step's passes so far."""
         if not self.active:
             return
         n = self._count_pass(source)
         if n >= self.micro_batches and grad is not None:
+            if callable(grad):  # built only for the row that is recorded
+                grad = grad()
             self._record(source, grad, 0)
 
     # --------------------------------------------------------- optimizer step
