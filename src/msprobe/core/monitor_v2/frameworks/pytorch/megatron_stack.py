@@ -34,7 +34,7 @@ logged once, naming what is not observable, and never raises into training.
 """
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -125,7 +125,14 @@ class MegatronStack(TrainingStack):
     def __init__(self, chunks: List[torch.nn.Module], optimizer: Any) -> None:
         super().__init__(chunks, optimizer)
         self.ddp_chunks = [c for c in chunks if is_megatron_ddp(c)]
-        self.entries: List[MasterEntry] = self._optimizer_entries() if optimizer is not None else []
+        # Megatron FSDP shards parameters and gradients its own way: not read here.
+        self.fsdp = any(getattr(c.ddp_config, "use_megatron_fsdp", False) for c in self.ddp_chunks)
+        if self.fsdp:
+            self.log_once("fsdp", "Megatron FSDP (use_megatron_fsdp) is not supported in this version: no "
+                          "weight_grad, optimizer or param rows are written. Logged once.")
+            self.ddp_chunks = []
+        self.entries: List[MasterEntry] = (
+            self._optimizer_entries() if optimizer is not None and not self.fsdp else [])
 
     @classmethod
     def detect(cls, chunks: List[torch.nn.Module], optimizer: Any) -> Optional["MegatronStack"]:
@@ -216,6 +223,8 @@ class MegatronStack(TrainingStack):
 
     def unreduced_capture(self, session: "TorchSession", per_micro_batch: bool,
                           micro_batches: int) -> Optional[UnreducedCapture]:
+        if self.fsdp:
+            return UnreducedCapture(not_observable="Megatron FSDP (use_megatron_fsdp) is not supported")
         if not self.ddp_chunks:
             return None  # no Megatron DDP: gradients are in .grad, the default hooks read them
         overlapped = [c for c in self.ddp_chunks if getattr(c.ddp_config, "overlap_grad_reduce", False)]
