@@ -5,7 +5,8 @@
 #                                    time), pytest, transformers (tests build models from a
 #                                    config, no download), matplotlib, and Debian's chromium
 #                                    (the HTML report is checked in a headless browser),
-#                                    megatron-core
+#                                    deepspeed 0.19.8 (its tests run it on the CPU),
+#                                    megatron-core 0.16.1 (likewise, through a test-only shim)
 # Both profiles install gcc where no C compiler exists: the monitor builds its one-pass
 # statistics kernel with it.
 # numpy stays <2: MindSpore's C++ is built against NumPy 1.x.
@@ -19,7 +20,7 @@ fi
 deps=("torch==2.13.0" "numpy<2")
 check="import torch, numpy, msprobe.core.monitor_v2.trainer"
 if [ "$profile" = test ]; then
-  deps+=("mindspore==2.10.0" "pytest>=7" "transformers>=4.40,<5" "matplotlib>=3.5")
+  deps+=("mindspore==2.10.0" "pytest>=7" "transformers>=4.40,<5" "matplotlib>=3.5" "deepspeed==0.19.8")
   check="$check, mindspore, pytest, transformers, matplotlib"
   # Megatron-Core (pure Python; its tests run on the CPU through tests/stacks/megatron_cpu_shim.py)
   deps+=("megatron-core==0.16.1")

@@ -323,6 +323,9 @@ class DeepSpeedStack(TrainingStack):
         for g, group in enumerate(groups):
             pieces = grads.get(g)
             if pieces is None:
+                if getattr(opt, "offload_optimizer", False):
+                    self.log_once("z3offload", "ZeRO-3 with optimizer offload keeps the reduced gradients in the "
+                                  "offloaded fp32 buffers; 'reduced' rows are not written")
                 continue
             for p, grad in zip(group, pieces):
                 info = wanted.get(id(p))
