@@ -103,16 +103,18 @@ class Bench:
         return elapsed
 
     def run(self, name: str, cfg: dict) -> None:
-        ratios, busy = [], []
+        ratios, busy, plain = [], [], []
         for r in range(self.args.rounds):
             results = {}
             for which in ((None, cfg) if r % 2 == 0 else (cfg, None)):
                 results[which is not None] = self.window(which)
             ratios.append(results[True] / results[False])
             busy.append(self.busy / results[False])
+            plain.append(results[False] / self.args.steps_per_window)
         if dist.get_rank() == 0:
             print(f"{name:<34} median {statistics.median(ratios):.3f}  (min {min(ratios):.3f}, max {max(ratios):.3f})"
-                  f"  monitor's own code {100 * statistics.median(busy):.1f}% of a plain window", flush=True)
+                  f"  monitor's own code {100 * statistics.median(busy):.1f}% of a plain window"
+                  f"  (plain step {1e3 * statistics.median(plain):.0f} ms)", flush=True)
 
 
 def main() -> int:
