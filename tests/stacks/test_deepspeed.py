@@ -13,7 +13,6 @@ import math
 from pathlib import Path
 from typing import Dict, List
 
-import numpy as np
 import pytest
 import torch
 
@@ -66,6 +65,7 @@ class Run:
         self.acc = [{m: rows_of(out / "acc", m, rank=r) for m in ("weight_grad", "optimizer", "param")}
                     for r in range(2)]
         self.mbs = [rows_of(out / "mbs", "weight_grad", rank=r) for r in range(2)]
+        self.module = [rows_of(out / "mbs", "module", rank=r) for r in range(2)]
         # bf16 gradients are reduced (and moments updated) in bf16 by DeepSpeed, in fp64 here
         self.rtol, self.atol = (3e-2, 3e-3) if self.bf16 else (1e-4, 1e-7)
 
@@ -124,6 +124,10 @@ def test_names_steps_and_training_unchanged(run: Run):
     for monitor, suffixes in (("weight_grad", [""]), ("param", [""]), ("optimizer", [".exp_avg", ".exp_avg_sq"])):
         names = {x["module_name"] for r in range(2) for x in run.acc[r][monitor]}
         assert names == {n + s for n in run.names for s in suffixes}, (monitor, names)
+    for r in range(2):  # module rows too: the root is named after the model's class, not the engine
+        modules = {x["module_name"].rsplit(".", 2)[0] for x in run.module[r]}
+        assert modules == {"Net", "fc1", "fc2"}, modules
+        assert {x["step"] for x in run.module[r]} == {str(s) for s in range(STEPS)}
 
 
 def test_unreduced_per_micro_batch(run: Run):

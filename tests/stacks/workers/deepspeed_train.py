@@ -5,7 +5,7 @@
 For each CONFIG, the same model is trained twice through ``deepspeed.initialize``
 (``engine.backward(loss); engine.step()`` per micro-batch, AdamW with ``torch_adam``):
 once with two monitors (``monitor_mbs_grad`` false, with weight_grad, optimizer and param;
-``monitor_mbs_grad`` true, weight_grad only) and once without. Each rank saves to
+``monitor_mbs_grad`` true, with weight_grad and module) and once without. Each rank saves to
 ``OUT_DIR/<CONFIG>/ref_rank<r>.pt`` the independent references the test compares the
 rows with:
 
@@ -142,7 +142,9 @@ def train(config: str, out_dir: str, monitored: bool):
         logging.getLogger("msprobe.monitor_v2").addHandler(capture)
         for mbs in (False, True):
             mons = {"weight_grad": {"enabled": True, "monitor_mbs_grad": mbs}}
-            if not mbs:
+            if mbs:
+                mons["module"] = {"enabled": True, "targets": []}
+            else:
                 mons.update({"optimizer": {"enabled": True}, "param": {"enabled": True}})
             mon = TrainerMonitorV2({"output_dir": os.path.join(out_dir, "mbs" if mbs else "acc"),
                                     "monitors": mons}, fr="pytorch")

@@ -37,14 +37,11 @@ Everything below reads private attributes, defensively: one missing in another v
 is logged once, naming what is not observed, and training goes on.
 """
 
-import logging
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from .stacks import TrainingStack, UnreducedCapture, wrap_method
-
-logger = logging.getLogger("msprobe.monitor_v2")
 
 _KINDS = {
     "FP16_UnfusedOptimizer": "masters",
@@ -193,7 +190,36 @@ class DeepSpeedStack(TrainingStack):
 
         return UnreducedCapture(install=install)
 
+    # The three readers below go through private attributes: one that moved or changed
+    # shape in another DeepSpeed version ends that reader with one log line, not an error.
+    _MOVED = (AttributeError, KeyError, IndexError, TypeError, RuntimeError)
+
     def reduced_grads(self, session: Any) -> List[Tuple[Any, torch.Tensor]]:
+        try:
+            return self._reduced_grads(session)
+        except self._MOVED as exc:
+            self.log_once("read:reduced", "cannot read the reduced gradients of %s (%r); 'reduced' rows are not "
+                          "written", type(self.ds_optimizer).__name__, exc)
+            return []
+
+    def param_values(self, session: Any) -> List[Tuple[Any, torch.Tensor]]:
+        try:
+            return self._param_values(session)
+        except self._MOVED as exc:
+            self.log_once("read:param", "cannot read the weights %s updates (%r); 'param' rows are not written",
+                          type(self.ds_optimizer).__name__, exc)
+            return []
+
+    def optimizer_states(self, session: Any) -> Iterator[Tuple[Any, str, torch.Tensor]]:
+        try:
+            states = list(self._optimizer_states(session))
+        except self._MOVED as exc:
+            self.log_once("read:state", "cannot read the optimizer state of %s (%r); 'optimizer' rows are not "
+                          "written", type(self.ds_optimizer).__name__, exc)
+            states = []
+        return iter(states)
+
+    def _reduced_grads(self, session: Any) -> List[Tuple[Any, torch.Tensor]]:
         if self.kind in ("zero12", "bf16"):
             return self._fragments(session, self._hp_grad_fragment, "reduced gradients")
         if self.kind == "zero3":
@@ -201,7 +227,7 @@ class DeepSpeedStack(TrainingStack):
         return super().reduced_grads(session)
 
     # ------------------------------------------------------ optimizer, params
-    def param_values(self, session: Any) -> List[Tuple[Any, torch.Tensor]]:
+    def _param_values(self, session: Any) -> List[Tuple[Any, torch.Tensor]]:
         if self.kind in ("zero12", "bf16"):
             return self._fragments(session, lambda p, m: m.hp_fragment, "fp32 master weights")
         if self.kind == "zero3":
@@ -211,7 +237,7 @@ class DeepSpeedStack(TrainingStack):
             return [(i, masters[id(i.param)]) for i in session.optimizer_params() if id(i.param) in masters]
         return super().param_values(session)
 
-    def optimizer_states(self, session: Any) -> Iterator[Tuple[Any, str, torch.Tensor]]:
+    def _optimizer_states(self, session: Any) -> Iterator[Tuple[Any, str, torch.Tensor]]:
         state = getattr(self.inner, "state", None)
         if self.kind in ("torch", "unknown"):
             yield from super().optimizer_states(session)

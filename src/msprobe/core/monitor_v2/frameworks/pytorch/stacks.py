@@ -66,8 +66,9 @@ class UnreducedCapture:
     ``on_accumulated(info, grad)`` once per backward pass with the local gradient
     accumulated so far (the monitor counts the passes and records after the announced
     last micro-batch); ``grad`` may be a zero-argument callable returning it, for a value
-    that costs work to build (called only when the row is recorded). ``not_observable`` instead is the reason why the value cannot be
-    captured exactly: it is logged once and no ``unreduced`` rows are written."""
+    that costs work to build (called only when the row is recorded). ``not_observable``
+    instead is the reason why the value cannot be captured exactly: it is logged once and
+    no ``unreduced`` rows are written."""
 
     def __init__(self, install: Optional[Callable[[GradCallback, GradCallback], List[Any]]] = None,
                  not_observable: Optional[str] = None) -> None:
