@@ -3,6 +3,7 @@ measured as ratios in one process per rank, like benchmarks/overhead.py.
 
     torchrun --nproc_per_node=2 benchmarks/megatron_overhead.py [--rounds 7] [--steps-per-window 3]
         [--layers 4 --hidden 256 --seq 128 --batch 4 --acc 2] [--bf16] [--distopt]
+    torchrun --nproc_per_node=2 benchmarks/megatron_overhead.py --smoke   # tiny, one round (CI)
 
 Megatron-Core hard-codes a few CUDA calls; on a CPU-only torch build the test shim
 (tests/stacks/megatron_cpu_shim.py) points them at the CPU. Its TorchFunctionMode sees
@@ -131,7 +132,11 @@ def main() -> int:
     p.add_argument("--acc", type=int, default=2, help="micro-batches per step")
     p.add_argument("--bf16", action="store_true", help="Float16Module + Float16OptimizerWithFloat16Params")
     p.add_argument("--distopt", action="store_true", help="the distributed optimizer")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, one round: checks that the benchmark runs")
     args = p.parse_args()
+    if args.smoke:
+        args.rounds, args.steps_per_window, args.warmup = 1, 1, 1
+        args.layers, args.hidden, args.heads, args.vocab, args.seq, args.batch = 1, 32, 4, 64, 16, 2
     dist.init_process_group("gloo")
     megatron_cpu_shim.install(mode=False)
     from megatron.core import parallel_state
