@@ -241,3 +241,16 @@ def test_private_attribute_moved_is_one_log_line_not_a_crash(out):
         plain = ref(out, "fp32-distopt", "plain", rank)
         for name, p in plain["final"].items():
             assert torch.equal(p, r["final"][name]), name
+
+
+def test_list_of_chunks_prefixes_names_and_changes_no_value(out):
+    """``model=[ddp]``: every name gets the chunk prefix ``0:``; the values are those of the
+    same training given ``model=ddp`` (bit-identical runs)."""
+    for rank in RANKS:
+        for monitor in ("weight_grad", "param", "optimizer"):
+            single = rows(out, "fp32-distopt", "acc", monitor, rank)
+            chunked = rows(out, "fp32-distopt", "chunks", monitor, rank)
+            assert chunked and all(r["module_name"].startswith("0:") and r["vpp_stage"] == "0" for r in chunked)
+            key = lambda r: (r["step"], r["module_name"].split(":", 1)[-1], r["scope"], r.get("micro_step"))
+            assert sorted((key(r), r["norm"], r["min"], r["max"]) for r in chunked) == \
+                sorted((key(r), r["norm"], r["min"], r["max"]) for r in single)

@@ -8,8 +8,8 @@ Trains a small Megatron-Core GPTModel (TP=PP=1, DP=2) with Megatron's
 three times: without the monitor, with it (``monitor_mbs_grad`` false; module monitor
 on) and with it (``monitor_mbs_grad`` true); plus fp32 with ``overlap_grad_reduce``,
 with the monitor only; plus the distributed optimizer with its private range map
-hidden while ``start()`` runs (a version that moved it). 3 steps of 2 micro-batches
-each, ``no_sync()`` on the first.
+hidden while ``start()`` runs (a version that moved it), and once more given as a list
+of model chunks. 3 steps of 2 micro-batches each, ``no_sync()`` on the first.
 
 The references are taken by this script, not by the monitor, and saved per run to
 ``<OUT_DIR>/<config>-<run>/ref_rank<r>.pt``:
@@ -166,8 +166,8 @@ def train(config: str, run: str, out_dir: str):
             inner._get_model_param_range_map = moved
             mon.start(model=ddp, optimizer=opt, grad_acc_steps=ACC)
             del inner._get_model_param_range_map
-        else:
-            mon.start(model=ddp, optimizer=opt, grad_acc_steps=ACC)
+        else:  # "chunks": the model as a list of (one) model chunks, as with virtual pipelining
+            mon.start(model=[ddp] if run == "chunks" else ddp, optimizer=opt, grad_acc_steps=ACC)
     ref = {"steps": [], "losses": []}
     for step in range(STEPS):
         ddp.zero_grad_buffer()
@@ -218,6 +218,7 @@ def main() -> None:
             train(config, run, out_dir)
     if "fp32-distopt" in configs:
         train("fp32-distopt", "moved", out_dir)
+        train("fp32-distopt", "chunks", out_dir)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
