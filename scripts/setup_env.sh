@@ -7,6 +7,7 @@
 #                                    config, no download), matplotlib, and Debian's chromium
 #                                    (the HTML report is checked in a headless browser),
 #                                    deepspeed 0.19.8 (its tests run it on the CPU),
+#                                    megatron-core 0.16.1 (likewise, through a test-only shim),
 #                                    accelerate and lightning (integration tests, CPU)
 # Both profiles install gcc where no C compiler exists: the monitor builds its one-pass
 # statistics kernel with it.
@@ -22,8 +23,8 @@ deps=("torch==2.13.0" "numpy<2")
 check="import torch, numpy, msprobe.core.monitor_v2.trainer"
 if [ "$profile" = test ]; then
   deps+=("mindspore==2.10.0" "pytest>=7" "transformers>=4.40,<5" "matplotlib>=3.5" "hypothesis>=6.100"
-        "deepspeed==0.19.8" "accelerate==1.15.0" "lightning==2.6.6")
-  check="$check, mindspore, pytest, transformers, matplotlib, hypothesis, deepspeed, accelerate, lightning"
+        "deepspeed==0.19.8" "megatron-core==0.16.1" "accelerate==1.15.0" "lightning==2.6.6")
+  check="$check, mindspore, pytest, transformers, matplotlib, hypothesis, deepspeed, megatron.core, accelerate, lightning"
 fi
 stamp=.venv/.msprobe-installed-$profile
 want="${deps[*]} $(sha1sum pyproject.toml | cut -c1-12)"

@@ -822,3 +822,40 @@ def test_huggingface_gpt2_trains_identically(tmp_path, no_monitor_errors):
             find_row(rows, step=s, module_name=tag)
     backward = {module_of(tag_of(r)) for r in rows if r["scope"] == "backward"}
     assert {"transformer.h.0", "transformer.h.1.mlp", "transformer.ln_f", "lm_head"} <= backward
+
+
+class BiasOutLinear(nn.Module):
+    """Returns its bias as a second output, as Megatron's linear layers do with
+    skip_bias_add; ``leaf`` adds a third output that is a plain leaf tensor."""
+
+    def __init__(self, leaf: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 3))
+        self.bias = nn.Parameter(torch.randn(4))
+        self.leaf = torch.ones(4, requires_grad=True) if leaf else None
+
+    def forward(self, x: torch.Tensor):
+        out = (x @ self.weight.t(), self.bias)
+        return out + (self.leaf,) if self.leaf is not None else out
+
+
+@pytest.mark.parametrize("leaf", [False, True], ids=["bias-only", "bias-and-leaf"])
+def test_parameter_returned_as_output_is_recorded_without_warning(tmp_path, caplog, leaf):
+    """A Parameter among the outputs gets its forward row and no 'leaf tensor' warning
+    (its gradient is the parameter's, in weight_grad); another leaf output still warns."""
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    model = BiasOutLinear(leaf)
+    mon = TrainerMonitorV2(cfg(tmp_path))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon.start(model=model, optimizer=opt)
+    x = torch.randn(2, 3)
+    outs = model(x)
+    (outs[0] + outs[1]).sum().backward()
+    bias = model.bias.detach().clone()
+    opt.step()
+    mon.stop()
+    rows = rows_of(tmp_path / "out", "module")
+    assert_row_matches(find_row(rows, step=0, module_name="BiasOutLinear.output.1"), numpy_stats(bias))
+    warned = [r.getMessage() for r in caplog.records if r.name.startswith(LOGGER) and "leaf tensor" in r.getMessage()]
+    assert warned == (["monitor_v2 module: output 2 of BiasOutLinear is a leaf tensor; its gradient is not observed "
+                       "(logged once)"] if leaf else [])

@@ -281,7 +281,11 @@ class ModuleMonitor(Monitor):
             if not t.requires_grad:
                 continue
             if t.grad_fn is None:
-                self._warn_once(f"{tag}.leaf", f"output {j} of {tag} is a leaf tensor; its gradient is not observed")
+                # A Parameter passed through as an output (Megatron's linear layers return
+                # their bias with skip_bias_add): its gradient is the parameter's own,
+                # reported by weight_grad, so there is nothing to say about it here.
+                if not isinstance(t, torch.nn.Parameter):
+                    self._warn_once(f"{tag}.leaf", f"output {j} of {tag} is a leaf tensor; its gradient is not observed")
                 continue
             node, nr = _grad_edges(t)[-1]
             if call is not None and node is not t.grad_fn and node._sequence_nr() < call.boundary:

@@ -54,7 +54,7 @@ GradCallback = Callable[["ParamInfo", torch.Tensor], None]
 # An adapter module defines ``STACK``, a TrainingStack subclass.
 _ADAPTERS: Sequence[Tuple[str, str]] = (
     ("deepspeed", "deepspeed_stack"),
-    # Megatron-Core: ("megatron.core", "megatron_stack"),
+    ("megatron.core", "megatron_stack"),
 )
 
 

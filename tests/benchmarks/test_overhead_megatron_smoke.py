@@ -1,0 +1,31 @@
+"""The Megatron-Core overhead benchmark runs end to end in its smoke mode (tiny GPTModel,
+one round, 2 ranks), so that it cannot rot; its numbers are not asserted."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import _free_port
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "megatron_overhead.py"
+
+if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+    pytest.skip("megatron-core is not installed (it is part of the test profile: scripts/setup_env.sh test)",
+                allow_module_level=True)
+
+
+def test_megatron_overhead_benchmark_smoke_mode_prints_its_rows(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("RANK", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={_free_port()}", str(BENCH), "--smoke"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for name in ("weight_grad (accumulated)", "weight_grad (monitor_mbs_grad)"):
+        rows = [line for line in proc.stdout.splitlines() if line.startswith(name)]
+        assert len(rows) == 1, proc.stdout[-3000:]
+        assert float(rows[0].split("median")[1].split()[0]) > 0
