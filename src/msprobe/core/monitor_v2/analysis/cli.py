@@ -4,6 +4,7 @@
     msprobe-monitor anomalies OUT_DIR          first NaN/Inf, spikes, rank disagreement
     msprobe-monitor plot      OUT_DIR          PNG trends + report.html
     msprobe-monitor diff      OUT_A OUT_B      first difference between two runs
+    msprobe-monitor export    OUT_DIR DEST     the output as one Parquet dataset (read by all commands)
     msprobe-monitor validate  CONFIG           check a monitor_v2 config file
 
 Exit codes: 0 = ok (no anomaly / no difference / valid config), 1 = anomalies found
@@ -89,6 +90,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text tables")
     g.add_argument("--limit", type=_nonneg_int, default=20, help="rows per table (0 = all)")
     g.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    # the previous pure-Python implementation, kept as the reference of the tests and the benchmark
+    g.add_argument("--engine", choices=("columnar", "reference"), default="columnar", help=argparse.SUPPRESS)
 
 
 def _detectors(p: argparse.ArgumentParser) -> None:
@@ -189,6 +192,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="statistics to compare (default: all that both runs have)")
     _common(d)
 
+    e = sub.add_parser("export", formatter_class=_Formatter,
+                       help="write the CSV output as one Parquet dataset, partitioned by monitor and rank",
+                       description="Write OUT_DIR's CSV files as one Parquet dataset under DEST "
+                                   "(DEST/monitor=<m>/rank=<r>/part-<n>.parquet, hive style). Every other "
+                                   "command reads DEST like an output directory, faster; so do Polars, DuckDB, "
+                                   "pandas/pyarrow. Malformed lines are skipped with a warning, as everywhere.")
+    e.add_argument("out_dir", metavar="OUT_DIR")
+    e.add_argument("dest", metavar="DEST")
+    _common(e)
+
     v = sub.add_parser("validate", formatter_class=_Formatter,
                        help="check a monitor_v2 config file with the library's own validation",
                        description="Check a config with the library's validation (load_config) without creating "
@@ -233,9 +246,33 @@ def _limit(items: List[Any], n: int) -> List[Any]:
     return items if n == 0 else items[:n]
 
 
+def _columnar(args: argparse.Namespace) -> bool:
+    """The columnar engine (Polars), unless the reference one is asked for; a missing
+    Polars is an input error naming what to install."""
+    if getattr(args, "engine", "columnar") == "reference":
+        return False
+    from .columnar import polars
+
+    polars()
+    return True
+
+
 def _load(args: argparse.Namespace, root: str, problems: Problems) -> Layout:
-    return scan(root, ranks=parse_int_list(args.ranks, "--ranks"), monitors=parse_monitor_list(args.monitors),
-                steps=parse_steps(args.steps))
+    ranks, monitors, steps = (parse_int_list(args.ranks, "--ranks"), parse_monitor_list(args.monitors),
+                              parse_steps(args.steps))
+    if _columnar(args):
+        from .columnar import open_layout
+
+        return open_layout(root, ranks=ranks, monitors=monitors, steps=steps)
+    return scan(root, ranks=ranks, monitors=monitors, steps=steps)
+
+
+def _analyse(args: argparse.Namespace):
+    if _columnar(args):
+        from .engine import analyse_columnar
+
+        return analyse_columnar
+    return analyse
 
 
 def _settings(args: argparse.Namespace) -> Tuple[SpikeSettings, RankCheckSettings]:
@@ -258,7 +295,7 @@ def _run_analysis(args: argparse.Namespace, err: TextIO, visitors=()) -> Report:
     problems = Problems(strict=args.strict, stream=err)
     layout = _load(args, args.out_dir, problems)
     spikes, rank_check = _settings(args)
-    return analyse(layout, problems, spikes, rank_check, steps=parse_steps(args.steps),
+    return _analyse(args)(layout, problems, spikes, rank_check, steps=parse_steps(args.steps),
                    limit=None if args.limit == 0 else args.limit,
                    progress=True if args.progress else None, visitors=visitors, progress_stream=err)
 
@@ -471,7 +508,7 @@ def cmd_plot(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise InputError(f"--rank {rank}: no such rank in {args.out_dir} (ranks: {_ranks_text(layout.ranks)})")
     collector = PlotCollector(settings, rank)
     spikes, rank_check = _settings(args)
-    report = analyse(layout, problems, spikes, rank_check, steps=parse_steps(args.steps),
+    report = _analyse(args)(layout, problems, spikes, rank_check, steps=parse_steps(args.steps),
                      limit=None if args.limit == 0 else args.limit,
                      progress=True if args.progress else None, visitors=[collector], progress_stream=err)
     out_dir = args.out or os.path.join(layout.root, "analysis_report")
@@ -509,8 +546,8 @@ def cmd_diff(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     steps = parse_steps(args.steps)
     ranks = parse_int_list(args.ranks, "--ranks")
     monitors = parse_monitor_list(args.monitors)
-    la = scan(args.out_a, ranks=ranks, monitors=monitors, steps=steps)
-    lb = scan(args.out_b, ranks=ranks, monitors=monitors, steps=steps)
+    la = _load(args, args.out_a, problems)
+    lb = _load(args, args.out_b, problems)
     settings = DiffSettings(rtol=args.rtol, atol=args.atol, stats=args.stats,
                             top=10 ** 9 if args.limit == 0 else args.limit)
     rep = diff_runs(la, lb, problems, settings, steps=steps, progress=True if args.progress else None,
@@ -568,6 +605,33 @@ def cmd_diff(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return code
 
 
+def cmd_export(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from .columnar import export, polars
+    from .text import Progress
+
+    polars()
+    problems = Problems(strict=args.strict, stream=err)
+    if os.path.abspath(args.dest) == os.path.abspath(args.out_dir):
+        raise InputError(f"DEST {args.dest!r}: must differ from OUT_DIR")
+    layout = _load(args, args.out_dir, problems)
+    prog = Progress(layout.n_files, "exporting", enabled=True if args.progress else None, stream=err)
+    res = export(args.out_dir, args.dest, ranks=parse_int_list(args.ranks, "--ranks"),
+                 monitors=parse_monitor_list(args.monitors), steps=parse_steps(args.steps), problems=problems)
+    prog.close()
+    if args.json:
+        dump_json({"command": "export", "out_dir": os.path.abspath(args.out_dir), "dest": os.path.abspath(args.dest),
+                   "parquet_files": res["files"], "rows": res["rows"],
+                   "problems": {"count": problems.count, "items": [p.to_json() for p in problems.items]}}, out)
+        return EXIT_OK
+    lines = [f"msprobe-monitor export {args.out_dir}: {res['rows']} rows from {layout.n_files} CSV file(s) -> "
+             f"{res['files']} Parquet file(s) in {args.dest}",
+             f"  read it with any command, e.g. msprobe-monitor summary {args.dest}"]
+    if problems.count:
+        lines.append(f"  malformed input: {problems.summary()} (see the warnings above)")
+    print("\n".join(lines), file=out)
+    return EXIT_OK
+
+
 def cmd_validate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from .validate import validate
 
@@ -593,7 +657,7 @@ def cmd_validate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 COMMANDS = {"summary": cmd_summary, "anomalies": cmd_anomalies, "plot": cmd_plot, "diff": cmd_diff,
-            "validate": cmd_validate}
+            "export": cmd_export, "validate": cmd_validate}
 
 
 def main(argv: Optional[Sequence[str]] = None, out: Optional[TextIO] = None, err: Optional[TextIO] = None) -> int:

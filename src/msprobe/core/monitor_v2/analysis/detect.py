@@ -332,7 +332,13 @@ def step_blocks(f: CsvFile, problems: Problems, steps: Optional[StepRange],
     sink = _QuietProblems(problems) if quiet else problems
     current: Optional[int] = None
     block: Dict[Tuple[str, str, Optional[int]], Row] = {}
-    for row in iter_rows(f, sink, steps):
+    if f.path.endswith(".parquet"):  # an exported dataset (see .columnar)
+        from .columnar import parquet_rows
+
+        rows: Iterator[Row] = parquet_rows(f, steps)
+    else:
+        rows = iter_rows(f, sink, steps)
+    for row in rows:
         if not keep(f.monitor, row.scope):
             continue
         if row.step != current:
