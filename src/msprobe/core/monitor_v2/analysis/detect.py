@@ -357,7 +357,7 @@ class _QuietProblems(Problems):
     def __init__(self, parent: Problems) -> None:
         super().__init__(strict=False)
 
-    def report(self, path: str, line: Optional[int], message: str) -> None:
+    def report(self, path: str, line: Optional[int], message: str, skipped: str = "line") -> None:
         return None
 
 

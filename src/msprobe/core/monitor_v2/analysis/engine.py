@@ -121,7 +121,7 @@ def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, 
 def _collect(pl, fr, col: Collected) -> None:
     col.steps.update(fr["step"].unique().to_list())
     col.tensors.update(fr.select("module_name", "scope").unique().iter_rows())
-    for scope, n in fr.group_by("scope").len().iter_rows():
+    for scope, n in fr.group_by("scope", maintain_order=True).len().iter_rows():
         col.scopes[scope] += n
     micro = fr["micro_step"].drop_nulls().unique().to_list()
     col.micro_steps.update(micro)
@@ -201,7 +201,7 @@ def _spikes(pl, fr, rank: int, monitor: str, batch: Batch, settings: SpikeSettin
             continue
         comb = comb.sort(g, "seq").with_columns(
             pl.int_range(pl.len()).over(g).alias("_cidx"),
-            pl.len().over(g).alias("_glen"),
+            pl.len().over(g).cast(pl.Int64).alias("_glen"),
             pl.col("pos0").first().over(g).fill_null(0).alias("_start"),
             pl.col("x").is_nan().any().over(g).alias("_odd"))
         comb = comb.with_columns((pl.col("_start") + pl.col("_cidx")).alias("_pos"))
