@@ -369,9 +369,28 @@ def report_json(report: Report, limit: int) -> Dict[str, Any]:
         "rank_check": {"enabled": report.mismatch_settings.enabled and not report.rank_check_note,
                        "note": report.rank_check_note or report.mismatch_settings.describe(),
                        "ranks_differing": len(report.mismatches), "items": report.mismatch_list()[:lim]},
+        "appended": {"files": len(report.appended), "note": APPENDED_NOTE, "items": report.appended[:lim]},
         "problems": {"count": report.problems.count, "items": [p.to_json() for p in report.problems.items]},
         "anomalies_found": report.anomalies_found,
     }
+
+
+APPENDED_NOTE = ("a file whose steps start over holds several runs: a script re-run with the same output_dir "
+                 "appends to the files of the earlier run, so those steps are counted more than once; "
+                 "use a new output_dir per run, or delete the old files")
+
+
+def _appended_text(item: Dict[str, Any], root: str) -> str:
+    runs = item["runs"]
+    return (f"{_rel(item['file'], root)}: {runs} runs (run {2 if runs == 2 else '2..' + str(runs)} starts at line "
+            f"{', '.join(map(str, item['restart_lines'][:5]))}{', ...' if len(item['restart_lines']) > 5 else ''}); "
+            f"steps written more than once: {compact_steps(item['steps_repeated']) if item['steps_repeated'] else 'none'}")
+
+
+def _appended_rows(report: Report, limit: int) -> List[List[Any]]:
+    root = report.layout.root
+    return [[i["rank"], i["monitor"], _rel(i["file"], root), i["runs"], ",".join(map(str, i["restart_lines"][:5])),
+             compact_steps(i["steps_repeated"]) if i["steps_repeated"] else "-"] for i in _limit(report.appended, limit)]
 
 
 def _collected_text(report: Report) -> List[str]:
@@ -436,6 +455,9 @@ def cmd_summary(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                      f"{m0['stat']} {fmt_num(m0['value'])} vs {fmt_num(m0['consensus'])}")
     else:
         lines.append("  rank disagreement: none")
+    if report.appended:
+        lines.append(f"  steps written more than once: {len(report.appended)} file(s) hold several runs (a re-run "
+                     f"appended to the same output_dir); first: {_appended_text(report.appended[0], root)}")
     if report.problems.count:
         lines.append(f"  malformed input:   {report.problems.summary()} (see the warnings above)")
     lines += ["", f"Details: msprobe-monitor anomalies {root}"]
@@ -477,6 +499,10 @@ def cmd_anomalies(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         if note:
             lines.append(f"  ({note})")
         lines.append(table(headers, rows) if rows else "  none")
+    if report.appended:
+        lines += ["", "STEPS WRITTEN MORE THAN ONCE (runs appended to the same files)", f"  ({APPENDED_NOTE})",
+                  table(["rank", "monitor", "file", "runs", "later runs start at line", "steps written again"],
+                        _appended_rows(report, args.limit))]
     if report.problems.count:
         lines += ["", f"MALFORMED INPUT: {report.problems.summary()} (see the warnings on stderr)"]
     verdict = "anomalies found" if report.anomalies_found else "no anomaly"

@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from .columnar import Batch, batches, frame_rows, polars, read_batch, row_of
 from .detect import (CHUNK, INF, MAD_SCALE, RANK_CHECKED_MONITORS, Collected, FirstN, RankCheckSettings, Report,
-                     RowVisitor, SpikeSettings, _compare_step, _median, finding, merge_steps, row_is_checked,
+                     RowVisitor, SpikeSettings, _compare_step, appended_item, relabel, _median, finding, merge_steps, row_is_checked,
                      step_blocks)
 from .order import LAST, order_key, phase
 from .reader import MONITORS, OPS, CsvFile, Layout, Problems, StepRange
@@ -61,6 +61,7 @@ def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, 
     hashes: Dict[Tuple[str, Tuple[int, int]], Dict[int, Dict[int, Tuple[int, int, int]]]] = {}
     irregular: Dict[Tuple[str, Tuple[int, int]], set] = {}
     kw = {} if batch_rows is None else {"max_rows": batch_rows}
+    appended: List[Dict[str, Any]] = []
 
     for rank in layout.ranks:
         n_rows = n_files = 0
@@ -87,6 +88,8 @@ def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, 
                     n_rows += len(fr)
                     col.rows += len(fr)
                     _collect(pl, fr, col)
+                    fr = fr.with_columns(_tensor_ids(pl, fr, carry))
+                    _appended(pl, fr, rank, monitor, batch, appended)
                     fr = fr.with_columns(_nonfinite_kind(pl, fr).alias("kind"))
                     nonfinite_count += _nonfinite(pl, fr, rank, monitor, batch, first_nonfinite, nonfinite_by)
                     if spike_stats:
@@ -113,8 +116,10 @@ def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, 
     else:
         mismatches = _check_ranks(layout, problems, rank_check, steps, hashes, irregular, prog)
     prog.close()
-    return Report(layout, collected, rank_files, rank_rows, first_nonfinite, nonfinite_count, nonfinite_by,
-                  spike_items, spike_steps, spikes, mismatches, rank_check, note, problems)
+    report = Report(layout, collected, rank_files, rank_rows, first_nonfinite, nonfinite_count, nonfinite_by,
+                    spike_items, spike_steps, spikes, mismatches, rank_check, note, problems, appended)
+    relabel(report)
+    return report
 
 
 # ------------------------------------------------------------------ collected
@@ -125,6 +130,30 @@ def _collect(pl, fr, col: Collected) -> None:
         col.scopes[scope] += n
     micro = fr["micro_step"].drop_nulls().unique().to_list()
     col.micro_steps.update(micro)
+
+
+def _appended(pl, fr, rank: int, monitor: str, batch: Batch, out: List[Dict[str, Any]]) -> None:
+    """Files holding several runs (see :class:`.detect.FileRuns`), on integer columns."""
+    back = (pl.col("step").diff().over("fidx") < 0).fill_null(False)
+    key = [pl.col("step"), pl.col("_gid"), pl.col("micro_step").fill_null(-1)]
+    fr = fr.select("fidx", "step", "line", "_gid", "micro_step").with_columns(
+        back.cast(pl.Int64).cum_sum().over("fidx").alias("_seg1"))
+    same_head = pl.all_horizontal(*[(k == k.first()).over("fidx", "_seg1") for k in key])
+    first_row = pl.int_range(pl.len()).over("fidx", "_seg1") == 0
+    restart = back | (same_head & ~first_row)
+    fr = fr.with_columns(restart.alias("_restart"))
+    if not fr["_restart"].any():
+        return
+    files = fr.filter(pl.col("_restart"))["fidx"].unique().to_list()
+    fr = fr.filter(pl.col("fidx").is_in(files)).with_columns(
+        pl.col("_restart").cast(pl.Int64).cum_sum().over("fidx").alias("_seg"))
+    # a step is repeated when a later run writes it again (its first run is not the current one)
+    repeated = (fr.with_columns(pl.col("_seg").first().over("fidx", "step").alias("_first"))
+                .filter(pl.col("_seg") != pl.col("_first")).group_by("fidx").agg(pl.col("step").unique().sort()))
+    rep = {f: steps for f, steps in repeated.iter_rows()}
+    restarts = fr.filter(pl.col("_restart")).group_by("fidx", maintain_order=True).agg(pl.col("line")).sort("fidx")
+    for fidx, lines in restarts.iter_rows():
+        out.append(appended_item(rank, monitor, batch.files[fidx].path, list(lines), list(rep.get(fidx, []))))
 
 
 # ------------------------------------------------------------------ non-finite
@@ -186,7 +215,6 @@ def _spikes(pl, fr, rank: int, monitor: str, batch: Batch, settings: SpikeSettin
     hits: Dict[int, List[Tuple[str, float, float, float]]] = {}  # seq -> [(label, x, median, mad)]
     finite = fr.filter(pl.col("kind").is_null())
     has_min = "min" in finite.columns and finite["min"].null_count() < len(finite)
-    finite = finite.with_columns(_tensor_ids(pl, finite, carry))
     g = "_gid"
     for stat in stats:
         if finite[stat].null_count() == len(finite) and stat not in carry:
