@@ -168,3 +168,17 @@ def test_well_formed_files_take_the_fast_path_and_damaged_ones_the_csv_reader(ru
     _break(root)
     assert cli("summary", root).code == 0
     assert 5 <= len(seen) <= 8  # only the damaged files
+
+
+def test_ranks_listing_tensors_in_another_order_are_compared_by_name(tmp_path):
+    """Rank 1 writes its tensors in the reverse order, with the values of a and b swapped:
+    a disagreement that only matching by name finds."""
+    header = "vpp_stage,step,module_name,scope,min,max,mean,norm,nans\n"
+    for r, order in ((0, ("a", "b")), (1, ("b", "a")), (2, ("a", "b"))):
+        d = tmp_path / f"rank_{r}"
+        d.mkdir()
+        val = {"a": 1.0, "b": 2.0} if r != 1 else {"a": 2.0, "b": 1.0}
+        rows = [f"0,0,{n},param_updated,{val[n]},{val[n]},{val[n]},{val[n]},0\n" for n in order]
+        (d / "param_step0-0.csv").write_text(header + "".join(rows))
+    res = both("anomalies", tmp_path, "--json")
+    assert [(i["rank"], i["tensor"], i["rows_differing"]) for i in res.json()["rank_check"]["items"]] == [(1, "b", 2)]

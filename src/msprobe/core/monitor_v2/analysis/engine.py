@@ -62,6 +62,7 @@ def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, 
     irregular: Dict[Tuple[str, Tuple[int, int]], set] = {}
     kw = {} if batch_rows is None else {"max_rows": batch_rows}
     appended: List[Dict[str, Any]] = []
+    tensor_ids: Dict[str, Dict[str, Any]] = {}  # monitor -> {"_ids": table}: one id space for all ranks
 
     for rank in layout.ranks:
         n_rows = n_files = 0
@@ -87,8 +88,8 @@ def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, 
                     seq0 += len(fr)
                     n_rows += len(fr)
                     col.rows += len(fr)
-                    _collect(pl, fr, col)
-                    fr = fr.with_columns(_tensor_ids(pl, fr, carry))
+                    fr = fr.with_columns(_tensor_ids(pl, fr, tensor_ids.setdefault(monitor, {})))
+                    _collect(pl, fr, col, tensor_ids[monitor]["_ids"])
                     _appended(pl, fr, rank, monitor, batch, appended)
                     fr = fr.with_columns(_nonfinite_kind(pl, fr).alias("kind"))
                     nonfinite_count += _nonfinite(pl, fr, rank, monitor, batch, first_nonfinite, nonfinite_by)
@@ -123,19 +124,28 @@ def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, 
 
 
 # ------------------------------------------------------------------ collected
-def _collect(pl, fr, col: Collected) -> None:
+def _collect(pl, fr, col: Collected, ids) -> None:
+    """``ids``: the (module_name, scope, _gid) table of :func:`_tensor_ids`."""
     col.steps.update(fr["step"].unique().to_list())
-    col.tensors.update(fr.select("module_name", "scope").unique().iter_rows())
-    for scope, n in fr.group_by("scope", maintain_order=True).len().iter_rows():
+    per_gid = fr.group_by("_gid").agg(pl.len().alias("n"), pl.col("seq").min().alias("first"))
+    per_gid = per_gid.join(ids, on="_gid", how="left")
+    col.tensors.update(per_gid.select("module_name", "scope").iter_rows())
+    scopes = per_gid.group_by("scope").agg(pl.col("n").sum(), pl.col("first").min()).sort("first")
+    for scope, n, _first in scopes.iter_rows():  # in order of first appearance, as the reference counts
         col.scopes[scope] += n
-    micro = fr["micro_step"].drop_nulls().unique().to_list()
-    col.micro_steps.update(micro)
+    col.micro_steps.update(fr["micro_step"].drop_nulls().unique().to_list())
 
 
 def _appended(pl, fr, rank: int, monitor: str, batch: Batch, out: List[Dict[str, Any]]) -> None:
     """Files holding several runs (see :class:`.detect.FileRuns`), on integer columns."""
     back = (pl.col("step").diff().over("fidx") < 0).fill_null(False)
     key = [pl.col("step"), pl.col("_gid"), pl.col("micro_step").fill_null(-1)]
+    # cheap test first: no step goes back and each file's first row occurs once
+    heads = fr.select(pl.col("fidx").unique(maintain_order=True).len()).item()
+    quick = fr.select(back.any().alias("b"), pl.all_horizontal(*[k == k.first().over("fidx") for k in key]).sum()
+                      .alias("h")).row(0)
+    if not quick[0] and quick[1] == heads:
+        return
     fr = fr.select("fidx", "step", "line", "_gid", "micro_step").with_columns(
         back.cast(pl.Int64).cum_sum().over("fidx").alias("_seg1"))
     same_head = pl.all_horizontal(*[(k == k.first()).over("fidx", "_seg1") for k in key])
@@ -212,62 +222,71 @@ def _spikes(pl, fr, rank: int, monitor: str, batch: Batch, settings: SpikeSettin
     import numpy as np
 
     W, min_hist, ratio, mad_k = settings.window, settings.min_history, settings.ratio, settings.mad_k
-    hits: Dict[int, List[Tuple[str, float, float, float]]] = {}  # seq -> [(label, x, median, mad)]
+    hits: Dict[int, Dict[str, Tuple[str, float, float, float]]] = {}  # seq -> {stat: (label, x, median, mad)}
     finite = fr.filter(pl.col("kind").is_null())
     has_min = "min" in finite.columns and finite["min"].null_count() < len(finite)
     g = "_gid"
-    for stat in stats:
-        if finite[stat].null_count() == len(finite) and stat not in carry:
+    # The statistics share their rows (one sort, one carry) while no row lacks one of them;
+    # after a batch where one does, each has its own history from then on.
+    joint = len(stats) > 1 and not carry.get("_split") and all(finite[st].null_count() == 0 for st in stats)
+    if len(stats) > 1 and not joint and not carry.get("_split"):
+        carry["_split"] = True
+        old = carry.pop(tuple(stats), None)
+        if old is not None:
+            for st in stats:
+                carry[(st,)] = old.select(g, "seq", f"x_{st}", "_absmax", "pos0", "_new")
+    for unit in ([tuple(stats)] if joint else [(st,) for st in stats]):
+        sel = finite if joint else finite.filter(pl.col(unit[0]).is_not_null())
+        old = carry.get(unit)
+        if not len(sel) and old is None:
             continue
-        new = (finite.filter(pl.col(stat).is_not_null())
-               .select(g, "seq", _spike_value(pl, stat, has_min).alias("x"),
-                       (pl.col("min").is_not_null() if stat == "max" else pl.lit(False)).alias("_absmax"))
-               .with_columns(pl.lit(None, dtype=pl.Int64).alias("pos0"), pl.lit(True).alias("_new")))
-        old = carry.get(stat)
+        new = sel.select(g, "seq", *[_spike_value(pl, st, has_min).alias(f"x_{st}") for st in unit],
+                         (pl.col("min").is_not_null() if "max" in unit else pl.lit(False)).alias("_absmax"),
+                         pl.lit(None, dtype=pl.Int64).alias("pos0"), pl.lit(True).alias("_new"))
         comb = new if old is None else pl.concat([old, new], how="vertical")
         if not len(comb):
             continue
         comb = comb.sort(g, "seq").with_columns(
             pl.int_range(pl.len()).over(g).alias("_cidx"),
             pl.len().over(g).cast(pl.Int64).alias("_glen"),
-            pl.col("pos0").first().over(g).fill_null(0).alias("_start"),
-            pl.col("x").is_nan().any().over(g).alias("_odd"))
+            pl.col("pos0").first().over(g).fill_null(0).alias("_start"))
         comb = comb.with_columns((pl.col("_start") + pl.col("_cidx")).alias("_pos"))
-        xc = pl.when(pl.col("x").is_nan()).then(0.0).otherwise(pl.col("x"))
-        comb = comb.with_columns(
-            pl.when(pl.col("_pos") >= W).then(xc.rolling_min(W).shift(1))
-            .otherwise(xc.cum_min().shift(1).over(g)).alias("_pmin"))
-        cand = comb.select(
-            ((pl.col("_new") & ~pl.col("_odd") & (pl.col("_pos") >= min_hist)
-              & (pl.col("x") > ratio * pl.col("_pmin"))) | (pl.col("_new") & pl.col("_odd"))).arg_true())
-        idx = cand.to_series().to_numpy()
-        if len(idx):
-            x = comb["x"].to_numpy()
-            pos = comb["_pos"].to_numpy()
-            seq = comb["seq"].to_numpy()
-            absmax = comb["_absmax"].to_numpy()
-            label_of = (lambda i: "absmax" if absmax[i] else "max") if stat == "max" else (lambda i: stat)
+        pos = seq = absmax = None
+        for st in unit:
+            xs = pl.col(f"x_{st}")
+            xc = pl.when(xs.is_nan()).then(0.0).otherwise(xs)
+            odd = xs.is_nan().any().over(g)
+            pmin = pl.when(pl.col("_pos") >= W).then(xc.rolling_min(W).shift(1)).otherwise(
+                xc.cum_min().shift(1).over(g))
+            idx = comb.select((pl.col("_new") & ((~odd & (pl.col("_pos") >= min_hist) & (xs > ratio * pmin)) | odd))
+                              .arg_true()).to_series().to_numpy()
+            if not len(idx):
+                continue
+            x = comb[f"x_{st}"].to_numpy()
+            if pos is None:
+                pos, seq, absmax = comb["_pos"].to_numpy(), comb["seq"].to_numpy(), comb["_absmax"].to_numpy()
             for i in idx.tolist():
                 n = min(int(pos[i]), W)
                 if n < min_hist:
                     continue
                 h = x[i - n:i].tolist()
                 xv = float(x[i])
-                if xv > ratio * min(h):
-                    s = sorted(h)
-                    med = _median(s)
+                if xv > ratio * min(h):  # the reference's rule, on the same values in the same order
+                    srt = sorted(h)
+                    med = _median(srt)
                     if xv > ratio * med:
-                        mad = _median(sorted(abs(y - med) for y in s))
+                        mad = _median(sorted(abs(y - med) for y in srt))
                         if xv > med + mad_k * MAD_SCALE * mad:
-                            hits.setdefault(int(seq[i]), []).append((label_of(i), xv, med, mad))
-        carry[stat] = (comb.filter(pl.col("_cidx") >= pl.col("_glen") - W)
-                       .select(g, "seq", "x", "_absmax", pl.col("_pos").alias("pos0"),
+                            label = ("absmax" if absmax[i] else "max") if st == "max" else st
+                            hits.setdefault(int(seq[i]), {})[st] = (label, xv, med, mad)
+        carry[unit] = (comb.filter(pl.col("_cidx") >= pl.col("_glen") - W)
+                       .select(g, "seq", *[f"x_{st}" for st in unit], "_absmax", pl.col("_pos").alias("pos0"),
                                pl.lit(False).alias("_new")))
     if not hits:
         return
     rows = fr.filter(pl.col("seq").is_in(list(hits))).sort("seq")
     for rec in rows.iter_rows(named=True):
-        found = hits[rec["seq"]]  # in the order of ``stats``, as the reference checks them
+        found = [hits[rec["seq"]][st] for st in stats if st in hits[rec["seq"]]]  # the reference's order
         label, xv, med, mad = found[0]
         row = row_of(rec)
         spiked = finding(rank, monitor, row, batch.files[rec["fidx"]].path, stat=label, value=xv, median=med,
@@ -277,8 +296,9 @@ def _spikes(pl, fr, rank: int, monitor: str, batch: Batch, settings: SpikeSettin
 
 
 def _tensor_ids(pl, fr, carry: Dict[str, Any]):
-    """An integer id per (module_name, scope), stable over the batches of one (rank,
-    monitor): sorting by it is much cheaper than by the strings."""
+    """An integer id per (module_name, scope), the same in every batch and on every rank
+    of a monitor (``carry`` is per monitor): sorting and hashing integers is much
+    cheaper than strings."""
     ids = carry.get("_ids")
     keys = fr.select("module_name", "scope").unique(maintain_order=True)
     if ids is None:
@@ -302,11 +322,12 @@ def _hash_steps(pl, fr, rank: int, monitor: str, batch: Batch, hashes: Dict, irr
     # a file whose steps go back, or that repeats a row within a step: compare it the reference way
     per_file = checked.group_by("fidx").agg(
         (pl.col("step").diff() < 0).any().alias("back"),
-        (pl.struct("step", "module_name", "scope", "micro_step").n_unique() < pl.len()).alias("dup"))
+        (pl.struct("step", "_gid", "micro_step").n_unique() < pl.len()).alias("dup"))
     for fidx, back, dup in per_file.iter_rows():
         if back or dup:
             irregular.setdefault((monitor, windows[fidx]), set()).add(rank)
-    cols = ["module_name", "scope", "micro_step"] + [op for op in OPS if op in checked.columns]
+    # the tensor by its id (one id space per monitor, shared by all ranks)
+    cols = ["_gid", "micro_step"] + [op for op in OPS if op in checked.columns]
     h = pl.struct(cols)
     sums = checked.group_by("fidx", "step").agg(
         (h.hash(seed=1) % _HASH_MOD).sum().alias("h1"), (h.hash(seed=2) % _HASH_MOD).sum().alias("h2"),
