@@ -243,33 +243,53 @@ def _spikes(pl, fr, rank: int, monitor: str, batch: Batch, settings: SpikeSettin
         new = sel.select(g, "seq", *[_spike_value(pl, st, has_min).alias(f"x_{st}") for st in unit],
                          (pl.col("min").is_not_null() if "max" in unit else pl.lit(False)).alias("_absmax"),
                          pl.lit(None, dtype=pl.Int64).alias("pos0"), pl.lit(True).alias("_new"))
-        comb = new if old is None else pl.concat([old, new], how="vertical")
+        comb = new if old is None else pl.concat([old, new], how="vertical")  # in row order (seq)
         if not len(comb):
             continue
-        comb = comb.sort(g, "seq").with_columns(
-            pl.int_range(pl.len()).over(g).alias("_cidx"),
-            pl.len().over(g).cast(pl.Int64).alias("_glen"),
-            pl.col("pos0").first().over(g).fill_null(0).alias("_start"))
-        comb = comb.with_columns((pl.col("_start") + pl.col("_cidx")).alias("_pos"))
-        pos = seq = absmax = None
+        # group the rows by tensor (a stable sort keeps each tensor's rows in row order)
+        gid = comb[g].to_numpy()
+        order = np.argsort(gid, kind="stable")
+        gs = gid[order]
+        n = len(gs)
+        first = np.ones(n, dtype=bool)
+        first[1:] = gs[1:] != gs[:-1]
+        starts = np.flatnonzero(first)
+        grp = np.cumsum(first) - 1
+        cidx = np.arange(n) - starts[grp]
+        glen = np.diff(np.append(starts, n))[grp]
+        pos0 = comb["pos0"].fill_null(0).to_numpy()[order]
+        pos = pos0[starts][grp] + cidx  # the carried rows know their position in the tensor's history
+        isnew = comb["_new"].to_numpy()[order]
+        seq = comb["seq"].to_numpy()[order]
+        absmax = comb["_absmax"].to_numpy()[order]
         for st in unit:
-            xs = pl.col(f"x_{st}")
-            xc = pl.when(xs.is_nan()).then(0.0).otherwise(xs)
-            odd = xs.is_nan().any().over(g)
-            pmin = pl.when(pl.col("_pos") >= W).then(xc.rolling_min(W).shift(1)).otherwise(
-                xc.cum_min().shift(1).over(g))
-            idx = comb.select((pl.col("_new") & ((~odd & (pl.col("_pos") >= min_hist) & (xs > ratio * pmin)) | odd))
-                              .arg_true()).to_series().to_numpy()
-            if not len(idx):
-                continue
-            x = comb[f"x_{st}"].to_numpy()
-            if pos is None:
-                pos, seq, absmax = comb["_pos"].to_numpy(), comb["seq"].to_numpy(), comb["_absmax"].to_numpy()
-            for i in idx.tolist():
-                n = min(int(pos[i]), W)
-                if n < min_hist:
+            x = comb[f"x_{st}"].to_numpy()[order]
+            nan = np.isnan(x)
+            odd = np.logical_or.reduceat(nan, starts)[grp]  # NaN in the history: min() depends on order
+            xc = np.where(nan, 0.0, x)
+            # minimum of the previous min(cidx, W) values of the same tensor (= min(pos, W) values:
+            # the carry holds the last W of each tensor)
+            pmin = np.full(n, np.inf)
+            for k in range(1, min(W, n - 1) + 1):
+                np.minimum(pmin[k:], xc[:-k], out=pmin[k:])
+            # rows with fewer than W earlier rows of their tensor: only those rows
+            short = np.flatnonzero(cidx < W)
+            if len(short):
+                pm = np.full(len(short), np.inf)
+                cs = cidx[short]
+                for k in range(1, W):
+                    ok = cs >= k
+                    if not ok.any():
+                        break
+                    pm[ok] = np.minimum(pm[ok], xc[short[ok] - k])
+                pmin[short] = pm
+            with np.errstate(invalid="ignore"):
+                cand = isnew & ((~odd & (pos >= min_hist) & (x > ratio * pmin)) | odd)
+            for i in np.flatnonzero(cand).tolist():
+                m = min(int(pos[i]), W)
+                if m < min_hist:
                     continue
-                h = x[i - n:i].tolist()
+                h = x[i - m:i].tolist()
                 xv = float(x[i])
                 if xv > ratio * min(h):  # the reference's rule, on the same values in the same order
                     srt = sorted(h)
@@ -279,9 +299,10 @@ def _spikes(pl, fr, rank: int, monitor: str, batch: Batch, settings: SpikeSettin
                         if xv > med + mad_k * MAD_SCALE * mad:
                             label = ("absmax" if absmax[i] else "max") if st == "max" else st
                             hits.setdefault(int(seq[i]), {})[st] = (label, xv, med, mad)
-        carry[unit] = (comb.filter(pl.col("_cidx") >= pl.col("_glen") - W)
-                       .select(g, "seq", *[f"x_{st}" for st in unit], "_absmax", pl.col("_pos").alias("pos0"),
-                               pl.lit(False).alias("_new")))
+        keep = np.flatnonzero(cidx >= glen - W)
+        carry[unit] = (comb[order[keep]].with_columns(pl.Series("pos0", pos[keep], dtype=pl.Int64),
+                                                      pl.lit(False).alias("_new"))
+                       .sort("seq"))
     if not hits:
         return
     rows = fr.filter(pl.col("seq").is_in(list(hits))).sort("seq")
@@ -329,9 +350,9 @@ def _hash_steps(pl, fr, rank: int, monitor: str, batch: Batch, hashes: Dict, irr
     # the tensor by its id (one id space per monitor, shared by all ranks)
     cols = ["_gid", "micro_step"] + [op for op in OPS if op in checked.columns]
     h = pl.struct(cols)
+    hv = h.hash(seed=1)  # 64 bits, summed as a 40-bit and a 24-bit part (no overflow below 2**24 rows)
     sums = checked.group_by("fidx", "step").agg(
-        (h.hash(seed=1) % _HASH_MOD).sum().alias("h1"), (h.hash(seed=2) % _HASH_MOD).sum().alias("h2"),
-        pl.len().alias("n"))
+        (hv // _HASH_MOD).sum().alias("h1"), (hv % _HASH_MOD).sum().alias("h2"), pl.len().alias("n"))
     for fidx, step, h1, h2, n in sums.iter_rows():
         per_step = hashes.setdefault((monitor, windows[fidx]), {}).setdefault(step, {})
         prev = per_step.get(rank)
