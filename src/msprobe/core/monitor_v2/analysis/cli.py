@@ -170,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--module-io", choices=("outputs", "all"), default="outputs",
                     help="module monitor: draw only output/grad_output rows, or every row")
     pl.add_argument("--yscale", choices=("auto", "linear", "log"), default="auto",
-                    help="auto: log when all values are > 0 and span more than 3 decades")
+                    help="auto: log when all values are > 0 and span more than 3 decades, or the lines' "
+                         "medians differ more than 20x (forward and backward on one axis)")
     pl.add_argument("--out", default=None, help="directory for the PNG files and report.html "
                                                 "(default: OUT_DIR/analysis_report)")
     pl.add_argument("--embed", action="store_true", help="embed the images in report.html (one self-contained file)")
