@@ -3,7 +3,8 @@
 #   bash scripts/setup_env.sh demo   torch (CPU wheel, pinned), numpy<2
 #   bash scripts/setup_env.sh test   + MindSpore 2.10 (CPU; an 800 MB download the first
 #                                    time), pytest, transformers (tests build models from a
-#                                    config, no download), matplotlib, and Debian's chromium
+#                                    config, no download), matplotlib, polars (the analysis
+#                                    engine), and Debian's chromium
 #                                    (the HTML report is checked in a headless browser)
 # Both profiles install gcc where no C compiler exists: the monitor builds its one-pass
 # statistics kernel with it.
@@ -18,8 +19,8 @@ fi
 deps=("torch==2.13.0" "numpy<2")
 check="import torch, numpy, msprobe.core.monitor_v2.trainer"
 if [ "$profile" = test ]; then
-  deps+=("mindspore==2.10.0" "pytest>=7" "transformers>=4.40,<5" "matplotlib>=3.5")
-  check="$check, mindspore, pytest, transformers, matplotlib"
+  deps+=("mindspore==2.10.0" "pytest>=7" "transformers>=4.40,<5" "matplotlib>=3.5" "polars==2.1.0")
+  check="$check, mindspore, pytest, transformers, matplotlib, polars"
 fi
 stamp=.venv/.msprobe-installed-$profile
 want="${deps[*]} $(sha1sum pyproject.toml | cut -c1-12)"

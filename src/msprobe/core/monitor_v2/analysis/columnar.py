@@ -24,6 +24,7 @@ the line of the CSV row it was exported from.
 
 import os
 import re
+import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .reader import (BASE_COLUMNS, MONITORS, OPS, CsvFile, InputError, Layout, Problems, Row, StepRange,
@@ -379,8 +380,12 @@ def load(path: str, ranks: Optional[Sequence[int]] = None, monitors: Optional[Se
                 fr = fr.with_columns(*extra)
                 keep = ["rank", "monitor"] + list(COLUMNS) + (["file", "line"] if with_source else [])
                 parts.append(fr.select(keep))
+    if problems.count:
+        print(f"msprobe-monitor: {problems.summary()}", file=sys.stderr)
     if not parts:
-        return empty_frame(pl).with_columns(pl.lit(0).alias("rank"), pl.lit("").alias("monitor"))
+        keep = ["rank", "monitor"] + list(COLUMNS) + (["file", "line"] if with_source else [])
+        return empty_frame(pl).with_columns(pl.lit(0, dtype=pl.Int64).alias("rank"), pl.lit("").alias("monitor"),
+                                            pl.lit("").alias("file")).select(keep)
     return pl.concat(parts, how="vertical")
 
 
