@@ -11,7 +11,7 @@ from analysis_helpers import NAN_STEP, STEPS, cli, training_runs
 
 pl = pytest.importorskip("polars", reason="the analysis extra (polars) is part of the test profile")
 
-from msprobe.core.monitor_v2.analysis import export, load  # noqa: E402
+from msprobe.core.monitor_v2.analysis import load  # noqa: E402
 
 OPS = ("min", "max", "mean", "norm", "nans")
 
@@ -97,7 +97,8 @@ def test_export_keeps_bad_lines_out_with_a_warning(runs, tmp_path):
     f = sorted((src / "rank_0").glob("param_step*.csv"))[0]
     lines = f.read_text().splitlines(keepends=True)
     f.write_text("".join(lines[:2] + ["garbage\n"] + lines[2:]))
-    res = cli("export", src, tmp_path / "pq")
+    res = cli("export", src, tmp_path / "pq", "--progress")
+    assert f"exporting: {len(list(src.glob('rank_*/*.csv')))}/" in res.err
     assert res.code == 0 and "1 malformed line(s)/file(s) skipped" in res.out
     assert f"{f.name}:3:" in res.err
     assert len(load(tmp_path / "pq")) == len(csv_rows(runs / "clean"))

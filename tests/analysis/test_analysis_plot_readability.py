@@ -5,7 +5,6 @@ different sizes share a log axis; every line of a figure has its own colour and 
 import json
 from pathlib import Path
 
-import pytest
 import torch
 
 from analysis_helpers import cli

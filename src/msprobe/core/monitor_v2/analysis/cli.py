@@ -571,8 +571,6 @@ def cmd_diff(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
     problems = Problems(strict=args.strict, stream=err)
     steps = parse_steps(args.steps)
-    ranks = parse_int_list(args.ranks, "--ranks")
-    monitors = parse_monitor_list(args.monitors)
     la = _load(args, args.out_a, problems)
     lb = _load(args, args.out_b, problems)
     settings = DiffSettings(rtol=args.rtol, atol=args.atol, stats=args.stats,
@@ -642,8 +640,13 @@ def cmd_export(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise InputError(f"DEST {args.dest!r}: must differ from OUT_DIR")
     layout = _load(args, args.out_dir, problems)
     prog = Progress(layout.n_files, "exporting", enabled=True if args.progress else None, stream=err)
+    def advance(what: str, files: int) -> None:
+        for _ in range(files):
+            prog.advance(what)
+
     res = export(args.out_dir, args.dest, ranks=parse_int_list(args.ranks, "--ranks"),
-                 monitors=parse_monitor_list(args.monitors), steps=parse_steps(args.steps), problems=problems)
+                 monitors=parse_monitor_list(args.monitors), steps=parse_steps(args.steps), problems=problems,
+                 progress=advance)
     prog.close()
     if args.json:
         dump_json({"command": "export", "out_dir": os.path.abspath(args.out_dir), "dest": os.path.abspath(args.dest),

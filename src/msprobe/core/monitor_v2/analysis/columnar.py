@@ -28,7 +28,7 @@ import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .reader import (BASE_COLUMNS, MONITORS, OPS, CsvFile, InputError, Layout, Problems, Row, StepRange,
-                     header_ops, in_steps, iter_rows)
+                     header_ops, iter_rows)
 
 INSTALL_HINT = "pip install 'msprobe-monitor[analysis]' (it installs polars and matplotlib)"
 PARQUET_GLOB = "part-*.parquet"
@@ -391,7 +391,7 @@ def load(path: str, ranks: Optional[Sequence[int]] = None, monitors: Optional[Se
 
 def export(path: str, dest: str, ranks: Optional[Sequence[int]] = None, monitors: Optional[Sequence[str]] = None,
            steps: Optional[StepRange] = None, problems: Optional[Problems] = None,
-           progress: Optional[Callable[[str], None]] = None) -> Dict[str, int]:
+           progress: Optional[Callable[[str, int], None]] = None) -> Dict[str, int]:
     """Write the CSV output under ``path`` as one Parquet dataset under ``dest``,
     partitioned by monitor and rank; returns ``{"files": ..., "rows": ...}``. Memory
     stays bounded: each batch of about :data:`BATCH_ROWS` rows becomes one Parquet part."""
@@ -427,6 +427,6 @@ def export(path: str, dest: str, ranks: Optional[Sequence[int]] = None, monitors
                 part += 1
                 rows += len(fr)
                 if progress is not None:
-                    progress(f"rank {rank} {monitor}")
+                    progress(f"rank {rank} {monitor}", len(group))
             written += part
     return {"files": written, "rows": rows}

@@ -34,7 +34,7 @@ from .detect import (CHUNK, INF, MAD_SCALE, RANK_CHECKED_MONITORS, Collected, Fi
                      RowVisitor, SpikeSettings, _compare_step, appended_item, relabel, _median, finding, merge_steps, row_is_checked,
                      step_blocks)
 from .order import LAST, order_key, phase
-from .reader import MONITORS, OPS, CsvFile, Layout, Problems, StepRange
+from .reader import MONITORS, OPS, Layout, Problems, StepRange
 from .text import Progress
 
 _HASH_MOD = 1 << 40
