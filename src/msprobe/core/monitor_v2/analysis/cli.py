@@ -125,8 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="msprobe-monitor", formatter_class=_Formatter,
         description="Read the CSV output of msprobe Monitor V2: a summary, anomalies (first NaN/Inf, spikes, "
-                    "ranks that disagree), trend plots with an HTML report, a comparison of two runs, and "
-                    "config validation.",
+                    "ranks that disagree), trend plots with an HTML report, a comparison of two runs, export to "
+                    "Parquet, and config validation.",
         epilog="exit codes: 0 ok, 1 anomalies found (anomalies) or runs differ (diff), 2 usage/input error, "
                "3 internal error",
     )
