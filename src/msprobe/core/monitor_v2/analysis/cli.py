@@ -4,6 +4,7 @@
     msprobe-monitor anomalies OUT_DIR          first NaN/Inf, spikes, rank disagreement
     msprobe-monitor plot      OUT_DIR          PNG trends + report.html
     msprobe-monitor diff      OUT_A OUT_B      first difference between two runs
+    msprobe-monitor export    OUT_DIR DEST     the output as one Parquet dataset (read by all commands)
     msprobe-monitor validate  CONFIG           check a monitor_v2 config file
 
 Exit codes: 0 = ok (no anomaly / no difference / valid config), 1 = anomalies found
@@ -89,6 +90,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text tables")
     g.add_argument("--limit", type=_nonneg_int, default=20, help="rows per table (0 = all)")
     g.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    # the previous pure-Python implementation, kept as the reference of the tests and the benchmark
+    g.add_argument("--engine", choices=("columnar", "reference"), default="columnar", help=argparse.SUPPRESS)
 
 
 def _detectors(p: argparse.ArgumentParser) -> None:
@@ -122,8 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="msprobe-monitor", formatter_class=_Formatter,
         description="Read the CSV output of msprobe Monitor V2: a summary, anomalies (first NaN/Inf, spikes, "
-                    "ranks that disagree), trend plots with an HTML report, a comparison of two runs, and "
-                    "config validation.",
+                    "ranks that disagree), trend plots with an HTML report, a comparison of two runs, export to "
+                    "Parquet, and config validation.",
         epilog="exit codes: 0 ok, 1 anomalies found (anomalies) or runs differ (diff), 2 usage/input error, "
                "3 internal error",
     )
@@ -167,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--module-io", choices=("outputs", "all"), default="outputs",
                     help="module monitor: draw only output/grad_output rows, or every row")
     pl.add_argument("--yscale", choices=("auto", "linear", "log"), default="auto",
-                    help="auto: log when all values are > 0 and span more than 3 decades")
+                    help="auto: log when all values are > 0 and span more than 3 decades, or the lines' "
+                         "medians differ more than 20x (forward and backward on one axis)")
     pl.add_argument("--out", default=None, help="directory for the PNG files and report.html "
                                                 "(default: OUT_DIR/analysis_report)")
     pl.add_argument("--embed", action="store_true", help="embed the images in report.html (one self-contained file)")
@@ -188,6 +192,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--stats", type=_stat_list(OPS), default=None,
                    help="statistics to compare (default: all that both runs have)")
     _common(d)
+
+    e = sub.add_parser("export", formatter_class=_Formatter,
+                       help="write the CSV output as one Parquet dataset, partitioned by monitor and rank",
+                       description="Write OUT_DIR's CSV files as one Parquet dataset under DEST "
+                                   "(DEST/monitor=<m>/rank=<r>/part-<n>.parquet, hive style). Every other "
+                                   "command reads DEST like an output directory, faster; so do Polars, DuckDB, "
+                                   "pandas/pyarrow. Malformed lines are skipped with a warning, as everywhere.")
+    e.add_argument("out_dir", metavar="OUT_DIR")
+    e.add_argument("dest", metavar="DEST")
+    _common(e)
 
     v = sub.add_parser("validate", formatter_class=_Formatter,
                        help="check a monitor_v2 config file with the library's own validation",
@@ -233,9 +247,33 @@ def _limit(items: List[Any], n: int) -> List[Any]:
     return items if n == 0 else items[:n]
 
 
+def _columnar(args: argparse.Namespace) -> bool:
+    """The columnar engine (Polars), unless the reference one is asked for; a missing
+    Polars is an input error naming what to install."""
+    if getattr(args, "engine", "columnar") == "reference":
+        return False
+    from .columnar import polars
+
+    polars()
+    return True
+
+
 def _load(args: argparse.Namespace, root: str, problems: Problems) -> Layout:
-    return scan(root, ranks=parse_int_list(args.ranks, "--ranks"), monitors=parse_monitor_list(args.monitors),
-                steps=parse_steps(args.steps))
+    ranks, monitors, steps = (parse_int_list(args.ranks, "--ranks"), parse_monitor_list(args.monitors),
+                              parse_steps(args.steps))
+    if _columnar(args):
+        from .columnar import open_layout
+
+        return open_layout(root, ranks=ranks, monitors=monitors, steps=steps)
+    return scan(root, ranks=ranks, monitors=monitors, steps=steps)
+
+
+def _analyse(args: argparse.Namespace):
+    if _columnar(args):
+        from .engine import analyse_columnar
+
+        return analyse_columnar
+    return analyse
 
 
 def _settings(args: argparse.Namespace) -> Tuple[SpikeSettings, RankCheckSettings]:
@@ -258,7 +296,7 @@ def _run_analysis(args: argparse.Namespace, err: TextIO, visitors=()) -> Report:
     problems = Problems(strict=args.strict, stream=err)
     layout = _load(args, args.out_dir, problems)
     spikes, rank_check = _settings(args)
-    return analyse(layout, problems, spikes, rank_check, steps=parse_steps(args.steps),
+    return _analyse(args)(layout, problems, spikes, rank_check, steps=parse_steps(args.steps),
                    limit=None if args.limit == 0 else args.limit,
                    progress=True if args.progress else None, visitors=visitors, progress_stream=err)
 
@@ -332,9 +370,28 @@ def report_json(report: Report, limit: int) -> Dict[str, Any]:
         "rank_check": {"enabled": report.mismatch_settings.enabled and not report.rank_check_note,
                        "note": report.rank_check_note or report.mismatch_settings.describe(),
                        "ranks_differing": len(report.mismatches), "items": report.mismatch_list()[:lim]},
+        "appended": {"files": len(report.appended), "note": APPENDED_NOTE, "items": report.appended[:lim]},
         "problems": {"count": report.problems.count, "items": [p.to_json() for p in report.problems.items]},
         "anomalies_found": report.anomalies_found,
     }
+
+
+APPENDED_NOTE = ("a file whose steps start over holds several runs: a script re-run with the same output_dir "
+                 "appends to the files of the earlier run, so those steps are counted more than once; "
+                 "use a new output_dir per run, or delete the old files")
+
+
+def _appended_text(item: Dict[str, Any], root: str) -> str:
+    runs = item["runs"]
+    return (f"{_rel(item['file'], root)}: {runs} runs (run {2 if runs == 2 else '2..' + str(runs)} starts at line "
+            f"{', '.join(map(str, item['restart_lines'][:5]))}{', ...' if len(item['restart_lines']) > 5 else ''}); "
+            f"steps written more than once: {compact_steps(item['steps_repeated']) if item['steps_repeated'] else 'none'}")
+
+
+def _appended_rows(report: Report, limit: int) -> List[List[Any]]:
+    root = report.layout.root
+    return [[i["rank"], i["monitor"], _rel(i["file"], root), i["runs"], ",".join(map(str, i["restart_lines"][:5])),
+             compact_steps(i["steps_repeated"]) if i["steps_repeated"] else "-"] for i in _limit(report.appended, limit)]
 
 
 def _collected_text(report: Report) -> List[str]:
@@ -399,6 +456,9 @@ def cmd_summary(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                      f"{m0['stat']} {fmt_num(m0['value'])} vs {fmt_num(m0['consensus'])}")
     else:
         lines.append("  rank disagreement: none")
+    if report.appended:
+        lines.append(f"  steps written more than once: {len(report.appended)} file(s) hold several runs (a re-run "
+                     f"appended to the same output_dir); first: {_appended_text(report.appended[0], root)}")
     if report.problems.count:
         lines.append(f"  malformed input:   {report.problems.summary()} (see the warnings above)")
     lines += ["", f"Details: msprobe-monitor anomalies {root}"]
@@ -440,6 +500,10 @@ def cmd_anomalies(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         if note:
             lines.append(f"  ({note})")
         lines.append(table(headers, rows) if rows else "  none")
+    if report.appended:
+        lines += ["", "STEPS WRITTEN MORE THAN ONCE (runs appended to the same files)", f"  ({APPENDED_NOTE})",
+                  table(["rank", "monitor", "file", "runs", "later runs start at line", "steps written again"],
+                        _appended_rows(report, args.limit))]
     if report.problems.count:
         lines += ["", f"MALFORMED INPUT: {report.problems.summary()} (see the warnings on stderr)"]
     verdict = "anomalies found" if report.anomalies_found else "no anomaly"
@@ -471,7 +535,7 @@ def cmd_plot(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise InputError(f"--rank {rank}: no such rank in {args.out_dir} (ranks: {_ranks_text(layout.ranks)})")
     collector = PlotCollector(settings, rank)
     spikes, rank_check = _settings(args)
-    report = analyse(layout, problems, spikes, rank_check, steps=parse_steps(args.steps),
+    report = _analyse(args)(layout, problems, spikes, rank_check, steps=parse_steps(args.steps),
                      limit=None if args.limit == 0 else args.limit,
                      progress=True if args.progress else None, visitors=[collector], progress_stream=err)
     out_dir = args.out or os.path.join(layout.root, "analysis_report")
@@ -507,10 +571,8 @@ def cmd_diff(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
     problems = Problems(strict=args.strict, stream=err)
     steps = parse_steps(args.steps)
-    ranks = parse_int_list(args.ranks, "--ranks")
-    monitors = parse_monitor_list(args.monitors)
-    la = scan(args.out_a, ranks=ranks, monitors=monitors, steps=steps)
-    lb = scan(args.out_b, ranks=ranks, monitors=monitors, steps=steps)
+    la = _load(args, args.out_a, problems)
+    lb = _load(args, args.out_b, problems)
     settings = DiffSettings(rtol=args.rtol, atol=args.atol, stats=args.stats,
                             top=10 ** 9 if args.limit == 0 else args.limit)
     rep = diff_runs(la, lb, problems, settings, steps=steps, progress=True if args.progress else None,
@@ -568,6 +630,38 @@ def cmd_diff(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return code
 
 
+def cmd_export(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from .columnar import export, polars
+    from .text import Progress
+
+    polars()
+    problems = Problems(strict=args.strict, stream=err)
+    if os.path.abspath(args.dest) == os.path.abspath(args.out_dir):
+        raise InputError(f"DEST {args.dest!r}: must differ from OUT_DIR")
+    layout = _load(args, args.out_dir, problems)
+    prog = Progress(layout.n_files, "exporting", enabled=True if args.progress else None, stream=err)
+    def advance(what: str, files: int) -> None:
+        for _ in range(files):
+            prog.advance(what)
+
+    res = export(args.out_dir, args.dest, ranks=parse_int_list(args.ranks, "--ranks"),
+                 monitors=parse_monitor_list(args.monitors), steps=parse_steps(args.steps), problems=problems,
+                 progress=advance)
+    prog.close()
+    if args.json:
+        dump_json({"command": "export", "out_dir": os.path.abspath(args.out_dir), "dest": os.path.abspath(args.dest),
+                   "parquet_files": res["files"], "rows": res["rows"],
+                   "problems": {"count": problems.count, "items": [p.to_json() for p in problems.items]}}, out)
+        return EXIT_OK
+    lines = [f"msprobe-monitor export {args.out_dir}: {res['rows']} rows from {layout.n_files} CSV file(s) -> "
+             f"{res['files']} Parquet file(s) in {args.dest}",
+             f"  read it with any command, e.g. msprobe-monitor summary {args.dest}"]
+    if problems.count:
+        lines.append(f"  malformed input: {problems.summary()} (see the warnings above)")
+    print("\n".join(lines), file=out)
+    return EXIT_OK
+
+
 def cmd_validate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from .validate import validate
 
@@ -596,7 +690,7 @@ def cmd_validate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 COMMANDS = {"summary": cmd_summary, "anomalies": cmd_anomalies, "plot": cmd_plot, "diff": cmd_diff,
-            "validate": cmd_validate}
+            "export": cmd_export, "validate": cmd_validate}
 
 
 def main(argv: Optional[Sequence[str]] = None, out: Optional[TextIO] = None, err: Optional[TextIO] = None) -> int:

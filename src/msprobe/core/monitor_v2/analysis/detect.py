@@ -177,6 +177,7 @@ class Report:
     mismatch_settings: RankCheckSettings
     rank_check_note: str
     problems: Problems
+    appended: List[Dict[str, Any]] = field(default_factory=list)
 
     @property
     def first(self) -> Optional[Dict[str, Any]]:
@@ -220,6 +221,7 @@ def analyse(layout: Layout, problems: Problems, spikes: SpikeSettings, rank_chec
     total = layout.n_files + (checked_files if do_rank_check else 0)
     prog = Progress(total, "reading", enabled=progress, stream=progress_stream)
     window, min_hist, mad_k, ratio = spikes.window, spikes.min_history, spikes.mad_k, spikes.ratio
+    appended: List[Dict[str, Any]] = []
 
     for rank in layout.ranks:
         n_rows = 0
@@ -238,6 +240,7 @@ def analyse(layout: Layout, problems: Problems, spikes: SpikeSettings, rank_chec
                     col.ops[:] = [op for op in OPS if op in col.ops or op in ops]
 
             for f in files:
+                runs = FileRuns()
                 n_files += 1
                 col.files += 1
                 steps_seen = col.steps
@@ -295,8 +298,11 @@ def analyse(layout: Layout, problems: Problems, spikes: SpikeSettings, rank_chec
                             spike_items.add(order_key(row.step, monitor, row.scope, row.micro, row.line, rank),
                                             spiked)
                     col.rows += 1
+                    runs.add(row.step, row.line, row.name, row.scope, row.micro)
                     for visit in visitors:
                         visit(rank, monitor, row, f)
+                if runs.restarts:
+                    appended.append(runs.item(rank, monitor, f.path))
                 prog.advance(f"rank {rank} {monitor}")
         rank_files[rank] = n_files
         rank_rows[rank] = n_rows
@@ -310,8 +316,61 @@ def analyse(layout: Layout, problems: Problems, spikes: SpikeSettings, rank_chec
     else:
         mismatches = check_ranks(layout, problems, rank_check, steps, prog)
     prog.close()
-    return Report(layout, collected, rank_files, rank_rows, first_nonfinite, nonfinite_count, nonfinite_by,
-                  spike_items, spike_steps, spikes, mismatches, rank_check, note, problems)
+    report = Report(layout, collected, rank_files, rank_rows, first_nonfinite, nonfinite_count, nonfinite_by,
+                    spike_items, spike_steps, spikes, mismatches, rank_check, note, problems, appended)
+    relabel(report)
+    return report
+
+
+def relabel(report: "Report") -> None:
+    """Say what a gradient row's micro_step means, now that the whole output is known:
+    a micro-batch's own gradient when the run wrote one row per micro-batch (several
+    micro_step values), else the number of micro-batches accumulated (see
+    :func:`.order.where`)."""
+    wg = report.collected.get("weight_grad")
+    per_micro = wg is not None and len(wg.micro_steps) > 1
+    items = [v[1] for v in report.first_nonfinite.values()] + report.spikes.items() + \
+        [m["first"] for m in report.mismatches.values()]
+    for item in items:
+        if item is not None and item.get("monitor") == "weight_grad":
+            item["where"] = where(item["monitor"], item["scope"], item["micro_step"], per_micro)
+
+
+class FileRuns:
+    """Steps of one file that were written more than once. A run appended to the file
+    of an earlier one (a script re-run with the same output_dir) starts over: at a lower
+    step, or, in a file of one step, at the row the file's current run began with (same
+    step, tensor, scope and micro_step)."""
+
+    __slots__ = ("last", "seg", "restarts", "first_seg", "repeated", "head")
+
+    def __init__(self) -> None:
+        self.last: Optional[int] = None
+        self.head: Optional[Tuple[int, str, str, Optional[int]]] = None  # first row of the current run
+        self.seg = 0
+        self.restarts: List[int] = []  # line where each appended run starts
+        self.first_seg: Dict[int, int] = {}
+        self.repeated: Set[int] = set()
+
+    def add(self, step: int, line: int, name: str, scope: str, micro: Optional[int]) -> None:
+        key = (step, name, scope, micro)
+        if self.last is None:
+            self.head = key
+        elif step < self.last or key == self.head:
+            self.seg += 1
+            self.restarts.append(line)
+            self.head = key
+        self.last = step
+        if self.first_seg.setdefault(step, self.seg) != self.seg:
+            self.repeated.add(step)
+
+    def item(self, rank: int, monitor: str, path: str) -> Dict[str, Any]:
+        return appended_item(rank, monitor, path, self.restarts, sorted(self.repeated))
+
+
+def appended_item(rank: int, monitor: str, path: str, restarts: List[int], repeated: List[int]) -> Dict[str, Any]:
+    return {"rank": rank, "monitor": monitor, "file": path, "runs": len(restarts) + 1, "restart_lines": restarts,
+            "steps_repeated": repeated, "line": restarts[0]}
 
 
 def _median(s: List[float]) -> float:
@@ -332,7 +391,13 @@ def step_blocks(f: CsvFile, problems: Problems, steps: Optional[StepRange],
     sink = _QuietProblems(problems) if quiet else problems
     current: Optional[int] = None
     block: Dict[Tuple[str, str, Optional[int]], Row] = {}
-    for row in iter_rows(f, sink, steps):
+    if f.path.endswith(".parquet"):  # an exported dataset (see .columnar)
+        from .columnar import parquet_rows
+
+        rows: Iterator[Row] = parquet_rows(f, steps)
+    else:
+        rows = iter_rows(f, sink, steps)
+    for row in rows:
         if not keep(f.monitor, row.scope):
             continue
         if row.step != current:
@@ -351,7 +416,7 @@ class _QuietProblems(Problems):
     def __init__(self, parent: Problems) -> None:
         super().__init__(strict=False)
 
-    def report(self, path: str, line: Optional[int], message: str) -> None:
+    def report(self, path: str, line: Optional[int], message: str, skipped: str = "line") -> None:
         return None
 
 

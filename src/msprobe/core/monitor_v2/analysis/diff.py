@@ -52,6 +52,7 @@ class DiffReport:
     first_only_key: Optional[OrderKey] = None
     largest: Dict[Tuple, Tuple[float, float, OrderKey, Dict[str, Any]]] = field(default_factory=dict)
     not_compared: List[str] = field(default_factory=list)
+    micro_steps: set = field(default_factory=set)  # weight_grad micro_step values met (see order.where)
 
     @property
     def compared_rows(self) -> int:
@@ -127,6 +128,8 @@ def diff_runs(a: Layout, b: Layout, problems: Problems, settings: DiffSettings,
         streams = {"a": _chain(fa, problems, steps, False, prog), "b": _chain(fb, problems, steps, False, prog)}
         for step, blocks in merge_steps(streams):
             ba, bb = blocks.get("a", {}), blocks.get("b", {})
+            if monitor == "weight_grad":
+                report.micro_steps.update(k[2] for k in ba)
             for key, ra in ba.items():
                 rb = bb.get(key)
                 if rb is None:
@@ -140,6 +143,10 @@ def diff_runs(a: Layout, b: Layout, problems: Problems, settings: DiffSettings,
                     md.only_b += 1
                     _note_only(report, rank, monitor, rb, "B", fb)
     prog.close()
+    per_micro = len(report.micro_steps) > 1
+    for item in [report.first] + [t[3] for t in report.largest.values()]:
+        if item is not None and item["monitor"] == "weight_grad":
+            item["where"] = where(item["monitor"], item["scope"], item["micro_step"], per_micro)
     return report
 
 

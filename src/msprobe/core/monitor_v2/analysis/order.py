@@ -75,11 +75,16 @@ def order_key(step: int, monitor: str, scope: str, micro: Optional[int], line: i
     return (step, mk, p, line, rank)
 
 
-def where(monitor: str, scope: str, micro: Optional[int]) -> str:
-    """A short description of the point in the step, e.g. ``forward`` or
-    ``local gradient, micro_step 2``."""
+def where(monitor: str, scope: str, micro: Optional[int], per_micro: Optional[bool] = None) -> str:
+    """A short description of the point in the step, e.g. ``forward``, ``local gradient
+    of micro-batch 2`` (``per_micro``: the run wrote one gradient row per micro-batch) or
+    ``local gradient, accumulated over 2 micro-batches`` (one row per step)."""
     p = phase(monitor, scope)
     label = PHASE_LABELS[p]
-    if p == 3 and micro is not None:
-        return f"{label}, micro_step {micro}"
+    if monitor != "weight_grad" or micro is None or p not in (3, 5):
+        return label
+    if p == 3 and per_micro:
+        return f"{label} of micro-batch {micro}"
+    if micro > 1:
+        return f"{label}, accumulated over {micro} micro-batches"
     return label

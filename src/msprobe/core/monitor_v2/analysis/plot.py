@@ -75,15 +75,47 @@ TOP_LEVEL = "top level"
 
 
 def layer_of(base: str, depth: Optional[int]) -> str:
-    """``blocks.3.mlp.fc`` -> ``blocks.3``; a name without a numeric component (embeddings,
-    final norm, the root module) -> ``"top level"``; ``depth``: the first N components."""
+    """``blocks.3.mlp.fc`` -> ``blocks.3``; ``0.weight`` (a plain ``nn.Sequential``) ->
+    ``0``; a name without a numeric component (embeddings, final norm, the root module)
+    -> ``"top level"``; ``depth``: the first N components."""
     parts = base.split(".")
     if depth is not None:
         return ".".join(parts[:depth])
     for i, p in enumerate(parts):
-        if _NUM.match(p) and i > 0:
+        if _NUM.match(p):
             return ".".join(parts[: i + 1])
     return TOP_LEVEL
+
+
+# Six well-separated colours, solid then dashed: twelve lines (the default --lines-per-plot)
+# that can each be told apart, where a 20-colour map gives near-identical neighbours.
+LINE_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#17becf")
+LINE_STYLES = ("-", "--", ":", "-.")
+
+
+def line_style(i: int) -> Tuple[str, str]:
+    """(colour, line style) of the i-th line of a figure: unique for the first 24."""
+    return LINE_COLOURS[i % len(LINE_COLOURS)], LINE_STYLES[(i // len(LINE_COLOURS)) % len(LINE_STYLES)]
+
+
+def use_log_scale(lines: List[Tuple[str, List[float], List[float]]], yscale: str = "auto") -> bool:
+    """``auto``: a log axis when every value is > 0 and either the values span more than
+    3 decades or the lines' typical levels (medians) differ more than 20x, as forward
+    activations (~65) and backward gradients (~0.1) do: on a linear axis the lower
+    line would be flat at 0."""
+    if yscale != "auto":
+        return yscale == "log"
+    values = [v for _, _, vs in lines for v in vs if v == v and abs(v) != INF]
+    if not values or min(values) <= 0:
+        return False
+    if max(values) / min(values) > 1e3:
+        return True
+    medians = []
+    for _, _, vs in lines:
+        ys = sorted(v for v in vs if v == v and abs(v) != INF)
+        if ys:
+            medians.append(ys[len(ys) // 2])
+    return len(medians) > 1 and max(medians) / min(medians) > 20
 
 
 def module_io(name: str) -> str:
@@ -230,20 +262,16 @@ def _draw(path: str, title: str, lines: List[Tuple[str, List[float], List[float]
     fig = Figure(figsize=(9.0, 3.8), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    if len(lines) > 10:  # more lines than the default 10 colours
-        import matplotlib
-
-        tab20 = matplotlib.colormaps["tab20"]
-        ax.set_prop_cycle(color=[tab20(i) for i in range(20)])
     finite_all: List[float] = []
     bad_steps: List[float] = []
-    for label, steps, values in lines:
+    for i, (label, steps, values) in enumerate(lines):
+        colour, style = line_style(i)
         xs = [s for s, v in zip(steps, values) if v == v and abs(v) != INF]
         ys = [v for v in values if v == v and abs(v) != INF]
         bad_steps.extend(s for s, v in zip(steps, values) if not (v == v and abs(v) != INF))
         finite_all.extend(ys)
-        ax.plot(xs, ys, marker="o" if len(xs) <= 30 else None, markersize=3, linewidth=1.4,
-                label=label if len(label) <= 48 else label[:45] + "...")
+        ax.plot(xs, ys, marker="o" if len(xs) <= 30 else None, markersize=3, linewidth=1.4, color=colour,
+                linestyle=style, label=label if len(label) <= 48 else label[:45] + "...")
     all_steps = [st for _, steps, _ in lines for st in steps]
     if all_steps:
         lo, hi = min(all_steps), max(all_steps)
@@ -259,11 +287,7 @@ def _draw(path: str, title: str, lines: List[Tuple[str, List[float], List[float]
     if spikes:
         ax.scatter([s for _, s, _ in spikes], [v for _, _, v in spikes], s=80, facecolors="none",
                    edgecolors="orange", linewidths=2, zorder=6, label="spike")
-    positive = [v for v in finite_all if v > 0]
-    use_log = yscale == "log" or (
-        yscale == "auto" and finite_all and len(positive) == len(finite_all)
-        and max(positive) / min(positive) > 1e3)
-    if use_log:
+    if use_log_scale(lines, yscale):
         ax.set_yscale("log")
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("step")

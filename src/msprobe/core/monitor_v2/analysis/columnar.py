@@ -1,0 +1,432 @@
+"""Reading the monitor's output into Polars DataFrames: the fast path of every command,
+the notebook API (:func:`load`) and ``msprobe-monitor export`` (:func:`export`).
+
+Polars is imported only here (and by modules that call this one), never by the training
+side: install it with ``pip install 'msprobe-monitor[analysis]'``.
+
+**CSV, fast and exact.** Files of a (rank, monitor) are read in batches: the bytes of
+every file of a batch with the same header are joined and parsed by Polars in one call,
+with a fixed schema. A file takes the fast path only when the result is certain to be
+what the ``csv`` module reader (:func:`.reader.iter_rows`) would produce: it ends with a
+newline, holds no quote, carriage return or NUL byte, its header is one this version
+writes, every line parses with no missing value, and its steps lie in its window. Line
+numbers are then exact (row *i* is line *i + 2*). Any other file is read by
+:func:`.reader.iter_rows`, which reports every malformed line with its message and
+skips it (or stops, with ``--strict``): same rows, same messages as before.
+
+**Parquet.** :func:`export` writes one dataset partitioned by monitor and rank
+(``<dest>/monitor=<m>/rank=<r>/part-<n>.parquet``, hive style), one row per CSV row plus
+the columns ``file_first``/``file_last`` (the step window of the CSV file it came from)
+and ``line`` (its line in that file). Every command reads such a dataset wherever it
+reads an output directory; a finding's ``file`` is then the Parquet file, its ``line``
+the line of the CSV row it was exported from.
+"""
+
+import os
+import re
+import sys
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from .reader import (BASE_COLUMNS, MONITORS, OPS, CsvFile, InputError, Layout, Problems, Row, StepRange,
+                     header_ops, iter_rows)
+
+INSTALL_HINT = "pip install 'msprobe-monitor[analysis]' (it installs polars and matplotlib)"
+PARQUET_GLOB = "part-*.parquet"
+PARQUET_PART = re.compile(r"^part-\d+\.parquet$")
+_HIVE_MONITOR = re.compile(r"^monitor=(?P<monitor>[a-z_]+)$")
+_HIVE_RANK = re.compile(r"^rank=(?P<rank>\d+)$")
+# rows per batch: bounds the memory of a command (about 100 bytes per row in a batch)
+BATCH_ROWS = 1_000_000
+_BYTES_PER_ROW_GUESS = 60
+_PARQUET_ROWS: Dict[Tuple[str, int, int], int] = {}  # (path, first, last) -> rows of that window
+
+COLUMNS: Tuple[str, ...] = ("vpp_stage", "step", "module_name", "scope", "micro_step") + OPS
+
+
+def polars():
+    """The ``polars`` module, or an :class:`InputError` saying what to install."""
+    try:
+        import polars as pl
+    except ImportError:
+        raise InputError("the analysis engine needs Polars, which is not installed: " + INSTALL_HINT) from None
+    return pl
+
+
+def _schema(pl) -> Dict[str, Any]:
+    return {"vpp_stage": pl.Int64, "step": pl.Int64, "module_name": pl.String, "scope": pl.String,
+            "micro_step": pl.Int64, "min": pl.Float64, "max": pl.Float64, "mean": pl.Float64,
+            "norm": pl.Float64, "nans": pl.Int64}
+
+
+def empty_frame(pl):
+    s = _schema(pl)
+    s.update(line=pl.Int64, fidx=pl.Int64)
+    return pl.DataFrame(schema=s)
+
+
+# ------------------------------------------------------------------ parquet layout
+def is_parquet_dataset(root: str) -> bool:
+    try:
+        return any(_HIVE_MONITOR.match(n) for n in os.listdir(root))
+    except OSError:
+        return False
+
+
+def scan_parquet_dataset(root: str, ranks: Optional[Sequence[int]] = None,
+                         monitors: Optional[Sequence[str]] = None, steps: Optional[StepRange] = None) -> Layout:
+    """The :class:`Layout` of an exported dataset: one entry per CSV file window it holds,
+    each pointing at the (monitor, rank) Parquet file."""
+    pl = polars()
+    layout = Layout(root=os.path.normpath(root))
+    wanted_ranks = None if ranks is None else set(ranks)
+    for mname in sorted(os.listdir(root)):
+        mm = _HIVE_MONITOR.match(mname)
+        if not mm or mm.group("monitor") not in MONITORS:
+            continue
+        monitor = mm.group("monitor")
+        if monitors is not None and monitor not in monitors:
+            continue
+        for rname in sorted(os.listdir(os.path.join(root, mname))):
+            rm = _HIVE_RANK.match(rname)
+            part_dir = os.path.join(root, mname, rname)
+            if not rm or not os.path.isdir(part_dir) or not any(PARQUET_PART.match(n) for n in os.listdir(part_dir)):
+                continue
+            path = os.path.join(part_dir, PARQUET_GLOB)
+            rank = int(rm.group("rank"))
+            if wanted_ranks is not None and rank not in wanted_ranks:
+                continue
+            windows = (pl.scan_parquet(path).group_by("file_first", "file_last").agg(pl.len().alias("n"))
+                       .sort("file_first", "file_last").collect())
+            for a, b, n in windows.iter_rows():
+                _PARQUET_ROWS[(path, a, b)] = n
+                if steps is not None:
+                    lo, hi = steps
+                    if (lo is not None and b < lo) or (hi is not None and a > hi):
+                        continue
+                layout.files.setdefault(rank, {}).setdefault(monitor, []).append(CsvFile(rank, monitor, a, b, path))
+    if not layout.files:
+        raise InputError(f"{root}: no Parquet data matches the --ranks/--monitors/--steps selection")
+    return layout
+
+
+def _read_parquet_windows(pl, files: Sequence[CsvFile], steps: Optional[StepRange]):
+    """Rows of the given windows of one Parquet file (all ``files`` share the path)."""
+    path = files[0].path
+    windows = pl.DataFrame({"file_first": [f.first for f in files], "file_last": [f.last for f in files],
+                            "fidx": list(range(len(files)))}, schema={"file_first": pl.Int64, "file_last": pl.Int64,
+                                                                     "fidx": pl.Int64})
+    lf = pl.scan_parquet(path).filter(pl.col("file_first").is_between(min(f.first for f in files),
+                                                                       max(f.first for f in files)))
+    lf = lf.join(windows.lazy(), on=["file_first", "file_last"], how="inner", maintain_order="left")
+    lf = _filter_steps(pl, lf, steps)
+    df = lf.collect()
+    ops = tuple(op for op in OPS if op in df.columns and df[op].null_count() < len(df)) or OPS
+    return df.select(*[c for c in COLUMNS], "line", "fidx"), ops
+
+
+def _filter_steps(pl, lf, steps: Optional[StepRange]):
+    if steps is None:
+        return lf
+    lo, hi = steps
+    if lo is not None:
+        lf = lf.filter(pl.col("step") >= lo)
+    if hi is not None:
+        lf = lf.filter(pl.col("step") <= hi)
+    return lf
+
+
+# ------------------------------------------------------------------ CSV reading
+class Batch:
+    """Rows of some files of one (rank, monitor): ``frame`` (the columns of
+    :data:`COLUMNS` plus ``line`` and ``fidx``, the file's index in ``files``), in file
+    then line order; ``headers``: the op lists of the good headers met."""
+
+    def __init__(self, files: List[CsvFile], frame, headers: List[Tuple[str, ...]]) -> None:
+        self.files = files
+        self.frame = frame
+        self.headers = headers
+
+
+def batches(files: Sequence[CsvFile], max_rows: int = BATCH_ROWS) -> Iterator[List[CsvFile]]:
+    """Consecutive groups of ``files`` of about ``max_rows`` rows (by file size)."""
+    group: List[CsvFile] = []
+    rows = 0
+    for f in files:
+        if f.path.endswith(".parquet"):
+            est = _PARQUET_ROWS.get((f.path, f.first, f.last), 1)
+        else:
+            try:
+                est = os.path.getsize(f.path) // _BYTES_PER_ROW_GUESS + 1
+            except OSError:
+                est = 1
+        if group and (rows + est > max_rows or (f.path.endswith(".parquet") != group[0].path.endswith(".parquet"))
+                      or (f.path.endswith(".parquet") and f.path != group[0].path)):
+            yield group
+            group, rows = [], 0
+        group.append(f)
+        rows += est
+    if group:
+        yield group
+
+
+def read_batch(files: List[CsvFile], problems: Problems, steps: Optional[StepRange]) -> Batch:
+    """The rows of ``files`` (one rank, one monitor), exactly as :func:`.reader.iter_rows`
+    gives them, problems reported the same way."""
+    pl = polars()
+    if files and files[0].path.endswith(".parquet"):
+        frame, ops = _read_parquet_windows(pl, files, steps)
+        return Batch(files, frame, [ops])
+    with_micro = files[0].monitor == "weight_grad" if files else False
+    fast: Dict[Tuple[str, ...], List[Tuple[int, bytes, int]]] = {}  # ops -> [(fidx, body, rows)]
+    slow: List[int] = []
+    headers: List[Tuple[str, ...]] = []
+    for i, f in enumerate(files):
+        got = _fast_candidate(f)
+        if got is None:
+            slow.append(i)
+            continue
+        ops, body, rows = got
+        fast.setdefault(ops, []).append((i, body, rows))
+    frames: List[Any] = []
+    for ops, items in fast.items():
+        ok_frames, bad = _parse_fast(pl, files, ops, items, with_micro)
+        frames.extend(ok_frames)
+        if len(bad) < len(items):
+            headers.append(ops)
+        slow.extend(bad)
+    for i in sorted(slow):
+        frames.append(_read_reference(pl, files[i], i, problems, headers))
+    frames = [fr for fr in frames if len(fr)]
+    if not frames:
+        return Batch(files, empty_frame(pl), headers)
+    frame = pl.concat(frames, how="vertical").sort("fidx", "line", maintain_order=True) if len(frames) > 1 \
+        else frames[0]
+    if steps is not None:
+        frame = _filter_steps(pl, frame.lazy(), steps).collect()
+    return Batch(files, frame, headers)
+
+
+def _fast_candidate(f: CsvFile) -> Optional[Tuple[Tuple[str, ...], bytes, int]]:
+    """``(ops, body, rows)`` of a file that may take the fast path, else None."""
+    try:
+        with open(f.path, "rb") as fh:
+            data = fh.read()
+    except OSError:
+        return None
+    if not data.endswith(b"\n") or b'"' in data or b"\r" in data or b"\x00" in data:
+        return None
+    end = data.index(b"\n")
+    try:
+        header = data[:end].decode("utf-8").split(",")
+    except UnicodeDecodeError:
+        return None
+    ops, _why = header_ops(f.monitor, [h.strip() for h in header])
+    if ops is None:
+        return None
+    body = data[end + 1:]
+    return ops, body, body.count(b"\n")
+
+
+def _parse_fast(pl, files: List[CsvFile], ops: Tuple[str, ...], items: List[Tuple[int, bytes, int]],
+                with_micro: bool) -> Tuple[List[Any], List[int]]:
+    """Parse the bodies of ``items`` in one call; on any doubt, file by file; the files
+    that still fail are returned for the reference reader."""
+    frame = _parse_bodies(pl, files, ops, items, with_micro)
+    if frame is not None:
+        return [frame], []
+    if len(items) == 1:
+        return [], [items[0][0]]
+    good, bad = [], []
+    for item in items:
+        fr = _parse_bodies(pl, files, ops, [item], with_micro)
+        if fr is None:
+            bad.append(item[0])
+        else:
+            good.append(fr)
+    return good, bad
+
+
+_CSV_OPTIONS: Dict[str, Any] = {}
+
+
+def _csv_options(pl) -> Dict[str, Any]:
+    """An empty name or scope is an empty string, as the ``csv`` module reads it (the
+    option was renamed in Polars 2)."""
+    if not _CSV_OPTIONS:
+        import inspect
+
+        params = inspect.signature(pl.read_csv).parameters
+        if "empty_string_is_null" in params:
+            _CSV_OPTIONS["empty_string_is_null"] = False
+        else:
+            _CSV_OPTIONS["missing_utf8_is_empty_string"] = True
+        if "raise_if_empty" in params:
+            _CSV_OPTIONS["raise_if_empty"] = False
+    return _CSV_OPTIONS
+
+
+def _parse_bodies(pl, files: List[CsvFile], ops: Tuple[str, ...], items: List[Tuple[int, bytes, int]],
+                  with_micro: bool):
+    import numpy as np
+
+    names = list(BASE_COLUMNS) + (["micro_step"] if with_micro else []) + list(ops)
+    full = _schema(pl)
+    schema = {n: full[n] for n in names}
+    total = sum(n for _, _, n in items)
+    data = b"".join(body for _, body, _ in items)
+    if total == 0:
+        return None if data else empty_frame(pl)
+    try:
+        df = pl.read_csv(data, has_header=False, schema=schema, encoding="utf8", **_csv_options(pl))
+    except Exception:  # any parse problem: the reference reader says exactly what and where
+        return None
+    if len(df) != total:
+        return None
+    numeric = [n for n in names if n not in ("module_name", "scope")]
+    if any(df[n].null_count() for n in numeric):
+        return None
+    counts = np.array([n for _, _, n in items], dtype=np.int64)
+    fidx = np.repeat(np.array([i for i, _, _ in items], dtype=np.int64), counts)
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    line = np.arange(total, dtype=np.int64) - starts + 2
+    first = np.repeat(np.array([files[i].first for i, _, _ in items], dtype=np.int64), counts)
+    last = np.repeat(np.array([files[i].last for i, _, _ in items], dtype=np.int64), counts)
+    step = df["step"].to_numpy()
+    if ((step < first) | (step > last)).any():
+        return None  # the reference reader names the line and the file's window
+    missing = [pl.lit(None, dtype=full[c]).alias(c) for c in COLUMNS if c not in names]
+    return df.with_columns(*missing, pl.Series("line", line), pl.Series("fidx", fidx)).select(
+        *COLUMNS, "line", "fidx")
+
+
+def _read_reference(pl, f: CsvFile, fidx: int, problems: Problems, headers: List[Tuple[str, ...]]):
+    """One file through the ``csv`` module reader (problems reported as before)."""
+    cols: Dict[str, List[Any]] = {c: [] for c in COLUMNS}
+    line: List[int] = []
+    file_ops: List[Tuple[str, ...]] = []
+    for row in iter_rows(f, problems, None, on_header=file_ops.append):
+        cols["vpp_stage"].append(row.vpp)
+        cols["step"].append(row.step)
+        cols["module_name"].append(row.name)
+        cols["scope"].append(row.scope)
+        cols["micro_step"].append(row.micro)
+        for op in OPS:
+            cols[op].append(row.vals.get(op))
+        line.append(row.line)
+    headers.extend(file_ops)
+    schema = _schema(pl)
+    df = pl.DataFrame({c: pl.Series(c, cols[c], dtype=schema[c]) for c in COLUMNS})
+    return df.with_columns(pl.Series("line", line, dtype=pl.Int64), pl.lit(fidx, dtype=pl.Int64).alias("fidx"))
+
+
+def frame_rows(frame, ops_present: Optional[Sequence[str]] = None) -> Iterator[Row]:
+    """:class:`.reader.Row` objects of a batch frame (the interface of the row visitors)."""
+    ops = [op for op in OPS if op in frame.columns]
+    for rec in frame.select("step", "vpp_stage", "module_name", "scope", "micro_step", "line", *ops).iter_rows():
+        vals = {op: v for op, v in zip(ops, rec[6:]) if v is not None}
+        yield Row(rec[0], rec[1], rec[2], rec[3], rec[4], vals, rec[5])
+
+
+def parquet_rows(f: CsvFile, steps: Optional[StepRange]) -> Iterator[Row]:
+    """The rows of one window of an exported dataset, in their CSV order."""
+    frame, _ops = _read_parquet_windows(polars(), [f], steps)
+    return frame_rows(frame)
+
+
+def row_of(rec: Dict[str, Any]) -> Row:
+    vals = {op: rec[op] for op in OPS if rec.get(op) is not None}
+    return Row(rec["step"], rec["vpp_stage"], rec["module_name"], rec["scope"], rec["micro_step"], vals, rec["line"])
+
+
+# ------------------------------------------------------------------ public API
+def open_layout(path: str, ranks: Optional[Sequence[int]] = None, monitors: Optional[Sequence[str]] = None,
+                steps: Optional[StepRange] = None) -> Layout:
+    """The layout of a monitor output directory or of an exported Parquet dataset."""
+    from .reader import scan
+
+    if os.path.isdir(path) and is_parquet_dataset(path):
+        return scan_parquet_dataset(path, ranks, monitors, steps)
+    return scan(path, ranks=ranks, monitors=monitors, steps=steps)
+
+
+def load(path: str, ranks: Optional[Sequence[int]] = None, monitors: Optional[Sequence[str]] = None,
+         steps: Optional[Tuple[Optional[int], Optional[int]]] = None, strict: bool = False,
+         with_source: bool = False):
+    """An output directory (or an exported Parquet dataset) as one Polars DataFrame.
+
+    Columns: ``rank``, ``monitor``, ``vpp_stage``, ``step``, ``module_name``, ``scope``,
+    ``micro_step`` (null outside ``weight_grad``), ``min``, ``max``, ``mean``, ``norm``,
+    ``nans`` (null where a file does not have the statistic); with ``with_source``
+    also ``file`` and ``line`` (where each row comes from). ``ranks``/``monitors``
+    select, ``steps`` is an inclusive ``(first, last)`` (either may be None). Malformed
+    lines are skipped with a warning on stderr (``strict``: an :class:`InputError`).
+    ``.to_pandas()`` gives a pandas DataFrame (needs pandas and pyarrow).
+    """
+    pl = polars()
+    layout = open_layout(path, ranks, monitors, steps)
+    problems = Problems(strict=strict)
+    parts = []
+    for rank in layout.ranks:
+        for monitor in MONITORS:
+            files = layout.files_of(rank, monitor)
+            for group in batches(files, max_rows=10 ** 12):
+                batch = read_batch(group, problems, steps)
+                fr = batch.frame
+                extra = [pl.lit(rank, dtype=pl.Int64).alias("rank"), pl.lit(monitor).alias("monitor")]
+                if with_source:
+                    paths = pl.Series("file", [f.path for f in group])
+                    extra.append(pl.col("fidx").replace_strict(list(range(len(group))), paths,
+                                                               return_dtype=pl.String).alias("file"))
+                fr = fr.with_columns(*extra)
+                keep = ["rank", "monitor"] + list(COLUMNS) + (["file", "line"] if with_source else [])
+                parts.append(fr.select(keep))
+    if problems.count:
+        print(f"msprobe-monitor: {problems.summary()}", file=sys.stderr)
+    if not parts:
+        keep = ["rank", "monitor"] + list(COLUMNS) + (["file", "line"] if with_source else [])
+        return empty_frame(pl).with_columns(pl.lit(0, dtype=pl.Int64).alias("rank"), pl.lit("").alias("monitor"),
+                                            pl.lit("").alias("file")).select(keep)
+    return pl.concat(parts, how="vertical")
+
+
+def export(path: str, dest: str, ranks: Optional[Sequence[int]] = None, monitors: Optional[Sequence[str]] = None,
+           steps: Optional[StepRange] = None, problems: Optional[Problems] = None,
+           progress: Optional[Callable[[str, int], None]] = None) -> Dict[str, int]:
+    """Write the CSV output under ``path`` as one Parquet dataset under ``dest``,
+    partitioned by monitor and rank; returns ``{"files": ..., "rows": ...}``. Memory
+    stays bounded: each batch of about :data:`BATCH_ROWS` rows becomes one Parquet part."""
+    pl = polars()
+    from .reader import scan
+
+    layout = scan(path, ranks=ranks, monitors=monitors, steps=steps)
+    problems = problems if problems is not None else Problems()
+    written = rows = 0
+    for rank in layout.ranks:
+        for monitor in MONITORS:
+            files = layout.files_of(rank, monitor)
+            if not files:
+                continue
+            out_dir = os.path.join(dest, f"monitor={monitor}", f"rank={rank}")
+            os.makedirs(out_dir, exist_ok=True)
+            for old in os.listdir(out_dir):
+                if PARQUET_PART.match(old):
+                    os.remove(os.path.join(out_dir, old))
+            part = 0
+            for group in batches(files):
+                fr = read_batch(group, problems, steps).frame
+                first = pl.Series([f.first for f in group], dtype=pl.Int64)
+                last = pl.Series([f.last for f in group], dtype=pl.Int64)
+                fr = fr.with_columns(
+                    pl.col("fidx").replace_strict(list(range(len(group))), first, return_dtype=pl.Int64)
+                    .alias("file_first"),
+                    pl.col("fidx").replace_strict(list(range(len(group))), last, return_dtype=pl.Int64)
+                    .alias("file_last"),
+                ).select(*COLUMNS, "file_first", "file_last", "line")
+                fr.write_parquet(os.path.join(out_dir, f"part-{part:05d}.parquet"), compression="zstd",
+                                 row_group_size=256 * 1024)
+                part += 1
+                rows += len(fr)
+                if progress is not None:
+                    progress(f"rank {rank} {monitor}", len(group))
+            written += part
+    return {"files": written, "rows": rows}

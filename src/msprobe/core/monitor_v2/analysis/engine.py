@@ -1,0 +1,414 @@
+"""The columnar analysis: the findings of :func:`.detect.analyse`, computed on Polars
+frames, batch by batch, in bounded memory.
+
+:func:`.detect.analyse` (the reference, pure Python, one row at a time) defines the
+answers; this module gives the same ones, much faster:
+
+- **collected** (steps, tensors, scopes, micro-steps, rows, files): group-bys per batch;
+- **non-finite values**: one vectorised test per row; the first of each rank is the
+  smallest order key (:mod:`.order`) among them;
+- **spikes**: per tensor and statistic, rows are sorted by (tensor, row order) and a
+  rolling minimum of the previous ``window`` values selects the *candidates*, the rows
+  that pass the rule's first test ``x > ratio * min(history)`` (exact: a minimum has no
+  rounding). Only candidates get the median and MAD, computed in Python with the
+  reference's own arithmetic on the same values in the same order, so findings are
+  identical. A tensor whose history holds a NaN (an empty tensor's ``max``), where
+  ``min()`` depends on order, is replayed in Python row by row. Between batches each
+  tensor's last ``window`` values are carried over;
+- **rank disagreement**: the first pass keeps, per (monitor, file window, step, rank),
+  two 40-bit sums of hashes of the checked rows (name, scope, micro_step and values).
+  Where every rank of a chunk has the same sums, the rows are bitwise identical and
+  nothing can differ; only the other (window, steps) are compared by the reference code
+  (:func:`.detect._compare_step` on re-read files), as are windows where a file repeats
+  a row within a step or goes back in steps (a run appended to its files).
+
+Memory: a batch (about :data:`.columnar.BATCH_ROWS` rows) plus, per tensor, ``window``
+values and, per (rank, monitor, step), a few integers.
+"""
+
+from collections import Counter
+from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
+
+from .columnar import Batch, batches, frame_rows, polars, read_batch, row_of
+from .detect import (CHUNK, INF, MAD_SCALE, RANK_CHECKED_MONITORS, Collected, FirstN, RankCheckSettings, Report,
+                     RowVisitor, SpikeSettings, _compare_step, appended_item, relabel, _median, finding, merge_steps, row_is_checked,
+                     step_blocks)
+from .order import LAST, order_key, phase
+from .reader import MONITORS, OPS, Layout, Problems, StepRange
+from .text import Progress
+
+_HASH_MOD = 1 << 40
+
+
+def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, rank_check: RankCheckSettings,
+                     steps: Optional[StepRange] = None, limit: Optional[int] = 50,
+                     progress: Optional[bool] = None, visitors: Sequence[RowVisitor] = (),
+                     progress_stream: Optional[TextIO] = None, batch_rows: Optional[int] = None) -> Report:
+    """The :class:`.detect.Report` of :func:`.detect.analyse`, computed with Polars."""
+    pl = polars()
+    collected: Dict[str, Collected] = {m: Collected() for m in layout.monitors}
+    rank_files: Dict[int, int] = {}
+    rank_rows: Dict[int, int] = {}
+    first_nonfinite: Dict[int, Tuple[Any, Dict[str, Any]]] = {}
+    nonfinite_by: Counter = Counter()
+    nonfinite_count = 0
+    spike_items = FirstN(limit)
+    spike_steps: Counter = Counter()
+    do_rank_check = rank_check.enabled and len(layout.ranks) > 1
+    checked_files = sum(len(layout.files_of(r, m)) for r in layout.ranks for m in RANK_CHECKED_MONITORS)
+    total = layout.n_files + (checked_files if do_rank_check else 0)
+    prog = Progress(total, "reading", enabled=progress, stream=progress_stream)
+    hashes: Dict[Tuple[str, Tuple[int, int]], Dict[int, Dict[int, Tuple[int, int, int]]]] = {}
+    irregular: Dict[Tuple[str, Tuple[int, int]], set] = {}
+    kw = {} if batch_rows is None else {"max_rows": batch_rows}
+    appended: List[Dict[str, Any]] = []
+    tensor_ids: Dict[str, Dict[str, Any]] = {}  # monitor -> {"_ids": table}: one id space for all ranks
+
+    for rank in layout.ranks:
+        n_rows = n_files = 0
+        for monitor in MONITORS:
+            files = layout.files_of(rank, monitor)
+            if not files:
+                continue
+            col = collected[monitor]
+            col.ranks.add(rank)
+            spike_stats = spikes.stats if (spikes.enabled and monitor in spikes.monitors) else ()
+            carry: Dict[str, Any] = {}
+            seq0 = 0
+            for group in batches(files, **kw):
+                batch = read_batch(group, problems, steps)
+                n_files += len(group)
+                col.files += len(group)
+                for ops in batch.headers:
+                    if any(op not in col.ops for op in ops):
+                        col.ops[:] = [op for op in OPS if op in col.ops or op in ops]
+                fr = batch.frame
+                if len(fr):
+                    fr = fr.with_columns(pl.int_range(seq0, seq0 + len(fr), dtype=pl.Int64).alias("seq"))
+                    seq0 += len(fr)
+                    n_rows += len(fr)
+                    col.rows += len(fr)
+                    fr = fr.with_columns(_tensor_ids(pl, fr, tensor_ids.setdefault(monitor, {})))
+                    _collect(pl, fr, col, tensor_ids[monitor]["_ids"])
+                    _appended(pl, fr, rank, monitor, batch, appended)
+                    fr = fr.with_columns(_nonfinite_kind(pl, fr).alias("kind"))
+                    nonfinite_count += _nonfinite(pl, fr, rank, monitor, batch, first_nonfinite, nonfinite_by)
+                    if spike_stats:
+                        _spikes(pl, fr, rank, monitor, batch, spikes, spike_stats, carry, spike_items, spike_steps)
+                    if do_rank_check and monitor in RANK_CHECKED_MONITORS:
+                        _hash_steps(pl, fr, rank, monitor, batch, hashes, irregular)
+                    for visit in visitors:
+                        want = getattr(visit, "rank", None)
+                        if want is not None and want != rank:
+                            continue
+                        for row, fidx in zip(frame_rows(fr), fr["fidx"]):
+                            visit(rank, monitor, row, group[fidx])
+                for _ in group:
+                    prog.advance(f"rank {rank} {monitor}")
+        rank_files[rank] = n_files
+        rank_rows[rank] = n_rows
+
+    mismatches: Dict[int, Dict[str, Any]] = {}
+    note = ""
+    if not rank_check.enabled:
+        note = "off (--no-rank-check)"
+    elif len(layout.ranks) < 2:
+        note = "not applicable (one rank)"
+    else:
+        mismatches = _check_ranks(layout, problems, rank_check, steps, hashes, irregular, prog)
+    prog.close()
+    report = Report(layout, collected, rank_files, rank_rows, first_nonfinite, nonfinite_count, nonfinite_by,
+                    spike_items, spike_steps, spikes, mismatches, rank_check, note, problems, appended)
+    relabel(report)
+    return report
+
+
+# ------------------------------------------------------------------ collected
+def _collect(pl, fr, col: Collected, ids) -> None:
+    """``ids``: the (module_name, scope, _gid) table of :func:`_tensor_ids`."""
+    col.steps.update(fr["step"].unique().to_list())
+    per_gid = fr.group_by("_gid").agg(pl.len().alias("n"), pl.col("seq").min().alias("first"))
+    per_gid = per_gid.join(ids, on="_gid", how="left")
+    col.tensors.update(per_gid.select("module_name", "scope").iter_rows())
+    scopes = per_gid.group_by("scope").agg(pl.col("n").sum(), pl.col("first").min()).sort("first")
+    for scope, n, _first in scopes.iter_rows():  # in order of first appearance, as the reference counts
+        col.scopes[scope] += n
+    col.micro_steps.update(fr["micro_step"].drop_nulls().unique().to_list())
+
+
+def _appended(pl, fr, rank: int, monitor: str, batch: Batch, out: List[Dict[str, Any]]) -> None:
+    """Files holding several runs (see :class:`.detect.FileRuns`), on integer columns."""
+    back = (pl.col("step").diff().over("fidx") < 0).fill_null(False)
+    key = [pl.col("step"), pl.col("_gid"), pl.col("micro_step").fill_null(-1)]
+    # cheap test first: no step goes back and each file's first row occurs once
+    heads = fr.select(pl.col("fidx").unique(maintain_order=True).len()).item()
+    quick = fr.select(back.any().alias("b"), pl.all_horizontal(*[k == k.first().over("fidx") for k in key]).sum()
+                      .alias("h")).row(0)
+    if not quick[0] and quick[1] == heads:
+        return
+    fr = fr.select("fidx", "step", "line", "_gid", "micro_step").with_columns(
+        back.cast(pl.Int64).cum_sum().over("fidx").alias("_seg1"))
+    same_head = pl.all_horizontal(*[(k == k.first()).over("fidx", "_seg1") for k in key])
+    first_row = pl.int_range(pl.len()).over("fidx", "_seg1") == 0
+    restart = back | (same_head & ~first_row)
+    fr = fr.with_columns(restart.alias("_restart"))
+    if not fr["_restart"].any():
+        return
+    files = fr.filter(pl.col("_restart"))["fidx"].unique().to_list()
+    fr = fr.filter(pl.col("fidx").is_in(files)).with_columns(
+        pl.col("_restart").cast(pl.Int64).cum_sum().over("fidx").alias("_seg"))
+    # a step is repeated when a later run writes it again (its first run is not the current one)
+    repeated = (fr.with_columns(pl.col("_seg").first().over("fidx", "step").alias("_first"))
+                .filter(pl.col("_seg") != pl.col("_first")).group_by("fidx").agg(pl.col("step").unique().sort()))
+    rep = {f: steps for f, steps in repeated.iter_rows()}
+    restarts = fr.filter(pl.col("_restart")).group_by("fidx", maintain_order=True).agg(pl.col("line")).sort("fidx")
+    for fidx, lines in restarts.iter_rows():
+        out.append(appended_item(rank, monitor, batch.files[fidx].path, list(lines), list(rep.get(fidx, []))))
+
+
+# ------------------------------------------------------------------ non-finite
+def _nonfinite_kind(pl, fr):
+    """``"nan"``/``"inf"``/null per row: :func:`.detect.nonfinite_kind` as an expression."""
+    empty = (pl.col("norm") == 0.0).fill_null(False)
+    nan = (pl.col("nans") > 0).fill_null(False)
+    inf = pl.lit(False)
+    for op in ("norm", "min", "max", "mean"):
+        c = pl.col(op)
+        nan = nan | (c.is_nan().fill_null(False) & ~empty)
+        inf = inf | c.is_infinite().fill_null(False)
+    return pl.when(nan).then(pl.lit("nan")).when(inf).then(pl.lit("inf")).otherwise(pl.lit(None, dtype=pl.String))
+
+
+def _order_columns(pl, monitor: str, scopes: Sequence[str]):
+    """Expressions for the order key's (micro key, phase) of rows of ``monitor``."""
+    phases = {s: phase(monitor, s) for s in scopes}
+    ph = pl.col("scope").replace_strict(list(phases), list(phases.values()), return_dtype=pl.Int64)
+    mk = (pl.when(ph <= 2).then(pl.lit(0, dtype=pl.Int64))
+          .when(ph == 3).then(pl.col("micro_step").fill_null(LAST))
+          .otherwise(pl.lit(LAST, dtype=pl.Int64)))
+    return ph.alias("_phase"), mk.alias("_mk")
+
+
+def _nonfinite(pl, fr, rank: int, monitor: str, batch: Batch, first_nonfinite: Dict, nonfinite_by: Counter) -> int:
+    bad = fr.filter(pl.col("kind").is_not_null())
+    if not len(bad):
+        return 0
+    for scope, n in bad.group_by("scope", maintain_order=True).len().iter_rows():
+        nonfinite_by[(monitor, scope)] += n
+    ph, mk = _order_columns(pl, monitor, bad["scope"].unique().to_list())
+    first = bad.with_columns(ph, mk).sort("step", "_mk", "_phase", "line", maintain_order=True).row(0, named=True)
+    row = row_of(first)
+    key = order_key(row.step, monitor, row.scope, row.micro, row.line, rank)
+    best = first_nonfinite.get(rank)
+    if best is None or key < best[0]:
+        first_nonfinite[rank] = (key, finding(rank, monitor, row, batch.files[first["fidx"]].path,
+                                              kind=first["kind"], values=dict(row.vals)))
+    return len(bad)
+
+
+# ------------------------------------------------------------------ spikes
+def _spike_value(pl, stat: str, has_min: bool):
+    """The checked magnitude ``x`` (as in the reference: ``max`` becomes
+    ``max(|min|, |max|)`` where the row has ``min``; a NaN on either side keeps |max|)."""
+    if stat != "max" or not has_min:
+        return pl.col(stat).abs()
+    ax, am = pl.col("max").abs(), pl.col("min").abs()
+    return (pl.when(pl.col("min").is_null() | ax.is_nan() | am.is_nan()).then(ax)
+            .when(am > ax).then(am).otherwise(ax))
+
+
+def _spikes(pl, fr, rank: int, monitor: str, batch: Batch, settings: SpikeSettings, stats: Sequence[str],
+            carry: Dict[str, Any], items: FirstN, spike_steps: Counter) -> None:
+    import numpy as np
+
+    W, min_hist, ratio, mad_k = settings.window, settings.min_history, settings.ratio, settings.mad_k
+    hits: Dict[int, Dict[str, Tuple[str, float, float, float]]] = {}  # seq -> {stat: (label, x, median, mad)}
+    finite = fr.filter(pl.col("kind").is_null())
+    has_min = "min" in finite.columns and finite["min"].null_count() < len(finite)
+    g = "_gid"
+    # The statistics share their rows (one sort, one carry) while no row lacks one of them;
+    # after a batch where one does, each has its own history from then on.
+    joint = len(stats) > 1 and not carry.get("_split") and all(finite[st].null_count() == 0 for st in stats)
+    if len(stats) > 1 and not joint and not carry.get("_split"):
+        carry["_split"] = True
+        old = carry.pop(tuple(stats), None)
+        if old is not None:
+            for st in stats:
+                carry[(st,)] = old.select(g, "seq", f"x_{st}", "_absmax", "pos0", "_new")
+    for unit in ([tuple(stats)] if joint else [(st,) for st in stats]):
+        sel = finite if joint else finite.filter(pl.col(unit[0]).is_not_null())
+        old = carry.get(unit)
+        if not len(sel) and old is None:
+            continue
+        new = sel.select(g, "seq", *[_spike_value(pl, st, has_min).alias(f"x_{st}") for st in unit],
+                         (pl.col("min").is_not_null() if "max" in unit else pl.lit(False)).alias("_absmax"),
+                         pl.lit(None, dtype=pl.Int64).alias("pos0"), pl.lit(True).alias("_new"))
+        comb = new if old is None else pl.concat([old, new], how="vertical")  # in row order (seq)
+        if not len(comb):
+            continue
+        # group the rows by tensor (a stable sort keeps each tensor's rows in row order)
+        gid = comb[g].to_numpy()
+        order = np.argsort(gid, kind="stable")
+        gs = gid[order]
+        n = len(gs)
+        first = np.ones(n, dtype=bool)
+        first[1:] = gs[1:] != gs[:-1]
+        starts = np.flatnonzero(first)
+        grp = np.cumsum(first) - 1
+        cidx = np.arange(n) - starts[grp]
+        glen = np.diff(np.append(starts, n))[grp]
+        pos0 = comb["pos0"].fill_null(0).to_numpy()[order]
+        pos = pos0[starts][grp] + cidx  # the carried rows know their position in the tensor's history
+        isnew = comb["_new"].to_numpy()[order]
+        seq = comb["seq"].to_numpy()[order]
+        absmax = comb["_absmax"].to_numpy()[order]
+        for st in unit:
+            x = comb[f"x_{st}"].to_numpy()[order]
+            nan = np.isnan(x)
+            odd = np.logical_or.reduceat(nan, starts)[grp]  # NaN in the history: min() depends on order
+            xc = np.where(nan, 0.0, x)
+            # minimum of the previous min(cidx, W) values of the same tensor (= min(pos, W) values:
+            # the carry holds the last W of each tensor)
+            pmin = np.full(n, np.inf)
+            for k in range(1, min(W, n - 1) + 1):
+                np.minimum(pmin[k:], xc[:-k], out=pmin[k:])
+            # rows with fewer than W earlier rows of their tensor: only those rows
+            short = np.flatnonzero(cidx < W)
+            if len(short):
+                pm = np.full(len(short), np.inf)
+                cs = cidx[short]
+                for k in range(1, W):
+                    ok = cs >= k
+                    if not ok.any():
+                        break
+                    pm[ok] = np.minimum(pm[ok], xc[short[ok] - k])
+                pmin[short] = pm
+            with np.errstate(invalid="ignore"):
+                cand = isnew & ((~odd & (pos >= min_hist) & (x > ratio * pmin)) | odd)
+            for i in np.flatnonzero(cand).tolist():
+                m = min(int(pos[i]), W)
+                if m < min_hist:
+                    continue
+                h = x[i - m:i].tolist()
+                xv = float(x[i])
+                if xv > ratio * min(h):  # the reference's rule, on the same values in the same order
+                    srt = sorted(h)
+                    med = _median(srt)
+                    if xv > ratio * med:
+                        mad = _median(sorted(abs(y - med) for y in srt))
+                        if xv > med + mad_k * MAD_SCALE * mad:
+                            label = ("absmax" if absmax[i] else "max") if st == "max" else st
+                            hits.setdefault(int(seq[i]), {})[st] = (label, xv, med, mad)
+        keep = np.flatnonzero(cidx >= glen - W)
+        carry[unit] = (comb[order[keep]].with_columns(pl.Series("pos0", pos[keep], dtype=pl.Int64),
+                                                      pl.lit(False).alias("_new"))
+                       .sort("seq"))
+    if not hits:
+        return
+    rows = fr.filter(pl.col("seq").is_in(list(hits))).sort("seq")
+    for rec in rows.iter_rows(named=True):
+        found = [hits[rec["seq"]][st] for st in stats if st in hits[rec["seq"]]]  # the reference's order
+        label, xv, med, mad = found[0]
+        row = row_of(rec)
+        spiked = finding(rank, monitor, row, batch.files[rec["fidx"]].path, stat=label, value=xv, median=med,
+                         mad=mad, ratio=(xv / med) if med > 0 else INF, stats=[t[0] for t in found])
+        spike_steps[row.step] += 1
+        items.add(order_key(row.step, monitor, row.scope, row.micro, row.line, rank), spiked)
+
+
+def _tensor_ids(pl, fr, carry: Dict[str, Any]):
+    """An integer id per (module_name, scope), the same in every batch and on every rank
+    of a monitor (``carry`` is per monitor): sorting and hashing integers is much
+    cheaper than strings."""
+    ids = carry.get("_ids")
+    keys = fr.select("module_name", "scope").unique(maintain_order=True)
+    if ids is None:
+        ids = keys.with_columns(pl.int_range(pl.len(), dtype=pl.Int64).alias("_gid"))
+    else:
+        fresh = keys.join(ids, on=["module_name", "scope"], how="anti")
+        if len(fresh):
+            ids = pl.concat([ids, fresh.with_columns(
+                pl.int_range(len(ids), len(ids) + pl.len(), dtype=pl.Int64).alias("_gid"))])
+    carry["_ids"] = ids
+    return fr.select("module_name", "scope").join(ids, on=["module_name", "scope"], how="left",
+                                                  maintain_order="left")["_gid"]
+
+
+# ------------------------------------------------------------------ rank agreement
+def _hash_steps(pl, fr, rank: int, monitor: str, batch: Batch, hashes: Dict, irregular: Dict) -> None:
+    checked = fr.filter(pl.col("scope") == "reduced") if monitor == "weight_grad" else fr
+    if not len(checked):
+        return
+    windows = [(f.first, f.last) for f in batch.files]
+    # a file whose steps go back, or that repeats a row within a step: compare it the reference way
+    per_file = checked.group_by("fidx").agg(
+        (pl.col("step").diff() < 0).any().alias("back"),
+        (pl.struct("step", "_gid", "micro_step").n_unique() < pl.len()).alias("dup"))
+    for fidx, back, dup in per_file.iter_rows():
+        if back or dup:
+            irregular.setdefault((monitor, windows[fidx]), set()).add(rank)
+    # the tensor by its id (one id space per monitor, shared by all ranks)
+    cols = ["_gid", "micro_step"] + [op for op in OPS if op in checked.columns]
+    h = pl.struct(cols)
+    hv = h.hash(seed=1)  # 64 bits, summed as a 40-bit and a 24-bit part (no overflow below 2**24 rows)
+    sums = checked.group_by("fidx", "step").agg(
+        (hv // _HASH_MOD).sum().alias("h1"), (hv % _HASH_MOD).sum().alias("h2"), pl.len().alias("n"))
+    for fidx, step, h1, h2, n in sums.iter_rows():
+        per_step = hashes.setdefault((monitor, windows[fidx]), {}).setdefault(step, {})
+        prev = per_step.get(rank)
+        if prev is not None:  # two files of one window cannot happen; be safe
+            irregular.setdefault((monitor, windows[fidx]), set()).add(rank)
+        per_step[rank] = (int(h1), int(h2), int(n))
+
+
+def _check_ranks(layout: Layout, problems: Problems, settings: RankCheckSettings, steps: Optional[StepRange],
+                 hashes: Dict, irregular: Dict, prog: Progress) -> Dict[int, Dict[str, Any]]:
+    """:func:`.detect.check_ranks`, comparing only what the hashes cannot clear."""
+    groups = settings.groups or [layout.ranks]
+    result: Dict[int, Dict[str, Any]] = {}
+    for group in groups:
+        ranks = [r for r in group if r in layout.files]
+        if len(ranks) < 2:
+            continue
+        anchor, others = ranks[0], ranks[1:]
+        for i in range(0, len(others), CHUNK - 1):
+            chunk = [anchor] + others[i:i + CHUNK - 1]
+            cset = set(chunk)
+            for monitor in RANK_CHECKED_MONITORS:
+                windows = sorted({(f.first, f.last) for r in chunk for f in layout.files_of(r, monitor)})
+                for window in windows:
+                    files = {r: f for r in chunk for f in layout.files_of(r, monitor) if (f.first, f.last) == window}
+                    for r in files:  # the same count as the reference's second read
+                        if r != anchor or i == 0:
+                            prog.advance(f"rank agreement, {monitor}")
+                    if len(files) < 2:
+                        continue
+                    todo = _steps_to_compare(hashes.get((monitor, window), {}), cset,
+                                             bool(irregular.get((monitor, window), set()) & cset), window)
+                    if todo is None:
+                        continue
+                    lo, hi = todo
+                    if steps is not None:
+                        lo = lo if steps[0] is None else max(lo, steps[0])
+                        hi = hi if steps[1] is None else min(hi, steps[1])
+                    iters = {r: step_blocks(f, problems, (lo, hi), row_is_checked) for r, f in files.items()}
+                    for step, blocks in merge_steps(iters):
+                        if len(blocks) < 2:
+                            continue
+                        _compare_step(monitor, blocks, files, settings, result)
+    return result
+
+
+def _steps_to_compare(per_step: Dict[int, Dict[int, Tuple[int, int, int]]], chunk: set, irregular: bool,
+                      window: Tuple[int, int]) -> Optional[Tuple[int, int]]:
+    """The step range of a window that must be compared row by row, or None."""
+    if irregular:
+        return window
+    differing = []
+    for step, by_rank in per_step.items():
+        sums = {v for r, v in by_rank.items() if r in chunk}
+        if len(sums) > 1:
+            differing.append(step)
+    if not differing:
+        return None
+    return min(differing), max(differing)
