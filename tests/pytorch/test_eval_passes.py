@@ -263,3 +263,47 @@ def test_real_lightning_trainer_validation_loops(write_config, caplog):
     assert {r["step"] for r in rows if r["scope"] == "eval_forward"} == {"2"}
     spikes = [m for m in alerts(caplog) if "spike" in m]
     assert not spikes, spikes
+
+
+def test_real_huggingface_trainer_evaluation(write_config):
+    """A real ``transformers.Trainer`` (tiny GPT-2 from a config) evaluating every 2
+    steps (``model.eval()`` + ``torch.no_grad()``); the monitor driven by a callback."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    g = torch.Generator().manual_seed(1)
+    train = [{"input_ids": torch.randint(0, 50, (8,), generator=g)} for _ in range(8)]
+    val = [{"input_ids": torch.randint(0, 50, (8,), generator=g)} for _ in range(4)]
+    for example in train + val:
+        example["labels"] = example["input_ids"]
+    mon = TrainerMonitorV2(write_config({"patch_optimizer_step": False,
+                                         "monitors": {"module": {"enabled": True, "targets": ["wte"]}}}))
+    seen = {}  # (monitor step, training?) -> token ids the embedding received
+    model.transformer.wte.register_forward_pre_hook(
+        lambda m, args: seen.setdefault((mon.current_step, torch.is_grad_enabled()), []).append(args[0].clone()))
+
+    class Drive(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            mon.start(model=model)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            mon.step()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            mon.stop()
+
+    args = TrainingArguments(output_dir=str(mon.config.output_dir) + "/hf", max_steps=4, per_device_train_batch_size=2,
+                             per_device_eval_batch_size=2, eval_strategy="steps", eval_steps=2, save_strategy="no",
+                             report_to=[], use_cpu=True, logging_strategy="no", disable_tqdm=True)
+    Trainer(model=model, args=args, train_dataset=train, eval_dataset=val, callbacks=[Drive()]).train()
+    assert mon.errors.count == 0
+    rows = rows_of(mon.config.output_dir, "module")
+    assert sorted(k for k in seen) == [(0, True), (1, True), (2, False), (2, True), (3, True), (4, False)]
+    for (step, training), ids in seen.items():
+        if step == 4:  # after the last step: never written
+            continue
+        scope = "forward" if training else "eval_forward"
+        assert_row_matches(find_row(rows, step=step, module_name="transformer.wte.input.0", scope=scope),
+                           numpy_stats(torch.cat(ids)))
+    assert {r["step"] for r in rows if r["scope"] == "eval_forward"} == {"2"}
