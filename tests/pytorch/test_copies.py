@@ -32,7 +32,8 @@ def hook_counts(model: torch.nn.Module):
             "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")) + (
             sorted(k for k in vars(m) if k.startswith("__")),)
     for name, p in model.named_parameters():
-        state["param:" + name] = (len(p._backward_hooks or {}), len(getattr(p, "_post_accumulate_grad_hooks", None) or {}))
+        state["param:" + name] = (len(p._backward_hooks or {}),
+                                  len(getattr(p, "_post_accumulate_grad_hooks", None) or {}))
     return state
 
 
@@ -238,3 +239,23 @@ def test_start_stop_cycles_with_copies_leave_nothing_behind(write_config):
         assert ref() is None, f"cycle {cycle}: something still references the monitor"
         assert hook_counts(model) == clean
         assert all(hook_counts(c) == clean for c in copies)
+
+
+def test_two_monitors_on_one_model(write_config, tmp_path):
+    """Each monitor's copies leave out both monitors' hooks; the first to stop leaves the
+    second working (copies still clean), the last leaves the model as it was."""
+    model = TinyMLP()
+    clean = hook_counts(model)
+    first = TrainerMonitorV2({"output_dir": str(tmp_path / "a"), "monitors": {"module": {"enabled": True}}})
+    second = TrainerMonitorV2({"output_dir": str(tmp_path / "b"), "monitors": {"module": {"enabled": True}}})
+    first.start(model=model)
+    second.start(model=model)
+    assert hook_counts(copy.deepcopy(model)) == clean
+    first.stop()
+    assert hook_counts(save_and_load(model)) == clean
+    x, y = make_batches(1)[0]
+    loss_fn(model, x, y).backward()
+    second.step()
+    second.stop()
+    assert hook_counts(model) == clean
+    assert_row_matches(find_row(rows_of(tmp_path / "b", "module"), step=0, module_name="fc1.input.0"), numpy_stats(x))

@@ -205,3 +205,105 @@ def test_an_evaluation_pass_that_raises_does_not_mark_the_next_training_pass(wri
     rows = rows_of(mon.config.output_dir, "module")
     assert_row_matches(find_row(rows, step=0, module_name="FailsOnEmpty.input.0", scope="forward"), numpy_stats(x))
     assert_row_matches(find_row(rows, step=0, module_name="fc1.input.0", scope="eval_forward"), numpy_stats(x[:0]))
+
+
+def test_real_lightning_trainer_validation_loops(write_config, caplog):
+    """A real ``lightning.Trainer``: validation every 2 training steps (under ``eval()``
+    and ``inference_mode``, data on another scale), the monitor started and stopped by a
+    callback as a user would."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    train_x, train_y = (torch.cat(t) for t in zip(*make_batches(4, seed=21)))
+    val_x, val_y = (torch.cat(t) for t in zip(*make_batches(2, seed=22)))
+    val_x = val_x * 1000.0
+    mon = TrainerMonitorV2(write_config({"alert": {"spike_factor": 5, "spike_warmup": 1},
+                                         "monitors": {"module": {"enabled": True}}}))
+    seen = {"train": {}, "val": {}}  # monitor step -> inputs the model saw
+
+    class Lit(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = TinyMLP()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            seen["train"][mon.current_step] = x.clone()
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def validation_step(self, batch, batch_idx):
+            x, _ = batch
+            seen["val"].setdefault(mon.current_step, []).append(x.clone())
+            self.net(x)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    class StartStop(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            mon.start(model=pl_module, optimizer=trainer.optimizers[0])
+
+        def on_train_end(self, trainer, pl_module):
+            mon.stop()
+
+    trainer = L.Trainer(max_steps=4, val_check_interval=2, limit_val_batches=2, num_sanity_val_steps=0,
+                        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[StartStop()])
+    trainer.fit(Lit(), DataLoader(TensorDataset(train_x, train_y), batch_size=4),
+                DataLoader(TensorDataset(val_x, val_y), batch_size=4))
+    assert mon.errors.count == 0
+    rows = rows_of(mon.config.output_dir, "module")
+    assert sorted(seen["train"]) == [0, 1, 2, 3] and sorted(seen["val"]) == [2, 4]
+    for s, x in seen["train"].items():
+        assert_row_matches(find_row(rows, step=s, module_name="net.fc1.input.0", scope="forward"), numpy_stats(x))
+    # step 4 never ends (training stops after step 3): its evaluation is not written
+    assert_row_matches(find_row(rows, step=2, module_name="net.fc1.input.0", scope="eval_forward"),
+                       numpy_stats(torch.cat(seen["val"][2])), atol=1e-4)
+    assert {r["step"] for r in rows if r["scope"] == "eval_forward"} == {"2"}
+    spikes = [m for m in alerts(caplog) if "spike" in m]
+    assert not spikes, spikes
+
+
+def test_real_huggingface_trainer_evaluation(write_config):
+    """A real ``transformers.Trainer`` (tiny GPT-2 from a config) evaluating every 2
+    steps (``model.eval()`` + ``torch.no_grad()``); the monitor driven by a callback."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    g = torch.Generator().manual_seed(1)
+    train = [{"input_ids": torch.randint(0, 50, (8,), generator=g)} for _ in range(8)]
+    val = [{"input_ids": torch.randint(0, 50, (8,), generator=g)} for _ in range(4)]
+    for example in train + val:
+        example["labels"] = example["input_ids"]
+    mon = TrainerMonitorV2(write_config({"patch_optimizer_step": False,
+                                         "monitors": {"module": {"enabled": True, "targets": ["wte"]}}}))
+    seen = {}  # (monitor step, training?) -> token ids the embedding received
+    model.transformer.wte.register_forward_pre_hook(
+        lambda m, args: seen.setdefault((mon.current_step, torch.is_grad_enabled()), []).append(args[0].clone()))
+
+    class Drive(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            mon.start(model=model)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            mon.step()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            mon.stop()
+
+    args = TrainingArguments(output_dir=str(mon.config.output_dir) + "/hf", max_steps=4, per_device_train_batch_size=2,
+                             per_device_eval_batch_size=2, eval_strategy="steps", eval_steps=2, save_strategy="no",
+                             report_to=[], use_cpu=True, logging_strategy="no", disable_tqdm=True)
+    Trainer(model=model, args=args, train_dataset=train, eval_dataset=val, callbacks=[Drive()]).train()
+    assert mon.errors.count == 0
+    rows = rows_of(mon.config.output_dir, "module")
+    assert sorted(k for k in seen) == [(0, True), (1, True), (2, False), (2, True), (3, True), (4, False)]
+    for (step, training), ids in seen.items():
+        if step == 4:  # after the last step: never written
+            continue
+        scope = "forward" if training else "eval_forward"
+        assert_row_matches(find_row(rows, step=step, module_name="transformer.wte.input.0", scope=scope),
+                           numpy_stats(torch.cat(ids)))
+    assert {r["step"] for r in rows if r["scope"] == "eval_forward"} == {"2"}

@@ -37,15 +37,17 @@ class StateWithout:
     ``_MISSING``).
 
     A previous instance-level ``__getstate__`` (another tool doing the same) is called
-    instead of the class's and put back by :meth:`uninstall`."""
+    instead of the class's and put back by :meth:`uninstall`. Two monitors on one object
+    share one; it is removed when the last of them uninstalls it."""
 
-    __slots__ = ("owner", "hook_ids", "attrs", "previous")
+    __slots__ = ("owner", "hook_ids", "attrs", "previous", "users")
 
     def __init__(self, owner: Any) -> None:
         self.owner = owner
         self.hook_ids: Set[int] = set()
         self.attrs: Dict[str, Any] = {"__getstate__": _MISSING}
         self.previous = vars(owner).get("__getstate__")
+        self.users = 0
 
     def __call__(self) -> Any:
         owner = self.owner
@@ -71,14 +73,17 @@ class StateWithout:
 
     @classmethod
     def install(cls, owner: Any) -> "StateWithout":
-        current = vars(owner).get("__getstate__")
-        if isinstance(current, cls) and current.owner is owner:
-            return current
-        getstate = cls(owner)
-        object.__setattr__(owner, "__getstate__", getstate)  # not a parameter or submodule
+        getstate = vars(owner).get("__getstate__")
+        if not (isinstance(getstate, cls) and getstate.owner is owner):
+            getstate = cls(owner)
+            object.__setattr__(owner, "__getstate__", getstate)  # not a parameter or submodule
+        getstate.users += 1
         return getstate
 
     def uninstall(self) -> None:
+        self.users -= 1
+        if self.users > 0:
+            return
         owner = self.owner
         if vars(owner).get("__getstate__") is not self:
             return  # replaced by someone else after us: theirs stays
@@ -93,13 +98,16 @@ class ModuleHooks:
 
     def __init__(self) -> None:
         self._handles: List[Any] = []
-        self._states: Dict[int, StateWithout] = {}
+        self._states: Dict[int, StateWithout] = {}  # id(module) -> its __getstate__
+        self._ids: Dict[int, Set[int]] = {}  # id(module) -> ids of the hooks added here
 
     def _track(self, module: torch.nn.Module, handle: Any) -> Any:
         state = self._states.get(id(module))
         if state is None:
             state = self._states[id(module)] = StateWithout.install(module)
+            self._ids[id(module)] = set()
         state.hook_ids.add(handle.id)
+        self._ids[id(module)].add(handle.id)
         self._handles.append(handle)
         return handle
 
@@ -112,9 +120,11 @@ class ModuleHooks:
     def remove_all(self) -> None:
         while self._handles:
             self._handles.pop().remove()
-        for state in self._states.values():
+        for key, state in self._states.items():
+            state.hook_ids -= self._ids[key]
             state.uninstall()
         self._states.clear()
+        self._ids.clear()
 
 
 def set_without_copy(owner: Any, name: str, value: Any) -> Optional[StateWithout]:
