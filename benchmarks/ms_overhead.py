@@ -12,8 +12,8 @@ and ``ms.value_and_grad`` in PyNative mode.
 
 For every config, the same model and optimizer alternate timed windows of training steps
 without and with the monitor (the order flips every round, to cancel drift); a round's
-ratio is time(with) / time(without). Every window ends with ``ms.runtime.synchronize()``,
-so work still queued by PyNative is counted. The table gives the median ratio, its spread
+ratio is time(with) / time(without). Every window ends by waiting for the operators
+PyNative still has queued (``ms.runtime.synchronize`` refuses the CPU), so they are counted. The table gives the median ratio, its spread
 (min..max over rounds), the monitor's own code per step (timed inside it), the change of
 peak memory (allocated heap bytes, sampled) during a window with the monitor against one
 without, and the number of ``Tensor.asnumpy`` calls per step made by the monitor (on the
@@ -38,7 +38,8 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 
 import numpy as np  # noqa: E402
 import mindspore as ms  # noqa: E402
-from mindspore import nn, ops  # noqa: E402
+from mindspore import nn  # noqa: E402
+from mindspore.common.api import _pynative_executor  # noqa: E402
 
 from msprobe.core.monitor_v2 import native  # noqa: E402
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2  # noqa: E402
@@ -63,6 +64,11 @@ def configs(n_layer: int) -> Dict[str, dict]:
         "all, step outside window": {"start_step": 10 ** 9, "monitors": all_on},
         "all, step_interval 4": {"step_interval": 4, "monitors": all_on},
     }
+
+
+def sync() -> None:
+    """Wait until every operator PyNative has queued has run."""
+    _pynative_executor.sync()
 
 
 class Block(nn.Cell):
@@ -192,7 +198,7 @@ class Bench:
             self._next += 1
             _, grads = self.grad_fn(x, y)
             self.opt(grads)
-        ms.runtime.synchronize()
+        sync()
 
     def _start(self, cfg: dict, sub: str) -> TrainerMonitorV2:
         out = os.path.join(self.out, sub)
@@ -205,7 +211,7 @@ class Bench:
         """Seconds for ``steps_per_window`` steps, or (``measure_memory``) their peak heap
         bytes, measured in separate windows (the sampling thread competes for the GIL)."""
         mon = self._start(cfg, "run") if cfg is not None else None
-        ms.runtime.synchronize()
+        sync()
         if measure_memory:
             with PeakMemory() as mem:
                 self.train_steps(self.args.steps_per_window)
