@@ -54,9 +54,11 @@ def _kernel_threads() -> int:
 
 
 class MsStatsEngine:
-    def __init__(self, use_native: bool = True) -> None:
+    def __init__(self, use_native: bool = True, read_host: Optional[bool] = None) -> None:
+        """``read_host``: read tensors in place on the host (default: on MindSpore's CPU
+        target); ``False`` keeps every reduction on the device."""
         self._zeros: Dict[object, ms.Tensor] = {}
-        self._host = _host_memory_readable()
+        self._host = _host_memory_readable() if read_host is None else read_host
         kernel = native.load() if (use_native and self._host) else None
         self._native = kernel
         self._native_codes = {} if kernel is None else {
