@@ -13,9 +13,10 @@ and ``ms.value_and_grad`` in PyNative mode.
 For every config, the same model and optimizer alternate timed windows of training steps
 without and with the monitor (the order flips every round, to cancel drift); a round's
 ratio is time(with) / time(without). Every window ends by waiting for the operators
-PyNative still has queued (``ms.runtime.synchronize`` refuses the CPU), so they are counted. The table gives the median ratio, its spread
-(min..max over rounds), the monitor's own code per step (timed inside it), the change of
-peak memory (allocated heap bytes, sampled) during a window with the monitor against one
+PyNative still has queued (``ms.runtime.synchronize`` refuses the CPU), so they are
+counted. The table gives the median ratio, its spread (min..max over rounds), the
+plain step time, the monitor's own code per step (timed inside it), the change of peak
+memory (allocated heap bytes, sampled) during a window with the monitor against one
 without, and the number of ``Tensor.asnumpy`` calls per step made by the monitor (on the
 CPU a zero-copy view of the tensor's memory; elsewhere a device-to-host transfer).
 """
@@ -249,7 +250,7 @@ class Bench:
             busy.append(self.busy / results[False])
             plain.append(results[False] / self.args.steps_per_window)
         mem = []
-        for _ in range(2):
+        for _ in range(self.args.memory_rounds):
             off = self.window(None, measure_memory=True)
             mem.append(self.window(cfg, measure_memory=True) - off)
         return {
@@ -277,6 +278,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=7, help="alternating with/without rounds per config")
     p.add_argument("--steps-per-window", type=int, default=3)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before the first config")
+    p.add_argument("--memory-rounds", type=int, default=2, help="pairs of windows that sample peak memory per config")
     p.add_argument("--only", action="append", help="run only configs whose name contains this (repeatable)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one round: checks that the benchmark runs")
     p.add_argument("--no-native", action="store_true",
@@ -284,7 +286,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.layers, args.d_model, args.vocab, args.context, args.batch = 2, 32, 128, 16, 2
-        args.rounds, args.steps_per_window, args.warmup = 1, 1, 1
+        args.rounds, args.steps_per_window, args.warmup, args.memory_rounds = 1, 1, 1, 1
     return args
 
 
