@@ -12,7 +12,8 @@ and ``ms.value_and_grad`` in PyNative mode.
 
 For every config, the same model and optimizer alternate timed windows of training steps
 without and with the monitor (the order flips every round, to cancel drift); a round's
-ratio is time(with) / time(without). Every window ends by waiting for the operators
+ratio is time(with) / time(without); the CPU time of the process (all its threads) gives
+a second ratio, steadier on a machine shared with other work. Every window ends by waiting for the operators
 PyNative still has queued (``ms.runtime.synchronize`` refuses the CPU), so they are
 counted. The table gives the median ratio, its spread (min..max over rounds), the
 plain step time, the monitor's own code per step (timed inside it), the change of peak
@@ -31,7 +32,7 @@ import tempfile
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -208,19 +209,20 @@ class Bench:
         mon.start(model=self.model, optimizer=self.opt)
         return mon
 
-    def window(self, cfg: Optional[dict], measure_memory: bool = False) -> float:
-        """Seconds for ``steps_per_window`` steps, or (``measure_memory``) their peak heap
-        bytes, measured in separate windows (the sampling thread competes for the GIL)."""
+    def window(self, cfg: Optional[dict], measure_memory: bool = False) -> Tuple[float, float]:
+        """``(wall seconds, CPU seconds of the process)`` for ``steps_per_window`` steps,
+        or (``measure_memory``) their peak heap bytes, measured in separate windows (the
+        sampling thread competes for the GIL)."""
         mon = self._start(cfg, "run") if cfg is not None else None
         sync()
         if measure_memory:
             with PeakMemory() as mem:
                 self.train_steps(self.args.steps_per_window)
-            result = float(mem.peak)
+            result = (float(mem.peak), 0.0)
         else:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             self.train_steps(self.args.steps_per_window)
-            result = time.perf_counter() - t0
+            result = (time.perf_counter() - t0, time.process_time() - c0)
         if mon is not None:
             self.busy = mon.busy_seconds
             mon.stop()
@@ -240,25 +242,28 @@ class Bench:
         return per_step[1] - per_step[0]
 
     def run_config(self, name: str, cfg: dict) -> dict:
-        ratios, busy, plain = [], [], []
+        ratios, cpu_ratios, busy, plain = [], [], [], []
         for r in range(self.args.rounds):
             order = (None, cfg) if r % 2 == 0 else (cfg, None)
             results = {}
             for which in order:
                 results[which is not None] = self.window(which)
-            ratios.append(results[True] / results[False])
-            busy.append(self.busy / results[False])
-            plain.append(results[False] / self.args.steps_per_window)
+            ratios.append(results[True][0] / results[False][0])
+            cpu_ratios.append(results[True][1] / results[False][1])
+            busy.append(self.busy / results[False][0])
+            plain.append(results[False][0] / self.args.steps_per_window)
         mem = []
         for _ in range(self.args.memory_rounds):
-            off = self.window(None, measure_memory=True)
-            mem.append(self.window(cfg, measure_memory=True) - off)
+            off = self.window(None, measure_memory=True)[0]
+            mem.append(self.window(cfg, measure_memory=True)[0] - off)
         return {
             "name": name,
             "ratios": ratios,
             "median": statistics.median(ratios),
             "min": min(ratios),
             "max": max(ratios),
+            "cpu_ratios": cpu_ratios,
+            "cpu_median": statistics.median(cpu_ratios),
             "step_s": statistics.median(plain),
             "busy": statistics.median(busy),
             "busy_ms": statistics.median(busy) * statistics.median(plain) * 1e3,
@@ -283,6 +288,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one round: checks that the benchmark runs")
     p.add_argument("--no-native", action="store_true",
                    help="MindSpore reductions only, without the one-pass C kernel (as on a machine without a C compiler)")
+    p.add_argument("--device-reductions", action="store_true",
+                   help="reduce with MindSpore primitives even on the CPU (the path taken on GPU and Ascend, "
+                        "where tensors cannot be read in place)")
     args = p.parse_args(argv)
     if args.smoke:
         args.layers, args.d_model, args.vocab, args.context, args.batch = 2, 32, 128, 16, 2
@@ -294,6 +302,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     if args.no_native:
         os.environ[native.ENV_SWITCH] = "0"
+    if args.device_reductions:
+        from msprobe.core.monitor_v2.frameworks.mindspore import stats as ms_stats
+
+        ms_stats._host_memory_readable = lambda: False
     ms.set_context(mode=ms.PYNATIVE_MODE, runtime_num_threads=args.threads)
     ms.set_device("CPU")
     bench = Bench(args)
@@ -302,7 +314,12 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"Dense({4 * args.d_model}, {args.d_model}), vocab {args.vocab}, batch {args.batch} x {args.context}; "
           f"{n_params / 1e6:.1f}M parameters ({bench.param_bytes / 2**20:.1f} MiB); nn.AdamWeightDecay; "
           f"PyNative, CPU, {args.threads} thread(s)")
-    kernel = "MindSpore reductions only (--no-native)" if native.load() is None else "one-pass C kernel"
+    if args.device_reductions:
+        kernel = "MindSpore primitives (--device-reductions)"
+    elif native.load() is None:
+        kernel = "NumPy on the tensor's memory (--no-native)"
+    else:
+        kernel = "one-pass C kernel on the tensor's memory"
     print(f"{args.rounds} rounds x {args.steps_per_window} steps per window; mindspore {ms.__version__}; "
           f"CPU statistics: {kernel}; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     bench.train_steps(args.warmup)
@@ -313,16 +330,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         row = bench.run_config(name, cfg)
         rows.append(row)
         print(f"  {name:<28} ratio {row['median']:.3f}  ({row['min']:.3f}..{row['max']:.3f}); "
-              f"rounds {' '.join(f'{r:.3f}' for r in row['ratios'])}; step without {row['step_s']:.3f} s; "
+              f"rounds {' '.join(f'{r:.3f}' for r in row['ratios'])}; CPU-time ratio {row['cpu_median']:.3f} "
+              f"({' '.join(f'{r:.3f}' for r in row['cpu_ratios'])}); step without {row['step_s']:.3f} s; "
               f"monitor code {100 * row['busy']:.1f} %", flush=True)
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
     print()
-    print("| config | median ratio (with / without) | spread (min..max) | step without | monitor code per step | "
-          "peak memory delta | .asnumpy() per step |")
-    print("|---|---|---|---|---|---|---|")
+    print("| config | median ratio (with / without) | spread (min..max) | CPU-time ratio | step without | "
+          "monitor code per step | peak memory delta | .asnumpy() per step |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         mem_pct = 100.0 * row["mem"] / bench.param_bytes
-        print(f"| {row['name']} | {row['median']:.3f} | {row['min']:.3f}..{row['max']:.3f} | {row['step_s']:.3f} s | "
+        print(f"| {row['name']} | {row['median']:.3f} | {row['min']:.3f}..{row['max']:.3f} | {row['cpu_median']:.3f} | "
+              f"{row['step_s']:.3f} s | "
               f"{row['busy_ms']:.1f} ms ({100 * row['busy']:.1f} %) | "
               f"{row['mem'] / 2**20:+.1f} MiB ({mem_pct:+.1f} % of params) | {row['asnumpy']:.1f} |")
     shutil.rmtree(bench.out, ignore_errors=True)

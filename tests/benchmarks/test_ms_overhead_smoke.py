@@ -24,4 +24,4 @@ def test_ms_overhead_benchmark_smoke_mode_prints_every_config():
     for line in table:
         cells = [c.strip() for c in line.split("|")[1:-1]]
         assert float(cells[1]) > 0  # median ratio
-        assert cells[4].endswith("%)") and "MiB" in cells[5]  # monitor code, memory
+        assert cells[5].endswith("%)") and "MiB" in cells[6]  # monitor code, memory
