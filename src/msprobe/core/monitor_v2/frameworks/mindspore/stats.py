@@ -71,22 +71,29 @@ class MsStatsEngine:
             z = self._zeros[dtype] = ms.Tensor(0, dtype)
         return z
 
-    def _host_vector(self, t: ms.Tensor) -> Tuple[List[float], int]:
+    def _host_record(self, t: ms.Tensor, vpp_stage: int, name: str, scope: str,
+                     micro_step: Optional[int]) -> Record:
         """Statistics of a CPU tensor read in place (``asnumpy`` is a view there)."""
         a = t.asnumpy()
+        numel = a.size
+        if numel == 0:
+            return Record(vpp_stage, name, scope, micro_step, EMPTY_VECTOR, 0, 0)
         code = self._native_codes.get(a.dtype.name)
         if code is not None:
             if not a.flags.c_contiguous:
                 a = np.ascontiguousarray(a)
-            return self._native.stats(a.ctypes.data, a.size, code, self._threads)
+            vector, nans = self._native.stats(a.ctypes.data, numel, code, self._threads)
+            return Record(vpp_stage, name, scope, micro_step, vector, nans, numel)
         x = a.reshape(-1)
         if x.dtype != np.float64:
             x = x.astype(np.float64)  # integers, bool, and low precision without the kernel
         nans = int(np.count_nonzero(np.isnan(x)))
         if nans:
-            return [math.nan, math.nan, float(x.sum()), math.nan], nans
-        with np.errstate(invalid="ignore", over="ignore"):
-            return [float(x.min()), float(x.max()), float(x.sum()), math.sqrt(float(np.dot(x, x)))], 0
+            vector = [math.nan, math.nan, float(x.sum()), math.nan]
+        else:
+            with np.errstate(invalid="ignore", over="ignore"):
+                vector = [float(x.min()), float(x.max()), float(x.sum()), math.sqrt(float(np.dot(x, x)))]
+        return Record(vpp_stage, name, scope, micro_step, vector, nans, numel)
 
     def _vector(self, t: ms.Tensor, plan: StatPlan) -> Tuple[ms.Tensor, Optional[ms.Tensor]]:
         if t.dtype not in _FLOATS:
@@ -105,12 +112,11 @@ class MsStatsEngine:
 
     def record(self, t: ms.Tensor, plan: StatPlan, vpp_stage: int, name: str, scope: str,
                micro_step: Optional[int] = None, cache: bool = False) -> Record:
+        if self._host:
+            return self._host_record(t, vpp_stage, name, scope, micro_step)
         numel = int(t.size)
         if numel == 0:
             return Record(vpp_stage, name, scope, micro_step, EMPTY_VECTOR, 0, 0)
-        if self._host:
-            vector, nans = self._host_vector(t)
-            return Record(vpp_stage, name, scope, micro_step, vector, nans, numel)
         vector, nans = self._vector(t, plan)
         return Record(vpp_stage, name, scope, micro_step, vector, nans, numel)
 
