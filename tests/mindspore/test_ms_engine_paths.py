@@ -96,9 +96,11 @@ def test_hooks_exist_only_on_written_steps_and_rows_match(tmp_path):
     mon = TrainerMonitorV2({"output_dir": str(out), "step_interval": 2, "monitors": {
         "module": {"enabled": True}, "weight_grad": {"enabled": True}}}, fr="ms")
     mon.start(model=net, optimizer=opt)
-    passed, counts = [], []
+    passed, counts, outs = [], [], []
     for x, y in batches(5):
         counts.append(hook_counts(net, opt))
+        out_np = ref(ms.Tensor(x)).asnumpy().astype(np.float64)
+        outs.append((out_np, 2.0 * (out_np - y) / out_np.size))  # output, d mean((out - y)^2) / d out
         loss, g = grad_fn(ms.Tensor(x), ms.Tensor(y))
         ref_loss, ref_g = ref_grad_fn(ms.Tensor(x), ms.Tensor(y))
         assert loss.asnumpy().tobytes() == ref_loss.asnumpy().tobytes()
@@ -116,4 +118,8 @@ def test_hooks_exist_only_on_written_steps_and_rows_match(tmp_path):
     for s in (0, 2, 4):
         for i, name in enumerate(("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")):
             assert_row_matches(find_row(rows, step=s, module_name=name, scope="unreduced"), np_stats(passed[s][i]))
-    assert sorted({int(r["step"]) for r in rows_of(out, "module")}) == [0, 2, 4]
+    module_rows = rows_of(out, "module")
+    assert sorted({int(r["step"]) for r in module_rows}) == [0, 2, 4]
+    for s in (0, 2, 4):  # hooks installed again after an unwritten step see the right tensors
+        assert_row_matches(find_row(module_rows, step=s, module_name="MLP.output.0"), np_stats(outs[s][0]))
+        assert_row_matches(find_row(module_rows, step=s, module_name="fc2.grad_output.0"), np_stats(outs[s][1]))
