@@ -8,10 +8,11 @@ On the CPU (``device_target`` CPU) the tensor's memory is read where it lies:
 ``Tensor.asnumpy()`` there is a zero-copy view of it (no transfer), which waits only for
 the operator that produces the tensor, and the one-pass C kernel of ``native`` (fp32,
 bf16, fp16) or NumPy in fp64 (other dtypes) reduces it at once. MindSpore's CPU
-reductions cost about a millisecond each on a 256 x 1024 tensor (one thread) and every
-primitive PyNative launches adds several more: one pass in C is 10 to 50 times cheaper.
+reductions cost about a millisecond each on a 256 x 1024 tensor (one thread), and the
+engine needed five to seven of them per tensor; one pass in C takes about a tenth of a
+millisecond (docs/mindspore-performance.md has the measurements).
 
-Elsewhere (GPU, Ascend), or without the kernel, the reductions stay on the device with
+Elsewhere (GPU, Ascend) the reductions stay on the device with
 as few primitives as MindSpore offers: ``aminmax`` (min and max in one call), ``sum``
 and the sum of squares as one ``sum`` of the squared tensor, stacked into one vector;
 reading the tensor back inside a hook would force a device sync there. Low-precision and
