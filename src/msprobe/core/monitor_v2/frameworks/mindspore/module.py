@@ -1,6 +1,15 @@
 """``module`` for MindSpore: Cell forward pre-hooks (inputs), forward hooks (outputs)
 and backward hooks (``grad_input``/``grad_output``), with the tags, root name and
-aggregation of the PyTorch monitor."""
+aggregation of the PyTorch monitor.
+
+The hooks are installed only for steps that are written. A MindSpore backward hook is
+not free when it does nothing: the Cell then wraps its inputs and outputs in
+``CellBackwardHook`` operators on every call, and any hook sends the call down
+PyNative's slower path. The schedule is known before a step starts, so ``begin_step``
+installs them when a written step begins and removes them when an unwritten one does.
+Cells that contain the optimizer keep theirs for the whole run: the trainer advances
+the step inside the optimizer's forward hook, while MindSpore iterates over those
+Cells' hook dictionaries."""
 
 import inspect
 from typing import Any, Dict, List, Sequence, Tuple
@@ -30,17 +39,31 @@ class MsModuleMonitor(Monitor):
     def attach(self) -> None:
         self.plan = StatPlan.from_ops(self.settings.ops)
         targets: Sequence[str] = self.settings.get("targets")
-        self._handles: List[Any] = []
+        self._handles: List[Any] = []  # hooks installed for written steps only
+        self._kept: List[Any] = []  # hooks of Cells that contain the optimizer
         named = [(vpp, name, c) for vpp, root in enumerate(self.session.roots) for name, c in root.cells_and_names()]
+        optimizer = self.session.optimizer
+        self._toggled: List[Tuple[int, str, Any]] = []
         for vpp, tag, cell in select_modules(named, targets, self.session.qualify):
-            self._hook(cell, vpp, tag)
+            if optimizer is not None and any(c is optimizer for _, c in cell.cells_and_names()):
+                self._kept += self._hook(cell, vpp, tag)
+            else:
+                self._toggled.append((vpp, tag, cell))
+
+    def begin_step(self, step: int, active: bool) -> None:
+        super().begin_step(step, active)
+        if active and not self._handles:
+            for vpp, tag, cell in self._toggled:
+                self._handles += self._hook(cell, vpp, tag)
+        elif not active:
+            remove_all(self._handles)
 
     def _emit(self, values: Any, vpp: int, tag: str, kind: str, scope: str) -> None:
         engine = self.session.engine
         for i, t in enumerate(flatten_tensors(values, _is_tensor)):
             self._records.append(engine.record(t, self.plan, vpp, f"{tag}.{kind}.{i}", scope))
 
-    def _hook(self, cell: Any, vpp: int, tag: str) -> None:
+    def _hook(self, cell: Any, vpp: int, tag: str) -> List[Any]:
         def pre(c: Any, inputs: Tuple, kwargs: Dict = None) -> None:
             if self.active:
                 self._emit((inputs, kwargs or {}), vpp, tag, "input", "forward")
@@ -56,9 +79,9 @@ class MsModuleMonitor(Monitor):
 
         wrap = self.errors.wrap
         extra = {"with_kwargs": True} if _KWARGS else {}
-        self._handles.append(cell.register_forward_pre_hook(wrap(f"module forward pre-hook of {tag}", pre), **extra))
-        self._handles.append(cell.register_forward_hook(wrap(f"module forward hook of {tag}", post), **extra))
-        self._handles.append(cell.register_backward_hook(wrap(f"module backward hook of {tag}", backward)))
+        return [cell.register_forward_pre_hook(wrap(f"module forward pre-hook of {tag}", pre), **extra),
+                cell.register_forward_hook(wrap(f"module forward hook of {tag}", post), **extra),
+                cell.register_backward_hook(wrap(f"module backward hook of {tag}", backward))]
 
     def _emit_indexed(self, grads: Any, vpp: int, tag: str, kind: str) -> None:
         # A None gradient (an input that needs none) keeps its index, as in PyTorch.
@@ -70,3 +93,4 @@ class MsModuleMonitor(Monitor):
 
     def detach(self) -> None:
         remove_all(self._handles)
+        remove_all(self._kept)

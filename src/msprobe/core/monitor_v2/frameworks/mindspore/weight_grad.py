@@ -14,6 +14,11 @@ once): announce ``grad_acc_steps``.
 
 ``reduced``: the gradients passed to the optimizer (``optimizer(grads)``), read by a
 forward pre-hook on the optimizer, i.e. after ``DistributedGradReducer``.
+
+The parameter hooks are installed only for written steps (``begin_step`` adds them when
+a written step begins and removes them when an unwritten one does): a registered hook
+puts every gradient through a Python call during the backward pass even when it does
+nothing.
 """
 
 import functools
@@ -42,6 +47,8 @@ class MsWeightGradMonitor(Monitor):
         self._handles: List[Any] = []
         self._warned_extra = False
         self._reset()
+
+    def _install(self) -> None:
         for info in self.params:
             hook = self.errors.wrap("weight_grad unreduced hook", functools.partial(self._on_grad, info))
             self._handles.append(info.param.register_hook(hook))
@@ -55,6 +62,10 @@ class MsWeightGradMonitor(Monitor):
     def begin_step(self, step: int, active: bool) -> None:
         super().begin_step(step, active)
         self._reset()
+        if active and not self._handles:
+            self._install()
+        elif not active:
+            remove_all(self._handles)
 
     def _on_grad(self, info: Any, grad: Any) -> None:
         if not self.active:
