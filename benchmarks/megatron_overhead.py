@@ -17,6 +17,7 @@ Rank 0 prints the median ratio, its spread, and the share of the monitor's own c
 """
 
 import argparse
+import logging
 import os
 import shutil
 import statistics
@@ -119,6 +120,9 @@ class Bench:
 
 
 def main() -> int:
+    # The monitor prints its end-of-run line on stderr only where logging is not set up;
+    # a benchmark starts and stops it many times, so its INFO lines go through logging.
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps-per-window", type=int, default=3)

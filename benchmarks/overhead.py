@@ -19,6 +19,7 @@ tensors, which reads the data once: the floor for any statistic.
 
 import argparse
 import ctypes
+import logging
 import os
 import shutil
 import statistics
@@ -316,6 +317,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    # The monitor prints its end-of-run line on stderr only where logging is not set up;
+    # a benchmark starts and stops it many times, so its INFO lines go through logging.
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
     args = parse_args(argv)
     if args.no_native:
         os.environ[native.ENV_SWITCH] = "0"

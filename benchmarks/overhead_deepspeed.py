@@ -14,6 +14,7 @@ defaults to ``cpu``.
 """
 
 import argparse
+import logging
 import os
 import shutil
 import statistics
@@ -118,6 +119,9 @@ class Bench:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    # The monitor prints its end-of-run line on stderr only where logging is not set up;
+    # a benchmark starts and stops it many times, so its INFO lines go through logging.
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     deepspeed.init_distributed(dist_backend="gloo")
