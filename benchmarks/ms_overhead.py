@@ -23,17 +23,15 @@ CPU a zero-copy view of the tensor's memory; elsewhere a device-to-host transfer
 """
 
 import argparse
-import ctypes
 import logging
 import os
 import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -44,6 +42,7 @@ import mindspore as ms  # noqa: E402
 from mindspore import nn  # noqa: E402
 from mindspore.common.api import _pynative_executor  # noqa: E402
 
+from heap_memory import PeakMemory  # noqa: E402
 from msprobe.core.monitor_v2 import native  # noqa: E402
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2  # noqa: E402
 
@@ -99,63 +98,6 @@ class TinyLM(nn.Cell):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def _allocated_bytes_reader() -> Callable[[], int]:
-    """Bytes the C heap has handed out (glibc mallinfo2), which, unlike RSS, drops as
-    soon as memory is freed; RSS where it is unavailable. (MindSpore's CPU memory
-    statistics, ``ms.runtime.max_memory_allocated``, stay at 0 on the CPU.)"""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = _MallInfo2
-
-        def allocated() -> int:
-            info = libc.mallinfo2()
-            return info.uordblks + info.hblkhd
-
-        allocated()
-        return allocated
-    except (OSError, AttributeError):
-        page = os.sysconf("SC_PAGE_SIZE")
-
-        def rss() -> int:
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * page
-
-        return rss
-
-
-class PeakMemory:
-    """Samples the process's allocated heap bytes on a thread while active."""
-
-    def __init__(self, period: float = 0.0005) -> None:
-        self.period = period
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        self._read = _allocated_bytes_reader()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._read())
-            time.sleep(self.period)
-
-    def __enter__(self) -> "PeakMemory":
-        self.peak = self._read()
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._read())
 
 
 @contextmanager

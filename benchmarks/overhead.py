@@ -18,14 +18,12 @@ tensors, which reads the data once: the floor for any statistic.
 """
 
 import argparse
-import ctypes
 import logging
 import os
 import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
@@ -38,6 +36,7 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 import torch  # noqa: E402
 
 from gpt import GPT, GPTConfig, synthetic_batches  # noqa: E402
+from heap_memory import PeakMemory  # noqa: E402
 from msprobe.core.monitor_v2 import native  # noqa: E402
 from msprobe.core.monitor_v2.frameworks.pytorch.stats import StatPlan, TorchStatsEngine  # noqa: E402
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2  # noqa: E402
@@ -64,63 +63,6 @@ def configs(n_layer: int) -> Dict[str, dict]:
         "all, step outside window": {"start_step": 10 ** 9, "monitors": all_on},
         "all, step_interval 4": {"step_interval": 4, "monitors": all_on},
     }
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def _allocated_bytes_reader() -> Callable[[], int]:
-    """Bytes the C heap has handed out (glibc mallinfo2: small blocks + mmapped blocks),
-    which, unlike RSS, drops as soon as memory is freed; RSS where it is unavailable."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = _MallInfo2
-
-        def allocated() -> int:
-            info = libc.mallinfo2()
-            return info.uordblks + info.hblkhd
-
-        allocated()
-        return allocated
-    except (OSError, AttributeError):
-        page = os.sysconf("SC_PAGE_SIZE")
-
-        def rss() -> int:
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * page
-
-        return rss
-
-
-class PeakMemory:
-    """Samples the process's allocated heap bytes on a thread while active (on a GPU,
-    use torch.cuda.max_memory_allocated instead)."""
-
-    def __init__(self, period: float = 0.0005) -> None:
-        self.period = period
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        self._rss = _allocated_bytes_reader()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._rss())
-            time.sleep(self.period)
-
-    def __enter__(self) -> "PeakMemory":
-        self.peak = self._rss()
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._rss())
 
 
 @contextmanager

@@ -196,7 +196,7 @@ def train(config: str, out_dir: str, monitored: bool):
     for mon in reversed(monitors):
         mon.stop()
     if monitored:
-        restored = "_take_model_step" not in vars(engine) and "step" not in vars(engine)
+        restored = not {"_take_model_step", "step", "__getstate__"} & set(vars(engine))
         logging.getLogger("msprobe.monitor_v2").removeHandler(capture)
     ref["warnings"] = capture.messages
     ref["restored"] = restored

@@ -373,7 +373,8 @@ def _read_source(source: Union[str, os.PathLike, Mapping]) -> Dict[str, Any]:
 
 
 def output_dir_text_problem(path: Any) -> Optional[str]:
-    """Why ``path`` cannot name a directory at all (None if it can); shared with ``validate``."""
+    """Why ``path`` cannot name a directory at all (None if it can): the text checks of
+    ``check_output_dir``, before it touches the file system."""
     if not isinstance(path, str) or not path.strip():
         return "must be a non-empty path string"
     if "\0" in path:

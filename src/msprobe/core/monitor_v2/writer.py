@@ -23,7 +23,7 @@ import os
 import queue
 import threading
 import unicodedata
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from .alert import Alerter
 from .errors import OutputError
@@ -83,7 +83,7 @@ def _describe_os_error(exc: BaseException) -> str:
     return repr(exc)
 
 
-def _ranges(steps: Sequence[int]) -> str:
+def _ranges(steps: Iterable[int]) -> str:
     """``[1, 2, 3, 7]`` -> ``"1-3, 7"`` (at most 10 ranges, then how many more)."""
     parts: List[str] = []
     ordered = sorted(steps)
@@ -206,9 +206,6 @@ class CsvWriter:
         current = self._current(monitor, window)
         if current is not None:
             return current, False
-        stale = self._files.pop(monitor, None)
-        if stale is not None:
-            stale.close()
         path = self.path(monitor, step)
         fd = self._open_fd(path)
         opened = _OpenFile(window, path, fd)
@@ -323,7 +320,7 @@ class CsvWriter:
         lost, self._lost_in_episode = self._lost_in_episode, set()
         if self._episodes <= _EPISODES_LOGGED:
             logger.warning("monitor_v2: writing to %s works again from step %d; %d step(s) were lost (%s).",
-                           self.rank_dir, step, len(lost), _ranges(sorted(lost)))
+                           self.rank_dir, step, len(lost), _ranges(lost))
 
     def report_lost(self, step: int, exc: BaseException) -> None:
         """A step that never reached ``write_step`` (its statistics failed to reach the host)."""
@@ -339,7 +336,7 @@ class CsvWriter:
         if self.lost_steps:
             logger.warning(
                 "monitor_v2: %d step(s) of output were lost (%d row(s)) in %s: steps %s. First error: %s.",
-                len(self.lost_steps), self.lost_rows, self.rank_dir, _ranges(sorted(self.lost_steps)),
+                len(self.lost_steps), self.lost_rows, self.rank_dir, _ranges(self.lost_steps),
                 self._first_error,
             )
 

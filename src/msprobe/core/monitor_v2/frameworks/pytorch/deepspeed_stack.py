@@ -251,9 +251,8 @@ class DeepSpeedStack(TrainingStack):
             for info in session.optimizer_params():
                 master = masters.get(id(info.param))
                 if master is not None:
-                    for key, value in state.get(master, {}).items():
-                        if key != "step" and isinstance(value, torch.Tensor) and value.shape == master.shape:
-                            yield info, key, value
+                    for key, value in _moments(state, master):
+                        yield info, key, value
             return
         if self.kind in ("zero12", "bf16"):
             attr = "single_partition_of_fp32_groups" if self.kind == "zero12" else "fp32_groups_flat_partition"
@@ -267,15 +266,13 @@ class DeepSpeedStack(TrainingStack):
                     continue  # no fragment of this parameter on this rank
                 flat = flats[mapping.param_group_index]
                 addr = mapping.hp_fragment_address
-                for key, value in state.get(flat, {}).items():
-                    if key != "step" and isinstance(value, torch.Tensor) and value.shape == flat.shape:
-                        yield info, key, value.narrow(0, addr.start, addr.numel)
+                for key, value in _moments(state, flat):
+                    yield info, key, value.narrow(0, addr.start, addr.numel)
             return
         if self.kind == "zero3":
             for info, flat, offset, numel in self._zero3_positions(session):
-                for key, value in state.get(flat, {}).items():
-                    if key != "step" and isinstance(value, torch.Tensor) and value.shape == flat.shape:
-                        yield info, key, value.narrow(0, offset, numel)
+                for key, value in _moments(state, flat):
+                    yield info, key, value.narrow(0, offset, numel)
 
     # --------------------------------------------------------------- helpers
     def _unfused_masters(self) -> Dict[int, torch.Tensor]:
@@ -369,6 +366,14 @@ def _zero3_valid(opt: Any, param: torch.Tensor, partition_numel: int) -> int:
         rank = torch.distributed.get_rank(group=getattr(param, "ds_process_group", None))
     total = getattr(param, "ds_numel", partition_numel)
     return max(0, min(partition_numel, total - rank * partition_numel))
+
+
+def _moments(state: Any, like: torch.Tensor) -> Iterator[Tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of the optimizer state kept for ``like`` (an fp32 master or flat
+    partition) with its shape: the moments, not the scalar ``step``."""
+    for key, value in state.get(like, {}).items():
+        if key != "step" and isinstance(value, torch.Tensor) and value.shape == like.shape:
+            yield key, value
 
 
 def _accumulate(prior: Optional[torch.Tensor], grad: torch.Tensor) -> torch.Tensor:

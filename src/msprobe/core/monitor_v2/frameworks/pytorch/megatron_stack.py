@@ -124,6 +124,9 @@ class MegatronStack(TrainingStack):
 
     def __init__(self, chunks: List[torch.nn.Module], optimizer: Any) -> None:
         super().__init__(chunks, optimizer)
+        # A Megatron optimizer holds masters and shards (self.entries); otherwise (None, or
+        # a torch optimizer beside Megatron's DDP) the plain readers of TrainingStack apply.
+        self.megatron_optimizer = is_megatron(optimizer)
         self.ddp_chunks = [c for c in chunks if is_megatron_ddp(c)]
         # Megatron FSDP shards parameters and gradients its own way: not read here.
         self.fsdp = any(getattr(c.ddp_config, "use_megatron_fsdp", False) for c in self.ddp_chunks)
@@ -146,7 +149,7 @@ class MegatronStack(TrainingStack):
         return unwrap(chunk)
 
     def optimizer_model_params(self) -> Optional[List[torch.Tensor]]:
-        if self.optimizer is None or not is_megatron(self.optimizer):
+        if not self.megatron_optimizer:
             return None
         return [e.model_param for e in self.entries]
 
@@ -163,7 +166,7 @@ class MegatronStack(TrainingStack):
     def _optimizer_entries(self) -> List[MasterEntry]:
         """Every parameter of a Megatron optimizer (``ChainedOptimizer`` or one of the
         optimizers it chains), mapped to the model parameter it belongs to."""
-        if not is_megatron(self.optimizer):
+        if not self.megatron_optimizer:
             return []
         entries: List[MasterEntry] = []
         for opt in leaf_optimizers(self.optimizer):
@@ -212,7 +215,7 @@ class MegatronStack(TrainingStack):
 
     # ------------------------------------------------------------- gradients
     def reduced_grads(self, session: "TorchSession") -> List[Tuple["ParamInfo", torch.Tensor]]:
-        if not is_megatron(self.optimizer):
+        if not self.megatron_optimizer:
             return super().reduced_grads(session)
         out = []
         for info, e in self._pairs_for(session):
@@ -273,12 +276,12 @@ class MegatronStack(TrainingStack):
 
     # ------------------------------------------------------ optimizer, params
     def param_values(self, session: "TorchSession") -> List[Tuple["ParamInfo", torch.Tensor]]:
-        if not is_megatron(self.optimizer):
+        if not self.megatron_optimizer:
             return super().param_values(session)
         return [(info, e.value) for info, e in self._pairs_for(session)]
 
     def optimizer_states(self, session: "TorchSession") -> Iterator[Tuple["ParamInfo", str, torch.Tensor]]:
-        if not is_megatron(self.optimizer):
+        if not self.megatron_optimizer:
             yield from super().optimizer_states(session)
             return
         for info, e in self._pairs_for(session):

@@ -102,8 +102,7 @@ class TrainingStack:
 
     # ----------------------------------------------------------------- names
     def unwrap(self, chunk: torch.nn.Module) -> torch.nn.Module:
-        if isinstance(chunk, torch.nn.parallel.DistributedDataParallel):
-            return chunk.module
+        # torch DDP and torch.compile wrappers are unwrapped by the session (session.unwrap).
         return chunk
 
     def optimizer_model_params(self) -> Optional[List[torch.Tensor]]:
