@@ -160,10 +160,44 @@ def test_fullgraph_compile_trains_and_says_what_is_not_recorded(write_config, ca
     twin_losses, _ = train(twin, twin, twin_opt, None, batches)
     assert all(torch.equal(a, b) for a, b in zip(losses, twin_losses))
     assert any("fullgraph=True" in r.getMessage() for r in caplog.records)
-    assert rows_of(mon.config.output_dir, "module") == []
+    # only the root call is outside the graph: its rows, and no row of a module inside it
+    module_rows = rows_of(mon.config.output_dir, "module")
+    assert {r["module_name"] for r in module_rows} == {"TinyMLP.input.0", "TinyMLP.output.0",
+                                                       "TinyMLP.grad_output.0"}
+    for s, (x, _) in enumerate(batches):
+        assert_row_matches(find_row(module_rows, step=s, module_name="TinyMLP.input.0", scope="forward"),
+                           numpy_stats(x), atol=1e-6)
     wg = rows_of(mon.config.output_dir, "weight_grad")
     assert len(wg) == 3 * 4 * 2  # steps x parameters x (unreduced, reduced)
     for s, (x, y) in enumerate(batches):
         _, _, grad_out = reference(params[s], x, y)
         want = numpy_stats(torch.as_tensor(grad_out.sum(axis=0)))  # d(loss)/d(fc2.bias)
         assert_row_matches(find_row(wg, step=s, module_name="fc2.bias", scope="reduced"), want, atol=1e-6)
+
+
+def test_hooks_are_not_compiled_as_frames_of_their_own(write_config, caplog):
+    """After a graph break Dynamo compiles the frames called next; the monitor's hooks are
+    not among them (each hook's closure would be a new guard: recompiles until the limit)."""
+    import torch._dynamo.utils as dynamo_utils
+
+    torch._dynamo.reset()
+    batches = make_batches(4, seed=3)
+    x0, y0 = batches[0]
+    model = torch.nn.Sequential(torch.nn.Linear(x0.shape[1], 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                                torch.nn.GELU(), torch.nn.Linear(16, y0.shape[1]))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    mon = TrainerMonitorV2(write_config({"monitors": {"module": {"enabled": True}, "weight_grad": {"enabled": True}}}))
+    mon.start(model=model, optimizer=opt)
+    cm = torch.compile(model, backend="eager")
+    caplog.set_level(logging.WARNING, logger="torch._dynamo")
+    for x, y in batches:
+        loss = loss_fn(cm, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    mon.stop()
+    frames = {str(k) for k in dynamo_utils.counters["frames"]}
+    limit_hits = [r.getMessage() for r in caplog.records if "recompile_limit" in r.getMessage()]
+    assert limit_hits == []
+    assert not any("module.py" in f and "hook" in f for f in frames), frames
+    assert len(rows_of(mon.config.output_dir, "module")) > 0

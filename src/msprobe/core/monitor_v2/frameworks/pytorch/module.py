@@ -52,6 +52,19 @@ _get_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)
 _compiler = getattr(torch, "compiler", None)
 _compiler_disable = getattr(_compiler, "disable", None)
 _is_compiling = getattr(_compiler, "is_compiling", None)
+_skipped_codes: List[bool] = []
+
+
+def _skip_frame_and_callees(code: Any) -> None:
+    """Dynamo never compiles a frame of ``code`` nor the frames it calls (private API of
+    torch >= 2.5; without it, Dynamo may recompile the hook until its limit: slower, but
+    rows and training are the same)."""
+    eval_frame = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    try:
+        from torch._dynamo.types import FrameAction, FrameExecStrategy  # type: ignore
+        eval_frame.set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    except Exception:  # noqa: BLE001 - an optimisation only
+        pass
 
 TRAIN_SCOPE = "forward"
 
@@ -103,6 +116,14 @@ def _eager(body: Any) -> Any:
         body(*args, **kwargs)
         return None
 
+    if not _skipped_codes:
+        # After a graph break, Dynamo would compile ``hook`` as a frame of its own, once
+        # per closure (each hook's cells are new guards) until the recompile limit. All
+        # hooks share this code object: skipping it (and what it calls) as a top-level
+        # frame runs it eagerly there, while a trace that inlines it still takes the
+        # branch above.
+        _skip_frame_and_callees(hook.__code__)
+        _skipped_codes.append(True)
     return hook
 
 
