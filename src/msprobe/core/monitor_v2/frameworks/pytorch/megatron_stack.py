@@ -272,7 +272,9 @@ class MegatronStack(TrainingStack):
 
     @staticmethod
     def _accumulated(callback: GradCallback, info: "ParamInfo", p: torch.Tensor, *_: Any) -> None:
-        callback(info, p.main_grad)
+        # main_grad is read inside the contained callback (and only for a recorded pass):
+        # a Megatron that dropped the attribute gets a logged error, not one in autograd.
+        callback(info, functools.partial(getattr, p, "main_grad"))
 
     # ------------------------------------------------------ optimizer, params
     def param_values(self, session: "TorchSession") -> List[Tuple["ParamInfo", torch.Tensor]]:
