@@ -64,19 +64,19 @@ def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, 
     appended: List[Dict[str, Any]] = []
     tensor_ids: Dict[str, Dict[str, Any]] = {}  # monitor -> {"_ids": table}: one id space for all ranks
 
+    plan = [(rank, monitor, list(batches(layout.files_of(rank, monitor), **kw)))
+            for rank in layout.ranks for monitor in MONITORS if layout.files_of(rank, monitor)]
+    read_ahead = _ReadAhead([g for _r, _m, groups in plan for g in groups], problems, steps)
     for rank in layout.ranks:
         n_rows = n_files = 0
-        for monitor in MONITORS:
-            files = layout.files_of(rank, monitor)
-            if not files:
-                continue
+        for _rank, monitor, groups in (p for p in plan if p[0] == rank):
             col = collected[monitor]
             col.ranks.add(rank)
             spike_stats = spikes.stats if (spikes.enabled and monitor in spikes.monitors) else ()
             carry: Dict[str, Any] = {}
             seq0 = 0
-            for group in batches(files, **kw):
-                batch = read_batch(group, problems, steps)
+            for group in groups:
+                batch = read_ahead.next()
                 n_files += len(group)
                 col.files += len(group)
                 for ops in batch.headers:
@@ -107,6 +107,7 @@ def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, 
                     prog.advance(f"rank {rank} {monitor}")
         rank_files[rank] = n_files
         rank_rows[rank] = n_rows
+    read_ahead.close()
 
     mismatches: Dict[int, Dict[str, Any]] = {}
     note = ""
@@ -121,6 +122,37 @@ def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, 
                     spike_items, spike_steps, spikes, mismatches, rank_check, note, problems, appended)
     relabel(report)
     return report
+
+
+class _ReadAhead:
+    """Reads the batches of ``groups`` in order on one worker thread, one batch ahead of
+    the analysis: Polars parses the next batch (releasing the GIL) while the main thread
+    analyses the current one, so both cores work. One worker keeps the order of the
+    reads, hence of the problems reported; memory holds at most two batches."""
+
+    def __init__(self, groups: List[List[Any]], problems: Problems, steps: Optional[StepRange]) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._groups = iter(groups)
+        self._problems = problems
+        self._steps = steps
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="msprobe-read")
+        self._next = self._submit()
+
+    def _submit(self):
+        group = next(self._groups, None)
+        return None if group is None else self._pool.submit(read_batch, group, self._problems, self._steps)
+
+    def next(self) -> Batch:
+        current = self._next
+        batch = current.result()  # a read error (``--strict``) is raised here, in order
+        self._next = self._submit()
+        return batch
+
+    def close(self) -> None:
+        if self._next is not None:
+            self._next.cancel()
+        self._pool.shutdown(wait=True)
 
 
 # ------------------------------------------------------------------ collected
@@ -269,9 +301,10 @@ def _spikes(pl, fr, rank: int, monitor: str, batch: Batch, settings: SpikeSettin
             xc = np.where(nan, 0.0, x)
             # minimum of the previous min(cidx, W) values of the same tensor (= min(pos, W) values:
             # the carry holds the last W of each tensor)
+            # (Polars' rolling minimum of the W values ending at i-1, in one pass)
             pmin = np.full(n, np.inf)
-            for k in range(1, min(W, n - 1) + 1):
-                np.minimum(pmin[k:], xc[:-k], out=pmin[k:])
+            if n > W:
+                pmin[W:] = pl.Series(xc).rolling_min(W).to_numpy()[W - 1:-1]
             # rows with fewer than W earlier rows of their tensor: only those rows
             short = np.flatnonzero(cidx < W)
             if len(short):
