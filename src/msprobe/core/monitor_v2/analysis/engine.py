@@ -88,8 +88,9 @@ def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, 
                     seq0 += len(fr)
                     n_rows += len(fr)
                     col.rows += len(fr)
-                    fr = fr.with_columns(_tensor_ids(pl, fr, tensor_ids.setdefault(monitor, {})))
-                    _collect(pl, fr, col, tensor_ids[monitor]["_ids"])
+                    gid, ids = _tensor_ids(pl, fr, tensor_ids.setdefault(monitor, {}))
+                    fr = fr.with_columns(gid)
+                    _collect(pl, fr, col, ids)
                     _appended(pl, fr, rank, monitor, batch, appended)
                     fr = fr.with_columns(_nonfinite_kind(pl, fr).alias("kind"))
                     nonfinite_count += _nonfinite(pl, fr, rank, monitor, batch, first_nonfinite, nonfinite_by)
@@ -352,19 +353,41 @@ def _spikes(pl, fr, rank: int, monitor: str, batch: Batch, settings: SpikeSettin
 def _tensor_ids(pl, fr, carry: Dict[str, Any]):
     """An integer id per (module_name, scope), the same in every batch and on every rank
     of a monitor (``carry`` is per monitor): sorting and hashing integers is much
-    cheaper than strings."""
-    ids = carry.get("_ids")
-    keys = fr.select("module_name", "scope").unique(maintain_order=True)
-    if ids is None:
-        ids = keys.with_columns(pl.int_range(pl.len(), dtype=pl.Int64).alias("_gid"))
-    else:
-        fresh = keys.join(ids, on=["module_name", "scope"], how="anti")
-        if len(fresh):
-            ids = pl.concat([ids, fresh.with_columns(
-                pl.int_range(len(ids), len(ids) + pl.len(), dtype=pl.Int64).alias("_gid"))])
-    carry["_ids"] = ids
-    return fr.select("module_name", "scope").join(ids, on=["module_name", "scope"], how="left",
-                                                  maintain_order="left")["_gid"]
+    cheaper than strings. Returns the ``_gid`` column and the (module_name, scope, _gid)
+    table of the batch's tensors.
+
+    The rows are matched to their tensor by a 64-bit hash of the two names (a join on
+    integers); every row's names are then compared with its tensor's, so a hash
+    collision cannot merge two tensors: the batch then takes the exact join on names."""
+    by_name: Dict[Tuple[str, str], int] = carry.setdefault("by_name", {})
+    by_hash: Dict[int, Tuple[int, str, str]] = carry.setdefault("by_hash", {})
+    hashed = fr.select("module_name", "scope", pl.struct("module_name", "scope").hash(seed=7).alias("_h"))
+    keys = hashed.unique(subset="_h", keep="first", maintain_order=True)
+    gids: List[int] = []
+    exact = True
+    for name, scope, h in keys.iter_rows():
+        got = by_hash.get(h)
+        if got is None:
+            gid = by_name.setdefault((name, scope), len(by_name))
+            got = by_hash[h] = (gid, name, scope)
+        elif got[1] != name or got[2] != scope:
+            exact = False
+            break
+        gids.append(got[0])
+    if exact:
+        keys = keys.with_columns(pl.Series("_gid", gids, dtype=pl.Int64))
+        joined = hashed.join(keys, on="_h", how="left", maintain_order="left", suffix="_k")
+        exact = joined.select(((pl.col("module_name") == pl.col("module_name_k"))
+                               & (pl.col("scope") == pl.col("scope_k"))).all()).item()
+        if exact:
+            return joined["_gid"], keys.select("module_name", "scope", "_gid")
+    # a hash collision: ids by the names themselves
+    names = fr.select("module_name", "scope").unique(maintain_order=True)
+    ids = names.with_columns(pl.Series("_gid", [by_name.setdefault(k, len(by_name)) for k in names.iter_rows()],
+                                       dtype=pl.Int64))
+    gid = fr.select("module_name", "scope").join(ids, on=["module_name", "scope"], how="left",
+                                                 maintain_order="left")["_gid"]
+    return gid, ids
 
 
 # ------------------------------------------------------------------ rank agreement
