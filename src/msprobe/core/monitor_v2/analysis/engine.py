@@ -281,7 +281,9 @@ def _spikes(pl, fr, rank: int, monitor: str, batch: Batch, settings: SpikeSettin
             continue
         # group the rows by tensor (a stable sort keeps each tensor's rows in row order)
         gid = comb[g].to_numpy()
-        order = np.argsort(gid, kind="stable")
+        # (a stable sort of small integers is a radix sort in NumPy: linear)
+        narrow = gid.astype(np.uint16) if len(gid) and 0 <= gid.min() and gid.max() < 1 << 16 else gid
+        order = np.argsort(narrow, kind="stable")
         gs = gid[order]
         n = len(gs)
         first = np.ones(n, dtype=bool)
@@ -306,8 +308,9 @@ def _spikes(pl, fr, rank: int, monitor: str, batch: Batch, settings: SpikeSettin
             pmin = np.full(n, np.inf)
             if n > W:
                 pmin[W:] = pl.Series(xc).rolling_min(W).to_numpy()[W - 1:-1]
-            # rows with fewer than W earlier rows of their tensor: only those rows
-            short = np.flatnonzero(cidx < W)
+            # new rows with fewer than W earlier rows of their tensor: only those rows (the
+            # carried rows are never candidates)
+            short = np.flatnonzero((cidx < W) & isnew)
             if len(short):
                 pm = np.full(len(short), np.inf)
                 cs = cidx[short]
