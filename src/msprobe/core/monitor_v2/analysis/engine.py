@@ -256,7 +256,9 @@ def _spikes(pl, fr, rank: int, monitor: str, batch: Batch, settings: SpikeSettin
 
     W, min_hist, ratio, mad_k = settings.window, settings.min_history, settings.ratio, settings.mad_k
     hits: Dict[int, Dict[str, Tuple[str, float, float, float]]] = {}  # seq -> {stat: (label, x, median, mad)}
-    finite = fr.filter(pl.col("kind").is_null())
+    g = "_gid"
+    need = [c for c in dict.fromkeys([g, "seq", "min", "max", *stats]) if c in fr.columns]
+    finite = fr.lazy().filter(pl.col("kind").is_null()).select(need).collect()  # not the names: no string copy
     has_min = "min" in finite.columns and finite["min"].null_count() < len(finite)
     g = "_gid"
     # The statistics share their rows (one sort, one carry) while no row lacks one of them;
