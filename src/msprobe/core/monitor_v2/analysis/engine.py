@@ -27,7 +27,7 @@ values and, per (rank, monitor, step), a few integers.
 """
 
 from collections import Counter
-from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from .columnar import Batch, batches, frame_rows, polars, read_batch, row_of
 from .detect import (CHUNK, INF, MAD_SCALE, RANK_CHECKED_MONITORS, Collected, FirstN, RankCheckSettings, Report,
@@ -62,11 +62,22 @@ def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, 
     irregular: Dict[Tuple[str, Tuple[int, int]], set] = {}
     kw = {} if batch_rows is None else {"max_rows": batch_rows}
     appended: List[Dict[str, Any]] = []
-    tensor_ids: Dict[str, Dict[str, Any]] = {}  # monitor -> {"_ids": table}: one id space for all ranks
+    tensor_ids: Dict[str, Dict[str, Any]] = {}  # monitor -> carry of _tensor_ids: one id space for all ranks
 
     plan = [(rank, monitor, list(batches(layout.files_of(rank, monitor), **kw)))
             for rank in layout.ranks for monitor in MONITORS if layout.files_of(rank, monitor)]
-    read_ahead = _ReadAhead([g for _r, _m, groups in plan for g in groups], problems, steps)
+
+    def read(group: List[Any], monitor: str) -> Tuple[Batch, Any, Any]:
+        # on the reading thread: the rows, their tensor ids and their non-finite kind
+        batch = read_batch(group, problems, steps)
+        fr = batch.frame
+        if not len(fr):
+            return batch, fr, None
+        gid, ids = _tensor_ids(pl, fr, tensor_ids.setdefault(monitor, {}))
+        fr = fr.with_columns(gid)
+        return batch, fr.with_columns(_nonfinite_kind(pl, fr).alias("kind")), ids
+
+    read_ahead = _ReadAhead([(g, m) for _r, m, groups in plan for g in groups], read)
     for rank in layout.ranks:
         n_rows = n_files = 0
         for _rank, monitor, groups in (p for p in plan if p[0] == rank):
@@ -76,23 +87,19 @@ def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, 
             carry: Dict[str, Any] = {}
             seq0 = 0
             for group in groups:
-                batch = read_ahead.next()
+                batch, fr, ids = read_ahead.next()
                 n_files += len(group)
                 col.files += len(group)
                 for ops in batch.headers:
                     if any(op not in col.ops for op in ops):
                         col.ops[:] = [op for op in OPS if op in col.ops or op in ops]
-                fr = batch.frame
                 if len(fr):
                     fr = fr.with_columns(pl.int_range(seq0, seq0 + len(fr), dtype=pl.Int64).alias("seq"))
                     seq0 += len(fr)
                     n_rows += len(fr)
                     col.rows += len(fr)
-                    gid, ids = _tensor_ids(pl, fr, tensor_ids.setdefault(monitor, {}))
-                    fr = fr.with_columns(gid)
                     _collect(pl, fr, col, ids)
                     _appended(pl, fr, rank, monitor, batch, appended)
-                    fr = fr.with_columns(_nonfinite_kind(pl, fr).alias("kind"))
                     nonfinite_count += _nonfinite(pl, fr, rank, monitor, batch, first_nonfinite, nonfinite_by)
                     if spike_stats:
                         _spikes(pl, fr, rank, monitor, batch, spikes, spike_stats, carry, spike_items, spike_steps)
@@ -126,29 +133,28 @@ def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, 
 
 
 class _ReadAhead:
-    """Reads the batches of ``groups`` in order on one worker thread, one batch ahead of
-    the analysis: Polars parses the next batch (releasing the GIL) while the main thread
-    analyses the current one, so both cores work. One worker keeps the order of the
-    reads, hence of the problems reported; memory holds at most two batches."""
+    """Runs ``read(group, monitor)`` for each of ``tasks`` in order on one worker thread,
+    one task ahead of the analysis: Polars parses the next batch (releasing the GIL)
+    while the main thread analyses the current one, so both cores work. One worker
+    keeps the order of the reads, hence of the problems reported, and of the tensor
+    ids given; memory holds at most two batches."""
 
-    def __init__(self, groups: List[List[Any]], problems: Problems, steps: Optional[StepRange]) -> None:
+    def __init__(self, tasks: List[Tuple[List[Any], str]], read: Callable[[List[Any], str], Any]) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        self._groups = iter(groups)
-        self._problems = problems
-        self._steps = steps
+        self._tasks = iter(tasks)
+        self._read = read
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="msprobe-read")
         self._next = self._submit()
 
     def _submit(self):
-        group = next(self._groups, None)
-        return None if group is None else self._pool.submit(read_batch, group, self._problems, self._steps)
+        task = next(self._tasks, None)
+        return None if task is None else self._pool.submit(self._read, *task)
 
-    def next(self) -> Batch:
-        current = self._next
-        batch = current.result()  # a read error (``--strict``) is raised here, in order
+    def next(self) -> Any:
+        result = self._next.result()  # a read error (``--strict``) is raised here, in order
         self._next = self._submit()
-        return batch
+        return result
 
     def close(self) -> None:
         if self._next is not None:
