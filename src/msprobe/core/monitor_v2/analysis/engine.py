@@ -78,44 +78,46 @@ def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, 
         return batch, fr.with_columns(_nonfinite_kind(pl, fr).alias("kind")), ids
 
     read_ahead = _ReadAhead([(g, m) for _r, m, groups in plan for g in groups], read)
-    for rank in layout.ranks:
-        n_rows = n_files = 0
-        for _rank, monitor, groups in (p for p in plan if p[0] == rank):
-            col = collected[monitor]
-            col.ranks.add(rank)
-            spike_stats = spikes.stats if (spikes.enabled and monitor in spikes.monitors) else ()
-            carry: Dict[str, Any] = {}
-            seq0 = 0
-            for group in groups:
-                batch, fr, ids = read_ahead.next()
-                n_files += len(group)
-                col.files += len(group)
-                for ops in batch.headers:
-                    if any(op not in col.ops for op in ops):
-                        col.ops[:] = [op for op in OPS if op in col.ops or op in ops]
-                if len(fr):
-                    fr = fr.with_columns(pl.int_range(seq0, seq0 + len(fr), dtype=pl.Int64).alias("seq"))
-                    seq0 += len(fr)
-                    n_rows += len(fr)
-                    col.rows += len(fr)
-                    _collect(pl, fr, col, ids)
-                    _appended(pl, fr, rank, monitor, batch, appended)
-                    nonfinite_count += _nonfinite(pl, fr, rank, monitor, batch, first_nonfinite, nonfinite_by)
-                    if spike_stats:
-                        _spikes(pl, fr, rank, monitor, batch, spikes, spike_stats, carry, spike_items, spike_steps)
-                    if do_rank_check and monitor in RANK_CHECKED_MONITORS:
-                        _hash_steps(pl, fr, rank, monitor, batch, hashes, irregular)
-                    for visit in visitors:
-                        want = getattr(visit, "rank", None)
-                        if want is not None and want != rank:
-                            continue
-                        for row, fidx in zip(frame_rows(fr), fr["fidx"]):
-                            visit(rank, monitor, row, group[fidx])
-                for _ in group:
-                    prog.advance(f"rank {rank} {monitor}")
-        rank_files[rank] = n_files
-        rank_rows[rank] = n_rows
-    read_ahead.close()
+    try:
+        for rank in layout.ranks:
+            n_rows = n_files = 0
+            for _rank, monitor, groups in (p for p in plan if p[0] == rank):
+                col = collected[monitor]
+                col.ranks.add(rank)
+                spike_stats = spikes.stats if (spikes.enabled and monitor in spikes.monitors) else ()
+                carry: Dict[str, Any] = {}
+                seq0 = 0
+                for group in groups:
+                    batch, fr, ids = read_ahead.next()
+                    n_files += len(group)
+                    col.files += len(group)
+                    for ops in batch.headers:
+                        if any(op not in col.ops for op in ops):
+                            col.ops[:] = [op for op in OPS if op in col.ops or op in ops]
+                    if len(fr):
+                        fr = fr.with_columns(pl.int_range(seq0, seq0 + len(fr), dtype=pl.Int64).alias("seq"))
+                        seq0 += len(fr)
+                        n_rows += len(fr)
+                        col.rows += len(fr)
+                        _collect(pl, fr, col, ids)
+                        _appended(pl, fr, rank, monitor, batch, appended)
+                        nonfinite_count += _nonfinite(pl, fr, rank, monitor, batch, first_nonfinite, nonfinite_by)
+                        if spike_stats:
+                            _spikes(pl, fr, rank, monitor, batch, spikes, spike_stats, carry, spike_items, spike_steps)
+                        if do_rank_check and monitor in RANK_CHECKED_MONITORS:
+                            _hash_steps(pl, fr, rank, monitor, batch, hashes, irregular)
+                        for visit in visitors:
+                            want = getattr(visit, "rank", None)
+                            if want is not None and want != rank:
+                                continue
+                            for row, fidx in zip(frame_rows(fr), fr["fidx"]):
+                                visit(rank, monitor, row, group[fidx])
+                    for _ in group:
+                        prog.advance(f"rank {rank} {monitor}")
+            rank_files[rank] = n_files
+            rank_rows[rank] = n_rows
+    finally:
+        read_ahead.close()
 
     mismatches: Dict[int, Dict[str, Any]] = {}
     note = ""
