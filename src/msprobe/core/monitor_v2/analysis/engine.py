@@ -22,8 +22,9 @@ answers; this module gives the same ones, much faster:
   (:func:`.detect._compare_step` on re-read files), as are windows where a file repeats
   a row within a step or goes back in steps (a run appended to its files).
 
-Memory: a batch (about :data:`.columnar.BATCH_ROWS` rows) plus, per tensor, ``window``
-values and, per (rank, monitor, step), a few integers.
+Memory: two batches (about :data:`.columnar.BATCH_ROWS` rows each: the one analysed and
+the next, read meanwhile on a second thread, see :class:`_ReadAhead`) plus, per tensor,
+``window`` values and, per (rank, monitor, step), a few integers.
 """
 
 from collections import Counter
