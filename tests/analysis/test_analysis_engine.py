@@ -134,6 +134,36 @@ def test_same_findings_on_generated_outputs_and_tiny_batches(tmp_path, seed, bat
     assert [(i["rank"], i["runs"], i["steps_repeated"]) for i in a["appended"]["items"]] == [(0, 2, [8, 9, 10, 11])]
 
 
+def test_a_tensor_id_hash_collision_falls_back_to_the_names(tmp_path, monkeypatch):
+    """Every tensor's name hash is made to collide with another name: each batch then
+    takes the exact join on the names, and the findings stay the reference's."""
+    from msprobe.core.monitor_v2.analysis import engine
+
+    _write_generated(tmp_path, 1)
+    real = engine._tensor_ids
+    taken = []
+
+    def colliding(pl_, fr, carry):
+        by_hash = carry.setdefault("by_hash", {})
+        hashes = fr.select(pl_.struct("module_name", "scope").hash(seed=7))[:, 0].unique().to_list()
+        for h in hashes:
+            by_hash.setdefault(h, (10 ** 6 + len(by_hash), "another tensor", "reduced"))
+        gid, ids = real(pl_, fr, carry)
+        # every name has its own id, none the colliding one's
+        taken.append(len(ids) == fr.select("module_name", "scope").n_unique() and gid.max() < 10 ** 6)
+        return gid, ids
+
+    monkeypatch.setattr(engine, "_tensor_ids", colliding)
+    spikes = SpikeSettings(window=7, min_history=3, mad_k=2.0, ratio=1.5,
+                           monitors=("weight_grad",), stats=("norm", "max"))
+    checks = RankCheckSettings(rtol=1e-5)
+    layout = scan(str(tmp_path))
+    ref = analyse(layout, Problems(), spikes, checks, limit=None)
+    new = analyse_columnar(layout, Problems(), spikes, checks, limit=None, batch_rows=37)
+    assert len(taken) > 10 and all(taken)
+    assert json.dumps(report_json(ref, 0)) == json.dumps(report_json(new, 0))
+
+
 # ------------------------------------------------------------------ no polars
 def test_without_polars_the_cli_names_what_to_install(runs, tmp_path):
     code = ("import sys; sys.modules['polars'] = None\n"

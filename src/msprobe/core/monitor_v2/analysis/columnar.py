@@ -177,7 +177,7 @@ def read_batch(files: List[CsvFile], problems: Problems, steps: Optional[StepRan
         frame, ops = _read_parquet_windows(pl, files, steps)
         return Batch(files, frame, [ops])
     with_micro = files[0].monitor == "weight_grad" if files else False
-    fast: Dict[Tuple[str, ...], List[Tuple[int, bytes, int]]] = {}  # ops -> [(fidx, body, rows)]
+    fast: Dict[Tuple[str, ...], List[Tuple[int, memoryview, int]]] = {}  # ops -> [(fidx, body, rows)]
     slow: List[int] = []
     headers: List[Tuple[str, ...]] = []
     for i, f in enumerate(files):
@@ -206,7 +206,7 @@ def read_batch(files: List[CsvFile], problems: Problems, steps: Optional[StepRan
     return Batch(files, frame, headers)
 
 
-def _fast_candidate(f: CsvFile) -> Optional[Tuple[Tuple[str, ...], bytes, int]]:
+def _fast_candidate(f: CsvFile) -> Optional[Tuple[Tuple[str, ...], memoryview, int]]:
     """``(ops, body, rows)`` of a file that may take the fast path, else None."""
     try:
         with open(f.path, "rb") as fh:
@@ -223,11 +223,11 @@ def _fast_candidate(f: CsvFile) -> Optional[Tuple[Tuple[str, ...], bytes, int]]:
     ops, _why = header_ops(f.monitor, [h.strip() for h in header])
     if ops is None:
         return None
-    body = data[end + 1:]
-    return ops, body, body.count(b"\n")
+    body = memoryview(data)[end + 1:]  # joined into the batch's buffer later: no copy here
+    return ops, body, data.count(b"\n") - 1
 
 
-def _parse_fast(pl, files: List[CsvFile], ops: Tuple[str, ...], items: List[Tuple[int, bytes, int]],
+def _parse_fast(pl, files: List[CsvFile], ops: Tuple[str, ...], items: List[Tuple[int, memoryview, int]],
                 with_micro: bool) -> Tuple[List[Any], List[int]]:
     """Parse the bodies of ``items`` in one call; on any doubt, file by file; the files
     that still fail are returned for the reference reader."""
@@ -265,7 +265,7 @@ def _csv_options(pl) -> Dict[str, Any]:
     return _CSV_OPTIONS
 
 
-def _parse_bodies(pl, files: List[CsvFile], ops: Tuple[str, ...], items: List[Tuple[int, bytes, int]],
+def _parse_bodies(pl, files: List[CsvFile], ops: Tuple[str, ...], items: List[Tuple[int, memoryview, int]],
                   with_micro: bool):
     import numpy as np
 

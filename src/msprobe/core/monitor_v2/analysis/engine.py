@@ -22,12 +22,13 @@ answers; this module gives the same ones, much faster:
   (:func:`.detect._compare_step` on re-read files), as are windows where a file repeats
   a row within a step or goes back in steps (a run appended to its files).
 
-Memory: a batch (about :data:`.columnar.BATCH_ROWS` rows) plus, per tensor, ``window``
-values and, per (rank, monitor, step), a few integers.
+Memory: two batches (about :data:`.columnar.BATCH_ROWS` rows each: the one analysed and
+the next, read meanwhile on a second thread, see :class:`_ReadAhead`) plus, per tensor,
+``window`` values and, per (rank, monitor, step), a few integers.
 """
 
 from collections import Counter
-from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from .columnar import Batch, batches, frame_rows, polars, read_batch, row_of
 from .detect import (CHUNK, INF, MAD_SCALE, RANK_CHECKED_MONITORS, Collected, FirstN, RankCheckSettings, Report,
@@ -62,51 +63,62 @@ def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, 
     irregular: Dict[Tuple[str, Tuple[int, int]], set] = {}
     kw = {} if batch_rows is None else {"max_rows": batch_rows}
     appended: List[Dict[str, Any]] = []
-    tensor_ids: Dict[str, Dict[str, Any]] = {}  # monitor -> {"_ids": table}: one id space for all ranks
+    tensor_ids: Dict[str, Dict[str, Any]] = {}  # monitor -> carry of _tensor_ids: one id space for all ranks
 
-    for rank in layout.ranks:
-        n_rows = n_files = 0
-        for monitor in MONITORS:
-            files = layout.files_of(rank, monitor)
-            if not files:
-                continue
-            col = collected[monitor]
-            col.ranks.add(rank)
-            spike_stats = spikes.stats if (spikes.enabled and monitor in spikes.monitors) else ()
-            carry: Dict[str, Any] = {}
-            seq0 = 0
-            for group in batches(files, **kw):
-                batch = read_batch(group, problems, steps)
-                n_files += len(group)
-                col.files += len(group)
-                for ops in batch.headers:
-                    if any(op not in col.ops for op in ops):
-                        col.ops[:] = [op for op in OPS if op in col.ops or op in ops]
-                fr = batch.frame
-                if len(fr):
-                    fr = fr.with_columns(pl.int_range(seq0, seq0 + len(fr), dtype=pl.Int64).alias("seq"))
-                    seq0 += len(fr)
-                    n_rows += len(fr)
-                    col.rows += len(fr)
-                    fr = fr.with_columns(_tensor_ids(pl, fr, tensor_ids.setdefault(monitor, {})))
-                    _collect(pl, fr, col, tensor_ids[monitor]["_ids"])
-                    _appended(pl, fr, rank, monitor, batch, appended)
-                    fr = fr.with_columns(_nonfinite_kind(pl, fr).alias("kind"))
-                    nonfinite_count += _nonfinite(pl, fr, rank, monitor, batch, first_nonfinite, nonfinite_by)
-                    if spike_stats:
-                        _spikes(pl, fr, rank, monitor, batch, spikes, spike_stats, carry, spike_items, spike_steps)
-                    if do_rank_check and monitor in RANK_CHECKED_MONITORS:
-                        _hash_steps(pl, fr, rank, monitor, batch, hashes, irregular)
-                    for visit in visitors:
-                        want = getattr(visit, "rank", None)
-                        if want is not None and want != rank:
-                            continue
-                        for row, fidx in zip(frame_rows(fr), fr["fidx"]):
-                            visit(rank, monitor, row, group[fidx])
-                for _ in group:
-                    prog.advance(f"rank {rank} {monitor}")
-        rank_files[rank] = n_files
-        rank_rows[rank] = n_rows
+    plan = [(rank, monitor, list(batches(layout.files_of(rank, monitor), **kw)))
+            for rank in layout.ranks for monitor in MONITORS if layout.files_of(rank, monitor)]
+
+    def read(group: List[Any], monitor: str) -> Tuple[Batch, Any, Any]:
+        # on the reading thread: the rows, their tensor ids and their non-finite kind
+        batch = read_batch(group, problems, steps)
+        fr = batch.frame
+        if not len(fr):
+            return batch, fr, None
+        gid, ids = _tensor_ids(pl, fr, tensor_ids.setdefault(monitor, {}))
+        fr = fr.with_columns(gid)
+        return batch, fr.with_columns(_nonfinite_kind(pl, fr).alias("kind")), ids
+
+    read_ahead = _ReadAhead([(g, m) for _r, m, groups in plan for g in groups], read)
+    try:
+        for rank in layout.ranks:
+            n_rows = n_files = 0
+            for _rank, monitor, groups in (p for p in plan if p[0] == rank):
+                col = collected[monitor]
+                col.ranks.add(rank)
+                spike_stats = spikes.stats if (spikes.enabled and monitor in spikes.monitors) else ()
+                carry: Dict[str, Any] = {}
+                seq0 = 0
+                for group in groups:
+                    batch, fr, ids = read_ahead.next()
+                    n_files += len(group)
+                    col.files += len(group)
+                    for ops in batch.headers:
+                        if any(op not in col.ops for op in ops):
+                            col.ops[:] = [op for op in OPS if op in col.ops or op in ops]
+                    if len(fr):
+                        fr = fr.with_columns(pl.int_range(seq0, seq0 + len(fr), dtype=pl.Int64).alias("seq"))
+                        seq0 += len(fr)
+                        n_rows += len(fr)
+                        col.rows += len(fr)
+                        _collect(pl, fr, col, ids)
+                        _appended(pl, fr, rank, monitor, batch, appended)
+                        nonfinite_count += _nonfinite(pl, fr, rank, monitor, batch, first_nonfinite, nonfinite_by)
+                        if spike_stats:
+                            _spikes(pl, fr, rank, monitor, batch, spikes, spike_stats, carry, spike_items, spike_steps)
+                        if do_rank_check and monitor in RANK_CHECKED_MONITORS:
+                            _hash_steps(pl, fr, rank, monitor, batch, hashes, irregular)
+                        for visit in visitors:
+                            want = getattr(visit, "rank", None)
+                            if want is not None and want != rank:
+                                continue
+                            for row, fidx in zip(frame_rows(fr), fr["fidx"]):
+                                visit(rank, monitor, row, group[fidx])
+                    for _ in group:
+                        prog.advance(f"rank {rank} {monitor}")
+            rank_files[rank] = n_files
+            rank_rows[rank] = n_rows
+    finally:
+        read_ahead.close()
 
     mismatches: Dict[int, Dict[str, Any]] = {}
     note = ""
@@ -121,6 +133,36 @@ def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, 
                     spike_items, spike_steps, spikes, mismatches, rank_check, note, problems, appended)
     relabel(report)
     return report
+
+
+class _ReadAhead:
+    """Runs ``read(group, monitor)`` for each of ``tasks`` in order on one worker thread,
+    one task ahead of the analysis: Polars parses the next batch (releasing the GIL)
+    while the main thread analyses the current one, so both cores work. One worker
+    keeps the order of the reads, hence of the problems reported, and of the tensor
+    ids given; memory holds at most two batches."""
+
+    def __init__(self, tasks: List[Tuple[List[Any], str]], read: Callable[[List[Any], str], Any]) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._tasks = iter(tasks)
+        self._read = read
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="msprobe-read")
+        self._next = self._submit()
+
+    def _submit(self):
+        task = next(self._tasks, None)
+        return None if task is None else self._pool.submit(self._read, *task)
+
+    def next(self) -> Any:
+        result = self._next.result()  # a read error (``--strict``) is raised here, in order
+        self._next = self._submit()
+        return result
+
+    def close(self) -> None:
+        if self._next is not None:
+            self._next.cancel()
+        self._pool.shutdown(wait=True)
 
 
 # ------------------------------------------------------------------ collected
@@ -223,7 +265,9 @@ def _spikes(pl, fr, rank: int, monitor: str, batch: Batch, settings: SpikeSettin
 
     W, min_hist, ratio, mad_k = settings.window, settings.min_history, settings.ratio, settings.mad_k
     hits: Dict[int, Dict[str, Tuple[str, float, float, float]]] = {}  # seq -> {stat: (label, x, median, mad)}
-    finite = fr.filter(pl.col("kind").is_null())
+    g = "_gid"
+    need = [c for c in dict.fromkeys([g, "seq", "min", "max", *stats]) if c in fr.columns]
+    finite = fr.lazy().filter(pl.col("kind").is_null()).select(need).collect()  # not the names: no string copy
     has_min = "min" in finite.columns and finite["min"].null_count() < len(finite)
     g = "_gid"
     # The statistics share their rows (one sort, one carry) while no row lacks one of them;
@@ -248,7 +292,9 @@ def _spikes(pl, fr, rank: int, monitor: str, batch: Batch, settings: SpikeSettin
             continue
         # group the rows by tensor (a stable sort keeps each tensor's rows in row order)
         gid = comb[g].to_numpy()
-        order = np.argsort(gid, kind="stable")
+        # (a stable sort of small integers is a radix sort in NumPy: linear)
+        narrow = gid.astype(np.uint16) if len(gid) and 0 <= gid.min() and gid.max() < 1 << 16 else gid
+        order = np.argsort(narrow, kind="stable")
         gs = gid[order]
         n = len(gs)
         first = np.ones(n, dtype=bool)
@@ -269,11 +315,13 @@ def _spikes(pl, fr, rank: int, monitor: str, batch: Batch, settings: SpikeSettin
             xc = np.where(nan, 0.0, x)
             # minimum of the previous min(cidx, W) values of the same tensor (= min(pos, W) values:
             # the carry holds the last W of each tensor)
+            # (Polars' rolling minimum of the W values ending at i-1, in one pass)
             pmin = np.full(n, np.inf)
-            for k in range(1, min(W, n - 1) + 1):
-                np.minimum(pmin[k:], xc[:-k], out=pmin[k:])
-            # rows with fewer than W earlier rows of their tensor: only those rows
-            short = np.flatnonzero(cidx < W)
+            if n > W:
+                pmin[W:] = pl.Series(xc).rolling_min(W).to_numpy()[W - 1:-1]
+            # new rows with fewer than W earlier rows of their tensor: only those rows (the
+            # carried rows are never candidates)
+            short = np.flatnonzero((cidx < W) & isnew)
             if len(short):
                 pm = np.full(len(short), np.inf)
                 cs = cidx[short]
@@ -319,19 +367,41 @@ def _spikes(pl, fr, rank: int, monitor: str, batch: Batch, settings: SpikeSettin
 def _tensor_ids(pl, fr, carry: Dict[str, Any]):
     """An integer id per (module_name, scope), the same in every batch and on every rank
     of a monitor (``carry`` is per monitor): sorting and hashing integers is much
-    cheaper than strings."""
-    ids = carry.get("_ids")
-    keys = fr.select("module_name", "scope").unique(maintain_order=True)
-    if ids is None:
-        ids = keys.with_columns(pl.int_range(pl.len(), dtype=pl.Int64).alias("_gid"))
-    else:
-        fresh = keys.join(ids, on=["module_name", "scope"], how="anti")
-        if len(fresh):
-            ids = pl.concat([ids, fresh.with_columns(
-                pl.int_range(len(ids), len(ids) + pl.len(), dtype=pl.Int64).alias("_gid"))])
-    carry["_ids"] = ids
-    return fr.select("module_name", "scope").join(ids, on=["module_name", "scope"], how="left",
-                                                  maintain_order="left")["_gid"]
+    cheaper than strings. Returns the ``_gid`` column and the (module_name, scope, _gid)
+    table of the batch's tensors.
+
+    The rows are matched to their tensor by a 64-bit hash of the two names (a join on
+    integers); every row's names are then compared with its tensor's, so a hash
+    collision cannot merge two tensors: the batch then takes the exact join on names."""
+    by_name: Dict[Tuple[str, str], int] = carry.setdefault("by_name", {})
+    by_hash: Dict[int, Tuple[int, str, str]] = carry.setdefault("by_hash", {})
+    hashed = fr.select("module_name", "scope", pl.struct("module_name", "scope").hash(seed=7).alias("_h"))
+    keys = hashed.unique(subset="_h", keep="first", maintain_order=True)
+    gids: List[int] = []
+    exact = True
+    for name, scope, h in keys.iter_rows():
+        got = by_hash.get(h)
+        if got is None:
+            gid = by_name.setdefault((name, scope), len(by_name))
+            got = by_hash[h] = (gid, name, scope)
+        elif got[1] != name or got[2] != scope:
+            exact = False
+            break
+        gids.append(got[0])
+    if exact:
+        keys = keys.with_columns(pl.Series("_gid", gids, dtype=pl.Int64))
+        joined = hashed.join(keys, on="_h", how="left", maintain_order="left", suffix="_k")
+        exact = joined.select(((pl.col("module_name") == pl.col("module_name_k"))
+                               & (pl.col("scope") == pl.col("scope_k"))).all()).item()
+        if exact:
+            return joined["_gid"], keys.select("module_name", "scope", "_gid")
+    # a hash collision: ids by the names themselves
+    names = fr.select("module_name", "scope").unique(maintain_order=True)
+    ids = names.with_columns(pl.Series("_gid", [by_name.setdefault(k, len(by_name)) for k in names.iter_rows()],
+                                       dtype=pl.Int64))
+    gid = fr.select("module_name", "scope").join(ids, on=["module_name", "scope"], how="left",
+                                                 maintain_order="left")["_gid"]
+    return gid, ids
 
 
 # ------------------------------------------------------------------ rank agreement
