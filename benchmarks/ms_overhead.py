@@ -42,30 +42,11 @@ import mindspore as ms  # noqa: E402
 from mindspore import nn  # noqa: E402
 from mindspore.common.api import _pynative_executor  # noqa: E402
 
+from config_matrix import configs  # noqa: E402
 from heap_memory import PeakMemory  # noqa: E402
 from msprobe.core.monitor_v2 import native  # noqa: E402
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2  # noqa: E402
 
-
-def configs(n_layer: int) -> Dict[str, dict]:
-    two = [f"blocks.{n_layer // 2 - 1}.", f"blocks.{n_layer // 2}."] if n_layer > 1 else ["blocks.0."]
-    every = {"enabled": True, "targets": []}
-    all_on = {
-        "module": every,
-        "weight_grad": {"enabled": True, "monitor_mbs_grad": False},
-        "optimizer": {"enabled": True},
-        "param": {"enabled": True},
-    }
-    return {
-        "weight_grad": {"monitors": {"weight_grad": {"enabled": True}}},
-        "optimizer": {"monitors": {"optimizer": {"enabled": True}}},
-        "param": {"monitors": {"param": {"enabled": True}}},
-        "module (2 layers)": {"monitors": {"module": {"enabled": True, "targets": two}}},
-        "module (every module)": {"monitors": {"module": every}},
-        "all monitors": {"monitors": all_on},
-        "all, step outside window": {"start_step": 10 ** 9, "monitors": all_on},
-        "all, step_interval 4": {"step_interval": 4, "monitors": all_on},
-    }
 
 
 def sync() -> None:
