@@ -163,4 +163,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from torchrun_exit import leave
+
+    leave(main())

@@ -157,4 +157,6 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from torchrun_exit import leave
+
+    leave(main())

@@ -130,7 +130,8 @@ def run_torchrun(script, *args, nproc: int = 2, cwd=None, timeout: int = 240, en
         "--master_addr=127.0.0.1", f"--master_port={_free_port()}", f"--log-dir={log_dir}",
         "--redirects=3", str(script), *map(str, args),
     ]
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # PYTHONFAULTHANDLER: a rank killed by a signal prints every thread's stack into its log.
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     full_env.pop("RANK", None)
     full_env.update(env or {})
     try:
@@ -178,7 +179,8 @@ def run_msrun(script, *args, nproc: int = 2, cwd=None, timeout: int = 240, env=N
         f"--master_port={_free_port()}", f"--log_dir={log_dir}", "--join=True", "--cluster_time_out=90",
         str(script), *map(str, args),
     ]
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # PYTHONFAULTHANDLER: a rank killed by a signal prints every thread's stack into its log.
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     full_env["PATH"] = bin_dir + os.pathsep + full_env.get("PATH", "")
     for var in ("RANK", "RANK_ID", "RANK_SIZE", "LOCAL_RANK", "WORLD_SIZE"):
         full_env.pop(var, None)
