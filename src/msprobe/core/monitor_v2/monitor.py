@@ -22,6 +22,7 @@ logger = logging.getLogger("msprobe.monitor_v2")
 # Scope of the module rows of evaluation passes (forward passes without gradients or in
 # eval mode, run between training steps): kept apart from the training step's rows.
 EVAL_SCOPE = "eval_forward"
+TRAIN_SCOPE = "forward"
 
 
 def short_error(exc: BaseException, limit: int = 300) -> str:

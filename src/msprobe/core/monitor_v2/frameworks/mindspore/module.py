@@ -9,19 +9,32 @@ PyNative's slower path. The schedule is known before a step starts, so ``begin_s
 installs them when a written step begins and removes them when an unwritten one does.
 Cells that contain the optimizer keep theirs for the whole run: the trainer advances
 the step inside the optimizer's forward hook, while MindSpore iterates over those
-Cells' hook dictionaries."""
+Cells' hook dictionaries.
 
+Evaluation passes: a call of a model chunk given to ``start()`` during which PyNative
+records no gradient at all (a plain ``net(x)`` outside ``value_and_grad``/``grad``/
+``TrainOneStepCell``) is an evaluation pass. Its forward rows go under their own scope
+``eval_forward``, never into the training step's ``forward`` rows, as in PyTorch.
+``set_train(False)`` alone does not decide: ``training`` is False by default in
+MindSpore, and many training loops never call ``set_train()``. The whole call decides
+for every Cell inside it, once it is known: a ``TrainOneStepCell`` given as the model
+starts recording only in its inner network's call, and a ``recompute()`` block first runs
+its forward without recording inside a training pass. The rows of a call wait for the
+decision until the call returns or the step ends. A Cell called outside a chunk's call
+decides for itself."""
+
+import functools
+import importlib
 import inspect
-from typing import Any, Dict, List, Sequence, Tuple
+import logging
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import mindspore as ms
 from mindspore import nn
 
-from ...monitor import Monitor, remove_all, select_modules
+from ...monitor import EVAL_SCOPE, TRAIN_SCOPE, Monitor, remove_all, select_modules
 from ...stats import StatPlan
 from ...structure import flatten_tensors
-
-import logging
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
@@ -31,6 +44,19 @@ _KWARGS = "with_kwargs" in inspect.signature(nn.Cell.register_forward_pre_hook).
 
 def _is_tensor(x: Any) -> bool:
     return isinstance(x, ms.Tensor)
+
+
+def _pynative_executor() -> Any:
+    """PyNative's executor, which knows whether the current forward is recorded for a
+    gradient (private; ``mindspore.graph.api`` from 2.9, ``mindspore.common.api`` before)."""
+    for name in ("mindspore.graph.api", "mindspore.common.api"):
+        try:
+            executor = getattr(importlib.import_module(name), "_pynative_executor", None)
+        except ImportError:
+            continue
+        if callable(getattr(executor, "requires_grad", None)):
+            return executor
+    return None
 
 
 class MsModuleMonitor(Monitor):
@@ -43,34 +69,90 @@ class MsModuleMonitor(Monitor):
         self._kept: List[Any] = []  # hooks of Cells that contain the optimizer
         named = [(vpp, name, c) for vpp, root in enumerate(self.session.roots) for name, c in root.cells_and_names()]
         optimizer = self.session.optimizer
-        self._toggled: List[Tuple[int, str, Any]] = []
-        for vpp, tag, cell in select_modules(named, targets, self.session.qualify):
+        self._toggled: List[Callable[[], List[Any]]] = []  # installed in this order
+        self._pass_depth = 0  # nesting of model chunk calls in progress
+        self._pass_trains = False  # whether the outermost one recorded a gradient so far
+        self._pass_records: List[Any] = []  # its forward records, scope not decided yet
+        self._executor = _pynative_executor()
+        if self._executor is None:
+            logger.info("monitor_v2 module: this MindSpore does not say whether a forward is recorded for a "
+                        "gradient; evaluation passes are not told apart (all forward rows are 'forward')")
+        roots = list({id(r): r for r in self.session.roots}.values())
+        # On a chunk, the pass tracking's pre-hook runs before its row hooks and its forward
+        # hook after them (hooks run in the order they were registered).
+        installs = [(root, functools.partial(self._track_enter, root)) for root in roots]
+        installs += [(cell, functools.partial(self._hook, cell, vpp, tag))
+                     for vpp, tag, cell in select_modules(named, targets, self.session.qualify)]
+        installs += [(root, functools.partial(self._track_leave, root)) for root in roots]
+        for cell, install in installs:
             if optimizer is not None and any(c is optimizer for _, c in cell.cells_and_names()):
-                self._kept += self._hook(cell, vpp, tag)
+                self._kept += install()
             else:
-                self._toggled.append((vpp, tag, cell))
+                self._toggled.append(install)
 
     def begin_step(self, step: int, active: bool) -> None:
         super().begin_step(step, active)
         if active and not self._handles:
-            for vpp, tag, cell in self._toggled:
-                self._handles += self._hook(cell, vpp, tag)
+            for install in self._toggled:
+                self._handles += install()
         elif not active:
             remove_all(self._handles)
+            self._pass_depth = 0
 
-    def _emit(self, values: Any, vpp: int, tag: str, kind: str, scope: str) -> None:
+    def collect(self) -> List[Any]:
+        self._settle_pass()  # a step can end inside a chunk's call (TrainOneStepCell)
+        return super().collect()
+
+    def _track_enter(self, root: Any) -> List[Any]:
+        def enter(c: Any, inputs: Tuple, kwargs: Dict = None) -> None:
+            if self._pass_depth == 0:
+                self._pass_trains = False
+            self._pass_depth += 1
+
+        extra = {"with_kwargs": True} if _KWARGS else {}
+        return [root.register_forward_pre_hook(self.errors.wrap("module pass tracking", enter), **extra)]
+
+    def _track_leave(self, root: Any) -> List[Any]:
+        def leave(c: Any, inputs: Tuple, *rest: Any) -> None:
+            if self._pass_depth:
+                self._pass_depth -= 1
+                if self._pass_depth == 0:
+                    self._settle_pass()
+
+        extra = {"with_kwargs": True} if _KWARGS else {}
+        return [root.register_forward_hook(self.errors.wrap("module pass tracking", leave), **extra)]
+
+    def _settle_pass(self) -> None:
+        scope = TRAIN_SCOPE if self._pass_trains else EVAL_SCOPE
+        for rec in self._pass_records:
+            rec.scope = scope
+        self._records += self._pass_records
+        self._pass_records = []
+
+    def _records_gradient(self) -> bool:
+        return self._executor is None or bool(self._executor.requires_grad())
+
+    def _emit_forward(self, values: Any, vpp: int, tag: str, kind: str) -> None:
+        if self._pass_depth == 0:  # outside a chunk's call: this call decides
+            scope = TRAIN_SCOPE if self._records_gradient() else EVAL_SCOPE
+            self._emit(values, vpp, tag, kind, scope, self._records)
+        else:  # the scope is settled with the pass
+            self._pass_trains = self._pass_trains or self._records_gradient()
+            self._emit(values, vpp, tag, kind, TRAIN_SCOPE, self._pass_records)
+
+    def _emit(self, values: Any, vpp: int, tag: str, kind: str, scope: str, into: List[Any]) -> None:
         engine = self.session.engine
         for i, t in enumerate(flatten_tensors(values, _is_tensor)):
-            self._records.append(engine.record(t, self.plan, vpp, f"{tag}.{kind}.{i}", scope))
+            into.append(engine.record(t, self.plan, vpp, f"{tag}.{kind}.{i}", scope))
 
     def _hook(self, cell: Any, vpp: int, tag: str) -> List[Any]:
         def pre(c: Any, inputs: Tuple, kwargs: Dict = None) -> None:
             if self.active:
-                self._emit((inputs, kwargs or {}), vpp, tag, "input", "forward")
+                self._emit_forward((inputs, kwargs or {}), vpp, tag, "input")
 
         def post(c: Any, inputs: Tuple, *rest: Any) -> None:
             if self.active:  # (kwargs, output) with with_kwargs, else (output,)
-                self._emit(rest[-1], vpp, tag, "output", "forward")
+                self._emit_forward(rest[-1], vpp, tag, "output")
 
         def backward(c: Any, grad_input: Tuple, grad_output: Tuple) -> None:
             if self.active:

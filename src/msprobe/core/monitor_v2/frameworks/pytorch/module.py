@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ...monitor import EVAL_SCOPE, Monitor, select_modules
+from ...monitor import EVAL_SCOPE, TRAIN_SCOPE, Monitor, select_modules
 from ...stats import Record
 from ...structure import flatten_tensors
 from .copies import ModuleHooks
@@ -65,8 +65,6 @@ def _skip_frame_and_callees(code: Any) -> None:
         eval_frame.set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
     except Exception:  # noqa: BLE001 - an optimisation only
         pass
-
-TRAIN_SCOPE = "forward"
 
 
 def _graph_breaks_allowed() -> bool:
