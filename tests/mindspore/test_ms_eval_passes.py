@@ -132,3 +132,24 @@ def test_train_one_step_cell_as_the_model(tmp_path):
         assert_row_matches(find_row(rows, step=s + 1, module_name=fc2, scope="eval_forward"), np_stats(want),
                            RTOL, ATOL)
     assert not [r for r in rows if r["scope"] == "eval_forward" and not r["module_name"].startswith("network.")]
+
+
+def test_train_one_step_cell_with_unwritten_steps_between(tmp_path):
+    """With step_interval 2 the step ends inside the TrainOneStepCell's call, and the next
+    written step begins there too: its remaining rows (the model's output) are still
+    training rows."""
+    net = MLP()
+    opt = nn.Adam(net.trainable_params(), learning_rate=0.01)
+    train_net = nn.TrainOneStepCell(nn.WithLossCell(net, nn.MSELoss()), opt)
+    out = tmp_path / "out"
+    mon = TrainerMonitorV2({"output_dir": str(out), "step_interval": 2,
+                            "monitors": {"module": {"enabled": True}}}, fr="mindspore")
+    mon.start(model=train_net, optimizer=opt)
+    for x, y in batches(5):
+        train_net(ms.Tensor(x), ms.Tensor(y))
+    mon.stop()
+    rows = rows_of(out, "module")
+    assert {r["step"] for r in rows} == {"0", "2", "4"}
+    assert [r for r in rows if r["scope"] == "eval_forward"] == []
+    for s in ("2", "4"):
+        assert find_row(rows, step=s, module_name="TrainOneStepCell.output.0", scope="forward")

@@ -97,7 +97,12 @@ class MsModuleMonitor(Monitor):
                 self._handles += install()
         elif not active:
             remove_all(self._handles)
-            self._pass_depth = 0
+
+    def before_optimizer_step(self) -> None:
+        # The optimizer runs inside the model's call (TrainOneStepCell): a training pass,
+        # even when its forward ran in an unwritten step, where no row hook saw it record.
+        if self._pass_depth:
+            self._pass_trains = True
 
     def collect(self) -> List[Any]:
         self._settle_pass()  # a step can end inside a chunk's call (TrainOneStepCell)
