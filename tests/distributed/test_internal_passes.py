@@ -4,8 +4,9 @@ real 2-rank torchrun jobs (gloo, CPU):
 - ``torch.distributed.pipelining`` (GPipe, 1F1B; 2 stages, 4 micro-batches) runs a
   shape-inference forward/backward at its first step (stage 1 on ``torch.empty``
   inputs): step 0's rows are those of the 4 real micro-batches only;
-- FSDP2 over ``checkpoint_wrapper``-ed blocks: rows under the plain model's names, one
-  row set per module.
+- FSDP2 and FSDP1 (flat parameters) over ``checkpoint_wrapper``-ed blocks: rows under the
+  plain model's names, one row set per module; ``weight_grad``/``param``/``optimizer``
+  under the plain parameter names.
 
 References are independent: an unmonitored plain-torch replica fed the same
 micro-batches by hand, its tensors taken by plain hooks, statistics by NumPy
@@ -67,8 +68,9 @@ def test_pipelining_shape_inference_writes_no_module_rows(tmp_path, schedule):
     assert any(r["module_name"] == "Back.grad_input.0" for r in rows_of(out, "module", rank=1))
 
 
-def test_fsdp2_over_checkpoint_wrapper_rows_under_plain_names(tmp_path):
-    out, refs = run("ckpt_fsdp2", tmp_path)
+@pytest.mark.parametrize("mode", ["ckpt_fsdp2", "ckpt_fsdp1"])
+def test_fsdp_over_checkpoint_wrapper_rows_under_plain_names(tmp_path, mode):
+    out, refs = run(mode, tmp_path)
     for rank in range(2):
         ref = refs[rank]
         assert ref["errors"] == 0
@@ -79,6 +81,9 @@ def test_fsdp2_over_checkpoint_wrapper_rows_under_plain_names(tmp_path):
         assert modules == called and modules <= {n or "Stacked" for n in ref["module_names"]}, sorted(modules)
         assert not [r for r in rows if "_checkpoint_wrapped_module" in r["module_name"]]
         check_step(rows, ref["steps"][0], 0)
-        for monitor in ("weight_grad", "param", "optimizer"):
-            names = {r["module_name"].split(".exp_avg")[0] for r in rows_of(out, monitor, rank=rank)}
-            assert names == set(ref["param_names"]), (monitor, sorted(names))
+    # FSDP1's flat shards: a rank holding no element of a parameter writes no row for it
+    for monitor in ("weight_grad", "param", "optimizer"):
+        names = [{r["module_name"].split(".exp_avg")[0] for r in rows_of(out, monitor, rank=r)} for r in range(2)]
+        assert names[0] | names[1] == set(refs[0]["param_names"]), (monitor, names)
+        if mode == "ckpt_fsdp2":
+            assert names[0] == names[1]

@@ -9,6 +9,8 @@ MODE:
   inputs); the monitor must write no row for it.
 - ``ckpt_fsdp2``: FSDP2 (``fully_shard``) over ``checkpoint_wrapper``-ed blocks, every
   monitor but ``cc`` on.
+- ``ckpt_fsdp1``: the same with FSDP1 units (``use_orig_params=False``: flat parameters)
+  around the ``checkpoint_wrapper``-ed blocks and the model.
 
 Each rank saves ``ref_rank<r>.pt``: per step, the tensors every module of an unmonitored
 plain replica saw (inputs, outputs by forward hooks; ``grad_output``/``grad_input`` by
@@ -16,7 +18,6 @@ full backward hooks), the replica fed the same micro-batches by hand, and its na
 whether training with the monitor was bit-identical to training without it.
 """
 
-import copy
 import os
 import sys
 from collections import defaultdict
@@ -188,8 +189,9 @@ def run_pipeline(mode: str, out_dir: str):
 
 
 # --------------------------------------------------- FSDP2 over checkpoint_wrapper
-def ckpt_train(monitored: bool, out_dir: str):
+def ckpt_train(mode: str, monitored: bool, out_dir: str):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
@@ -198,9 +200,14 @@ def ckpt_train(monitored: bool, out_dir: str):
     param_names = [n for n, _ in model.named_parameters()]
     for i, layer in enumerate(model.layers):
         model.layers[i] = checkpoint_wrapper(layer)
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    if mode == "ckpt_fsdp2":
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    else:
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = FSDP(layer, device_id=torch.device("cpu"), use_orig_params=False)
+        model = FSDP(model, device_id=torch.device("cpu"), use_orig_params=False)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     mon = None
     if monitored:
@@ -220,7 +227,11 @@ def ckpt_train(monitored: bool, out_dir: str):
     if mon is not None:
         mon.stop()
         errors = mon.errors.count
-    full = [p.full_tensor().detach().clone() for p in model.parameters()]
+    if mode == "ckpt_fsdp2":
+        full = [p.full_tensor().detach().clone() for p in model.parameters()]
+    else:
+        with FSDP.summon_full_params(model):
+            full = [p.detach().clone() for p in model.parameters()]
     return losses, full, errors, plain_names, param_names
 
 
@@ -237,9 +248,9 @@ def ckpt_reference():
     return [rec.take()]
 
 
-def run_ckpt(out_dir: str):
-    plain = ckpt_train(False, out_dir)
-    watched = ckpt_train(True, out_dir)
+def run_ckpt(mode: str, out_dir: str):
+    plain = ckpt_train(mode, False, out_dir)
+    watched = ckpt_train(mode, True, out_dir)
     same = all(torch.equal(a, b) for a, b in zip(plain[0], watched[0])) and all(
         torch.equal(a, b) for a, b in zip(plain[1], watched[1]))
     return {"steps": ckpt_reference(), "bit_identical": same, "errors": watched[2],
@@ -249,7 +260,7 @@ def run_ckpt(out_dir: str):
 def main() -> None:
     mode, out_dir = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
-    result = run_ckpt(out_dir) if mode == "ckpt_fsdp2" else run_pipeline(mode, out_dir)
+    result = run_ckpt(mode, out_dir) if mode.startswith("ckpt_") else run_pipeline(mode, out_dir)
     torch.save(result, os.path.join(out_dir, f"ref_rank{dist.get_rank()}.pt"))
 
 
