@@ -190,3 +190,30 @@ def test_naming_rule_strips_only_wrappers():
     assert naming.clean_path(dp, "module.0._checkpoint_wrapped_module.module.weight") == "0.module.weight"
     assert naming.clean_path(dp, "module.1._orig_mod._checkpoint_wrapped_module.bias") == "1.bias"
     assert naming.class_name(dp) == "DataParallel" and naming.class_name(own) == "UsesModuleAttribute"
+
+
+def test_pass_on_fake_tensors_writes_no_rows(tmp_path, caplog):
+    """A framework's shape pass on fake tensors (FakeTensorMode) inside a training step
+    adds nothing to that step's rows: they are those of the real micro-batches."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    caplog.set_level(logging.INFO, logger="msprobe.monitor_v2")
+    torch.manual_seed(0)
+    model = Net()
+    exp = reference_step0(copy.deepcopy(model))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMonitorV2({"output_dir": str(tmp_path / "out"), "monitors": {"module": {"enabled": True}}})
+    mon.start(model=model, optimizer=opt)
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        model(fake.from_tensor(torch.randn(4, 6)))
+    for x, y in batches()[0]:
+        (torch.nn.functional.mse_loss(model(x), y) / MICRO).backward()
+    opt.step()
+    mon.stop()
+    assert mon.errors.count == 0
+    rows = {r["module_name"]: r for r in rows_of(tmp_path / "out", "module")}
+    assert sorted(rows) == sorted(exp)
+    for tag, tensors in exp.items():
+        want = numpy_stats(torch.cat([t.reshape(-1) for t in tensors]))
+        assert_row_matches(rows[tag], want, rtol=1e-4, atol=1e-6 * max(abs(want["min"]), abs(want["max"])))
+    assert [r for r in caplog.records if "framework-internal pass" in r.getMessage()]
