@@ -26,6 +26,7 @@ from .naming import clean_path, named_modules, wrapped_module
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
+
 def _fsdp1_class() -> Optional[type]:
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel

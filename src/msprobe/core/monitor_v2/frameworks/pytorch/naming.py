@@ -5,17 +5,13 @@ A *pure wrapper* is a module whose forward calls one wrapped module with the inp
 was given and returns that module's outputs, adding only checkpointing, offloading,
 compilation, sharding or gradient synchronisation around the call:
 
-============================================  ================================
-wrapper                                       wrapped module in
-============================================  ================================
-``checkpoint_wrapper`` (``CheckpointWrapper``)  ``_checkpoint_wrapped_module``
-``offload_wrapper`` (``OffloadWrapper``)        ``_checkpoint_wrapped_module``
-``torch.compile``'s ``OptimizedModule``        ``_orig_mod``
-FSDP1 ``FullyShardedDataParallel``             ``_fsdp_wrapped_module``
-torch ``DistributedDataParallel``, ``DataParallel``  ``module``
-DeepSpeed's ``DeepSpeedEngine``                ``module``
-Megatron's ``DistributedDataParallel``, ``Float16Module``  ``module``
-============================================  ================================
+- ``checkpoint_wrapper`` / ``offload_wrapper`` (``CheckpointWrapper``, ``OffloadWrapper``):
+  the wrapped module is ``_checkpoint_wrapped_module``;
+- ``torch.compile``'s ``OptimizedModule``: ``_orig_mod``;
+- FSDP1's ``FullyShardedDataParallel``: ``_fsdp_wrapped_module``;
+- torch's ``DistributedDataParallel`` and ``DataParallel``, DeepSpeed's
+  ``DeepSpeedEngine``, Megatron's ``DistributedDataParallel`` and ``Float16Module``:
+  ``module``.
 
 The rule: a pure wrapper has no name of its own and no rows. The module it wraps takes
 its place in the tree, under the wrapper's name, and so do that module's parameters and

@@ -35,6 +35,8 @@ _INTERNAL_CALLERS: Dict[str, Tuple[str, str]] = {
     # Earlier torch releases: PipelineStage._shape_inference, same purpose.
     "_shape_inference": (_PIPELINING, "torch.distributed.pipelining shape inference"),
 }
+# The frame walk runs only once a package defining such a caller is imported.
+_CALLER_PACKAGES = ("torch.distributed.pipelining",)
 # Frames between the hook and the framework's call of the model: the monitor's wrappers,
 # Module._wrapped_call_impl/_call_impl, and a few wrappers' forwards (DDP, compile, FSDP).
 _MAX_FRAMES = 48
@@ -45,11 +47,21 @@ except Exception:  # noqa: BLE001
     _FakeTensor = ()  # type: ignore
 
 
-def _holds_no_data(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and (t.is_meta or isinstance(t, _FakeTensor))
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def _holds_no_data(t: torch.Tensor) -> bool:
+    if t.is_meta:
+        return True
+    kind = type(t)
+    # the subclass check only for subclasses: it is slow on plain tensors' hot path
+    return kind is not torch.Tensor and kind is not torch.nn.Parameter and isinstance(t, _FakeTensor)
 
 
 def _internal_caller() -> Optional[str]:
+    if not any(name in sys.modules for name in _CALLER_PACKAGES):
+        return None
     frame = sys._getframe(2)
     for _ in range(_MAX_FRAMES):
         if frame is None:
@@ -66,6 +78,6 @@ def internal_pass(args: Tuple[Any, ...], kwargs: Optional[Dict[str, Any]] = None
     """What framework-internal pass a model call with these inputs is (a short
     description for the log), or None for a real pass. Call it from the chunk's forward
     pre-hook."""
-    if any(_holds_no_data(t) for t in flatten_tensors((args, kwargs or {}), _holds_no_data)):
+    if any(_holds_no_data(t) for t in flatten_tensors((args, kwargs or {}), _is_tensor)):
         return "a pass on meta or fake tensors (no data)"
     return _internal_caller()
