@@ -238,7 +238,8 @@ class TrainerMonitorV2:
         rows), never the schedule's count; the command to read it only when there is
         something to read."""
         lost = len(self._writer.lost_steps)
-        steps = len(self._writer.written_steps)
+        # a step counts as lost when any of its rows is (docs/long-runs.md): never both
+        steps = len(self._writer.written_steps - self._writer.lost_steps)
         rows = self._writer.written_rows
         head = f"monitor_v2: rank {self.rank} stopped after {self._step} steps"
         if not rows:
@@ -252,7 +253,7 @@ class TrainerMonitorV2:
             f"{head}; wrote {rows} rows of {steps} step(s)"
             + (f" ({lost} step(s) lost: see the warning above)" if lost else "")
             + f" to {self.rank_dir}; its own code took {self.errors.busy:.3f} s on the training path "
-            f"({1e3 * self.errors.busy / steps:.1f} ms per written step). "
+            f"({1e3 * self.errors.busy / max(1, steps):.1f} ms per written step). "
             f"Read them: {command_line('summary', self.config.output_dir)}")
 
     def _why_nothing_was_written(self) -> Optional[str]:
