@@ -57,3 +57,10 @@ def command_line(subcommand: str, *args: str) -> str:
     """``msprobe-monitor SUBCOMMAND ARGS...`` as it runs here, each argument quoted for a
     POSIX shell."""
     return " ".join([cli_command(), subcommand, *(shlex.quote(str(a)) for a in args)])
+
+
+def pip_command(*requirements: str) -> str:
+    """``pip install`` for this interpreter, as it runs here: a bare ``pip`` may be
+    missing from ``PATH`` or belong to another Python."""
+    python = sys.executable or "python3"
+    return " ".join([shlex.quote(python), "-m", "pip", "install", *(shlex.quote(r) for r in requirements)])
