@@ -84,33 +84,36 @@ def test_diff_says_which_micro_batch_or_how_many_were_accumulated(runs, tmp_path
 # analysis compared each run with the end of the one before it (and the repeated values
 # shrank the MAD), finding spikes in identical runs that a single run does not have.
 QUICK_START = """
+import sys
 import torch
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-mon = TrainerMonitorV2({"output_dir": "out", "monitors": {"weight_grad": {"enabled": True}}})
-mon.start(model=model, optimizer=optimizer, grad_acc_steps=2)
-for step in range(30):
-    for micro_batch in range(2):
-        (model(torch.randn(8, 16)).pow(2).mean() / 2).backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-mon.stop()
+for run in range(int(sys.argv[1])):  # each run as a fresh script would do it, into the same output_dir
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = TrainerMonitorV2({"output_dir": "out", "monitors": {"weight_grad": {"enabled": True}}})
+    mon.start(model=model, optimizer=optimizer, grad_acc_steps=2)
+    for step in range(30):
+        for micro_batch in range(2):
+            (model(torch.randn(8, 16)).pow(2).mean() / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    mon.stop()
 """
 
 
 @pytest.fixture(scope="module")
 def quick_start_runs(tmp_path_factory) -> Path:
-    """``single``: one run; ``four``: the same script run four times into one output_dir."""
+    """``single``: one run; ``four``: the same training run four times into one output_dir
+    (one process, four monitors one after the other: one torch import, not four)."""
     root = tmp_path_factory.mktemp("quick_start_runs")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name, times in (("single", 1), ("four", 4)):
         (root / name).mkdir()
-        for _ in range(times):
-            proc = subprocess.run([sys.executable, "-c", QUICK_START], cwd=root / name, env=env,
-                                  capture_output=True, text=True, timeout=300)
-            assert proc.returncode == 0, proc.stderr
+        proc = subprocess.run([sys.executable, "-c", QUICK_START, str(times)], cwd=root / name, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stderr.count("stopped after 30 steps") == times, proc.stderr
     return root
 
 
