@@ -125,7 +125,8 @@ def test_plot_without_matplotlib_is_a_clear_error(runs, tmp_path, monkeypatch):
             monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     res = cli("plot", runs / "clean", "--out", tmp_path / "x")
-    assert res.code == 2 and "pip install 'msprobe-monitor[analysis]'" in res.err
+    # the hint runs as printed: this interpreter's pip, not whichever "pip" PATH finds
+    assert res.code == 2 and f"{sys.executable} -m pip install 'matplotlib>=3.5'" in res.err
 
 
 def test_html_report_renders_in_headless_chromium(runs, tmp_path):

@@ -2,9 +2,9 @@
 
 Everything is checked here, at construction of ``TrainerMonitorV2``: a bad config never
 reaches the training loop. Errors are ``ConfigError`` naming the field (dotted path),
-the value and what is allowed. Fields this project does not know inside a *known*
-monitor are only warnings, so that configs written for the original tool still run;
-an unknown top-level field or monitor name is an error.
+the value and what is allowed. An unknown top-level field, monitor name or field inside
+a monitor is an error with the closest known name; inside a monitor, a field whose name
+starts with ``_`` is ignored (the way to keep comments or other tools' settings).
 
 A JSON ``null`` is read as "use the default" for every optional field.
 """
@@ -146,20 +146,17 @@ def _unknown_field(path: str, name: str, known, kind: str = "field") -> str:
     return f"monitor_v2 config: unknown {kind} '{path}'{hint} Known {kind}s: {', '.join(known)}"
 
 
-def _unused_monitor_field(path: str, key: str, known: Tuple[str, ...], raw: Mapping[str, Any]) -> str:
-    """The warning for a field a known monitor does not use (the spec keeps it a warning,
-    so that configs of the original tool run): name the known field it resembles, and say
-    loudly what a misspelt ``enabled`` leaves the monitor at (off, or on for ``module``)."""
+def _unknown_monitor_field(path: str, key: str, known: Tuple[str, ...]) -> ConfigError:
+    """A field a known monitor does not have: an error, not a warning, because a misspelt
+    field silently changes what is recorded ("target" records every module, "enable"
+    leaves the monitor off). A name starting with '_' is the documented way to keep a
+    field this tool does not read (a comment, another tool's setting)."""
     close = difflib.get_close_matches(key.lower(), list(known), n=1, cutoff=0.6)
-    message = f"monitor_v2 config: field '{path}.{key}' is not used by this tool and is ignored"
-    if close:
-        message += f"; did you mean '{close[0]}'?"
-        if close[0] == "enabled" and raw.get("enabled") is None:
-            name = path.split(".")[-1]
-            on = name == "module"  # the default of "enabled"
-            message += (f" As written, monitor '{name}' is {'ON' if on else 'OFF'} "
-                        f"(\"enabled\" defaults to {'true' if on else 'false'} for it).")
-    return message + f" (known fields: {', '.join(known)})"
+    hint = f"; did you mean '{close[0]}'?" if close else "."
+    return ConfigError(
+        f"monitor_v2 config: unknown field '{path}.{key}'{hint} Known fields: {', '.join(known)} "
+        "(a field whose name starts with '_' is ignored: the way to keep a comment or another tool's setting)",
+        field=f"{path}.{key}")
 
 
 # ----------------------------------------------------------------- per-monitor fields
@@ -294,8 +291,8 @@ def _parse_monitor(name: str, raw: Any) -> MonitorSettings:
     specific = _MONITOR_FIELDS[name]
     known = _COMMON_FIELDS + tuple(specific)
     for key in raw:
-        if key not in known:
-            logger.warning("%s", _unused_monitor_field(path, str(key), known, raw))
+        if key not in known and not key.startswith("_"):
+            raise _unknown_monitor_field(path, key, known)
 
     enabled_raw = raw.get("enabled")
     enabled = (name == "module") if enabled_raw is None else check_bool(f"{path}.enabled", enabled_raw)

@@ -139,6 +139,9 @@ class CsvWriter:
         # losses: steps with rows that never reached the disk, how many rows, the first error
         self.lost_steps: Set[int] = set()
         self.lost_rows = 0
+        # what reached the disk: the end-of-run line counts these, not the schedule
+        self.written_steps: Set[int] = set()
+        self.written_rows = 0
         self._first_error: Optional[str] = None
         self._failing = False
         self._episodes = 0
@@ -287,6 +290,9 @@ class CsvWriter:
         for monitor, rows in merged:
             try:
                 self.write_rows(monitor, step, rows)
+                if rows:
+                    self.written_rows += len(rows)
+                    self.written_steps.add(step)
             except Exception as exc:  # noqa: BLE001 - output problems are counted, never raised
                 failure = failure or exc
                 self.lost_rows += len(rows)
@@ -358,6 +364,14 @@ class AsyncCsvWriter:
     @property
     def lost_steps(self) -> Set[int]:
         return self._writer.lost_steps
+
+    @property
+    def written_steps(self) -> Set[int]:
+        return self._writer.written_steps
+
+    @property
+    def written_rows(self) -> int:
+        return self._writer.written_rows
 
     def _run(self) -> None:
         while True:

@@ -2,7 +2,7 @@
 the notebook API (:func:`load`) and ``msprobe-monitor export`` (:func:`export`).
 
 Polars is imported only here (and by modules that call this one), never by the training
-side: install it with ``pip install 'msprobe-monitor[analysis]'``.
+side: the error names this interpreter's ``python -m pip install`` for it.
 
 **CSV, fast and exact.** Files of a (rank, monitor) are read in batches: the bytes of
 every file of a batch with the same header are joined and parsed by Polars in one call,
@@ -27,10 +27,11 @@ import re
 import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from .command import pip_command
 from .reader import (BASE_COLUMNS, MONITORS, OPS, CsvFile, InputError, Layout, Problems, Row, StepRange,
                      header_ops, iter_rows)
 
-INSTALL_HINT = "pip install 'msprobe-monitor[analysis]' (it installs polars and matplotlib)"
+INSTALL_HINT = pip_command("polars>=1.20", "matplotlib>=3.5") + " (what the 'analysis' extra of msprobe-monitor installs)"
 PARQUET_GLOB = "part-*.parquet"
 PARQUET_PART = re.compile(r"^part-\d+\.parquet$")
 _HIVE_MONITOR = re.compile(r"^monitor=(?P<monitor>[a-z_]+)$")

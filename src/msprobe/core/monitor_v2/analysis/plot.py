@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Dict, List, Optional, Tuple
 
+from .command import pip_command
 from .detect import Report
 from .reader import MONITORS, CsvFile, InputError, Row
 from .text import compact_steps, fmt_num
@@ -251,8 +252,7 @@ def _import_matplotlib():
         from matplotlib.figure import Figure
         from matplotlib.transforms import blended_transform_factory
     except ImportError:
-        raise InputError("plot needs matplotlib: pip install 'msprobe-monitor[analysis]' "
-                         "(or pip install 'matplotlib>=3.5')") from None
+        raise InputError(f"plot needs matplotlib: {pip_command('matplotlib>=3.5')}") from None
     return Figure, FigureCanvasAgg, blended_transform_factory
 
 
