@@ -224,3 +224,18 @@ def test_chinese_pages_carry_the_same_code_blocks(pair):
     for k, ((ie, be), (iz, bz)) in enumerate(zip(en_blocks, zh_blocks)):
         assert ie == iz, f"{en.name}, code block {k + 1}: ```{ie} in English, ```{iz} in Chinese"
         assert be == bz, f"{en.name}, code block {k + 1} (```{ie}) differs beyond its comments"
+
+
+IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("pair", _pairs(), ids=lambda p: p[0].name)
+def test_chinese_pages_show_the_same_images(pair):
+    """Images (screenshots of the report) exist and appear in both languages, in the same order."""
+    shown = []
+    for page in pair:
+        targets = [(page.parent / t).resolve() for t in IMAGE.findall(page.read_text(encoding="utf-8"))]
+        missing = [str(t.relative_to(ROOT)) for t in targets if not t.is_file()]
+        assert not missing, f"{page.relative_to(ROOT)}: no such image: {missing}"
+        shown.append(targets)
+    assert shown[0] == shown[1], f"{pair[0].name}: English shows {shown[0]}, Chinese {shown[1]}"

@@ -550,7 +550,7 @@ td { border-bottom: 1px solid #dde3ea; padding: 3px 8px; font-family: Menlo, Con
 tr.bad td { background: #fde8e6; } .ok { color: #1e7d32; font-weight: bold; }
 .alert { color: #b3261e; font-weight: bold; }
 .tables { overflow-x: auto; }
-.grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(340px, 1fr)); gap: 8px; }
+.grid { display: grid; grid-template-columns: repeat(auto-fill, minmax(320px, 1fr)); gap: 8px; }
 figure { margin: 0; background: white; padding: 4px; border: 1px solid #dde3ea; }
 figure.overview { max-width: 760px; margin: 8px 0; }
 figcaption { font-size: 12px; color: #56606b; } img { width: 100%; height: auto; display: block; }
