@@ -185,6 +185,18 @@ def test_reflow_joins_paragraphs_and_keeps_code_tables_lists_and_english():
     assert zh_reflow.reflow("条件一、\n`x`，以及\n`y`。\n") == "条件一、`x`，以及 `y`。\n"
 
 
+def test_the_tool_writes_the_glossary_terms():
+    terms = zh_reflow.glossary(GLOSSARY_PAGE.read_text(encoding="utf-8"))
+    assert ("监控", "监测") in terms and ("规约", "归约") in terms
+    text = "每个微批次各写一行（步、微批次、阶段），移除钩子，数据并行规约。\n`监控` 监控\n```\n监控\n```\n"
+    assert zh_reflow.fix_terms(text, terms) == ("每个 micro-batch 各写一行（步、micro-batch、阶段），移除 hook，"
+                                                "数据并行归约。\n`监控` 监测\n```\n监控\n```\n")
+    # the glossary section keeps its variants
+    page = GLOSSARY_PAGE.read_text(encoding="utf-8")
+    start, end = glossary_section(page)
+    assert zh_reflow.fix_terms(page, terms)[start:end] == page[start:end]
+
+
 def test_reflow_command_line(tmp_path):
     page = tmp_path / "page.md"
     page.write_text(SAMPLE, encoding="utf-8")
