@@ -20,7 +20,7 @@ in order of first appearance; the rest are counted and listed as not plotted.
 module's input is the previous module's output); ``--module-io all`` draws every row.
 
 Non-finite values are a red band over the steps where any line of the figure is NaN/Inf
-(with a red cross per such step at the top of the axes), the rank's first non-finite step
+(with a red cross per such step at the top of the axes, up to 40), the rank's first non-finite step
 a red dashed line, detected spikes orange circles; no line is drawn in red or orange.
 In a figure with a NaN/Inf, finite values that ran away (more than 1e4 times their line's
 median magnitude before the first NaN/Inf) are left out of the y range and drawn as
@@ -102,6 +102,7 @@ def layer_of(base: str, depth: Optional[int]) -> str:
 LINE_COLOURS = ("#1f77b4", "#2ca02c", "#9467bd", "#17becf", "#4d4d4d")
 LINE_STYLES = ("-", "--", ":", "-.")
 NAN_COLOUR = "#d62728"
+MAX_CROSSES = 40  # NaN/Inf steps marked with a cross each; beyond, the red band alone
 SPIKE_COLOUR = "#ff7f0e"
 
 
@@ -394,11 +395,16 @@ def _draw(path: str, title: str, lines: List[Tuple[str, List[float], List[float]
     if bad_steps:
         gaps = [b - a for a, b in zip(all_steps, all_steps[1:])]
         half = (sorted(gaps)[len(gaps) // 2] if gaps else 1.0) / 2
+        label = f"NaN/Inf ({bad_lines} of {len(lines)} line{'s' if len(lines) > 1 else ''})"
+        # a cross per step while they can be told apart; over a long run the band alone
+        crosses = len(bad_steps) <= MAX_CROSSES
         for a, b in _runs(sorted(bad_steps), all_steps):
-            ax.axvspan(a - half, b + half, color=NAN_COLOUR, alpha=0.10, linewidth=0, zorder=0)
-        ax.scatter(sorted(bad_steps), [0.96] * len(bad_steps), marker="x", color=NAN_COLOUR, s=30,
-                   transform=trans, zorder=5, clip_on=False,
-                   label=f"NaN/Inf ({bad_lines} of {len(lines)} line{'s' if len(lines) > 1 else ''})")
+            ax.axvspan(a - half, b + half, color=NAN_COLOUR, alpha=0.12, linewidth=0, zorder=0,
+                       label=None if crosses else label)
+            label = label if crosses else None
+        if crosses:
+            ax.scatter(sorted(bad_steps), [0.96] * len(bad_steps), marker="x", color=NAN_COLOUR, s=30,
+                       transform=trans, zorder=5, clip_on=False, label=label)
     if first_bad is not None:
         ax.axvline(first_bad, color=NAN_COLOUR, linestyle="--", linewidth=1.0,
                    label=f"first NaN/Inf of the rank (step {first_bad})")
