@@ -12,6 +12,7 @@ against the CSV values read with NumPy."""
 
 import colorsys
 import csv
+import html
 import json
 import os
 import re
@@ -83,8 +84,6 @@ def rendered_layout(report: Path) -> Dict[str, Any]:
         shutil.rmtree(profile, ignore_errors=True)
     m = re.search(r'<pre id="probe">(.*?)</pre>', proc.stdout, re.S)
     assert m, f"the probe did not run (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
-    import html
-
     return json.loads(html.unescape(m.group(1)))
 
 
