@@ -295,7 +295,9 @@ def _parse_bodies(pl, files: List[CsvFile], ops: Tuple[str, ...], items: List[Tu
     if ((step < first) | (step > last)).any():
         return None  # the reference reader names the line and the file's window
     missing = [pl.lit(None, dtype=full[c]).alias(c) for c in COLUMNS if c not in names]
-    return df.with_columns(*missing, pl.Series("line", line), pl.Series("fidx", fidx)).select(
+    # the writer's formula escape (reader.text_cell): one leading quote is not part of the name
+    unquoted = [pl.col(c).str.strip_prefix("'") for c in ("module_name", "scope")]
+    return df.with_columns(*unquoted, *missing, pl.Series("line", line), pl.Series("fidx", fidx)).select(
         *COLUMNS, "line", "fidx")
 
 

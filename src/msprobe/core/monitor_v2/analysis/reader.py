@@ -287,6 +287,13 @@ def header_ops(monitor: str, header: List[str]) -> Tuple[Optional[Tuple[str, ...
     return tuple(ops), ""
 
 
+def text_cell(cell: str) -> str:
+    """A ``module_name`` or ``scope`` cell as the monitor meant it: the writer puts one
+    single quote in front of a name that starts with ``=``, ``+``, ``-``, ``@`` or ``'``
+    (so that a spreadsheet never runs it as a formula); exactly one is removed here."""
+    return cell[1:] if cell.startswith("'") else cell
+
+
 def iter_rows(f: CsvFile, problems: Problems, steps: Optional[StepRange] = None,
               on_header: Optional[Callable[[Tuple[str, ...]], None]] = None) -> Iterator[Row]:
     """Stream the valid rows of ``f``; report every bad line to ``problems`` and skip it.
@@ -362,7 +369,7 @@ def iter_rows(f: CsvFile, problems: Problems, steps: Optional[StepRange] = None,
                 continue
             if steps is not None and not in_steps(step, steps):
                 continue
-            yield Row(step, vpp, cells[2], cells[3], micro, vals, line)
+            yield Row(step, vpp, text_cell(cells[2]), text_cell(cells[3]), micro, vals, line)
 
 
 def _column_count_message(cells: List[str], header: List[str], ncol: int) -> str:
