@@ -198,9 +198,10 @@ def check_private_dir(path: str) -> None:
 
 
 # -------------------------------------------------------------------------- files
-def _open_error(path: str, exc: OSError) -> UnsafePathError:
+def _open_error(path: str, exc: OSError, dir_fd: Optional[int] = None) -> UnsafePathError:
+    name = os.path.basename(path) if dir_fd is not None else path
     try:
-        info = os.lstat(path)
+        info = os.lstat(name, dir_fd=dir_fd)
         what = _kind(info.st_mode)
     except OSError:
         what = "not a regular file"
@@ -221,24 +222,56 @@ def _check_opened(fd: int, path: str) -> None:
         raise _refuse(path, f"it is owned by uid {info.st_uid}, not by this user (uid {_euid()})")
 
 
+def _open_parent(path: str) -> int:
+    """The directory of ``path``, opened without following a link in its last component
+    (a name this package chose, such as ``rank_<r>``); FileNotFoundError when it is gone."""
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        return os.open(parent, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if os.path.islink(parent):
+            raise _refuse(parent, "it is a symbolic link; this program writes only into a directory of its "
+                                  "own. Remove the link") from None
+        if exc.errno == errno.ENOTDIR:
+            raise _refuse(parent, "it is not a directory") from None
+        raise
+
+
 def open_append(path: str, mode: Optional[int] = None) -> Tuple[int, bool]:
     """``(fd, created)``: ``path`` opened for reading and appending, created with ``mode``
-    (default :func:`file_mode`) if missing. Never follows a link, never blocks, and only
-    appends to a regular file of this user with one link. ``FileNotFoundError`` when the
-    directory is gone; ``UnsafePathError`` (an ``OSError``) for anything refused."""
+    (default :func:`file_mode`) if missing. Never follows a link (neither the file nor its
+    directory), never blocks, and only appends to a regular file of this user with one
+    link. ``FileNotFoundError`` when the directory is gone; ``UnsafePathError`` (an
+    ``OSError``) for anything refused."""
     mode = file_mode() if mode is None else mode
-    flags = os.O_RDWR | os.O_APPEND | _NOFOLLOW | _NONBLOCK | _CLOEXEC
+    dir_fd = _open_parent(path)
     try:
-        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
-        created = True
-    except FileExistsError:
+        return _open_append_at(dir_fd, path, mode)
+    finally:
+        os.close(dir_fd)
+
+
+def _open_append_at(dir_fd: int, path: str, mode: int) -> Tuple[int, bool]:
+    name = os.path.basename(path)
+    flags = os.O_RDWR | os.O_APPEND | _NOFOLLOW | _NONBLOCK | _CLOEXEC
+    for _ in range(3):  # a name removed between the two opens: try again
         try:
-            fd = os.open(path, flags)
-        except FileNotFoundError:  # removed between the two calls: once more from the start
-            return open_append(path, mode)
-        except OSError as exc:
-            raise _open_error(path, exc) from None
-        created = False
+            fd = os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=dir_fd)
+            created = True
+            break
+        except FileExistsError:
+            try:
+                fd = os.open(name, flags, dir_fd=dir_fd)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise _open_error(path, exc, dir_fd) from None
+            created = False
+            break
+    else:
+        raise _refuse(path, "it keeps appearing and disappearing while being opened")
     try:
         if created:
             os.fchmod(fd, mode)
@@ -276,6 +309,23 @@ def read_regular_file(path: str, limit: int, what: str = "file") -> bytes:
             if total > limit:  # it grew while being read
                 raise _refuse(path, f"it is more than the {limit} bytes a {what} may have")
         return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_own_file(path: str) -> bytes:
+    """The bytes of a file this package wrote: never through a link, never blocking."""
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC)
+    try:
+        _check_opened_regular(fd, path)
+        chunks = []
+        while True:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+    except OSError:
+        raise
     finally:
         os.close(fd)
 

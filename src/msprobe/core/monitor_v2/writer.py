@@ -163,6 +163,7 @@ class CsvWriter:
         self._failing = False
         self._episodes = 0
         self._lost_in_episode: Set[int] = set()
+        self._refused: Set[str] = set()
         # read once at start(): a later change of the environment cannot fail a write
         self._dir_mode = safe_fs.dir_mode()
         self._file_mode = safe_fs.file_mode()
@@ -324,12 +325,23 @@ class CsvWriter:
             except Exception as exc:  # noqa: BLE001 - output problems are counted, never raised
                 failure = failure or exc
                 self.lost_rows += len(rows)
+                if isinstance(exc, UnsafePathError):
+                    self._note_refused(monitor, exc)
                 if not isinstance(exc, OSError) and self._first_error is None:
                     logger.error("monitor_v2: writing %s rows of step %s failed", monitor, step, exc_info=exc)
         if failure is not None:
             self._on_failure(step, failure)
         elif self._failing:
             self._on_recovery(step)
+
+    def _note_refused(self, monitor: str, exc: UnsafePathError) -> None:
+        """Each path refused (a link, a FIFO, another user's file) is named once: a
+        failure episode is logged only once, and a second refused file must not go unsaid."""
+        if exc.path in self._refused or len(self._refused) >= _EPISODES_LOGGED * 4:
+            return
+        self._refused.add(exc.path)
+        logger.warning("monitor_v2: %s; the %s rows that belong in it are not written (said once per path).",
+                       exc.strerror, monitor)
 
     def _on_failure(self, step: int, exc: BaseException) -> None:
         self.lost_steps.add(step)
