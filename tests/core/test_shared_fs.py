@@ -505,3 +505,39 @@ def test_csv_cell_rule():
         assert written[:1] not in ("=", "+", "-", "@") and text_cell(written) == name, (name, written)
     assert csv_cell("layer.0") == "layer.0" and csv_cell("") == ""
     assert csv_cell("\r=x") == "\\r=x"
+
+
+_CC_LOG_ONLY = textwrap.dedent("""
+    import logging, os, sys, torch, torch.distributed as dist
+    logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(levelname)s %(message)s")
+    from conftest import TinyMLP, loss_fn, make_batches
+    from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
+    out, store = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = TinyMLP(); opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = TrainerMonitorV2({"output_dir": out, "monitors": {"cc": {"enabled": True, "cc_log_only": True}}})
+    mon.start(model=model, optimizer=opt)
+    for x, y in make_batches(2):
+        loss_fn(model, x, y).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        opt.step(); opt.zero_grad()
+    mon.stop()
+    dist.destroy_process_group()
+    print("STOPPED")
+""")
+
+
+def test_cc_stack_log_never_written_through_a_link(tmp_path):
+    out = tmp_path / "out"
+    (out / "rank_0").mkdir(parents=True, mode=0o750)
+    out.chmod(0o750)
+    secret, content, info = _secret(tmp_path / "secret")
+    os.symlink(secret, out / "rank_0" / "cc_call_stacks.log")
+    res = _python(_CC_LOG_ONLY, out, tmp_path / "store", timeout=120)
+    assert res.returncode == 0 and "STOPPED" in res.stdout, res.stdout + res.stderr
+    _unchanged(secret, content, info)
+    assert "[cc_log_only] all_reduce called from" in res.stdout  # still logged to the console
+    errors = [ln for ln in res.stdout.splitlines() if ln.startswith("ERROR") and "cc_log_only stack file" in ln]
+    assert len(errors) == 1 and "symbolic link" in errors[0], res.stdout
