@@ -340,7 +340,7 @@ class CsvWriter:
         if exc.path in self._refused or len(self._refused) >= _EPISODES_LOGGED * 4:
             return
         self._refused.add(exc.path)
-        logger.warning("monitor_v2: %s; the %s rows that belong in it are not written (said once per path).",
+        logger.warning("%s; the %s rows that belong in it are not written (said once per path).",
                        exc.strerror, monitor)
 
     def _on_failure(self, step: int, exc: BaseException) -> None:
