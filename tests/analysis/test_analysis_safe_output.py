@@ -136,3 +136,42 @@ def test_export_replaces_a_planted_part_and_refuses_a_linked_partition(run, tmp_
     res = cli("export", run, dest2)
     assert res.code == 2 and str(dest2 / "monitor=param") in res.err and "symbolic link" in res.err, res.err
     assert os.listdir(elsewhere) == []
+
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+def _cli_subprocess(*argv, timeout=120):
+    """The CLI in its own process: a read that blocked would fail this test, not hang the suite."""
+    import subprocess
+    import sys
+
+    try:
+        return subprocess.run([sys.executable, "-m", "msprobe.core.monitor_v2.analysis.cli", *map(str, argv)],
+                              capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "PYTHONPATH": SRC})
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"msprobe-monitor {argv[0]} blocked for {timeout} s")
+
+
+def test_readers_skip_a_fifo_and_another_users_link_without_blocking_or_showing_it(run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    os.mkfifo(copy / "rank_0" / "param_step9-9.csv")
+    secret = tmp_path / "shadow"
+    secret.write_text("root:$6$hash:19000:0:99999:7:::\n")
+    secret.chmod(0o600)
+    link = copy / "rank_0" / "param_step8-8.csv"
+    _plant(link, secret)
+    for command in ("summary", "anomalies"):
+        res = _cli_subprocess(command, copy)
+        assert res.returncode in (0, 1), res.stderr
+        assert "param_step9-9.csv" in res.stderr and "FIFO" in res.stderr, res.stderr
+        assert "root:" not in res.stdout + res.stderr and "$6$" not in res.stdout + res.stderr
+        if os.geteuid() == 0:  # the link belongs to another user: not read
+            assert "param_step8-8.csv" in res.stderr and "owned by uid 65534" in res.stderr, res.stderr
+    # the columnar engine takes the same way (export reads through it)
+    pytest.importorskip("polars", reason="the analysis extra (polars) is part of the test profile")
+    res = _cli_subprocess("export", copy, tmp_path / "dest")
+    assert res.returncode == 0 and "FIFO" in res.stderr, res.stderr
+    assert "root:" not in res.stdout + res.stderr

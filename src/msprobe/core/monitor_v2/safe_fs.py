@@ -313,6 +313,29 @@ def read_regular_file(path: str, limit: int, what: str = "file") -> bytes:
         os.close(fd)
 
 
+def open_regular(path: str) -> int:
+    """``path`` opened for reading, without blocking: refused (``UnsafePathError``) if it
+    is a FIFO, a device or a directory, or a symbolic link that neither this user nor root
+    owns (a file planted as a link to another one must not have its content shown)."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        info = None
+    if info is not None and stat.S_ISLNK(info.st_mode) and not _trusted_link(info):
+        raise _refuse(path, f"it is a symbolic link owned by uid {info.st_uid}, another user")
+    fd = os.open(path, os.O_RDONLY | _NONBLOCK | _CLOEXEC)
+    try:
+        _check_opened_regular(fd, path)
+        if _NONBLOCK:
+            import fcntl
+
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def read_own_file(path: str) -> bytes:
     """The bytes of a file this package wrote: never through a link, never blocking."""
     fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC)

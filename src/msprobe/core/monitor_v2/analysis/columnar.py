@@ -27,7 +27,7 @@ import re
 import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from ..safe_fs import SafeDir
+from ..safe_fs import SafeDir, open_regular
 from .reader import (BASE_COLUMNS, MONITORS, OPS, CsvFile, InputError, Layout, Problems, Row, StepRange,
                      header_ops, iter_rows)
 
@@ -210,9 +210,9 @@ def read_batch(files: List[CsvFile], problems: Problems, steps: Optional[StepRan
 def _fast_candidate(f: CsvFile) -> Optional[Tuple[Tuple[str, ...], memoryview, int]]:
     """``(ops, body, rows)`` of a file that may take the fast path, else None."""
     try:
-        with open(f.path, "rb") as fh:
+        with open(open_regular(f.path), "rb") as fh:
             data = fh.read()
-    except OSError:
+    except OSError:  # refused or unreadable: the reference reader reports why
         return None
     if not data.endswith(b"\n") or b'"' in data or b"\r" in data or b"\x00" in data:
         return None

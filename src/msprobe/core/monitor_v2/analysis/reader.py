@@ -18,6 +18,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, TextIO, Tuple
 
+from ..errors import UnsafePathError
+from ..safe_fs import open_regular
+
 MONITORS: Tuple[str, ...] = ("module", "weight_grad", "optimizer", "param", "cc")
 OPS: Tuple[str, ...] = ("min", "max", "mean", "norm", "nans")
 BASE_COLUMNS: Tuple[str, ...] = ("vpp_stage", "step", "module_name", "scope")
@@ -300,7 +303,11 @@ def iter_rows(f: CsvFile, problems: Problems, steps: Optional[StepRange] = None,
     ``on_header(ops)`` is called once the header is known to be good."""
     path = f.path
     try:
-        fh = open(path, newline="", encoding="utf-8", errors="replace")
+        # never blocks on a FIFO, never shows a file another user linked here
+        fh = open(open_regular(path), newline="", encoding="utf-8", errors="replace")
+    except UnsafePathError as exc:
+        problems.report(path, None, f"not read: {exc.why}", "file")
+        return
     except OSError as exc:
         problems.report(path, None, f"cannot read the file: {exc.strerror or exc}", "file")
         return
