@@ -541,3 +541,41 @@ def test_cc_stack_log_never_written_through_a_link(tmp_path):
     assert "[cc_log_only] all_reduce called from" in res.stdout  # still logged to the console
     errors = [ln for ln in res.stdout.splitlines() if ln.startswith("ERROR") and "cc_log_only stack file" in ln]
     assert len(errors) == 1 and "symbolic link" in errors[0], res.stdout
+
+
+@pytest.mark.parametrize("how", ["mode-0777", "other-owner"])
+def test_rank_dir_others_could_write_is_refused_at_start(tmp_path, how):
+    if how == "other-owner" and os.geteuid() != 0:
+        pytest.skip("chown to another uid needs root (CI runs as root)")
+    out = tmp_path / "out"
+    rank = out / "rank_0"
+    rank.mkdir(parents=True)
+    out.chmod(0o750)
+    if how == "mode-0777":
+        rank.chmod(0o777)
+        want = "mode 0777"
+    else:
+        os.chown(rank, OTHER_UID, OTHER_UID)
+        want = "owned by uid 65534"
+    model = TinyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMonitorV2({"output_dir": str(out), "monitors": MONITORS})
+    with pytest.raises(UnsafePathError) as info:
+        mon.start(model=model, optimizer=opt)
+    assert str(rank) in str(info.value) and want in str(info.value), str(info.value)
+    assert os.listdir(rank) == []
+    mon.stop()
+
+
+def test_cli_names_a_bad_mode_setting(tmp_path, monkeypatch):
+    import io
+
+    from msprobe.core.monitor_v2.analysis.cli import main
+
+    out = tmp_path / "run"
+    _train({"output_dir": str(out), "monitors": {"param": {"enabled": True}}}, steps=1)
+    monkeypatch.setenv(safe_fs.DIR_MODE_ENV, "0777")
+    err = io.StringIO()
+    assert main(["plot", str(out), "--out", str(tmp_path / "rep")], out=io.StringIO(), err=err) == 2
+    assert safe_fs.DIR_MODE_ENV in err.getvalue() and "internal error" not in err.getvalue(), err.getvalue()
+    assert not (tmp_path / "rep").exists()

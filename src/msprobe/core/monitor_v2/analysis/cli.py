@@ -20,7 +20,7 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
 
-from ..errors import UnsafePathError
+from ..errors import ConfigError, UnsafePathError
 from .detect import RankCheckSettings, Report, SpikeSettings, analyse
 from .reader import (OPS, InputError, Layout, Problems, parse_int_list, parse_monitor_list, parse_steps, scan)
 from .text import compact_steps, dump_json, fmt_num, table
@@ -716,7 +716,7 @@ def main(argv: Optional[Sequence[str]] = None, out: Optional[TextIO] = None, err
         except OSError:
             pass
         return EXIT_OK
-    except UnsafePathError as exc:  # a link, a FIFO, a shared directory: the message names it
+    except (UnsafePathError, ConfigError) as exc:  # a link, a FIFO, a shared directory, a bad mode setting
         print(f"msprobe-monitor {args.command}: error: {exc}", file=err)
         return EXIT_INPUT
     except OSError as exc:  # e.g. a report directory that cannot be written
