@@ -171,8 +171,8 @@ def refuse_link(path: str) -> None:
     except OSError:
         return
     if stat.S_ISLNK(info.st_mode):
-        raise _refuse(path, f"it is a symbolic link (to {os.readlink(path)!r}); this program writes there "
-                            f"only into a directory of its own. Remove the link")
+        raise _refuse(path, f"it is a symbolic link (to {os.readlink(path)!r}); this program creates that "
+                            f"name itself and never follows a link there. Remove the link")
 
 
 def private_dir_problem(path: str) -> Optional[str]:
@@ -184,9 +184,9 @@ def private_dir_problem(path: str) -> Optional[str]:
         return (f"it is owned by uid {info.st_uid}, not by this user (uid {_euid()}): its owner could plant "
                 f"links in it that redirect the output; use a directory of your own")
     if info.st_mode & 0o022:
-        return (f"it is writable by {'group and others' if info.st_mode & 0o022 == 0o022 else 'its group' if info.st_mode & 0o020 else 'others'} "
-                f"(mode {stat.S_IMODE(info.st_mode):04o}): they could plant links in it that redirect the output; "
-                f"run 'chmod go-w {path}' or use another directory")
+        who = {0o022: "group and others", 0o020: "its group", 0o002: "others"}[info.st_mode & 0o022]
+        return (f"it is writable by {who} (mode {stat.S_IMODE(info.st_mode):04o}): they could plant links in it "
+                f"that redirect the output; run 'chmod go-w {path}' or use another directory")
     return None
 
 
@@ -347,8 +347,6 @@ def read_own_file(path: str) -> bytes:
             if not chunk:
                 return b"".join(chunks)
             chunks.append(chunk)
-    except OSError:
-        raise
     finally:
         os.close(fd)
 

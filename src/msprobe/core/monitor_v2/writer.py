@@ -27,9 +27,9 @@ import threading
 import unicodedata
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
+from . import safe_fs
 from .alert import Alerter
 from .errors import OutputError, UnsafePathError
-from . import safe_fs
 from .schedule import StepSchedule
 from .stats import Record, Row, format_value, merge_records
 
