@@ -291,6 +291,8 @@ def test_output_dir_through_a_link_another_user_planted_is_refused(tmp_path):
     os.lchown(link, 0, 0)
     _train({"output_dir": str(link / "sub"), "monitors": {"param": {"enabled": True}}}, steps=1)
     assert (victim / "sub" / "rank_0" / "param_step0-0.csv").is_file()
+    _train({"output_dir": str(link), "monitors": {"param": {"enabled": True}}}, steps=1)
+    assert (victim / "rank_0" / "param_step0-0.csv").is_file()
 
 
 # --------------------------------------------------------------- FIFOs and devices
