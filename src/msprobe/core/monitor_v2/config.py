@@ -21,7 +21,8 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
-from .errors import ConfigError
+from .errors import ConfigError, UnsafePathError
+from .safe_fs import dir_mode, file_mode, make_dirs, private_dir_problem, read_regular_file
 from .schedule import StepSchedule
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -40,6 +41,9 @@ CODELINE_PATTERN = re.compile(r"^(?P<file>.+)\[(?P<line>[0-9]+)\]$")
 # Step counts, ranks and micro-batch counts are int64 in every framework: a larger value
 # is a typo (and one with thousands of digits cannot even be printed by Python's repr).
 MAX_INT = 2**63 - 1
+# A config is a few hundred bytes; anything above this is not one (and a device such as
+# /dev/zero, refused before, would otherwise fill the memory).
+MAX_CONFIG_BYTES = 1 << 20
 
 _SHORT_REPR = reprlib.Repr()
 _SHORT_REPR.maxstring = 120
@@ -336,8 +340,9 @@ def _decode(path: str, data: bytes) -> str:
 def read_config_file(path: str) -> Dict[str, Any]:
     """The JSON object in the file ``path``; every way it can be unreadable is a ``ConfigError``."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = read_regular_file(path, MAX_CONFIG_BYTES, "config")
+    except UnsafePathError as exc:  # a FIFO, a device, a directory, or too large: never read
+        raise ConfigError(f"monitor_v2 config: cannot read '{path}': {exc.why}") from None
     except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ConfigError(f"monitor_v2 config: cannot read '{path}': {reason}") from None
@@ -384,32 +389,45 @@ def output_dir_text_problem(path: Any) -> Optional[str]:
 
 
 def check_output_dir(path: Any, keep: bool = True) -> str:
-    """Create ``path`` (with parents), prove that a file can be written in it, and return
-    it as an absolute path: the one check of ``output_dir``, shared by the library and
-    ``msprobe-monitor validate``. A relative ``output_dir`` is resolved once, here, against
-    the working directory of the constructor, whatever the working directory at ``start()``.
+    """Create ``path`` (with parents, mode 0750 whatever the umask), check that it is safe
+    to write into, prove that a file can be written in it, and return it as an absolute
+    path: the one check of ``output_dir``, shared by the library and ``msprobe-monitor
+    validate``. A relative ``output_dir`` is resolved once, here, against the working
+    directory of the constructor, whatever the working directory at ``start()``.
+
+    Safe means: no component is a symbolic link another user owns, and the directory
+    itself is owned by this user and writable by nobody else (see ``safe_fs``).
 
     ``keep=False`` (validate) removes the directories this check created, so the file
     system is left as it was; the probe file is always removed."""
     problem = output_dir_text_problem(path)
     if problem is not None:
         raise _fail("output_dir", path, problem)
+    dir_mode()  # a bad MSPROBE_MONITOR_*_MODE fails here, before training
+    file_mode()
     path = os.path.abspath(path)
     created = []  # directories that did not exist, deepest first
     probe = path
-    while not os.path.exists(probe):
+    while not os.path.lexists(probe):
         created.append(probe)
         parent = os.path.dirname(probe)
         if parent == probe:
             break
         probe = parent
-    if not os.path.isdir(probe):
+    if os.path.exists(probe) and not os.path.isdir(probe):
         raise _fail("output_dir", path, f"must be a writable directory ({probe!r} exists and is not a directory)")
     try:
-        os.makedirs(path, exist_ok=True)
+        make_dirs(path)
+        unsafe = private_dir_problem(path)
+        if unsafe is not None:
+            raise _fail("output_dir", path, f"must be a directory that only you can write ({path!r}: {unsafe})")
         fd, probe_file = tempfile.mkstemp(prefix=".msprobe_write_check_", dir=path)
         os.close(fd)
         os.remove(probe_file)
+    except ConfigError:
+        raise
+    except UnsafePathError as exc:
+        raise _fail("output_dir", path, f"must not lead through a link another user controls ({exc.why})") from None
     except (OSError, ValueError) as exc:
         what = "cannot be created: " if created else ""
         if isinstance(exc, PermissionError):

@@ -21,6 +21,7 @@ import sys
 from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from .command import command_line
+from ..errors import ConfigError, UnsafePathError
 from .detect import RankCheckSettings, Report, SpikeSettings, analyse
 from .reader import (OPS, InputError, Layout, Problems, parse_int_list, parse_monitor_list, parse_steps, scan)
 from .text import compact_steps, dump_json, fmt_num, table
@@ -718,6 +719,9 @@ def main(argv: Optional[Sequence[str]] = None, out: Optional[TextIO] = None, err
         except OSError:
             pass
         return EXIT_OK
+    except (UnsafePathError, ConfigError) as exc:  # a link, a FIFO, a shared directory, a bad mode setting
+        print(f"msprobe-monitor {args.command}: error: {exc}", file=err)
+        return EXIT_INPUT
     except OSError as exc:  # e.g. a report directory that cannot be written
         name = f" {exc.filename}" if getattr(exc, "filename", None) else ""
         print(f"msprobe-monitor {args.command}: error:{name}: {exc.strerror or exc}", file=err)

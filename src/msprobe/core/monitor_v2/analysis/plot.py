@@ -44,6 +44,8 @@ from datetime import datetime
 from typing import Any, Dict, List, Optional, Tuple
 
 from .command import pip_command
+from ..errors import UnsafePathError
+from ..safe_fs import make_dirs, read_own_file, replace_file
 from .detect import Report
 from .reader import MONITORS, CsvFile, InputError, Row
 from .text import compact_steps, fmt_num
@@ -443,7 +445,8 @@ def _draw(path: str, title: str, lines: List[Tuple[str, List[float], List[float]
             ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     if not small:
         fig.tight_layout()
-    fig.savefig(path)
+    with replace_file(path) as fh:  # never through a link planted at the name
+        fig.savefig(fh, format="png")
 
 
 def render(collector: PlotCollector, report: Report, out_dir: str) -> List[DrawnFigure]:
@@ -451,7 +454,9 @@ def render(collector: PlotCollector, report: Report, out_dir: str) -> List[Drawn
     ``(section, title, file name)``)."""
     s = collector.s
     try:
-        os.makedirs(out_dir, exist_ok=True)
+        make_dirs(out_dir, link_ok=False)  # a linked report directory is refused, naming it
+    except UnsafePathError as exc:
+        raise InputError(str(exc)) from None
     except OSError as exc:
         raise InputError(f"{out_dir}: cannot create the output directory: {exc.strerror or exc}") from None
     if not os.access(out_dir, os.W_OK):
@@ -668,8 +673,8 @@ def write_html(path: str, report: Report, collector: PlotCollector, figures: Lis
     def figure_html(fig: DrawnFigure, cls: str) -> str:
         _, title, name = fig
         if embed:
-            with open(os.path.join(os.path.dirname(path), name), "rb") as fh:
-                src = "data:image/png;base64," + base64.b64encode(fh.read()).decode("ascii")
+            data = read_own_file(os.path.join(os.path.dirname(path), name))
+            src = "data:image/png;base64," + base64.b64encode(data).decode("ascii")
             img = f"<img src=\"{src}\" alt=\"{html.escape(title)}\">"
         else:
             src = html.escape(name)
@@ -698,5 +703,5 @@ def write_html(path: str, report: Report, collector: PlotCollector, figures: Lis
                      "--steps, or raise --max-plots. Groups: "
                      + html.escape(", ".join(" ".join(k) for k in shown)) + "</p></section>")
     parts.append("</main></div></body></html>")
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write("\n".join(parts))
+    with replace_file(path) as fh:  # never through a link planted at the name
+        fh.write("\n".join(parts).encode("utf-8"))
