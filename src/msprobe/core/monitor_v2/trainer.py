@@ -17,7 +17,7 @@ from .config import MonitorConfig, load_config
 from .errors import ConfigError, MonitorStateError
 from .frameworks import load_backend
 from .monitor import ContainedErrors, Monitor
-from .writer import AsyncCsvWriter, CsvWriter, MonitorOutput
+from .writer import AsyncCsvWriter, CsvWriter, MonitorOutput, count_rows
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
@@ -201,7 +201,7 @@ class TrainerMonitorV2:
                 self._steps_with_rows += 1
             except Exception as exc:  # noqa: BLE001
                 self.errors.report("writing step results", exc)
-                self._writer.report_lost(step, exc)
+                self._writer.report_lost(step, exc, count_rows(records))
         self._session.engine.forget()
         self._written_steps += self._active
         self._begin_step(step + 1)

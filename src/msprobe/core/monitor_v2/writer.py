@@ -99,6 +99,11 @@ def _ranges(steps: Iterable[int]) -> str:
     return shown + (f" and {len(parts) - 10} more ranges" if len(parts) > 10 else "")
 
 
+def count_rows(records: Dict[str, List[Record]]) -> int:
+    """The rows a step's records make (one per row key of each monitor), for loss counts."""
+    return sum(len({r.key for r in recs if r.vector is not None}) for recs in records.values())
+
+
 class MonitorOutput:
     """What the writer needs to know about one monitor's file."""
 
@@ -322,9 +327,11 @@ class CsvWriter:
             logger.warning("monitor_v2: writing to %s works again from step %d; %d step(s) were lost (%s).",
                            self.rank_dir, step, len(lost), _ranges(lost))
 
-    def report_lost(self, step: int, exc: BaseException) -> None:
-        """A step that never reached ``write_step`` (its statistics failed to reach the host)."""
+    def report_lost(self, step: int, exc: BaseException, rows: int = 0) -> None:
+        """A step that never reached ``write_step`` (its statistics failed to reach the host)
+        and the ``rows`` it would have written."""
         self.lost_steps.add(step)
+        self.lost_rows += rows
         if self._first_error is None:
             self._first_error = repr(exc)
 
@@ -368,7 +375,7 @@ class AsyncCsvWriter:
             try:
                 self._writer.write_step(*item)
             except Exception as exc:  # noqa: BLE001 - counted and reported by close(), never lost
-                self._writer.report_lost(item[0], exc)
+                self._writer.report_lost(item[0], exc, count_rows(item[1]))
                 if self._error is None:
                     self._error = exc
                     logger.error("monitor_v2: writing step %s failed: %r", item[0], exc)
@@ -381,8 +388,8 @@ class AsyncCsvWriter:
     def write_step(self, step: int, records: Dict[str, List[Record]]) -> None:
         self._queue.put((step, records))
 
-    def report_lost(self, step: int, exc: BaseException) -> None:
-        self._writer.report_lost(step, exc)
+    def report_lost(self, step: int, exc: BaseException, rows: int = 0) -> None:
+        self._writer.report_lost(step, exc, rows)
 
     def close(self) -> None:
         if self._closed:
