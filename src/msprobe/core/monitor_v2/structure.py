@@ -43,7 +43,10 @@ def named_outputs(obj: Any, is_tensor: Callable[[Any], bool], prefix: str) -> Li
 
 
 def _name(obj: Any, is_tensor: Callable[[Any], bool], prefix: str, out: List[Tuple[str, Any]], depth: int) -> None:
-    if isinstance(obj, Mapping) and not is_tensor(obj):
+    if is_tensor(obj):  # the common case first: an ABC isinstance check costs more
+        out.append((f"{prefix}.0", obj))
+        return
+    if isinstance(obj, Mapping):
         if depth >= MAX_DEPTH:
             _too_deep(prefix)
             return
