@@ -142,3 +142,28 @@ def test_a_meta_parameter_held_by_the_optimizer_loses_only_its_rows(write_config
     said = [r.getMessage() for r in caplog.records if "ghost" in r.getMessage()]
     assert len(said) == 1 and "meta tensor" in said[0], said
     assert mon.errors.count == 0
+
+
+def test_a_step_whose_statistics_fail_to_reach_the_host_is_counted_in_rows(write_config, tmp_path, caplog,
+                                                                          monkeypatch):
+    """The fault is injected at the engine's one transfer (as the output-fault tests inject
+    at the writer's one write): the loss message counts the rows the steps would have had."""
+    from msprobe.core.monitor_v2.frameworks.pytorch import stats as torch_stats
+
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    real = torch_stats.TorchStatsEngine.to_host
+    calls = []
+
+    def failing_on_step_1(self, records):
+        calls.append(len(records))
+        if len(calls) == 2:
+            raise RuntimeError("injected: the device is gone")
+        return real(self, records)
+
+    monkeypatch.setattr(torch_stats.TorchStatsEngine, "to_host", failing_on_step_1)
+    _train(write_config, Model("float8"), steps=3, monitors={"weight_grad": {"enabled": True}})
+    rows = rows_of(tmp_path / "out", "weight_grad")
+    per_step = len([r for r in rows if r["step"] == "0"])
+    assert per_step == 8 and {r["step"] for r in rows} == {"0", "2"}  # fc1/fc2 weight+bias, unreduced+reduced
+    lost = [r.getMessage() for r in caplog.records if "of output were lost" in r.getMessage()]
+    assert len(lost) == 1 and f"1 step(s) of output were lost ({per_step} row(s))" in lost[0], lost
