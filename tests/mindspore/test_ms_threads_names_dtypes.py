@@ -2,16 +2,18 @@
 ``{"aux": a, "logits": y}`` on the next writes ``output.logits`` both times; complex
 tensors give the statistics of their magnitudes and bool ones of 0/1 on both engine
 paths; a tensor MindSpore cannot reduce here (float8 on the CPU) loses only its own row,
-said once. Checked against NumPy."""
+said once; a second thread calling the network while the main thread is inside its
+training call is its own (evaluation) pass. Checked against NumPy."""
 
 import logging
+import threading
 
 import pytest
 
 pytest.importorskip("mindspore")
 
 from conftest import assert_row_matches, find_row, rows_of  # noqa: E402
-from ms_helpers import MLP, batches, ms, nn, np, np_stats, relu_np, weights_of  # noqa: E402
+from ms_helpers import MLP, batches, ms, mse, nn, np, np_stats, relu_np, weights_of  # noqa: E402
 
 from msprobe.core.monitor_v2.frameworks.mindspore.stats import MsStatsEngine  # noqa: E402
 from msprobe.core.monitor_v2.stats import StatPlan, merge_records  # noqa: E402
@@ -122,3 +124,44 @@ def test_an_unreducible_output_loses_only_its_row(tmp_path, caplog):
     assert not [r for r in rows if r["module_name"] == "WithFloat8.output.1"]
     said = [r.getMessage() for r in caplog.records if "cannot reduce" in r.getMessage()]
     assert len(said) == 1 and "WithFloat8.output.1" in said[0], said
+
+
+def test_a_second_thread_calling_the_network_mid_pass_is_its_own_pass(tmp_path):
+    net = MLP()
+    opt = nn.SGD(net.trainable_params(), learning_rate=0.01)
+    grad_fn = ms.value_and_grad(mse(net), None, opt.parameters)
+    out_dir = tmp_path / "out"
+    mon = TrainerMonitorV2({"output_dir": str(out_dir), "monitors": {"module": {"enabled": True}}}, fr="mindspore")
+    mon.start(model=net, optimizer=opt)
+    main = threading.current_thread()
+    go, done = threading.Event(), threading.Event()
+    eval_x = np.linspace(-3, 3, 28, dtype=np.float32).reshape(7, 4)
+    steps = batches(3)
+
+    def evaluator():
+        for _ in steps:
+            go.wait()
+            go.clear()
+            net(ms.Tensor(eval_x))  # a plain call: no gradient recorded
+            done.set()
+
+    def hook(cell, inputs, *rest):  # the main thread, inside its training call: the other thread runs a whole call
+        if threading.current_thread() is main:
+            go.set()
+            assert done.wait(60)
+            done.clear()
+
+    worker = threading.Thread(target=evaluator)
+    worker.start()
+    net.fc1.register_forward_hook(hook)
+    seen = []
+    for x, y in steps:
+        seen.append(x)
+        _, g = grad_fn(ms.Tensor(x), ms.Tensor(y))
+        opt(g)
+    worker.join(60)
+    mon.stop()
+    rows = rows_of(out_dir, "module")
+    for s, x in enumerate(seen):
+        assert_row_matches(find_row(rows, step=s, module_name="MLP.input.0", scope="forward"), np_stats(x))
+        assert_row_matches(find_row(rows, step=s, module_name="MLP.input.0", scope="eval_forward"), np_stats(eval_x))
