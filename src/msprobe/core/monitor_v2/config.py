@@ -27,6 +27,10 @@ from .schedule import StepSchedule
 logger = logging.getLogger("msprobe.monitor_v2")
 
 OPS: Tuple[str, ...] = ("min", "max", "mean", "norm", "nans")
+# Statistics written only when ``ops`` names them (never part of the default five):
+# ``zeros`` counts the elements exactly equal to zero (-0.0 included, NaN not).
+OPTIONAL_OPS: Tuple[str, ...] = ("zeros",)
+ALL_OPS: Tuple[str, ...] = OPS + OPTIONAL_OPS
 MONITOR_NAMES: Tuple[str, ...] = ("module", "weight_grad", "optimizer", "param", "cc")
 FRAMEWORK_ALIASES: Dict[str, str] = {
     "pytorch": "pytorch",
@@ -261,13 +265,14 @@ def _parse_ops(path: str, value: Any) -> Tuple[str, ...]:
     if value is None:
         return OPS
     names = check_str_list(path, value)
-    unknown = [n for n in names if n not in OPS]
+    unknown = [n for n in names if n not in ALL_OPS]
     if unknown:
         logger.warning(
             "monitor_v2 config: '%s' has unknown ops %s, dropped (allowed: %s)",
-            path, unknown, ", ".join(OPS),
+            path, unknown, ", ".join(ALL_OPS),
         )
-    chosen = tuple(op for op in OPS if op in names)
+    # Columns always come in the order of ALL_OPS, whatever the order of the list.
+    chosen = tuple(op for op in ALL_OPS if op in names)
     return chosen or OPS
 
 
