@@ -27,8 +27,8 @@ import re
 import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from .reader import (BASE_COLUMNS, MONITORS, OPS, CsvFile, InputError, Layout, Problems, Row, StepRange,
-                     header_ops, iter_rows)
+from .reader import (BASE_COLUMNS, DEFAULT_OPS, MONITORS, OPS, CsvFile, InputError, Layout, Problems, Row,
+                     StepRange, header_ops, iter_rows)
 
 INSTALL_HINT = "pip install 'msprobe-monitor[analysis]' (it installs polars and matplotlib)"
 PARQUET_GLOB = "part-*.parquet"
@@ -125,7 +125,7 @@ def _read_parquet_windows(pl, files: Sequence[CsvFile], steps: Optional[StepRang
     if missing:
         schema = _schema(pl)
         df = df.with_columns(*[pl.lit(None, dtype=schema[c]).alias(c) for c in missing])
-    ops = tuple(op for op in OPS if op in df.columns and df[op].null_count() < len(df)) or OPS
+    ops = tuple(op for op in OPS if op in df.columns and df[op].null_count() < len(df)) or DEFAULT_OPS
     return df.select(*[c for c in COLUMNS], "line", "fidx"), ops
 
 

@@ -23,6 +23,7 @@ MONITORS: Tuple[str, ...] = ("module", "weight_grad", "optimizer", "param", "cc"
 # when a monitor's ``ops`` ask for it): the order of the columns in every file.
 OPS: Tuple[str, ...] = ("min", "max", "mean", "norm", "nans", "zeros")
 COUNT_OPS: Tuple[str, ...] = ("nans", "zeros")  # integer columns
+DEFAULT_OPS: Tuple[str, ...] = OPS[:5]  # what a monitor writes when its ops are not given
 BASE_COLUMNS: Tuple[str, ...] = ("vpp_stage", "step", "module_name", "scope")
 FILE_RE = re.compile(r"^(?P<monitor>[a-z_]+)_step(?P<a>\d+)-(?P<b>\d+)\.csv$")
 RANK_RE = re.compile(r"^rank_(?P<rank>\d+)$")
