@@ -254,6 +254,7 @@ class MonitorConfig:
     patch_optimizer_step: Optional[bool] = None  # None: patch iff an optimizer is given
     monitors: Mapping[str, MonitorSettings] = field(default_factory=dict)
     alert: Optional["AlertSettings"] = None  # None: no online alerts
+    structure: bool = False  # start() writes rank_<r>/structure.txt (module and parameter names)
 
     @property
     def enabled_monitors(self) -> List[MonitorSettings]:
@@ -317,6 +318,7 @@ def _parse_monitor(name: str, raw: Any) -> MonitorSettings:
 _TOP_LEVEL = (
     "framework", "output_dir", "format", "async_write", "rank", "start_step", "stop_step",
     "step_interval", "step_count_per_record", "collect_times", "patch_optimizer_step", "monitors", "alert",
+    "structure",
 )
 
 
@@ -479,6 +481,7 @@ def load_config(source: Union[str, os.PathLike, Mapping], fr: Optional[str] = No
     alert = _parse_alert(get("alert"))
     patch = get("patch_optimizer_step")
     patch = None if patch is None else check_bool("patch_optimizer_step", patch)
+    structure = False if get("structure") is None else check_bool("structure", get("structure"))
 
     raw_monitors = {} if get("monitors") is None else get("monitors")
     if not isinstance(raw_monitors, Mapping):
@@ -493,7 +496,7 @@ def load_config(source: Union[str, os.PathLike, Mapping], fr: Optional[str] = No
             )
         monitors[name] = _parse_monitor(name, entry)
 
-    if not any(m.enabled for m in monitors.values()):
+    if not any(m.enabled for m in monitors.values()) and not (get("structure") is True):
         logger.warning(
             "monitor_v2 config: no monitor is enabled (monitors: %s), so nothing will be written. "
             "Turn one on, e.g. \"monitors\": {\"weight_grad\": {\"enabled\": true}}",
@@ -511,6 +514,7 @@ def load_config(source: Union[str, os.PathLike, Mapping], fr: Optional[str] = No
         patch_optimizer_step=patch,
         monitors=monitors,
         alert=alert,
+        structure=structure,
     )
 
 

@@ -214,8 +214,7 @@ class ModuleMonitor(Monitor):
         self._pass_depth = 0  # nesting of model chunk calls in progress
         self._eval_pass = False  # whether the outermost one is an evaluation pass
         self.attached = True
-        named = [(vpp, name, m) for vpp, root in enumerate(self.session.roots) for name, m in root.named_modules()]
-        for vpp, tag, module in select_modules(named, targets, self.session.qualify):
+        for vpp, tag, module in select_modules(self.session.named_modules(), targets, self.session.qualify):
             self._hook(module, vpp, tag)
         roots = {id(r): r for r in self.session.roots}
         for root in roots.values():
