@@ -75,8 +75,9 @@ def run_struct(path: str, rank: Optional[int], targets: Optional[Sequence[str]],
                            for p in s.params],
         }
         if sel is not None:
-            data.update(targets=list(targets or ()), **{k: v for k, v in sel.items()},
-                        per_target={t: len(v) for t, v in sel["per_target"].items()})
+            data["targets"] = list(targets or ())
+            data.update({k: v for k, v in sel.items() if k != "per_target"})
+            data["per_target"] = {t: len(v) for t, v in sel["per_target"].items()}
         data["exit_code"] = code
         dump_json(data, out)
         return code
