@@ -250,3 +250,22 @@ def test_default_header_has_no_zeros_column(tmp_path, write_config):
     _train(cfg, TinyMLP())
     assert _header(out, "module") == ["vpp_stage", "step", "module_name", "scope"] + list(FIVE)
     assert _header(out, "weight_grad") == ["vpp_stage", "step", "module_name", "scope", "micro_step"] + list(FIVE)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the device path of zeros runs there")
+def test_zeros_on_a_gpu_stay_on_the_device_until_to_host():
+    engine = TorchStatsEngine()
+    tensors = [with_zeros((4099,), dt, i).cuda() for i, dt in enumerate((torch.float32, torch.bfloat16,
+                                                                          torch.float16, torch.int32))]
+    tensors.append(with_zeros(((1 << 22) + 5,), torch.float32, 9).cuda())  # counted in chunks
+    plan = StatPlan.from_ops(SIX)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        recs = [engine.record(t, plan, 0, f"t{i}", "s") for i, t in enumerate(tensors)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(isinstance(r.zeros, torch.Tensor) and r.zeros.is_cuda for r in recs)
+    engine.to_host(recs)
+    for rec, t in zip(recs, tensors):
+        assert rec.zeros == np_zeros(t), rec.name
