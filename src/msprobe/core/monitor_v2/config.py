@@ -496,7 +496,7 @@ def load_config(source: Union[str, os.PathLike, Mapping], fr: Optional[str] = No
             )
         monitors[name] = _parse_monitor(name, entry)
 
-    if not any(m.enabled for m in monitors.values()) and not (get("structure") is True):
+    if not any(m.enabled for m in monitors.values()) and not structure:  # a structure listing is output too
         logger.warning(
             "monitor_v2 config: no monitor is enabled (monitors: %s), so nothing will be written. "
             "Turn one on, e.g. \"monitors\": {\"weight_grad\": {\"enabled\": true}}",
