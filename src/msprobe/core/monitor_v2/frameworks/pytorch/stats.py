@@ -30,8 +30,8 @@ cloned or kept: the reductions read the tensor in place.
 
 The optional ``zeros`` count (elements equal to zero; ``-0.0`` is zero, NaN is not) is
 taken only when the monitor's ``ops`` ask for it: by the C kernel in the same read, by
-ATen as ``== 0`` counted in chunks of 2^22 elements (a bounded boolean temporary; the
-bf16/fp16 CPU path counts each fp32 chunk while it is in cache). On accelerators it
+ATen as ``count_nonzero(t == 0)`` in chunks (a bounded boolean temporary; the bf16/fp16
+CPU path counts each fp32 chunk while it is in cache). On accelerators it
 stays a device tensor until ``to_host``.
 
 ``to_host`` moves the vectors of a whole step to the host in one transfer per
@@ -100,11 +100,14 @@ def _sums_wide(flat: torch.Tensor, wide: torch.dtype) -> Tuple[torch.Tensor, tor
 
 
 def _zero_count(t: torch.Tensor) -> torch.Tensor:
-    """Elements of ``t`` equal to zero, as a 0-d int64 tensor on its device, through a
-    boolean temporary of at most 2^22 elements for a contiguous tensor."""
-    if not t.is_contiguous() or t.numel() <= _WIDE_CHUNK:
-        return (t == 0).sum()
-    return torch.stack([(c == 0).sum() for c in t.view(-1).split(_WIDE_CHUNK)]).sum()
+    """Elements of ``t`` equal to zero, as a 0-d int64 tensor on its device. The boolean
+    temporary of ``t == 0`` is bounded by chunks for a contiguous tensor (2^20 elements
+    on the CPU, where it then stays in cache, 2^22 elsewhere). ``count_nonzero`` of the
+    booleans: ATen's ``sum`` of a bool tensor measured 3-4x slower on the CPU."""
+    chunk = _CHUNK if t.device.type == "cpu" else _WIDE_CHUNK
+    if not t.is_contiguous() or t.numel() <= chunk:
+        return torch.count_nonzero(t == 0)
+    return torch.stack([torch.count_nonzero(c == 0) for c in t.view(-1).split(chunk)]).sum()
 
 
 @functools.lru_cache(maxsize=None)
@@ -195,7 +198,7 @@ class TorchStatsEngine:
             parts.append(torch.stack((mn.double(), mx.double(), c.sum().double() if plan.total else zero,
                                       _sumsq_cpu(c) if plan.norm else zero)))
             if plan.zeros:  # the chunk is still in cache
-                zero_counts.append((c == 0).sum())
+                zero_counts.append(torch.count_nonzero(c == 0))
         p = torch.stack(parts)
         total, sumsq = p[:, 2].sum(), p[:, 3].sum()
         if (plan.total or plan.norm) and not math.isfinite((total + sumsq).item()):
