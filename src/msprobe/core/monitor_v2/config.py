@@ -28,6 +28,10 @@ from .schedule import StepSchedule
 logger = logging.getLogger("msprobe.monitor_v2")
 
 OPS: Tuple[str, ...] = ("min", "max", "mean", "norm", "nans")
+# Statistics written only when ``ops`` names them (never part of the default five):
+# ``zeros`` counts the elements exactly equal to zero (-0.0 included, NaN not).
+OPTIONAL_OPS: Tuple[str, ...] = ("zeros",)
+ALL_OPS: Tuple[str, ...] = OPS + OPTIONAL_OPS
 MONITOR_NAMES: Tuple[str, ...] = ("module", "weight_grad", "optimizer", "param", "cc")
 FRAMEWORK_ALIASES: Dict[str, str] = {
     "pytorch": "pytorch",
@@ -261,6 +265,7 @@ class MonitorConfig:
     patch_optimizer_step: Optional[bool] = None  # None: patch iff an optimizer is given
     monitors: Mapping[str, MonitorSettings] = field(default_factory=dict)
     alert: Optional["AlertSettings"] = None  # None: no online alerts
+    structure: bool = False  # start() writes rank_<r>/structure.txt (module and parameter names)
 
     @property
     def enabled_monitors(self) -> List[MonitorSettings]:
@@ -272,13 +277,14 @@ def _parse_ops(path: str, value: Any) -> Tuple[str, ...]:
     if value is None:
         return OPS
     names = check_str_list(path, value)
-    unknown = [n for n in names if n not in OPS]
+    unknown = [n for n in names if n not in ALL_OPS]
     if unknown:
         logger.warning(
             "monitor_v2 config: '%s' has unknown ops %s, dropped (allowed: %s)",
-            path, unknown, ", ".join(OPS),
+            path, unknown, ", ".join(ALL_OPS),
         )
-    chosen = tuple(op for op in OPS if op in names)
+    # Columns always come in the order of ALL_OPS, whatever the order of the list.
+    chosen = tuple(op for op in ALL_OPS if op in names)
     return chosen or OPS
 
 
@@ -323,6 +329,7 @@ def _parse_monitor(name: str, raw: Any) -> MonitorSettings:
 _TOP_LEVEL = (
     "framework", "output_dir", "format", "async_write", "rank", "start_step", "stop_step",
     "step_interval", "step_count_per_record", "collect_times", "patch_optimizer_step", "monitors", "alert",
+    "structure",
 )
 
 
@@ -499,6 +506,7 @@ def load_config(source: Union[str, os.PathLike, Mapping], fr: Optional[str] = No
     alert = _parse_alert(get("alert"))
     patch = get("patch_optimizer_step")
     patch = None if patch is None else check_bool("patch_optimizer_step", patch)
+    structure = False if get("structure") is None else check_bool("structure", get("structure"))
 
     raw_monitors = {} if get("monitors") is None else get("monitors")
     if not isinstance(raw_monitors, Mapping):
@@ -513,7 +521,7 @@ def load_config(source: Union[str, os.PathLike, Mapping], fr: Optional[str] = No
             )
         monitors[name] = _parse_monitor(name, entry)
 
-    if not any(m.enabled for m in monitors.values()):
+    if not any(m.enabled for m in monitors.values()) and not structure:  # a structure listing is output too
         logger.warning(
             "monitor_v2 config: no monitor is enabled (monitors: %s), so nothing will be written. "
             "Turn one on, e.g. \"monitors\": {\"weight_grad\": {\"enabled\": true}}",
@@ -531,6 +539,7 @@ def load_config(source: Union[str, os.PathLike, Mapping], fr: Optional[str] = No
         patch_optimizer_step=patch,
         monitors=monitors,
         alert=alert,
+        structure=structure,
     )
 
 

@@ -119,23 +119,41 @@ class Monitor:
         """Remove everything ``attach()`` installed. Called once by ``stop()``."""
 
 
-def select_modules(
-    named: List[Tuple[int, str, Any]], targets: Sequence[str], qualify: Callable[[int, str], str]
+def module_tags(
+    named: List[Tuple[int, str, Any]], qualify: Callable[[int, str], str]
 ) -> List[Tuple[int, str, Any]]:
-    """``(vpp_stage, tag, module)`` of the modules the ``targets`` select.
+    """``(vpp_stage, tag, module)`` of every module, each once, under the name its rows
+    carry and ``targets`` are matched against (shared by ``select_modules`` and the
+    structure listing, so that both always agree).
 
     ``named`` is ``(vpp_stage, name, module)`` for every module of every chunk, in
     order; a module reachable under two names is taken once, under the first. The root
-    (empty name) is named after its class. A target selects a module when it is a
-    substring of the tag; targets that select nothing are logged once with example names.
-    """
-    selected, matched, seen = [], set(), set()
+    (empty name) is named after its class."""
+    tags, seen = [], set()
     for vpp, name, module in named:
         if id(module) in seen:
             continue
         seen.add(id(module))
-        tag = qualify(vpp, name or type(module).__name__)
-        hits = [t for t in targets if t in tag]
+        tags.append((vpp, qualify(vpp, name or type(module).__name__), module))
+    return tags
+
+
+def target_hits(tag: str, targets: Sequence[str]) -> List[str]:
+    """The targets that select the module named ``tag``: plain substring match."""
+    return [t for t in targets if t in tag]
+
+
+def select_modules(
+    named: List[Tuple[int, str, Any]], targets: Sequence[str], qualify: Callable[[int, str], str]
+) -> List[Tuple[int, str, Any]]:
+    """``(vpp_stage, tag, module)`` of the modules the ``targets`` select (every module
+    for no targets; names as ``module_tags`` gives them). A target selects a module when
+    it is a substring of the tag; targets that select nothing are logged once with
+    example names.
+    """
+    selected, matched = [], set()
+    for vpp, tag, module in module_tags(named, qualify):
+        hits = target_hits(tag, targets)
         if targets and not hits:
             continue
         matched.update(hits)
@@ -144,7 +162,8 @@ def select_modules(
     if missing:
         examples = [qualify(vpp, name) for vpp, name, _ in named if name][:5]
         logger.warning("monitor_v2 module: targets %s match no module name; nothing is recorded for them. "
-                       "Names look like %s", missing, examples)
+                       "Names look like %s (\"structure\": true lists them all in rank_<r>/structure.txt; "
+                       "msprobe-monitor struct counts what targets select)", missing, examples)
     return selected
 
 

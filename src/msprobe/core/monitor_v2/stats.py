@@ -6,6 +6,10 @@ step to the host in one transfer per device, then this module merges the vectors
 share a row key (several calls of one module, several collectives from one call site)
 exactly: min of mins, max of maxes, mean weighted by element count, norm from summed
 squares, NaN counts summed.
+
+The optional ``zeros`` statistic (elements exactly equal to zero) travels beside the
+vector like the NaN count: an integer, a 0-d integer device tensor, or ``None`` when
+the monitor's ``ops`` do not ask for it; counts are summed when rows merge.
 """
 
 import math
@@ -40,14 +44,16 @@ class Stat:
     total: float
     sumsq: float
     nans: int
+    zeros: int = 0
 
     @classmethod
-    def from_vector(cls, vector: Sequence[float], nans: int, numel: int) -> "Stat":
+    def from_vector(cls, vector: Sequence[float], nans: int, numel: int, zeros: int = 0) -> "Stat":
         norm = vector[NORM]
         mn, mx = vector[MIN], vector[MAX]
         if nans:  # some kernels (MindSpore's CPU min/max) skip NaN; the spec never hides it
             mn = mx = math.nan
-        return cls(numel=numel, min=mn, max=mx, total=vector[SUM], sumsq=norm * norm, nans=int(nans))
+        return cls(numel=numel, min=mn, max=mx, total=vector[SUM], sumsq=norm * norm, nans=int(nans),
+                   zeros=int(zeros))
 
     def merge(self, other: "Stat") -> None:
         if other.numel == 0:
@@ -61,10 +67,13 @@ class Stat:
         self.total += other.total
         self.sumsq += other.sumsq
         self.nans += other.nans
+        self.zeros += other.zeros
 
     def value(self, op: str) -> float:
         if op == "nans":
             return self.nans
+        if op == "zeros":
+            return self.zeros
         if op == "norm":
             return math.sqrt(self.sumsq) if not math.isnan(self.sumsq) else math.nan
         if self.numel == 0:
@@ -86,6 +95,7 @@ class StatPlan:
     total: bool
     norm: bool
     nans: bool
+    zeros: bool = False  # the optional count of elements equal to zero
 
     @classmethod
     def from_ops(cls, ops: Sequence[str]) -> "StatPlan":
@@ -94,8 +104,12 @@ class StatPlan:
             total="mean" in ops,
             norm="norm" in ops,
             nans="nans" in ops,
+            zeros="zeros" in ops,
         )
 
+
+# Statistics that are integer counts (written without a decimal point).
+COUNT_OPS: Tuple[str, ...] = ("nans", "zeros")
 
 # Empty tensors never reach the device: their statistics are known.
 EMPTY_VECTOR: Tuple[float, ...] = (math.nan, math.nan, 0.0, 0.0)
@@ -119,6 +133,7 @@ class Record:
     vector: Any
     nans: Any
     numel: int
+    zeros: Any = None  # like ``nans``: None when not asked for
 
     @property
     def key(self) -> Tuple[int, str, str, Optional[int]]:
@@ -142,7 +157,7 @@ def merge_records(step: int, records: Iterable[Record]) -> List[Row]:
     for rec in records:
         if rec.vector is None:
             continue
-        stat = Stat.from_vector(rec.vector, rec.nans or 0, rec.numel)
+        stat = Stat.from_vector(rec.vector, rec.nans or 0, rec.numel, rec.zeros or 0)
         row = rows.get(rec.key)
         if row is None:
             rows[rec.key] = Row(rec.vpp_stage, step, rec.name, rec.scope, rec.micro_step, stat)
@@ -153,7 +168,7 @@ def merge_records(step: int, records: Iterable[Record]) -> List[Row]:
 
 def format_value(op: str, value: float) -> str:
     """Nine significant digits reproduce any fp32 value exactly; NaN/Inf as ``nan``/``inf``."""
-    if op == "nans":
+    if op in COUNT_OPS:
         return str(int(value))
     if math.isnan(value):
         return "nan"

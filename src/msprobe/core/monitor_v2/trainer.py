@@ -24,6 +24,7 @@ from .alert import make_alerter
 from .config import MonitorConfig, load_config
 from .errors import ConfigError, MonitorStateError
 from .frameworks import load_backend
+from .model_structure import write_structure
 from .monitor import ContainedErrors, Monitor
 from .writer import AsyncCsvWriter, CsvWriter, MonitorOutput, count_rows
 
@@ -126,6 +127,8 @@ class TrainerMonitorV2:
 
         attached: List[Monitor] = []
         try:
+            if self.config.structure:
+                self._write_structure(session)
             for m in self.monitors:
                 attached.append(m)  # before attach(): a failing attach may have installed part
                 m.attach()
@@ -147,6 +150,14 @@ class TrainerMonitorV2:
         self._pid = os.getpid()
         _RUNNING.add(self)
         self._begin_step(first_step)
+
+    def _write_structure(self, session: Any) -> None:
+        """``rank_<r>/structure.txt`` (``"structure": true``): the names ``targets`` and rows use."""
+        module = self.config.monitors.get("module")
+        enabled = module is not None and module.enabled
+        path = write_structure(self.rank_dir, session.structure(), module.get("targets") if enabled else (), enabled)
+        logger.info("monitor_v2: model structure (module and parameter names) written to %s; "
+                    "msprobe-monitor struct %s counts what a targets list selects", path, self.config.output_dir)
 
     # ---------------------------------------------------------------- step logic
     def _begin_step(self, step: int) -> None:

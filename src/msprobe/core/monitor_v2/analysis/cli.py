@@ -6,6 +6,7 @@
     msprobe-monitor diff      OUT_A OUT_B      first difference between two runs
     msprobe-monitor export    OUT_DIR DEST     the output as one Parquet dataset (read by all commands)
     msprobe-monitor validate  CONFIG           check a monitor_v2 config file
+    msprobe-monitor struct    OUT_DIR          module/parameter names; what --targets selects
 
 Exit codes: 0 = ok (no anomaly / no difference / valid config), 1 = anomalies found
 (``anomalies``) or the runs differ (``diff``), 2 = usage or input error (bad flag, missing
@@ -218,6 +219,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the real load_config(CONFIG), which creates output_dir as training would")
     v.add_argument("--json", action="store_true", help="print one JSON object")
     v.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+
+    st = sub.add_parser("struct", formatter_class=_Formatter,
+                        help="the model's module and parameter names (rank_<r>/structure.txt) and what a "
+                             "targets list selects",
+                        description="Print the module names (exactly as monitors.module.targets matches them) "
+                                    "and parameter names (as weight_grad, param and optimizer rows carry them) "
+                                    "that start() wrote to rank_<r>/structure.txt with \"structure\": true. With "
+                                    "--targets, count the modules each target and the whole list select. Exit 1 "
+                                    "when a target selects nothing, 0 otherwise.")
+    st.add_argument("out_dir", metavar="OUT_DIR",
+                    help="the monitor's output_dir, a rank_<r> directory, or a structure.txt file")
+    st.add_argument("--rank", type=_nonneg_int, default=None, help="rank to read (default: the lowest with the file)")
+    st.add_argument("--targets", nargs="+", default=None, metavar="TARGET",
+                    help="a targets list to count (each a substring of module names, as in the config)")
+    st.add_argument("--json", action="store_true", help="print one JSON object")
+    st.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -696,8 +713,14 @@ def cmd_validate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return code
 
 
+def cmd_struct(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from .struct import run_struct
+
+    return run_struct(args.out_dir, args.rank, args.targets, args.json, out)
+
+
 COMMANDS = {"summary": cmd_summary, "anomalies": cmd_anomalies, "plot": cmd_plot, "diff": cmd_diff,
-            "export": cmd_export, "validate": cmd_validate}
+            "export": cmd_export, "validate": cmd_validate, "struct": cmd_struct}
 
 
 def main(argv: Optional[Sequence[str]] = None, out: Optional[TextIO] = None, err: Optional[TextIO] = None) -> int:

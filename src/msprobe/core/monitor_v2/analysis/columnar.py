@@ -29,8 +29,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 from .command import pip_command
 from ..safe_fs import SafeDir, open_regular
-from .reader import (BASE_COLUMNS, MONITORS, OPS, CsvFile, InputError, Layout, Problems, Row, StepRange,
-                     header_ops, iter_rows)
+from .reader import (BASE_COLUMNS, DEFAULT_OPS, MONITORS, OPS, CsvFile, InputError, Layout, Problems, Row,
+                     StepRange, header_ops, iter_rows)
 
 INSTALL_HINT = pip_command("polars>=1.20", "matplotlib>=3.5") + " (what the 'analysis' extra of msprobe-monitor installs)"
 PARQUET_GLOB = "part-*.parquet"
@@ -57,7 +57,7 @@ def polars():
 def _schema(pl) -> Dict[str, Any]:
     return {"vpp_stage": pl.Int64, "step": pl.Int64, "module_name": pl.String, "scope": pl.String,
             "micro_step": pl.Int64, "min": pl.Float64, "max": pl.Float64, "mean": pl.Float64,
-            "norm": pl.Float64, "nans": pl.Int64}
+            "norm": pl.Float64, "nans": pl.Int64, "zeros": pl.Int64}
 
 
 def empty_frame(pl):
@@ -122,7 +122,12 @@ def _read_parquet_windows(pl, files: Sequence[CsvFile], steps: Optional[StepRang
     lf = lf.join(windows.lazy(), on=["file_first", "file_last"], how="inner", maintain_order="left")
     lf = _filter_steps(pl, lf, steps)
     df = lf.collect()
-    ops = tuple(op for op in OPS if op in df.columns and df[op].null_count() < len(df)) or OPS
+    # a dataset exported before a statistic existed (zeros) lacks its column: all null
+    missing = [c for c in COLUMNS if c not in df.columns]
+    if missing:
+        schema = _schema(pl)
+        df = df.with_columns(*[pl.lit(None, dtype=schema[c]).alias(c) for c in missing])
+    ops = tuple(op for op in OPS if op in df.columns and df[op].null_count() < len(df)) or DEFAULT_OPS
     return df.select(*[c for c in COLUMNS], "line", "fidx"), ops
 
 
@@ -360,7 +365,7 @@ def load(path: str, ranks: Optional[Sequence[int]] = None, monitors: Optional[Se
 
     Columns: ``rank``, ``monitor``, ``vpp_stage``, ``step``, ``module_name``, ``scope``,
     ``micro_step`` (null outside ``weight_grad``), ``min``, ``max``, ``mean``, ``norm``,
-    ``nans`` (null where a file does not have the statistic); with ``with_source``
+    ``nans``, ``zeros`` (null where a file does not have the statistic); with ``with_source``
     also ``file`` and ``line`` (where each row comes from). ``ranks``/``monitors``
     select, ``steps`` is an inclusive ``(first, last)`` (either may be None). Malformed
     lines are skipped with a warning on stderr (``strict``: an :class:`InputError`).

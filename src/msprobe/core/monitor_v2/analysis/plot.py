@@ -4,8 +4,8 @@ Figures (for one rank, default the lowest):
 
 - one *overview* per monitor: the statistic aggregated over all tensors of each scope
   per step (``norm``: the global L2 norm, sqrt of the summed squares; ``max``: the
-  largest max; ``min``: the smallest min; ``mean``: the average of the means; ``nans``:
-  the total), one line per scope (per micro_step for per-micro-batch gradients);
+  largest max; ``min``: the smallest min; ``mean``: the average of the means; ``nans``
+  and ``zeros``: the total), one line per scope (per micro_step for per-micro-batch gradients);
 - one figure per (monitor, scope, layer) with a line per tensor (``--by layer``), or
   per (monitor, tensor) with a line per scope (``--by tensor``). A layer is the tensor
   name up to its first numeric component (``blocks.3`` of ``blocks.3.mlp.fc.weight``),
@@ -242,7 +242,7 @@ class PlotCollector:
             agg.acc = max(agg.acc, v)
         elif stat == "min":
             agg.acc = min(agg.acc, v)
-        else:  # mean (averaged) and nans (summed)
+        else:  # mean (averaged), nans and zeros (summed)
             agg.acc += v
 
     def overview_value(self, agg: _Agg) -> float:
@@ -488,7 +488,8 @@ def render(collector: PlotCollector, report: Report, out_dir: str) -> List[Drawn
         n += 1
         name = f"{n:03d}_overview_{monitor}_{s.stat}.png"
         agg = {"norm": "global L2 norm", "max": "largest max", "min": "smallest min",
-               "mean": "average of means", "nans": "total NaN count"}[s.stat]
+               "mean": "average of means", "nans": "total NaN count",
+               "zeros": "total zero count"}[s.stat]
         title = f"{monitor}: {agg} over all tensors, per scope (rank {rank})"
         _draw(os.path.join(out_dir, name), title, lines, s.stat, s.yscale, first_bad, [], x_range)
         made.append(DrawnFigure("Overview", title, name, monitor, None, True))

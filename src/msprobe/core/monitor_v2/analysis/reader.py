@@ -22,7 +22,11 @@ from ..errors import UnsafePathError
 from ..safe_fs import open_regular
 
 MONITORS: Tuple[str, ...] = ("module", "weight_grad", "optimizer", "param", "cc")
-OPS: Tuple[str, ...] = ("min", "max", "mean", "norm", "nans")
+# The five statistics of the user document, then the optional ``zeros`` (written only
+# when a monitor's ``ops`` ask for it): the order of the columns in every file.
+OPS: Tuple[str, ...] = ("min", "max", "mean", "norm", "nans", "zeros")
+COUNT_OPS: Tuple[str, ...] = ("nans", "zeros")  # integer columns
+DEFAULT_OPS: Tuple[str, ...] = OPS[:5]  # what a monitor writes when its ops are not given
 BASE_COLUMNS: Tuple[str, ...] = ("vpp_stage", "step", "module_name", "scope")
 FILE_RE = re.compile(r"^(?P<monitor>[a-z_]+)_step(?P<a>\d+)-(?P<b>\d+)\.csv$")
 RANK_RE = re.compile(r"^rank_(?P<rank>\d+)$")
@@ -248,7 +252,7 @@ def _listdir(path: str) -> List[str]:
 
 # ------------------------------------------------------------------------ rows
 class Row:
-    """One CSV row. ``vals`` maps each op of the file to its value (``nans`` an int);
+    """One CSV row. ``vals`` maps each op of the file to its value (``nans``, ``zeros`` ints);
     ``micro`` is None outside ``weight_grad`` files; ``line`` is the line number."""
 
     __slots__ = ("step", "vpp", "name", "scope", "micro", "vals", "line")
@@ -363,7 +367,7 @@ def iter_rows(f: CsvFile, problems: Problems, steps: Optional[StepRange] = None,
                 vpp = int(cells[0])
                 step = int(cells[1])
                 micro = int(cells[4]) if with_micro else None
-                vals = {op: (int(cells[i]) if op == "nans" else float(cells[i])) for op, i in op_cols}
+                vals = {op: (int(cells[i]) if op in COUNT_OPS else float(cells[i])) for op, i in op_cols}
             except ValueError:
                 if [c.strip() for c in cells[:4]] == list(BASE_COLUMNS):
                     problems.report(path, line, _second_header(cells))
@@ -403,8 +407,8 @@ def _value_message(cells: List[str], header: List[str], with_micro: bool,
             return f"column '{header[i]}' = {cells[i]!r} is not an integer"
     for op, i in op_cols:
         try:
-            int(cells[i]) if op == "nans" else float(cells[i])
+            int(cells[i]) if op in COUNT_OPS else float(cells[i])
         except ValueError:
-            kind = "an integer" if op == "nans" else "a number"
+            kind = "an integer" if op in COUNT_OPS else "a number"
             return f"column '{op}' = {cells[i]!r} is not {kind}"
     return "unreadable value"  # pragma: no cover

@@ -57,6 +57,9 @@ class NativeStats:
         self._fn.restype = ctypes.c_int64
         self._fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
                              ctypes.POINTER(ctypes.c_double)]
+        self._fn_zeros = lib.msprobe_stats_zeros
+        self._fn_zeros.restype = ctypes.c_int64
+        self._fn_zeros.argtypes = self._fn.argtypes + [ctypes.POINTER(ctypes.c_int64)]
         lib.msprobe_stats_dtypes.restype = ctypes.c_int
         mask = lib.msprobe_stats_dtypes()
         self.dtype_codes = frozenset(code for code in (F32, BF16, F16) if mask & (1 << code))
@@ -71,6 +74,18 @@ class NativeStats:
         if nans:
             mn = mx = math.nan
         return [mn, mx, total, math.sqrt(sumsq)], nans  # sqrt keeps NaN and inf
+
+    def stats_zeros(self, pointer: int, count: int, dtype_code: int,
+                    threads: int = 1) -> Tuple[List[float], int, int]:
+        """``stats`` and the number of elements equal to zero (``-0.0`` counts, NaN does
+        not), from the same read: ``([min, max, sum, norm], nan_count, zero_count)``."""
+        out = (ctypes.c_double * 4)()
+        zeros = ctypes.c_int64(0)
+        nans = self._fn_zeros(pointer, count, dtype_code, threads, out, ctypes.byref(zeros))
+        mn, mx, total, sumsq = out
+        if nans:
+            mn = mx = math.nan
+        return [mn, mx, total, math.sqrt(sumsq)], nans, zeros.value
 
 
 _lock = threading.Lock()
@@ -244,3 +259,7 @@ def _self_test(native: NativeStats) -> None:
     got, nans = native.stats(ctypes.addressof(buf16), 3, BF16)
     if nans != 1 or not math.isnan(got[0]) or not math.isnan(got[2]):
         raise _Unavailable(f"self-test failed on bf16 with a NaN: {got}, {nans} NaN")
+    want_zeros = sum(1 for v in values if v == 0.0)
+    got, nans, zeros = native.stats_zeros(ctypes.addressof(buf), len(values), F32)
+    if zeros != want_zeros or nans != 0 or not math.isclose(got[2], expected[2], rel_tol=1e-6):
+        raise _Unavailable(f"self-test failed counting zeros: {zeros} instead of {want_zeros}")

@@ -9,6 +9,10 @@
  * the count. Min and max skip NaN (the caller reports NaN for them when the count is
  * not zero). Large buffers are split over `threads` POSIX threads.
  *
+ * `msprobe_stats_zeros` also counts the elements equal to zero (-0.0 included, NaN not)
+ * in the same read, with integer lane counters. It is a separate set of reducers, so the
+ * default statistics pay nothing for the optional count.
+ *
  * Built at run time by msprobe's native.py with the system C compiler; on x86-64 the
  * reducers are cloned for AVX-512, AVX2 and baseline CPUs and picked when loaded, so
  * one build runs on every machine that shares the cache. */
@@ -37,6 +41,8 @@ typedef struct {
     float mn, mx;
     double sum, sq;
     int64_t nans;
+    int want_zeros;
+    int64_t zeros;
 } part_t;
 
 static inline float bf16_value(uint16_t h) {
@@ -46,10 +52,11 @@ static inline float bf16_value(uint16_t h) {
     return f;
 }
 
-#define REDUCE(LOAD)                                                               \
+/* ZEROS is a compile-time 0 or 1: with 0 the zero count is compiled out. */
+#define REDUCE(LOAD, ZEROS)                                                        \
     float mn[LANES], mx[LANES];                                                    \
     double sum = 0.0, sq = 0.0;                                                    \
-    int64_t nans = 0, i = 0, n = p->n;                                             \
+    int64_t nans = 0, zeros = 0, i = 0, n = p->n;                                  \
     for (int j = 0; j < LANES; j++) {                                              \
         mn[j] = INFINITY;                                                          \
         mx[j] = -INFINITY;                                                         \
@@ -57,6 +64,7 @@ static inline float bf16_value(uint16_t h) {
     while (n - i >= LANES) {                                                       \
         int64_t start = i, stop = n - i > BLOCK ? i + BLOCK : n - (n - i) % LANES; \
         float bs[LANES] = {0}, bq[LANES] = {0};                                    \
+        int32_t bz[LANES] = {0}; /* at most BLOCK / LANES per lane and block */    \
         for (; i < stop; i += LANES) {                                             \
             for (int j = 0; j < LANES; j++) {                                      \
                 float v = LOAD(i + j);                                             \
@@ -64,12 +72,14 @@ static inline float bf16_value(uint16_t h) {
                 mx[j] = v > mx[j] ? v : mx[j];                                     \
                 bs[j] += v;                                                        \
                 bq[j] += v * v;                                                    \
+                if (ZEROS) bz[j] += v == 0.0f;                                     \
             }                                                                      \
         }                                                                          \
         double block_sum = 0.0, block_sq = 0.0;                                    \
         for (int j = 0; j < LANES; j++) {                                          \
             block_sum += bs[j];                                                    \
             block_sq += bq[j];                                                     \
+            if (ZEROS) zeros += bz[j];                                             \
         }                                                                          \
         if (!isfinite(block_sum) || !isfinite(block_sq)) {                         \
             /* fp32 overflowed, or the block holds Inf or NaN (a NaN makes the      \
@@ -92,6 +102,7 @@ static inline float bf16_value(uint16_t h) {
         sum += v;                                                                  \
         sq += (double)v * v;                                                       \
         nans += v != v;                                                            \
+        if (ZEROS) zeros += v == 0.0f;                                             \
     }                                                                              \
     p->mn = mn[0];                                                                 \
     p->mx = mx[0];                                                                 \
@@ -101,25 +112,42 @@ static inline float bf16_value(uint16_t h) {
     }                                                                              \
     p->sum = sum;                                                                  \
     p->sq = sq;                                                                    \
-    p->nans = nans;
+    p->nans = nans;                                                                \
+    p->zeros = zeros;
+
+#define LOAD_F32(k) x[k]
+#define LOAD_BF16(k) bf16_value(x[k])
+#define LOAD_F16(k) ((float)x[k])
 
 VECTOR_CLONES static void reduce_f32(part_t *p) {
     const float *x = (const float *)p->data;
-#define LOAD_F32(k) x[k]
-    REDUCE(LOAD_F32)
+    REDUCE(LOAD_F32, 0)
+}
+
+VECTOR_CLONES static void reduce_f32_zeros(part_t *p) {
+    const float *x = (const float *)p->data;
+    REDUCE(LOAD_F32, 1)
 }
 
 VECTOR_CLONES static void reduce_bf16(part_t *p) {
     const uint16_t *x = (const uint16_t *)p->data;
-#define LOAD_BF16(k) bf16_value(x[k])
-    REDUCE(LOAD_BF16)
+    REDUCE(LOAD_BF16, 0)
+}
+
+VECTOR_CLONES static void reduce_bf16_zeros(part_t *p) {
+    const uint16_t *x = (const uint16_t *)p->data;
+    REDUCE(LOAD_BF16, 1)
 }
 
 #ifdef __FLT16_MAX__
 VECTOR_CLONES static void reduce_f16(part_t *p) {
     const _Float16 *x = (const _Float16 *)p->data;
-#define LOAD_F16(k) ((float)x[k])
-    REDUCE(LOAD_F16)
+    REDUCE(LOAD_F16, 0)
+}
+
+VECTOR_CLONES static void reduce_f16_zeros(part_t *p) {
+    const _Float16 *x = (const _Float16 *)p->data;
+    REDUCE(LOAD_F16, 1)
 }
 #endif
 
@@ -135,17 +163,16 @@ int msprobe_stats_dtypes(void) {
 static void *run_part(void *arg) {
     part_t *p = (part_t *)arg;
     switch (p->dtype) {
-    case BF16: reduce_bf16(p); break;
+    case BF16: p->want_zeros ? reduce_bf16_zeros(p) : reduce_bf16(p); break;
 #ifdef __FLT16_MAX__
-    case F16: reduce_f16(p); break;
+    case F16: p->want_zeros ? reduce_f16_zeros(p) : reduce_f16(p); break;
 #endif
-    default: reduce_f32(p); break;
+    default: p->want_zeros ? reduce_f32_zeros(p) : reduce_f32(p); break;
     }
     return NULL;
 }
 
-/* out = {min, max, sum, sum of squares}; returns the NaN count. */
-int64_t msprobe_stats(const void *data, int64_t n, int dtype, int threads, double *out) {
+static int64_t stats(const void *data, int64_t n, int dtype, int threads, double *out, int64_t *zeros_out) {
     part_t parts[MAX_THREADS];
     pthread_t tids[MAX_THREADS];
     int started[MAX_THREADS] = {0};
@@ -159,6 +186,8 @@ int64_t msprobe_stats(const void *data, int64_t n, int dtype, int threads, doubl
         parts[t].data = (const char *)data + begin * item;
         parts[t].n = t == threads - 1 ? n - begin : chunk;
         parts[t].dtype = dtype;
+        parts[t].want_zeros = zeros_out != NULL;
+        parts[t].zeros = 0;
     }
     /* A thread that cannot be started is run here instead. */
     for (int t = 1; t < threads; t++)
@@ -171,17 +200,30 @@ int64_t msprobe_stats(const void *data, int64_t n, int dtype, int threads, doubl
             run_part(&parts[t]);
     }
     double mn = parts[0].mn, mx = parts[0].mx, sum = 0.0, sq = 0.0;
-    int64_t nans = 0;
+    int64_t nans = 0, zeros = 0;
     for (int t = 0; t < threads; t++) {
         mn = parts[t].mn < mn ? parts[t].mn : mn;
         mx = parts[t].mx > mx ? parts[t].mx : mx;
         sum += parts[t].sum;
         sq += parts[t].sq;
         nans += parts[t].nans;
+        zeros += parts[t].zeros;
     }
+    if (zeros_out != NULL)
+        *zeros_out = zeros;
     out[0] = mn;
     out[1] = mx;
     out[2] = sum;
     out[3] = sq;
     return nans;
+}
+
+/* out = {min, max, sum, sum of squares}; returns the NaN count. */
+int64_t msprobe_stats(const void *data, int64_t n, int dtype, int threads, double *out) {
+    return stats(data, n, dtype, threads, out, NULL);
+}
+
+/* The same, and *zeros = the number of elements equal to zero, in the same read. */
+int64_t msprobe_stats_zeros(const void *data, int64_t n, int dtype, int threads, double *out, int64_t *zeros) {
+    return stats(data, n, dtype, threads, out, zeros);
 }

@@ -82,7 +82,7 @@ class MsModuleMonitor(Monitor):
         targets: Sequence[str] = self.settings.get("targets")
         self._handles: List[Any] = []  # hooks installed for written steps only
         self._kept: List[Any] = []  # hooks of Cells that contain the optimizer
-        named = [(vpp, name, c) for vpp, root in enumerate(self.session.roots) for name, c in root.cells_and_names()]
+        named = self.session.named_modules()
         optimizer = self.session.optimizer
         self._toggled: List[Callable[[], List[Any]]] = []  # installed in this order
         self._pass = _Pass()  # per thread: another thread's calls never join the training pass

@@ -14,6 +14,8 @@ import mindspore as ms
 from mindspore import nn
 
 from ...errors import ConfigError, MonitorError
+from ...model_structure import ParamEntry, Structure, module_entries
+from ...monitor import module_tags
 from .. import rank_from_environment
 from .optimizer_state import optimizer_states
 from .stats import MsStatsEngine
@@ -82,6 +84,20 @@ class MsSession:
             if id(p) not in self._by_id:
                 self._add(0, p.name, p)
         self.current_grads: Optional[Sequence[Any]] = None
+
+    def named_modules(self) -> List[Tuple[int, str, Any]]:
+        """``(vpp_stage, name, cell)`` of every Cell of every chunk: what the module monitor
+        selects from and the structure listing shows."""
+        return [(vpp, name, c) for vpp, root in enumerate(self.roots) for name, c in root.cells_and_names()]
+
+    def structure(self) -> Structure:
+        """Cell names as ``targets`` matches them and parameter names as rows carry them.
+        ``CellList``/``CellDict`` are never called: they are marked, having no rows."""
+        containers = tuple(c for c in (getattr(nn, "CellList", None), getattr(nn, "CellDict", None)) if c)
+        modules = module_entries(module_tags(self.named_modules(), self.qualify), self.roots, containers)
+        params = [ParamEntry(i.name, str(i.param.dtype), tuple(i.param.shape), bool(i.param.requires_grad))
+                  for i in self.params]
+        return Structure(framework="mindspore", rank=global_rank(), modules=modules, params=params)
 
     def _add(self, vpp: int, name: str, p: Any) -> None:
         info = ParamInfo(len(self.params), vpp, name, p)

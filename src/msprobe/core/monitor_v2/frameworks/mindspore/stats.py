@@ -20,6 +20,10 @@ integer tensors are cast to fp32 first (MindSpore's CPU reductions have no bf16
 kernels), a temporary freed at once. MindSpore's CPU ``min``/``max`` skip NaN; the NaN
 count is therefore also taken when ``min``/``max`` are asked for, and the host side
 reports NaN min/max for any tensor that holds a NaN.
+
+The optional ``zeros`` count (asked for in ``ops``) comes from the same read on the CPU
+(the C kernel's zero-counting variant, or ``np.count_nonzero(x == 0)`` on the NumPy
+path) and from ``(flat == 0).sum()`` on the device elsewhere.
 """
 
 import logging
@@ -81,19 +85,24 @@ class MsStatsEngine:
         return z
 
     def _host_record(self, t: ms.Tensor, vpp_stage: int, name: str, scope: str,
-                     micro_step: Optional[int]) -> Record:
+                     micro_step: Optional[int], want_zeros: bool = False) -> Record:
         """Statistics of a CPU tensor read in place (``asnumpy`` is a view there)."""
         a = t.asnumpy()
         numel = a.size
         if numel == 0:
-            return Record(vpp_stage, name, scope, micro_step, EMPTY_VECTOR, 0, 0)
+            return Record(vpp_stage, name, scope, micro_step, EMPTY_VECTOR, 0, 0, 0 if want_zeros else None)
         code = self._native_codes.get(a.dtype.name)
         if code is not None:
             if not a.flags.c_contiguous:
                 a = np.ascontiguousarray(a)
+            if want_zeros:
+                vector, nans, zeros = self._native.stats_zeros(a.ctypes.data, numel, code, self._threads)
+                return Record(vpp_stage, name, scope, micro_step, vector, nans, numel, zeros)
             vector, nans = self._native.stats(a.ctypes.data, numel, code, self._threads)
             return Record(vpp_stage, name, scope, micro_step, vector, nans, numel)
         x = a.reshape(-1)
+        # counted before the cast: exact for every dtype (bool False and integer 0 included)
+        zeros = int(np.count_nonzero(x == 0)) if want_zeros else None
         if np.iscomplexobj(x):
             x = np.abs(x)  # magnitudes, as the PyTorch engine (a cast would drop the imaginary part)
         if x.dtype != np.float64:
@@ -104,9 +113,9 @@ class MsStatsEngine:
         else:
             with np.errstate(invalid="ignore", over="ignore"):
                 vector = [float(x.min()), float(x.max()), float(x.sum()), math.sqrt(float(np.dot(x, x)))]
-        return Record(vpp_stage, name, scope, micro_step, vector, nans, numel)
+        return Record(vpp_stage, name, scope, micro_step, vector, nans, numel, zeros)
 
-    def _vector(self, t: ms.Tensor, plan: StatPlan) -> Tuple[ms.Tensor, Optional[ms.Tensor]]:
+    def _vector(self, t: ms.Tensor, plan: StatPlan) -> Tuple[ms.Tensor, Optional[ms.Tensor], Optional[ms.Tensor]]:
         if t.dtype in _COMPLEX:
             t = ops.abs(t)  # magnitudes, as the PyTorch engine (a cast would drop the imaginary part)
         if t.dtype == ms.bool_:
@@ -122,7 +131,10 @@ class MsStatsEngine:
         sumsq = (flat * flat).sum() if plan.norm else zero  # half the cost of ops.norm
         vector = ops.stack((mn, mx, total, sumsq))
         nans = ops.isnan(flat).sum() if (plan.nans or plan.minmax) else None
-        return vector, nans
+        # on the fp32 copy where there is one: CPU kernels lack bf16 comparisons, and no
+        # nonzero value of any dtype becomes 0 in fp32 (-0.0 == 0 as everywhere)
+        zeros = (flat == 0).astype(ms.int64).sum() if plan.zeros else None
+        return vector, nans, zeros
 
     def record(self, t: ms.Tensor, plan: StatPlan, vpp_stage: int, name: str, scope: str,
                micro_step: Optional[int] = None, cache: bool = False) -> Record:
@@ -145,12 +157,12 @@ class MsStatsEngine:
     def _record(self, t: ms.Tensor, plan: StatPlan, vpp_stage: int, name: str, scope: str,
                 micro_step: Optional[int]) -> Record:
         if self._host:
-            return self._host_record(t, vpp_stage, name, scope, micro_step)
+            return self._host_record(t, vpp_stage, name, scope, micro_step, plan.zeros)
         numel = int(t.size)
         if numel == 0:
-            return Record(vpp_stage, name, scope, micro_step, EMPTY_VECTOR, 0, 0)
-        vector, nans = self._vector(t, plan)
-        return Record(vpp_stage, name, scope, micro_step, vector, nans, numel)
+            return Record(vpp_stage, name, scope, micro_step, EMPTY_VECTOR, 0, 0, 0 if plan.zeros else None)
+        vector, nans, zeros = self._vector(t, plan)
+        return Record(vpp_stage, name, scope, micro_step, vector, nans, numel, zeros)
 
     def record_many(self, tensors: Sequence[ms.Tensor], plan: StatPlan,
                     keys: Sequence[Tuple[int, str, str, Optional[int]]]) -> List[Record]:
@@ -162,11 +174,14 @@ class MsStatsEngine:
     def to_host(self, records: Sequence[Record]) -> None:
         vec_groups: Dict[object, List[Record]] = defaultdict(list)
         nan_groups: List[Record] = []
+        zero_groups: List[Record] = []
         for rec in records:
             if isinstance(rec.vector, ms.Tensor):
                 vec_groups[rec.vector.dtype].append(rec)
             if isinstance(rec.nans, ms.Tensor):
                 nan_groups.append(rec)
+            if isinstance(rec.zeros, ms.Tensor):
+                zero_groups.append(rec)
         for recs in vec_groups.values():
             try:
                 host = ops.stack([r.vector for r in recs]).asnumpy().tolist()
@@ -181,6 +196,11 @@ class MsStatsEngine:
             host = ops.stack([r.nans.astype(ms.int64) for r in nan_groups]).asnumpy().tolist()
             for rec, value in zip(nan_groups, host):
                 rec.nans = value
+        zero_groups = [r for r in zero_groups if r.vector is not None]
+        if zero_groups:
+            host = ops.stack([r.zeros for r in zero_groups]).asnumpy().tolist()
+            for rec, value in zip(zero_groups, host):
+                rec.zeros = value
 
     def _one_by_one(self, recs: List[Record]) -> Tuple[List[Record], List[List[float]]]:
         """The vectors of ``recs`` moved one at a time; those that fail are unobserved."""
@@ -191,5 +211,5 @@ class MsStatsEngine:
                 kept.append(rec)
             except (TypeError, RuntimeError, ValueError) as exc:
                 self._warn_unobserved(rec.name, "vector", short_error(exc))
-                rec.vector, rec.nans, rec.numel = None, None, 0
+                rec.vector, rec.nans, rec.numel, rec.zeros = None, None, 0, None
         return kept, host

@@ -50,7 +50,6 @@ from ...monitor import EVAL_SCOPE, TRAIN_SCOPE, Monitor, select_modules
 from ...stats import Record
 from ...structure import flatten_tensors, named_outputs
 from .copies import ModuleHooks
-from .naming import class_name, named_modules
 from .passes import internal_pass
 from .stats import StatPlan
 
@@ -231,9 +230,7 @@ class ModuleMonitor(Monitor):
         self._warned: set = set()
         self._pass = _Pass()  # per thread: a background evaluation never joins the training pass
         self.attached = True
-        named = [(vpp, name or class_name(m), m) for vpp, root in enumerate(self.session.roots)
-                 for name, m in named_modules(root)]
-        for vpp, tag, module in select_modules(named, targets, self.session.qualify):
+        for vpp, tag, module in select_modules(self.session.named_modules(), targets, self.session.qualify):
             self._hook(module, vpp, tag)
         roots = {id(r): r for r in self.session.roots}
         for root in roots.values():

@@ -7,9 +7,12 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import torch
 
 from ...errors import ConfigError
+from ...model_structure import ParamEntry, Structure, module_entries
+from ...monitor import module_tags
 from .. import rank_from_environment
 from .fsdp import FlatParamLayout, fsdp1_layouts, fsdp2_modules, fsdp2_sharded_params
-from .naming import named_parameters, unwrap
+from . import naming
+from .naming import class_name, named_parameters, unwrap
 from .stacks import TrainingStack, UnreducedCapture, detect_stack
 from .stats import TorchStatsEngine
 
@@ -133,6 +136,30 @@ class TorchSession:
             tensors.append(t)
             keys.append((info.vpp_stage, info.name + suffix, scope, None))
         return tensors, keys
+
+    def named_modules(self) -> List[Tuple[int, str, torch.nn.Module]]:
+        """``(vpp_stage, name, module)`` of every module of every chunk: what the module
+        monitor selects from and the structure listing shows."""
+        # wrappers left out and the root named by the user's class (naming.py)
+        return [(vpp, name or class_name(m), m) for vpp, root in enumerate(self.roots)
+                for name, m in naming.named_modules(root)]
+
+    def structure(self) -> Structure:
+        """Module names as ``targets`` matches them and parameter names as rows carry them.
+        ``ModuleList``/``ModuleDict`` (and parameter containers) are never called: they
+        are marked, having no rows of their own."""
+        containers = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.ParameterList, torch.nn.ParameterDict)
+        modules = module_entries(module_tags(self.named_modules(), self.qualify), self.roots, containers)
+        params = []
+        for info in self.params:
+            p = info.param
+            dtype = str(p.dtype).replace("torch.", "")
+            flat = self.flat_layouts.get(id(p))
+            if flat is not None:  # an FSDP1 flat parameter: rows carry the original parameters' names
+                params.extend(ParamEntry(seg.name, dtype, (seg.numel,), p.requires_grad) for seg in flat[1].unsharded)
+                continue
+            params.append(ParamEntry(info.name, dtype, tuple(p.shape), p.requires_grad))
+        return Structure(framework="pytorch", rank=global_rank(), modules=modules, params=params)
 
     def _add(self, vpp: int, name: str, p: torch.nn.Parameter) -> None:
         info = ParamInfo(len(self.params), vpp, name, p)

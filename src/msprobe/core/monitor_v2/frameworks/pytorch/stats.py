@@ -35,6 +35,11 @@ those of its packed values. A tensor without data (``device="meta"``), a strided
 tensor, another layout (MKL-DNN...) or a dtype that cannot be cast exactly (packed
 float4) gives no statistics: its record is marked unobserved (``vector`` None), its row
 alone is left out, and the first tensor of each kind is named at WARNING once.
+The optional ``zeros`` count (elements equal to zero; ``-0.0`` is zero, NaN is not) is
+taken only when the monitor's ``ops`` ask for it: by the C kernel in the same read, by
+ATen as ``count_nonzero(t == 0)`` in chunks (a bounded boolean temporary; the bf16/fp16
+CPU path counts each fp32 chunk while it is in cache). On accelerators it
+stays a device tensor until ``to_host``.
 
 ``to_host`` moves the vectors of a whole step to the host in one transfer per
 (device, dtype) group: the number of transfers does not grow with the tensors.
@@ -100,6 +105,17 @@ def _sums_wide(flat: torch.Tensor, wide: torch.dtype) -> Tuple[torch.Tensor, tor
     if len(sums) == 1:
         return sums[0], squares[0]
     return torch.stack(sums).sum(), torch.stack(squares).sum()
+
+
+def _zero_count(t: torch.Tensor) -> torch.Tensor:
+    """Elements of ``t`` equal to zero, as a 0-d int64 tensor on its device. The boolean
+    temporary of ``t == 0`` is bounded by chunks for a contiguous tensor (2^20 elements
+    on the CPU, where it then stays in cache, 2^22 elsewhere). ``count_nonzero`` of the
+    booleans: ATen's ``sum`` of a bool tensor measured 3-4x slower on the CPU."""
+    chunk = _CHUNK if t.device.type == "cpu" else _WIDE_CHUNK
+    if not t.is_contiguous() or t.numel() <= chunk:
+        return torch.count_nonzero(t == 0)
+    return torch.stack([torch.count_nonzero(c == 0) for c in t.view(-1).split(chunk)]).sum()
 
 
 @functools.lru_cache(maxsize=None)
@@ -197,28 +213,33 @@ class TorchStatsEngine:
             z = self._zeros[key] = torch.zeros((), device=device, dtype=dtype)
         return z
 
-    def _cpu_low_precision(self, t: torch.Tensor, plan: StatPlan) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``[min, max, sum, norm]`` of a contiguous bf16/fp16 CPU tensor, and its norm.
+    def _cpu_low_precision(self, t: torch.Tensor, plan: StatPlan) -> Tuple[torch.Tensor, torch.Tensor, Any]:
+        """``[min, max, sum, norm]`` of a contiguous bf16/fp16 CPU tensor, its norm, and
+        its zero count (None unless ``plan.zeros``).
 
         ATen's CPU reductions of bf16/fp16 with an fp32 accumulator are about ten times
         slower than fp32 ones; casting chunks of 2^20 elements to fp32 (a 4 MiB temporary)
         and reducing those is much faster, and the per-chunk partials merge exactly."""
         zero = self._zero(t.device, torch.float64)
         flat = t.view(-1)
-        parts = []
+        parts, zero_counts = [], []
         for start in range(0, flat.numel(), _CHUNK):
             c = flat[start:start + _CHUNK].float()
             mn, mx = torch.aminmax(c) if plan.minmax else (zero, zero)
             parts.append(torch.stack((mn.double(), mx.double(), c.sum().double() if plan.total else zero,
                                       _sumsq_cpu(c) if plan.norm else zero)))
+            if plan.zeros:  # the chunk is still in cache
+                zero_counts.append(torch.count_nonzero(c == 0))
         p = torch.stack(parts)
         total, sumsq = p[:, 2].sum(), p[:, 3].sum()
         if (plan.total or plan.norm) and not math.isfinite((total + sumsq).item()):
             total, sumsq = self._exact_sums(t, plan, zero)
         norm = sumsq.sqrt()
-        return torch.stack((p[:, 0].min(), p[:, 1].max(), total, norm)), norm
+        zeros = torch.stack(zero_counts).sum() if plan.zeros else None
+        return torch.stack((p[:, 0].min(), p[:, 1].max(), total, norm)), norm, zeros
 
-    def _native_vector(self, t: torch.Tensor, plan: StatPlan) -> Optional[Tuple[List[float], Optional[int]]]:
+    def _native_vector(self, t: torch.Tensor, plan: StatPlan) -> Optional[Tuple[List[float], Optional[int],
+                                                                                 Optional[int]]]:
         """Host statistics of a raw (unprepared) tensor from the one-pass kernel, or None
         where it does not apply. It runs first and touches nothing but the tensor's
         metadata: hooks run between large kernels, with the CPU caches cold, where every
@@ -230,13 +251,17 @@ class TorchStatsEngine:
         pointer = _data_pointer(t) if numel else None
         if pointer is None:
             return None
+        if plan.zeros:
+            vector, nans, zeros = kernel.stats_zeros(pointer, numel, _NATIVE_CODES[t.dtype], torch.get_num_threads())
+            return vector, nans if plan.nans else None, zeros
         vector, nans = kernel.stats(pointer, numel, _NATIVE_CODES[t.dtype], torch.get_num_threads())
-        return vector, nans if plan.nans else None
+        return vector, nans if plan.nans else None, None
 
-    def _vector(self, t: torch.Tensor, plan: StatPlan) -> Tuple[Any, Any]:
+    def _vector(self, t: torch.Tensor, plan: StatPlan) -> Tuple[Any, Any, Any]:
+        """``(vector, nans, zeros)`` of a prepared, non-empty tensor."""
         if t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16) and t.is_contiguous():
-            vector, norm = self._cpu_low_precision(t, plan)
-            return vector, self._nan_count(t, plan, norm, vector[2], vector[1])
+            vector, norm, zeros = self._cpu_low_precision(t, plan)
+            return vector, self._nan_count(t, plan, norm, vector[2], vector[1]), zeros
         wide = _wide_dtype(t.device)
         total = sumsq = None
         if plan.total or plan.norm:
@@ -252,7 +277,7 @@ class TorchStatsEngine:
             mn = mx = zero
         norm = sumsq.sqrt() if plan.norm else zero
         vector = torch.stack((mn, mx, total if plan.total else zero, norm))
-        return vector, self._nan_count(t, plan, norm, total, mx)
+        return vector, self._nan_count(t, plan, norm, total, mx), _zero_count(t) if plan.zeros else None
 
     def _sums(self, t: torch.Tensor, plan: StatPlan, wide: torch.dtype,
               zero: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -317,36 +342,37 @@ class TorchStatsEngine:
             key = (id(t), plan)
             seen = self._seen.get(key)
             if seen is not None and seen[0]() is t and seen[1] == t._version:
-                return Record(vpp_stage, name, scope, micro_step, seen[2], seen[3], seen[4])
+                return Record(vpp_stage, name, scope, micro_step, *seen[2:])
             memory_key = _memory_key(t, plan)
             seen = self._seen_memory.get(memory_key) if memory_key is not None else None
             if seen is not None:
                 first = seen[0]()
                 if (first is not None and seen[1] == first._version == t._version
                         and first.data_ptr() == memory_key[0]):
-                    return Record(vpp_stage, name, scope, micro_step, seen[2], seen[3], seen[4])
-        vector, nans, numel = self._compute(t, plan, name)
+                    return Record(vpp_stage, name, scope, micro_step, *seen[2:])
+        vector, nans, numel, zeros = self._compute(t, plan, name)
         if cacheable and numel:
             try:
-                entry = (weakref.ref(t), t._version, vector, nans, numel)
+                entry = (weakref.ref(t), t._version, vector, nans, numel, zeros)
             except TypeError:  # a tensor subclass without weak references: no caching
-                return Record(vpp_stage, name, scope, micro_step, vector, nans, numel)
+                return Record(vpp_stage, name, scope, micro_step, vector, nans, numel, zeros)
             self._seen[key] = entry
             if memory_key is not None:
                 self._seen_memory[memory_key] = entry
-        return Record(vpp_stage, name, scope, micro_step, vector, nans, numel)
+        return Record(vpp_stage, name, scope, micro_step, vector, nans, numel, zeros)
 
-    def _compute(self, t: torch.Tensor, plan: StatPlan, name: str = "") -> Tuple[Any, Any, int]:
-        """``(vector, nans, numel)`` of one tensor: the one-pass kernel where it applies,
-        else ATen reductions on the prepared tensor; ``(None, None, 0)`` for a tensor
-        without statistics (see ``unobservable``)."""
+    def _compute(self, t: torch.Tensor, plan: StatPlan, name: str = "") -> Tuple[Any, Any, int, Any]:
+        """``(vector, nans, numel, zeros)`` of one tensor: the one-pass kernel where it
+        applies, else ATen reductions on the prepared tensor. ``zeros`` is None unless
+        ``plan.zeros``; ``(None, None, 0, None)`` for a tensor without statistics (see
+        ``unobservable``)."""
         host = self._native_vector(t, plan)
         if host is not None:
-            return host[0], host[1], t.numel()
+            return host[0], host[1], t.numel(), host[2]
         why = unobservable(t)
         if why is not None:
             self.warn_unobserved(name, why)
-            return None, None, 0
+            return None, None, 0, None
         if t.layout != torch.strided and not t.is_nested:
             return self._sparse(t, plan)
         with torch.no_grad():
@@ -354,17 +380,18 @@ class TorchStatsEngine:
             t = _prepared(t)
             numel = t.numel()
             if numel == 0:
-                return EMPTY_VECTOR, 0, 0
-            vector, nans = self._vector(t, plan)
-        return vector, nans, numel
+                return EMPTY_VECTOR, 0, 0, 0 if plan.zeros else None
+            vector, nans, zeros = self._vector(t, plan)
+        return vector, nans, numel, zeros
 
-    def _sparse(self, t: torch.Tensor, plan: StatPlan) -> Tuple[Any, Any, int]:
+    def _sparse(self, t: torch.Tensor, plan: StatPlan) -> Tuple[Any, Any, int, Any]:
         """Statistics of the dense tensor a sparse one stands for (``nn.Embedding(sparse=True)``
         gradients): its implicit zeros count, as in ``t.to_dense()``, which is never built.
         COO indices may repeat (an embedding row looked up twice), so the tensor is coalesced
         first: a temporary the size of the stored values (on a GPU, coalescing synchronises
         with the host). The stored values then give the sum, the sum of squares and the NaN
-        count; min and max also take 0 when some elements are not stored."""
+        count; min and max also take 0 when some elements are not stored, and the elements
+        not stored are zeros."""
         with torch.no_grad():
             t = t.detach()
             if t.layout == torch.sparse_coo:
@@ -374,18 +401,20 @@ class TorchStatsEngine:
                 values = t.values()
             numel = t.numel()
             if numel == 0:
-                return EMPTY_VECTOR, 0, 0
-            vector, nans, stored = self._compute(values, plan)
+                return EMPTY_VECTOR, 0, 0, 0 if plan.zeros else None
+            vector, nans, stored, zeros = self._compute(values, plan)
             if stored == numel:
-                return vector, nans, numel
+                return vector, nans, numel, zeros
             if stored == 0:
-                return (0.0, 0.0, 0.0, 0.0), 0, numel
+                return (0.0, 0.0, 0.0, 0.0), 0, numel, numel if plan.zeros else None
+            if zeros is not None:
+                zeros = zeros + (numel - stored)
             if isinstance(vector, torch.Tensor):  # clamp keeps NaN
                 vector = torch.stack((vector[0].clamp(max=0), vector[1].clamp(min=0), vector[2], vector[3]))
             else:
                 mn, mx, total, norm = vector
                 vector = [mn if mn != mn else min(mn, 0.0), mx if mx != mx else max(mx, 0.0), total, norm]
-            return vector, nans, numel
+            return vector, nans, numel, zeros
 
     def record_many(
         self,
@@ -410,20 +439,25 @@ class TorchStatsEngine:
         self._seen_memory.clear()
 
     def to_host(self, records: Sequence[Record]) -> None:
-        """Replace the device vectors and NaN counts of ``records`` by host values, with
-        one transfer per (device, dtype) group. Records may share a vector."""
+        """Replace the device vectors, NaN and zero counts of ``records`` by host values,
+        with one transfer per (device, dtype) group. Records may share a vector."""
         vec_groups: Dict[Tuple[torch.device, torch.dtype], List[Record]] = defaultdict(list)
         nan_groups: Dict[torch.device, List[Record]] = defaultdict(list)
+        zero_groups: Dict[torch.device, List[Record]] = defaultdict(list)
         for rec in records:
             if isinstance(rec.vector, torch.Tensor):
                 vec_groups[(rec.vector.device, rec.vector.dtype)].append(rec)
             if isinstance(rec.nans, torch.Tensor):
                 nan_groups[rec.nans.device].append(rec)
+            if isinstance(rec.zeros, torch.Tensor):
+                zero_groups[rec.zeros.device].append(rec)
         with torch.no_grad():
             for recs in vec_groups.values():
                 self._replace_or_drop(recs, "vector")
             for recs in nan_groups.values():
                 self._replace_or_drop(recs, "nans")
+            for recs in zero_groups.values():
+                self._replace_or_drop(recs, "zeros")
 
     def _replace_or_drop(self, records: Sequence[Record], attr: str) -> None:
         """``_replace``; where a group's transfer fails, each record is moved alone and
@@ -438,7 +472,7 @@ class TorchStatsEngine:
                 _replace([rec], attr)
             except Exception as exc:  # noqa: BLE001
                 self.warn_unobserved(rec.name, f"a tensor whose statistics could not reach the host ({short_error(exc)})")
-                rec.vector, rec.nans, rec.numel = None, None, 0
+                rec.vector, rec.nans, rec.numel, rec.zeros = None, None, 0, None
 
 
 def _replace(records: Sequence[Record], attr: str) -> None:
