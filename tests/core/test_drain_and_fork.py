@@ -56,7 +56,7 @@ def test_an_interrupted_stop_finishes_the_drain_later(tmp_path, scenario):
     assert "were lost" not in err and "lost:" not in err
     if scenario == "again":
         assert "STOP AGAIN RETURNED" in err
-        assert "stopped after 60 steps, 60 written" in err
+        assert f"stopped after 60 steps; wrote {60 * ROWS_PER_STEP} rows of 60 step(s)" in err
 
 
 def test_an_exit_drain_interrupted_too_counts_the_loss_exactly(tmp_path):
@@ -90,5 +90,5 @@ def test_a_forked_child_that_trains_writes_nothing(tmp_path, scenario):
     assert sorted(steps) == list(range(6))  # the parent's 6 steps, once each
     assert all(len(keys) == ROWS_PER_STEP == len(set(keys)) for keys in steps.values()), steps
     ends = [line for line in err.splitlines() if "stopped after" in line]
-    assert len(ends) == 1 and "stopped after 6 steps, 6 written" in ends[0] and not ends[0].startswith(child), ends
+    assert len(ends) == 1 and f"stopped after 6 steps; wrote {6 * ROWS_PER_STEP} rows of 6 step(s)" in ends[0] and not ends[0].startswith(child), ends
     assert "were lost" not in err and "lost:" not in err
