@@ -255,11 +255,31 @@ def test_output_dir_others_can_write_is_refused(tmp_path, mode):
     out = tmp_path / "shared"
     out.mkdir()
     out.chmod(mode)
+    if os.geteuid() == 0:
+        os.chown(out, -1, OTHER_UID)  # a group others are in (nogroup), not the owner's own
+    elif mode == 0o770:
+        pytest.skip("needs root to give the directory a group other than this user's private group")
     with pytest.raises(ConfigError) as info:
         TrainerMonitorV2({"output_dir": str(out), "monitors": MONITORS})
     msg = str(info.value)
     assert str(out) in msg and f"mode {mode:04o}" in msg and "chmod go-w" in msg, msg
     assert os.listdir(out) == []
+
+
+@needs_root
+def test_output_dir_writable_by_the_owners_private_group_is_fine(tmp_path):
+    """umask 002 under user private groups (Debian, Ubuntu): the owner's own group, with
+    nobody else in it, may write; root's group here."""
+    import grp
+    import pwd
+    me = pwd.getpwuid(os.geteuid())
+    assert grp.getgrgid(me.pw_gid).gr_name == me.pw_name and not grp.getgrgid(me.pw_gid).gr_mem
+    out = tmp_path / "mine"
+    out.mkdir()
+    out.chmod(0o2775)
+    os.chown(out, -1, me.pw_gid)
+    _train({"output_dir": str(out), "monitors": {"param": {"enabled": True}}}, steps=1)
+    assert (out / "rank_0" / "param_step0-0.csv").is_file()
 
 
 def test_world_writable_sticky_parent_is_fine(tmp_path):

@@ -183,11 +183,30 @@ def private_dir_problem(path: str) -> Optional[str]:
     if _HAS_UIDS and info.st_uid != _euid():
         return (f"it is owned by uid {info.st_uid}, not by this user (uid {_euid()}): its owner could plant "
                 f"links in it that redirect the output; use a directory of your own")
-    if info.st_mode & 0o022:
-        who = {0o022: "group and others", 0o020: "its group", 0o002: "others"}[info.st_mode & 0o022]
+    writers = info.st_mode & 0o022
+    if writers == 0o020 and _private_group(info):
+        writers = 0  # the owner's own group (umask 002 under user private groups): nobody else
+    if writers:
+        who = {0o022: "group and others", 0o020: "its group", 0o002: "others"}[writers]
         return (f"it is writable by {who} (mode {stat.S_IMODE(info.st_mode):04o}): they could plant links in it "
                 f"that redirect the output; run 'chmod go-w {path}' or use another directory")
     return None
+
+
+def _private_group(info: os.stat_result) -> bool:
+    """Whether the group of ``info`` is its owner's private group: named after the owner,
+    the owner's primary group, and with no other member listed. Debian, Ubuntu and Fedora
+    give each user such a group and a umask of 002, so a user's own directories are
+    group-writable without anybody else being able to write them."""
+    try:
+        import grp
+        import pwd
+        group = grp.getgrgid(info.st_gid)
+        owner = pwd.getpwuid(info.st_uid)
+    except (ImportError, KeyError):
+        return False
+    return (group.gr_name == owner.pw_name and owner.pw_gid == info.st_gid
+            and set(group.gr_mem) <= {owner.pw_name})
 
 
 def check_private_dir(path: str) -> None:
