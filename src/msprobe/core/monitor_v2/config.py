@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 from .errors import ConfigError, UnsafePathError
-from .safe_fs import dir_mode, file_mode, make_dirs, private_dir_problem, read_regular_file
+from .safe_fs import dir_mode, file_mode, make_dirs, missing_dirs, private_dir_problem, read_regular_file
 from .schedule import StepSchedule
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -423,14 +423,7 @@ def check_output_dir(path: Any, keep: bool = True) -> str:
     dir_mode()  # a bad MSPROBE_MONITOR_*_MODE fails here, before training
     file_mode()
     path = os.path.abspath(path)
-    created = []  # directories that did not exist, deepest first
-    probe = path
-    while not os.path.lexists(probe):
-        created.append(probe)
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
+    created, probe = missing_dirs(path)  # directories that did not exist, deepest first
     if os.path.exists(probe) and not os.path.isdir(probe):
         raise _fail("output_dir", path, f"must be a writable directory ({probe!r} exists and is not a directory)")
     try:

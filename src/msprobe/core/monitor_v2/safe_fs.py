@@ -133,6 +133,20 @@ def _set_dir_mode(path: str, mode: int) -> None:
         os.close(fd)
 
 
+def missing_dirs(path: str) -> Tuple[List[str], str]:
+    """The components of the absolute ``path`` that do not exist yet, deepest first, and
+    the deepest one that does (or the root)."""
+    missing: List[str] = []
+    probe = path
+    while not os.path.lexists(probe):
+        missing.append(probe)
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    return missing, probe
+
+
 def make_dirs(path: str, mode: Optional[int] = None, link_ok: bool = True) -> List[str]:
     """Create ``path`` and its missing parents with ``mode`` (default :func:`dir_mode`),
     whatever the umask; returns the directories created, deepest first. ``link_ok=False``:
@@ -142,14 +156,7 @@ def make_dirs(path: str, mode: Optional[int] = None, link_ok: bool = True) -> Li
     _check_components(os.path.dirname(path) if not link_ok else path)
     if not link_ok:
         refuse_link(path)
-    missing: List[str] = []
-    probe = path
-    while not os.path.lexists(probe):
-        missing.append(probe)
-        parent = os.path.dirname(probe)
-        if parent == probe:
-            break
-        probe = parent
+    missing, _ = missing_dirs(path)
     created: List[str] = []
     for directory in reversed(missing):
         try:
