@@ -17,6 +17,7 @@ from typing import List
 import pytest
 
 from conftest import assert_row_matches, numpy_stats, rows_of, run_torchrun
+from shard_checks import assert_shards_make_up
 
 for _package in ("deepspeed", "transformers", "accelerate"):
     if importlib.util.find_spec(_package) is None:  # not imported here: the worker does, with DS_ACCELERATOR=cpu
@@ -51,19 +52,6 @@ def _refs(out: Path, stage: int) -> List[dict]:
 def _rows(out: Path, stage: int, run: str, monitor: str, rank: int, **match) -> List[dict]:
     rows = rows_of(out / f"z{stage}" / run, monitor, rank)
     return [x for x in rows if all(x[k] == str(v) for k, v in match.items())]
-
-
-def _check_shards(per_rank: List[List[dict]], full: torch.Tensor, rtol: float, atol: float, what) -> None:
-    """Each rank reports its local shard of the tensor (or nothing); together they make it
-    up: sqrt of the summed squared norms is its norm, min/max of the minima/maxima."""
-    got = [rows[0] for rows in per_rank if rows]
-    assert got and all(len(rows) <= 1 for rows in per_rank), (what, per_rank)
-    ref = numpy_stats(full)
-    norm = math.sqrt(sum(float(x["norm"]) ** 2 for x in got))
-    assert math.isclose(norm, ref["norm"], rel_tol=rtol, abs_tol=atol), (what, norm, ref["norm"])
-    assert math.isclose(min(float(x["min"]) for x in got), ref["min"], rel_tol=rtol, abs_tol=atol), what
-    assert math.isclose(max(float(x["max"]) for x in got), ref["max"], rel_tol=rtol, abs_tol=atol), what
-    assert sum(int(x["nans"]) for x in got) == 0
 
 
 def test_names_steps_no_warning_and_training_unchanged(launched, stage):
@@ -106,7 +94,7 @@ def test_reduced_is_the_rank_mean_before_clipping_and_its_norm_the_logged_grad_n
         for name in NAMES:
             per_rank = [_rows(launched, stage, "callback", "weight_grad", r, step=s, module_name=name,
                               scope="reduced") for r in range(2)]
-            _check_shards(per_rank, refs[0]["mean"][s][name], 1e-4, 1e-7, (s, name))
+            assert_shards_make_up(per_rank, refs[0]["mean"][s][name], 1e-4, 1e-7, (s, name))
         # The Trainer logs update s (0-based; monitor step s) under its global_step s + 1,
         # with DeepSpeed's norm of the reduced gradient before clipping.
         logged_step, grad_norm = refs[0]["logged"][s]
@@ -126,11 +114,11 @@ def test_params_and_moments_are_deepspeeds_full_state(launched, stage):
         for name in NAMES:
             per_rank = [_rows(launched, stage, "callback", "param", r, step=s, module_name=name,
                               scope="param_updated") for r in range(2)]
-            _check_shards(per_rank, full[name], 1e-5, 1e-9, (s, name))
+            assert_shards_make_up(per_rank, full[name], 1e-5, 1e-9, (s, name))
             for key in ("exp_avg", "exp_avg_sq"):
                 per_rank = [_rows(launched, stage, "callback", "optimizer", r, step=s, module_name=f"{name}.{key}",
                                   scope=key) for r in range(2)]
-                _check_shards(per_rank, full[f"{name}.{key}"], 1e-5, 1e-12, (s, name, key))
+                assert_shards_make_up(per_rank, full[f"{name}.{key}"], 1e-5, 1e-12, (s, name, key))
 
 
 def test_a_plain_start_on_the_bare_model_finds_the_engine(launched, stage):
@@ -140,3 +128,16 @@ def test_a_plain_start_on_the_bare_model_finds_the_engine(launched, stage):
         for monitor in ("weight_grad", "param", "optimizer"):
             plain = _rows(launched, stage, "plain", monitor, r)
             assert plain and plain == _rows(launched, stage, "callback", monitor, r), (monitor, r)
+
+
+def test_an_optimizer_without_its_engine_writes_no_misnamed_rows_and_says_so(launched, stage):
+    """start() on a model the engine does not train, with the engine's optimizer wrapper:
+    the flat ZeRO partitions cannot be named; one WARNING says what is not written."""
+    for r in range(2):
+        messages = _refs(launched, stage)[r]["foreign_warnings"]
+        said = [m for m in messages if "not a DeepSpeedEngine" in m]
+        assert len(said) == 1, messages
+        assert "'reduced', 'unreduced', 'param' and 'optimizer' rows are not written" in said[0]
+        assert KINDS[stage] in said[0] and "trainer.deepspeed" in said[0]
+        for monitor in ("weight_grad", "param", "optimizer"):
+            assert _rows(launched, stage, "foreign", monitor, r) == [], monitor

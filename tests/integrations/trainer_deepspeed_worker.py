@@ -17,6 +17,7 @@ Accelerate's ``DeepSpeedOptimizerWrapper``), then once without any monitor. Each
 - ``ds``: fp32 masters and Adam moments after each step through DeepSpeed's public
   ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``;
 - ``logged``: ``(step, grad_norm)`` of the Trainer's own ``log_history``;
+- ``foreign_warnings``: what a monitor started on another model with this optimizer logged;
 - ``identical``: losses and final weights equal the unmonitored run's bit for bit;
   ``warnings``: what the monitors logged at WARNING; ``restored``: nothing left on the engine.
 """
@@ -76,6 +77,7 @@ class Reference(transformers.TrainerCallback):
 
     def __init__(self, stage: int) -> None:
         self.stage, self.weights, self.ds, self.trainer = stage, [], [], None
+        self.optimizer = None
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.weights.append(full_weights(self.trainer.deepspeed, self.stage))
@@ -149,7 +151,22 @@ def train(stage: int, out_dir: str, monitored: bool):
     restored = not {"_take_model_step", "step", "__getstate__"} & set(vars(engine))
     final = {"losses": losses, "weights": full_weights(engine, stage)}
     logged = [(h["step"], h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]
+    ref.optimizer = trainer.optimizer
     return ref, inputs, final, logged, restored, type(engine.optimizer).__name__
+
+
+def start_on_a_foreign_model(optimizer, out_dir: str):
+    """A monitor on a model the engine does not train, with the engine's optimizer
+    wrapper: what it logs at WARNING."""
+    capture = Capture()
+    logging.getLogger("msprobe.monitor_v2").addHandler(capture)
+    foreign = TrainerMonitorV2({"output_dir": os.path.join(out_dir, "foreign"), "monitors": {
+        "weight_grad": {"enabled": True}, "param": {"enabled": True}, "optimizer": {"enabled": True}}})
+    foreign.start(Net(), optimizer)
+    foreign.step()
+    foreign.stop()
+    logging.getLogger("msprobe.monitor_v2").removeHandler(capture)
+    return capture.messages
 
 
 def references(ref: Reference, inputs, names):
@@ -192,11 +209,13 @@ def main() -> None:
         logging.getLogger("msprobe.monitor_v2").addHandler(capture)
         ref, inputs, final, logged, restored, kind = train(stage, out_dir, monitored=True)
         logging.getLogger("msprobe.monitor_v2").removeHandler(capture)
+        foreign_warnings = start_on_a_foreign_model(ref.optimizer, out_dir)
         _, _, plain, _, _, _ = train(stage, out_dir, monitored=False)
         names = list(ref.weights[0])
         mb, mean = references(ref, inputs, names)
         torch.save({"names": names, "kind": kind, "mb": mb, "mean": mean, "ds": ref.ds, "logged": logged,
                     "identical": same(final, plain), "restored": restored, "warnings": capture.messages,
+                    "foreign_warnings": foreign_warnings,
                     "micro_batches": [len(inputs[s]) for s in range(STEPS)]},
                    os.path.join(out_dir, f"ref_rank{rank}.pt"))
     dist.barrier()

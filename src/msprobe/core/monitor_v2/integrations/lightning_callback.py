@@ -67,8 +67,8 @@ class MonitorLightningCallback(_pl.Callback):
         if len(optimizers) > 1:
             logger.warning("monitor_v2 MonitorLightningCallback: %d optimizers; only the first one is monitored",
                            len(optimizers))
-        # DeepSpeedStrategy: the engine (strategy.model) holds the ZeRO partitions and the
-        # real step; names are still read below it, on the LightningModule.
+        # DeepSpeedStrategy: the engine (strategy.model, whose module is pl_module) holds the
+        # ZeRO partitions and the real step.
         model = deepspeed_engine(getattr(trainer.strategy, "model", None)) or pl_module
         self.driver.start(model, optimizers[0], global_step=trainer.global_step,
                           grad_acc_steps=trainer.accumulate_grad_batches)

@@ -115,18 +115,6 @@ def _holds_all(engine: Any, chunks: List[torch.nn.Module]) -> bool:
     return bool(given) and all(i in inside for i in given)
 
 
-def _below_lightning(module: torch.nn.Module) -> torch.nn.Module:
-    """The ``LightningModule`` below the forward wrapper Lightning's strategies put
-    between it and the engine (their ``_forward_module``), so names are the user's."""
-    for _ in range(4):
-        inner = getattr(module, "_forward_module", None)
-        if not isinstance(inner, torch.nn.Module) or not any(
-                "Lightning" in c.__name__ for c in type(module).__mro__):
-            return module
-        module = inner
-    return module
-
-
 class DeepSpeedStack(TrainingStack):
     name = "deepspeed"
 
@@ -182,7 +170,7 @@ class DeepSpeedStack(TrainingStack):
     # ----------------------------------------------------------------- names
     def unwrap(self, chunk: torch.nn.Module) -> torch.nn.Module:
         if chunk is self.engine:
-            return _below_lightning(getattr(chunk, "module", chunk))
+            return getattr(chunk, "module", chunk)
         return super().unwrap(chunk)
 
     def _read_model_params(self) -> Optional[List[torch.Tensor]]:
