@@ -11,7 +11,10 @@ rank saves ``OUT_DIR/ref_rank<r>.pt`` with the independent references:
   the gradient the update uses;
 - ``after``: full weights and Adam moments after each update (``DTensor.full_tensor()``);
 - ``seen``: the monitor's step after each synchronised step; ``identical``: losses and
-  weights equal the unmonitored run's bit for bit; ``warnings``: the monitor's WARNINGs.
+  weights equal the unmonitored run's bit for bit; ``warnings``: the monitor's WARNINGs;
+- ``each_batch_warnings``: the WARNINGs of a third, monitored run with
+  ``sync_each_batch=True`` (FSDP2 then reduce-scatters every micro-batch), written to
+  ``OUT_DIR/each_batch``.
 
 Accelerate 1.15 drops the FSDP plugin when it sees several CPU processes (MULTI_CPU); the
 state is set to FSDP after the ``Accelerator`` is built (``prepare`` then applies
@@ -27,7 +30,7 @@ import accelerate  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin  # noqa: E402
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, GradientAccumulationPlugin  # noqa: E402
 
 from msprobe.core.monitor_v2.integrations import AccelerateMonitor  # noqa: E402
 
@@ -58,11 +61,12 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
-def train(out_dir=None):
+def train(out_dir=None, sync_each_batch=False):
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
-    accelerator = accelerate.Accelerator(cpu=True, fsdp_plugin=plugin, gradient_accumulation_steps=ACC)
+    accelerator = accelerate.Accelerator(cpu=True, fsdp_plugin=plugin, gradient_accumulation_plugin=(
+        GradientAccumulationPlugin(num_steps=ACC, sync_each_batch=sync_each_batch)))
     accelerator.state.distributed_type = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
     torch.manual_seed(0)
@@ -117,6 +121,11 @@ def main(out_dir: str) -> None:
     batches, weights, after, losses, seen = train(out_dir)
     logging.getLogger("msprobe.monitor_v2").removeHandler(capture)
     _, _, plain_after, plain_losses, _ = train()
+    # sync_each_batch=True: FSDP2 reduce-scatters every micro-batch; no accumulated local gradient
+    each_capture = Capture()
+    logging.getLogger("msprobe.monitor_v2").addHandler(each_capture)
+    train(os.path.join(out_dir, "each_batch"), sync_each_batch=True)
+    logging.getLogger("msprobe.monitor_v2").removeHandler(each_capture)
     identical = torch.equal(torch.stack(losses), torch.stack(plain_losses)) and all(
         torch.equal(a[k], b[k]) for a, b in zip(after, plain_after) for k in a)
     replica = Net()
@@ -139,7 +148,8 @@ def main(out_dir: str) -> None:
         used.append({n: t * coef for n, t in mean.items()})
     rank = dist.get_rank()
     torch.save({"acc": acc, "used": used, "after": after, "seen": seen, "identical": identical,
-                "warnings": capture.messages}, os.path.join(out_dir, f"ref_rank{rank}.pt"))
+                "warnings": capture.messages,
+                "each_batch_warnings": each_capture.messages}, os.path.join(out_dir, f"ref_rank{rank}.pt"))
 
 
 if __name__ == "__main__":

@@ -200,3 +200,11 @@ def test_accelerate_monitor_under_the_fsdp2_plugin_two_processes(tmp_path):
         used_norm = sum(float(t.pow(2).sum()) for t in refs[0]["used"][step].values()) ** 0.5
         clipped += abs(used_norm - 0.1) < 1e-5  # clipped to max_norm 0.1
     assert clipped, "clip_grad_norm_ must clip, or 'reduced' after clipping cannot be told apart"
+    # sync_each_batch=True: FSDP2 reduce-scatters each micro-batch; the accumulated local
+    # gradient never exists: no accumulated 'unreduced' row, said once; 'reduced' unaffected.
+    for r in range(2):
+        said = [m for m in refs[r]["each_batch_warnings"] if "reduce-scattered the gradient" in m]
+        assert len(said) == 1 and refs[r]["each_batch_warnings"] == said, refs[r]["each_batch_warnings"]
+        rows = rows_of(out / "each_batch", "weight_grad", r)
+        assert not [x for x in rows if x["scope"] == "unreduced"]
+        assert {x["step"] for x in rows if x["scope"] == "reduced"} == {"0", "1", "2"}
