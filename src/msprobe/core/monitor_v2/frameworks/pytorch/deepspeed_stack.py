@@ -33,6 +33,12 @@ micro-batch (``monitor_mbs_grad=true``) is exact. Computing the sum ourselves wo
 a full-size copy of every local gradient across micro-batches, which is what ZeRO exists
 to avoid.
 
+Frameworks hand their callbacks the bare model and a wrapper of the ZeRO optimizer (the
+HF Trainer: ``trainer.model`` and Accelerate's ``DeepSpeedOptimizerWrapper``). Given those,
+``detect`` finds the engine whose ``optimizer`` it is and monitors through it; without one
+(``DeepSpeedWithoutEngine``) no flat partition is written under a made-up name and one
+WARNING says what is not observed.
+
 Everything below reads private attributes, defensively: one missing in another version
 is logged once, naming what is not observed, and training goes on.
 """
