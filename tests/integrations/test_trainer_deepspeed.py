@@ -141,3 +141,30 @@ def test_an_optimizer_without_its_engine_writes_no_misnamed_rows_and_says_so(lau
         assert KINDS[stage] in said[0] and "trainer.deepspeed" in said[0]
         for monitor in ("weight_grad", "param", "optimizer"):
             assert _rows(launched, stage, "foreign", monitor, r) == [], monitor
+
+
+def test_accelerate_deepspeed_plugin_with_the_helper(launched):
+    """Accelerate's DeepSpeed plugin, ZeRO-2, AccelerateMonitor given the unwrapped model:
+    monitored through the engine, rows against the replica, one step per synchronised step."""
+    out = launched / "accelerate"
+    refs = [torch.load(out / f"ref_rank{r}.pt", weights_only=False) for r in range(2)]
+    for r in range(2):
+        assert refs[r]["model_kind"] == "DeepSpeedEngine" and refs[r]["names"] == NAMES
+        assert refs[r]["identical"] is True and refs[r]["warnings"] == []
+        assert refs[r]["seen"] == [1, 2, 3]
+        for monitor in ("weight_grad", "param", "optimizer"):
+            assert {x["step"] for x in rows_of(out, monitor, r)} == {"0", "1", "2"}, monitor
+        for s in range(STEPS):
+            for name in NAMES:
+                for mb in range(1, GAS + 1):
+                    rows = [x for x in rows_of(out, "weight_grad", r) if x["step"] == str(s) and
+                            x["module_name"] == name and x["scope"] == "unreduced" and x["micro_step"] == str(mb)]
+                    assert len(rows) == 1, (r, s, name, mb)
+                    assert_row_matches(rows[0], numpy_stats(refs[r]["mb"][s][mb - 1][name]), rtol=1e-4, atol=1e-7)
+    names = {x["module_name"] for r in range(2) for x in rows_of(out, "optimizer", r)}
+    assert names == {f"{n}.{k}" for n in NAMES for k in ("exp_avg", "exp_avg_sq")}
+    for s in range(STEPS):
+        for name in NAMES:
+            per_rank = [[x for x in rows_of(out, "weight_grad", r) if x["step"] == str(s) and
+                         x["module_name"] == name and x["scope"] == "reduced"] for r in range(2)]
+            assert_shards_make_up(per_rank, refs[0]["mean"][s][name], 1e-4, 1e-7, (s, name))

@@ -20,6 +20,11 @@ Accelerate's ``DeepSpeedOptimizerWrapper``), then once without any monitor. Each
 - ``foreign_warnings``: what a monitor started on another model with this optimizer logged;
 - ``identical``: losses and final weights equal the unmonitored run's bit for bit;
   ``warnings``: what the monitors logged at WARNING; ``restored``: nothing left on the engine.
+
+Then Accelerate's DeepSpeed plugin (ZeRO-2) in a hand-written loop with
+``AccelerateMonitor``, trained with and without it: ``OUT_DIR/accelerate/ref_rank<r>.pt``
+holds the same kind of replica references (``mb``, ``mean``) and ``seen``, the monitor's
+step after each synchronised step.
 """
 
 import logging
@@ -35,7 +40,7 @@ import transformers  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState, PartialState  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
 
-from msprobe.core.monitor_v2.integrations import MonitorTrainerCallback  # noqa: E402
+from msprobe.core.monitor_v2.integrations import AccelerateMonitor, MonitorTrainerCallback  # noqa: E402
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2  # noqa: E402
 
 STEPS, GAS, BATCH, CLIP, LR = 3, 2, 2, 0.05, 1e-2
@@ -187,6 +192,49 @@ def references(ref: Reference, inputs, names):
     return mb_all, mean
 
 
+def accelerate_run(out_dir, monitored: bool):
+    """Accelerate's DeepSpeed plugin (ZeRO-2) in a hand-written loop with
+    ``AccelerateMonitor``, given ``accelerator.unwrap_model(model)`` (the bare model): the
+    helper monitors through ``accelerator.deepspeed_engine_wrapped.engine``."""
+    import accelerate
+    from accelerate.utils import DeepSpeedPlugin
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+    config = dict(ds_config(2), train_micro_batch_size_per_gpu=BATCH)
+    config.pop("optimizer")
+    accelerator = accelerate.Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config),
+                                         gradient_accumulation_steps=GAS)
+    torch.manual_seed(0)
+    model = Net()
+    engine, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    g = torch.Generator().manual_seed(7 + dist.get_rank())
+    batches = [[(torch.randn(BATCH, 6, generator=g), torch.randn(BATCH, 3, generator=g)) for _ in range(GAS)]
+               for _ in range(STEPS)]
+    weights, losses, seen, helper = [], [], [], None
+    if monitored:
+        helper = AccelerateMonitor({"output_dir": out_dir, "monitors": {
+            "weight_grad": {"enabled": True, "monitor_mbs_grad": True}, "param": {"enabled": True},
+            "optimizer": {"enabled": True}}}, accelerator, accelerator.unwrap_model(engine), optimizer)
+    try:
+        for step in range(STEPS):
+            weights.append({n: p.detach().clone() for n, p in engine.module.named_parameters()})
+            for x, y in batches[step]:
+                with accelerator.accumulate(engine):
+                    loss = engine(x, y)["loss"]
+                    losses.append(loss.detach().clone())
+                    accelerator.backward(loss)
+                    optimizer.step()
+                    optimizer.zero_grad()
+            if helper is not None:
+                seen.append(helper.monitor.current_step)
+    finally:
+        if helper is not None:
+            helper.stop()
+    final = {"losses": losses, "weights": {n: p.detach().clone() for n, p in engine.module.named_parameters()}}
+    return batches, weights, final, seen, type(engine).__name__
+
+
 def same(a, b) -> bool:
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
@@ -218,6 +266,28 @@ def main() -> None:
                     "foreign_warnings": foreign_warnings,
                     "micro_batches": [len(inputs[s]) for s in range(STEPS)]},
                    os.path.join(out_dir, f"ref_rank{rank}.pt"))
+    out_dir = os.path.join(out_root, "accelerate")
+    os.makedirs(out_dir, exist_ok=True)
+    capture = Capture()
+    logging.getLogger("msprobe.monitor_v2").addHandler(capture)
+    batches, weights, final, seen, model_kind = accelerate_run(out_dir, monitored=True)
+    logging.getLogger("msprobe.monitor_v2").removeHandler(capture)
+    _, _, plain, _, _ = accelerate_run(None, monitored=False)
+    replica = Net()
+    names = list(weights[0])
+    mb, acc = [], []
+    for step in range(STEPS):
+        replica.load_state_dict(weights[step])
+        grads = [dict(zip(names, torch.autograd.grad(replica(x, y)["loss"] / GAS, list(replica.parameters()))))
+                 for x, y in batches[step]]
+        mb.append(grads)
+        acc.append({n: sum(g[n] for g in grads) for n in names})
+    gathered = [None, None]
+    dist.all_gather_object(gathered, [{n: t.double() for n, t in a.items()} for a in acc])
+    mean = [{n: (gathered[0][s][n] + gathered[1][s][n]) / 2 for n in names} for s in range(STEPS)]
+    torch.save({"names": names, "mb": mb, "mean": mean, "seen": seen, "model_kind": model_kind,
+                "identical": same(final, plain), "warnings": capture.messages},
+               os.path.join(out_dir, f"ref_rank{rank}.pt"))
     dist.barrier()
 
 
