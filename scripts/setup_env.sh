@@ -14,12 +14,52 @@
 # Both profiles install gcc where no C compiler exists: the monitor builds its one-pass
 # statistics kernel with it.
 # numpy stays <2: MindSpore's C++ is built against NumPy 1.x.
+#
+# torch: a torch the interpreter already has is reused, not downloaded again (demo: any
+# 2.x >= 2.1; test: 2.13, the version the suite is pinned to): .venv is then created with
+# --system-site-packages. MSPROBE_REUSE_TORCH=0 installs the pinned torch instead.
+# Otherwise torch==2.13.0 comes from pip's indexes. On Linux x86-64, plain PyPI has only
+# the CUDA build (2.7 GB with the CUDA 13 libraries); the script says so before the
+# download starts, and MSPROBE_TORCH_INDEX=https://download.pytorch.org/whl/cpu installs
+# the CPU build (about 190 MB) from that index instead. Nothing else ever leaves pip's
+# configured indexes. Downloads of a first run (measured: sizes of the wheels pip picks):
+# demo about 300 MB with the CPU torch (2.8 GB with the CUDA one), test about 1.2 GB
+# (3.7 GB).
+# Every step is announced before it runs: what, why, how big, about how long.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 profile=${1:-test}
 PY=${PYTHON:-python3}
+say() { echo "setup_env: $*"; }
+# pip's own progress ("Collecting", "Downloading", "Installing"), minus the noise; never
+# a silent minute
+pip_quiet() {
+  .venv/bin/python -m pip install --disable-pip-version-check --progress-bar off "$@" 2>&1 \
+    | grep --line-buffered -v -E -e "is ignored|^Requirement already satisfied|^ *Using cached|^Looking in|^Processing " \
+        -e "^Obtaining|^  (Installing build|Checking if|Getting requirements|Preparing|Building|Created wheel|Stored in)" \
+        -e "^Building wheels|^Successfully built|^ *(Attempting uninstall|Found existing|Uninstalling|Successfully uninstalled)" \
+    || true
+}
+# torch_ok PYTHON: prints "VERSION PATH" of PYTHON's torch when it fits the profile
+torch_ok() {
+  "$1" -c 'import sys, torch
+v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+ok = v == (2, 13) if sys.argv[1] == "test" else (2, 1) <= v < (3, 0)
+print(torch.__version__, torch.__file__) if ok else sys.exit(1)' "$profile" 2>/dev/null | tail -n 1
+}
 if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+  found=""
+  if [ "${MSPROBE_REUSE_TORCH:-1}" != 0 ]; then
+    found=$(torch_ok "$PY" || true)
+  fi
+  if [ -n "$found" ]; then
+    say "reusing torch ${found%% *} that $PY already has (${found#* }): .venv is created with" \
+        "--system-site-packages and downloads no torch (MSPROBE_REUSE_TORCH=0 installs the pinned torch 2.13.0 instead)"
+    "$PY" -m venv --system-site-packages .venv
+  else
+    say "creating .venv with $PY (a few seconds)..."
+    "$PY" -m venv .venv
+  fi
 fi
 base=("torch==2.13.0" "numpy<2" "polars==2.1.0" "matplotlib>=3.5")
 deps=("${base[@]}")
@@ -32,35 +72,69 @@ fi
 stamp=.venv/.msprobe-installed-$profile
 want="${deps[*]} $(sha1sum pyproject.toml | cut -c1-12)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  # Say what is installed and how big before each step (sizes measured on Linux x86-64,
-  # Python 3.11; a step whose packages are already there takes seconds).
+  # Sizes measured on Linux x86-64, Python 3.11; times on a 2-core machine with a fast
+  # link (a step whose packages are already there takes seconds).
   t0=$SECONDS
-  echo "setup_env: installing torch 2.13 (CPU) and numpy, with polars and matplotlib for reading" \
-       "the results, into .venv (about 270 MB download, 1.3 GB on disk)..."
-  .venv/bin/python -m pip install -q --disable-pip-version-check "${base[@]}" 2>&1 | grep -v "is ignored" || true
-  if [ "${#deps[@]}" -gt "${#base[@]}" ]; then
-    echo "setup_env: installing the test profile: MindSpore 2.10 (CPU, about 800 MB download, 2.5 GB on disk)" \
-         "and ${deps[*]:$((${#base[@]} + 1))} (together about 1 GB to download; .venv ends near 4.4 GB)..."
-    .venv/bin/python -m pip install -q --disable-pip-version-check "${deps[@]}" 2>&1 | grep -v "is ignored" || true
+  have=$(torch_ok .venv/bin/python || true)
+  rest=("${base[@]:1}")
+  build=cpu
+  if [ -n "$have" ]; then
+    say "torch ${have%% *} is already there (${have#* }): no torch download"
+  elif [ -n "${MSPROBE_TORCH_INDEX:-}" ]; then
+    say "installing torch 2.13.0 from MSPROBE_TORCH_INDEX=$MSPROBE_TORCH_INDEX (the CPU build from" \
+        "download.pytorch.org/whl/cpu is about 190 MB, 750 MB on disk; about a minute)..."
+    pip_quiet --index-url "$MSPROBE_TORCH_INDEX" "${base[0]}"
+  else
+    say "asking pip which torch 2.13.0 build it would install (a dry run, about 10 s)..."
+    report=$(.venv/bin/python -m pip install --disable-pip-version-check --dry-run --no-deps --ignore-installed \
+             --quiet --report - "${base[0]}" 2>/dev/null || true)
+    if printf '%s' "$report" | grep -qE '"(nvidia-[a-z0-9-]+|cuda-toolkit)[=<>~ ;\[]'; then
+      build=cuda
+      say "NOTE: pip's indexes offer only the CUDA build of torch 2.13.0 here (plain PyPI on Linux x86-64):" \
+          "about 2.7 GB to download (2.2 GB of it the CUDA 13 libraries, cuDNN, NCCL and triton), several GB on disk," \
+          "several minutes. The monitor and its tests need only the CPU build (about 190 MB): to get it, stop now" \
+          "(Ctrl-C) and run: MSPROBE_TORCH_INDEX=https://download.pytorch.org/whl/cpu bash scripts/setup_env.sh $profile"
+    fi
+    rest=("${base[@]}")
   fi
-  echo "setup_env: installing msprobe-monitor itself (editable, no download)..."
-  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e . 2>&1 | grep -v "is ignored" || true
+  if [ "${rest[0]}" = "${base[0]}" ] && [ "$build" = cuda ]; then
+    say "installing torch 2.13 (the CUDA build: about 2.7 GB, see the note above) and numpy, with polars and" \
+        "matplotlib for reading the results, into .venv (2.8 GB download in all; several minutes)..."
+  elif [ "${rest[0]}" = "${base[0]}" ]; then
+    say "installing torch 2.13 (CPU) and numpy, with polars and matplotlib for reading the results, into .venv" \
+        "(about 300 MB download where pip has the CPU build, 1.3 GB on disk; about 20 s, longer on a slow link)..."
+  else
+    say "installing ${rest[*]} into .venv (about 110 MB download, seconds where already there; about 10 s)..."
+  fi
+  pip_quiet "${rest[@]}"
+  if [ "${#deps[@]}" -gt "${#base[@]}" ]; then
+    say "installing the test profile: MindSpore 2.10 (CPU, about 800 MB download, 2.5 GB on disk)" \
+        "and ${deps[*]:$((${#base[@]} + 1))} (together about 900 MB to download; .venv ends near 4.4 GB;" \
+        "about 1.5 min on a fast link)..."
+    pip_quiet "${deps[@]}"
+  fi
+  say "installing msprobe-monitor itself (editable, no download, a few seconds)..."
+  pip_quiet --no-deps -e .
   DS_ACCELERATOR=cpu PYTHONWARNINGS=ignore .venv/bin/python -c "$check"
   echo "$want" > "$stamp"
-  echo "setup_env: .venv ready in $((SECONDS - t0)) s ($(du -sh .venv 2>/dev/null | cut -f1) on disk)"
+  say ".venv ready in $((SECONDS - t0)) s ($(du -sh .venv 2>/dev/null | cut -f1) on disk)"
 fi
-# apt_install PACKAGE WHY: installs a Debian package when running as root, or says how.
+# apt_install PACKAGE SIZE WHY: installs a Debian package when running as root (saying so
+# first), or says how.
 apt_install() {
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    say "installing Debian's $1 with apt-get (running as root): $3; $2, about a minute..."
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$1" >/dev/null) \
-      || echo "setup_env: could not install $1; $2" >&2
+      || echo "setup_env: could not install $1; $3" >&2
   else
-    echo "setup_env: $1 is missing (sudo apt-get install $1); $2" >&2
+    echo "setup_env: $1 is missing (sudo apt-get install $1); $3" >&2
   fi
 }
 if ! command -v cc >/dev/null 2>&1 && ! command -v gcc >/dev/null 2>&1; then
-  apt_install gcc "the monitor's one-pass statistics kernel is built with it (without it, statistics are about 3x slower and its tests fail)"
+  apt_install gcc "about 40 MB with the packages it needs" \
+    "the monitor's one-pass statistics kernel is built with it (without it, statistics are about 3x slower and its tests fail)"
 fi
 if [ "$profile" = test ] && ! command -v chromium >/dev/null 2>&1; then
-  apt_install chromium "the HTML report test needs it"
+  apt_install chromium "an 81 MB package plus the libraries it needs on a minimal system" \
+    "the HTML report test opens the report in a headless browser"
 fi

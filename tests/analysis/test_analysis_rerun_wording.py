@@ -8,11 +8,14 @@
   step: the text says which ("of micro-batch 2" / "accumulated over 2 micro-batches").
 """
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from analysis_helpers import LR_STEP, STEPS, cli, copy_run, training_runs
+from analysis_helpers import LR_STEP, SPIKE_STEP, STEPS, cli, copy_run, training_runs
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +46,14 @@ def test_rerun_into_the_same_output_dir_is_flagged(runs, tmp_path, engine):
         step = int(Path(item["file"]).name.split("_step")[1].split("-")[0])
         assert item["steps_repeated"] == [step]
     text = cli("summary", root, "--engine", engine).out
-    assert f"steps written more than once: {STEPS} file(s) hold several runs" in text
+    assert (f"appended re-runs:  {STEPS} file(s) hold several runs (a re-run appended to the same output_dir), "
+            f"{STEPS} step(s) written more than once; first: ") in text
+    assert text.count("written more than once") == 1  # the file's own steps are "repeated step(s): 0"
+    assert "; repeated step(s): 0" in text
     assert f"2 runs (run 2 starts at line {rows + 2})" in text
     assert "STEPS WRITTEN MORE THAN ONCE" in cli("anomalies", root, "--engine", engine).out
     # the untouched run says nothing of the kind
-    assert "written more than once" not in cli("summary", runs / "clean", "--engine", engine).out
+    assert "appended re-runs" not in cli("summary", runs / "clean", "--engine", engine).out
 
 
 def _accumulated(src: Path, dst: Path) -> Path:
@@ -72,3 +78,69 @@ def test_diff_says_which_micro_batch_or_how_many_were_accumulated(runs, tmp_path
     assert "micro_step 2" not in res.out
     data = cli("anomalies", a, "--json", "--limit", "0").json()
     assert data["monitors"]["weight_grad"]["micro_steps"] == [2]
+
+
+# The README's quick start, 30 steps: run four times with the same output_dir, the old
+# analysis compared each run with the end of the one before it (and the repeated values
+# shrank the MAD), finding spikes in identical runs that a single run does not have.
+QUICK_START = """
+import sys
+import torch
+from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
+for run in range(int(sys.argv[1])):  # each run as a fresh script would do it, into the same output_dir
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = TrainerMonitorV2({"output_dir": "out", "monitors": {"weight_grad": {"enabled": True}}})
+    mon.start(model=model, optimizer=optimizer, grad_acc_steps=2)
+    for step in range(30):
+        for micro_batch in range(2):
+            (model(torch.randn(8, 16)).pow(2).mean() / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    mon.stop()
+"""
+
+
+@pytest.fixture(scope="module")
+def quick_start_runs(tmp_path_factory) -> Path:
+    """``single``: one run; ``four``: the same training run four times into one output_dir
+    (one process, four monitors one after the other: one torch import, not four)."""
+    root = tmp_path_factory.mktemp("quick_start_runs")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name, times in (("single", 1), ("four", 4)):
+        (root / name).mkdir()
+        proc = subprocess.run([sys.executable, "-c", QUICK_START, str(times)], cwd=root / name, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stderr.count("stopped after 30 steps") == times, proc.stderr
+    return root
+
+
+@pytest.mark.parametrize("engine", ["columnar", "reference"])
+def test_re_runs_appended_to_the_output_find_no_spikes_a_single_run_does_not(quick_start_runs, engine):
+    single = cli("anomalies", quick_start_runs / "single" / "out", "--json", "--limit", "0", "--engine", engine).json()
+    four = cli("anomalies", quick_start_runs / "four" / "out", "--json", "--limit", "0", "--engine", engine).json()
+    assert four["appended"]["files"] == 30 and {i["runs"] for i in four["appended"]["items"]} == {4}
+    # four identical runs: each run's spikes, four times (here: none), never more
+    assert four["spikes"]["count"] == 4 * single["spikes"]["count"], four["spikes"]["items"][:3]
+    assert four["spikes"]["count"] == 0
+
+
+def test_both_engines_agree_on_re_runs(quick_start_runs, runs, tmp_path):
+    """The same findings from the reference and the columnar engine on appended runs,
+    spikes included (a run with a real spike, appended to itself, has it twice)."""
+    root = copy_run(runs / "spike", tmp_path / "spike_twice")
+    for f in sorted(root.glob("rank_*/*.csv")):
+        lines = f.read_text().splitlines(keepends=True)
+        f.write_text("".join(lines + lines[1:]))
+    once = cli("anomalies", runs / "spike", "--json", "--limit", "0", "--engine", "reference").json()
+    for out in (root, quick_start_runs / "four" / "out"):
+        ref = cli("anomalies", out, "--json", "--limit", "0", "--engine", "reference").json()
+        col = cli("anomalies", out, "--json", "--limit", "0", "--engine", "columnar").json()
+        for key in ("spikes", "appended", "nonfinite", "rank_check"):
+            assert ref[key] == col[key], key
+    twice = cli("anomalies", root, "--json", "--limit", "0", "--engine", "reference").json()
+    assert once["spikes"]["count"] > 0 and SPIKE_STEP in {i["step"] for i in once["spikes"]["items"]}
+    assert twice["spikes"]["count"] == 2 * once["spikes"]["count"]
+    assert twice["spikes"]["per_step"] == {k: 2 * v for k, v in once["spikes"]["per_step"].items()}

@@ -45,12 +45,17 @@ def test_good_config_is_ok_and_creates_nothing(tmp_path, monkeypatch):
     assert (tmp_path / "monitor_v2_out").is_dir()
 
 
-def test_unknown_monitor_field_is_a_warning(tmp_path):
-    cfg = {"output_dir": str(tmp_path / "o"), "monitors": {"weight_grad": {"enabled": True, "wg_foo": 1}}}
+def test_unknown_monitor_field_is_an_error_and_underscore_fields_are_kept(tmp_path):
+    cfg = {"output_dir": str(tmp_path / "o"), "monitors": {"module": {"target": ["fc1"]}}}
+    path = write(tmp_path, cfg)
+    res = cli("validate", path)
+    assert res.code == 2 and res.out == ""
+    assert res.err.startswith(f"INVALID: {path}: monitor_v2 config: unknown field 'monitors.module.target'; "
+                              "did you mean 'targets'?"), res.err
+    assert cli("validate", path, "--json").json()["field"] == "monitors.module.target"
+    cfg["monitors"]["module"] = {"targets": ["fc1"], "_target": "kept for another tool", "_comment": "x"}
     res = cli("validate", write(tmp_path, cfg))
-    assert res.code == 0 and res.out.startswith("OK")
-    assert "warning: " in res.err and "wg_foo" in res.err
-    assert "wg_foo" in cli("validate", write(tmp_path, cfg), "--json").json()["warnings"][0]
+    assert res.code == 0 and res.out.startswith("OK: ") and res.err == ""
 
 
 BAD = {
@@ -75,7 +80,7 @@ def test_bad_config_gives_the_library_message(tmp_path, case):
     assert fragment in res.err
     with pytest.raises(ConfigError) as exc:  # the very message of the library
         load_config(dict(cfg, output_dir=str(tmp_path / "lib")))
-    assert res.err.strip() == str(exc.value)
+    assert res.err.strip() == f"INVALID: {path}: {exc.value}"  # the file, then the library's message
     data = cli("validate", path, "--json").json()
     assert data["ok"] is False and data["exit_code"] == 2 and data["field"] == field
     assert not (tmp_path / "never").exists()
@@ -122,8 +127,9 @@ def test_validate_refuses_what_the_library_refuses(tmp_path):
     cfg = {"output_dir": "/proc/x", "monitors": {"param": {"enabled": True}}}
     with pytest.raises(ConfigError) as lib:
         load_config(cfg)
-    res = cli("validate", write(tmp_path, cfg))
-    assert res.code == 2 and res.err.strip() == str(lib.value)
+    path = write(tmp_path, cfg)
+    res = cli("validate", path)
+    assert res.code == 2 and res.err.strip() == f"INVALID: {path}: {lib.value}"
     assert "cannot be created" in res.err
     # a creatable path is created by the check and removed again, parents included
     deep = tmp_path / "new" / "deeper"
@@ -133,14 +139,17 @@ def test_validate_refuses_what_the_library_refuses(tmp_path):
 
 
 def test_no_monitor_enabled_is_not_a_plain_ok(tmp_path):
-    cfg = {"output_dir": str(tmp_path), "monitors": {"weight_grad": {"enable": True}}}
+    cfg = {"output_dir": str(tmp_path), "monitors": {"weight_grad": {"enabled": False}}}
     res = cli("validate", write(tmp_path, cfg))
     assert res.code == 0
     assert res.out.startswith("VALID BUT WRITES NOTHING (no monitor is enabled)")
-    assert "did you mean 'enabled'?" in res.err and "no monitor is enabled" in res.err
-    cfg["monitors"]["weight_grad"]["enabled"] = True
+    assert "no monitor is enabled" in res.err
+    cfg["monitors"]["weight_grad"] = {"enable": True}  # a misspelt "enabled" is refused outright
     res = cli("validate", write(tmp_path, cfg))
-    assert res.out.startswith("OK with 1 warning(s) (above): ")
+    assert res.code == 2 and "did you mean 'enabled'?" in res.err
+    cfg["monitors"]["weight_grad"] = {"enabled": True, "ops": ["norm", "nrm"]}  # an unknown op stays a warning
+    res = cli("validate", write(tmp_path, cfg))
+    assert res.code == 0 and res.out.startswith("OK with 1 warning(s) (above): ") and "'nrm'" in res.err
 
 
 # ------------------------------------------------------------- issue 12: hostile input

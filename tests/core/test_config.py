@@ -56,6 +56,17 @@ BAD_CONFIGS = [
     P("unknown-monitor-name", {"monitors": {"weight_grads": {"enabled": True}}}, "monitors.weight_grads",
       NAME, extra=("weight_grad",)),
     P("unknown-monitor-name-unrelated", {"monitors": {"activations": {}}}, "monitors.activations", NAME),
+    # unknown fields inside a known monitor (issue 26: a misspelt field changed what was recorded)
+    P("unknown-monitor-field-target", _mon("module", target=["fc1"]), "monitors.module.target", NAME,
+      extra=("unknown field 'monitors.module.target'; did you mean 'targets'?", "starts with '_' is ignored")),
+    P("unknown-monitor-field-enable", _mon("weight_grad", enable=True), "monitors.weight_grad.enable", NAME,
+      extra=("did you mean 'enabled'?", "Known fields: enabled, ops, eps, monitor_mbs_grad")),
+    P("unknown-monitor-field-case", _mon("param", Enabled=True), "monitors.param.Enabled", NAME,
+      extra=("did you mean 'enabled'?",)),
+    P("unknown-monitor-field-unrelated", _mon("optimizer", enabled=True, wg_distribution=True),
+      "monitors.optimizer.wg_distribution", NAME, extra=("Known fields: enabled, ops, eps, mv_distribution",)),
+    P("unknown-field-nested-in-cc_distribution", _mon("cc", cc_distribution={"enable": True, "cc_codelines": []}),
+      "monitors.cc.cc_codelines", NAME, extra=("did you mean 'cc_codeline'?",)),
     # wrong types where an int is expected
     P("start_step-string", {"start_step": "3"}, "start_step", "3"),
     P("start_step-float", {"start_step": 1.5}, "start_step", 1.5),
@@ -492,17 +503,20 @@ def test_eps_is_read(tmp_path):
     assert cfg.monitors["module"].eps == pytest.approx(1e-8)
 
 
-def test_unknown_field_in_known_monitor_is_a_warning(tmp_path, caplog):
+def test_fields_starting_with_underscore_are_kept_and_ignored(tmp_path, caplog):
+    """The documented way to keep a field this tool does not read (a comment, a setting
+    of another tool) in a monitor entry: no error, no warning, nothing changed."""
     caplog.set_level(logging.WARNING, logger=LOGGER)
     cfg = TrainerMonitorV2({
         "output_dir": str(tmp_path),
-        "monitors": {"weight_grad": {"enabled": True, "wg_distribution": True, "ops": ["norm"]}},
+        "monitors": {"weight_grad": {"enabled": True, "_comment": "local grads only", "_wg_distribution": True,
+                                     "ops": ["norm"]},
+                     "module": {"_targets": ["fc1"]}},
     }).config
-    assert cfg.monitors["weight_grad"].enabled is True
-    assert cfg.monitors["weight_grad"].ops == ("norm",)
-    warns = _warnings(caplog)
-    assert len(warns) == 1
-    assert "wg_distribution" in warns[0].getMessage()
+    assert cfg.monitors["weight_grad"].enabled is True and cfg.monitors["weight_grad"].ops == ("norm",)
+    assert "_comment" not in cfg.monitors["weight_grad"].options
+    assert cfg.monitors["module"].get("targets") == ()  # "_targets" is not "targets"
+    assert _warnings(caplog) == []
 
 
 def test_cc_fields_nested_in_cc_distribution(tmp_path):

@@ -181,3 +181,80 @@ def test_a_cached_library_others_may_write_is_not_loaded(tmp_path):
     assert second.returncode == 0, second.stderr
     other = json.loads(second.stdout)
     assert other and other != path and not other.startswith(str(tmp_path)), other
+
+
+LOAD_AND_USE = (
+    "import ctypes, json, logging, struct; logging.basicConfig(level=logging.INFO)\n"
+    "from msprobe.core.monitor_v2 import native\n"
+    "k = native.load()\n"
+    "buf = ctypes.create_string_buffer(struct.pack('3f', 1.0, -2.0, 4.0))\n"
+    "print(json.dumps([k.path, k.stats(ctypes.addressof(buf), 3, native.F32)[0]]))\n"
+)
+
+
+def _built_name(tmp_path) -> str:
+    """The file name the kernel is cached under on this machine (built once in a scratch cache)."""
+    scratch = tmp_path / "scratch_cache"
+    first = _run(LOAD_AND_REPORT, {native.ENV_CACHE: str(scratch)})
+    path = json.loads(first.stdout)
+    assert path, first.stderr
+    return path
+
+
+def _private_build(tmp_path, cache, extra_env=None):
+    """Load with ``cache`` and a private TMPDIR; the kernel must work and leave no
+    ``msprobe_native_*`` directory behind."""
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir(exist_ok=True)
+    res = _run(LOAD_AND_USE, {native.ENV_CACHE: str(cache), "TMPDIR": str(tmp), **(extra_env or {})})
+    assert res.returncode == 0, res.stderr
+    path, stats = json.loads(res.stdout)
+    assert stats == [-2.0, 4.0, 3.0, pytest.approx(21 ** 0.5)]
+    assert path.startswith(str(tmp)) and not os.path.exists(path), "built privately, removed once loaded"
+    assert os.listdir(tmp) == [], os.listdir(tmp)
+    return res
+
+
+def test_a_link_planted_under_the_cached_name_is_never_followed(tmp_path):
+    real = _built_name(tmp_path)  # a good library this user owns: the old check trusted it
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    planted = cache / os.path.basename(real)
+    os.symlink(real, planted)
+    before = os.stat(real)
+    _private_build(tmp_path, cache)
+    assert planted.is_symlink() and os.readlink(planted) == real  # left alone
+    assert os.stat(real).st_mtime_ns == before.st_mtime_ns
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770])
+def test_a_cache_directory_others_may_write_is_not_used(tmp_path, mode):
+    cache = tmp_path / "shared_cache"
+    cache.mkdir()
+    cache.chmod(mode)
+    res = _private_build(tmp_path, cache)
+    assert os.listdir(cache) == [], "nothing is built in a directory others can write"
+    assert "kernel cache" in res.stderr and "writable by" in res.stderr, res.stderr
+
+
+def test_a_rejected_cached_library_leaves_no_temporary_directory(tmp_path):
+    cache = tmp_path / "cache"
+    first = _run(LOAD_AND_REPORT, {native.ENV_CACHE: str(cache)})
+    path = json.loads(first.stdout)
+    os.chmod(path, 0o666)  # as if planted, or loosened by someone else
+    for _ in range(3):  # every rejected load cleans up after itself
+        _private_build(tmp_path, cache)
+
+
+def test_the_cache_directory_is_created_0750_whatever_the_umask(tmp_path):
+    cache = tmp_path / "new" / "cache"
+    old = os.umask(0)
+    try:
+        res = _run(LOAD_AND_REPORT, {native.ENV_CACHE: str(cache)})
+    finally:
+        os.umask(old)
+    path = json.loads(res.stdout)
+    assert os.path.dirname(path) == str(cache)
+    assert oct(os.stat(cache).st_mode & 0o777) == oct(0o750)
+    assert oct(os.stat(tmp_path / "new").st_mode & 0o777) == oct(0o750)
+    assert not os.stat(path).st_mode & 0o022

@@ -210,7 +210,7 @@ def test_disk_full_loses_whole_steps_and_recovers(small_disk, caplog, async_writ
     if per_file == 1:  # each step needs a new file, and none can be created while the disk is full
         assert lost == set(range(4, 9))
     final = [m for m in _messages(caplog, logging.INFO) if "stopped after" in m]
-    assert final and f"{13 - lost_n} written ({lost_n} lost" in final[0], final
+    assert final and f"rows of {13 - lost_n} step(s) ({lost_n} step(s) lost" in final[0], final
 
 
 def _drain(mon):

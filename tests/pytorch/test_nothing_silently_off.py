@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import TinyMLP, loss_fn, make_batches
-from msprobe.core.monitor_v2.config import load_config
+from msprobe.core.monitor_v2.errors import ConfigError
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
 LOGGER = "msprobe.monitor_v2"
@@ -34,35 +34,20 @@ def train(mon, steps, manual_step=False):
     mon.stop()
 
 
-def test_misspelt_enabled_suggests_the_field_and_says_the_monitor_is_off(tmp_path, caplog):
-    cfg = {"output_dir": str(tmp_path), "monitors": {"weight_grad": {"enable": True, "opps": ["min"]}}}
-    with caplog.at_level(logging.WARNING, logger=LOGGER):
-        config = load_config(cfg)
-    assert config.enabled_monitors == []
-    msgs = warnings_of(caplog)
-    (enable,) = [m for m in msgs if "'monitors.weight_grad.enable'" in m]
-    assert "did you mean 'enabled'?" in enable and "monitor 'weight_grad' is OFF" in enable
-    (opps,) = [m for m in msgs if "'monitors.weight_grad.opps'" in m]
-    assert "did you mean 'ops'?" in opps and "OFF" not in opps
-    assert any("no monitor is enabled" in m and "weight_grad off" in m for m in msgs)
-
-
-def test_misspelt_enabled_of_module_says_it_stays_on(tmp_path, caplog):
-    cfg = {"output_dir": str(tmp_path), "monitors": {"module": {"enable": False}}}
-    with caplog.at_level(logging.WARNING, logger=LOGGER):
-        config = load_config(cfg)
-    assert [m.name for m in config.enabled_monitors] == ["module"]
-    (msg,) = warnings_of(caplog)
-    assert "did you mean 'enabled'?" in msg and "monitor 'module' is ON" in msg
-
-
-def test_enabled_monitor_with_a_misspelt_extra_field_is_not_called_off(tmp_path, caplog):
-    cfg = {"output_dir": str(tmp_path), "monitors": {"weight_grad": {"enabled": True, "enable": True}}}
-    with caplog.at_level(logging.WARNING, logger=LOGGER):
-        config = load_config(cfg)
-    assert [m.name for m in config.enabled_monitors] == ["weight_grad"]
-    (msg,) = warnings_of(caplog)
-    assert "did you mean 'enabled'?" in msg and "As written" not in msg
+@pytest.mark.parametrize("entry, field, meant", [
+    pytest.param({"weight_grad": {"enable": True}}, "monitors.weight_grad.enable", "enabled", id="enable"),
+    pytest.param({"module": {"enable": False}}, "monitors.module.enable", "enabled", id="module-enable"),
+    pytest.param({"module": {"target": ["fc1"]}}, "monitors.module.target", "targets", id="target"),
+    pytest.param({"weight_grad": {"enabled": True, "opps": ["min"]}}, "monitors.weight_grad.opps", "ops", id="opps"),
+])
+def test_misspelt_field_in_a_monitor_is_an_error_with_the_field_meant(tmp_path, entry, field, meant):
+    """A misspelt field is never a monitor silently off ("enable"), nor one recording every
+    module ("target" for "targets"): the config is refused before training starts."""
+    with pytest.raises(ConfigError) as info:
+        TrainerMonitorV2({"output_dir": str(tmp_path / "out"), "monitors": entry})
+    assert info.value.field == field
+    assert f"unknown field '{field}'; did you mean '{meant}'?" in str(info.value)
+    assert not (tmp_path / "out").exists()
 
 
 def test_no_monitor_enabled_warns_at_construction(write_config, caplog):
@@ -102,12 +87,14 @@ def test_stop_names_monitors_that_reported_nothing(write_config, caplog):
                for m in warnings_of(caplog))
 
 
-def test_a_run_that_writes_gives_no_warning(write_config, caplog):
+def test_a_run_that_writes_gives_no_warning(write_config, caplog, tmp_path):
     mon = TrainerMonitorV2(write_config({"patch_optimizer_step": False, "monitors": {"param": {"enabled": True}}}))
     with caplog.at_level(logging.INFO, logger=LOGGER):
         train(mon, 2, manual_step=True)
     assert warnings_of(caplog) == []
-    assert any("stopped after 2 steps, 2 written" in r.getMessage() for r in caplog.records)
+    rows = sum(len(f.read_text().splitlines()) - 1 for f in (tmp_path / "out" / "rank_0").glob("*.csv"))
+    assert rows > 0
+    assert any(f"stopped after 2 steps; wrote {rows} rows of 2 step(s)" in r.getMessage() for r in caplog.records)
 
 
 SCRIPT = """
@@ -132,6 +119,8 @@ def test_end_of_run_line_is_visible_with_and_without_logging_setup(tmp_path, con
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if "stopped after" in line]
     assert len(lines) == 1, proc.stderr
-    assert f"rank 0 stopped after 3 steps, 3 written to {out / 'rank_0'}" in lines[0]
-    assert f"msprobe-monitor summary {out}" in lines[0]
+    rows = sum(len(f.read_text().splitlines()) - 1 for f in (out / "rank_0").glob("*.csv"))
+    assert rows > 0
+    assert f"rank 0 stopped after 3 steps; wrote {rows} rows of 3 step(s) to {out / 'rank_0'}" in lines[0]
+    assert f" summary {out}" in lines[0]
     assert lines[0].startswith("INFO:msprobe.monitor_v2:") == bool(configure)

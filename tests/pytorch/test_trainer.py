@@ -403,7 +403,7 @@ def test_own_cost_is_measured_and_logged_at_stop(write_config, caplog):
     with caplog.at_level(logging.INFO, logger="msprobe.monitor_v2"):
         mon.stop()
     (line,) = [r.getMessage() for r in caplog.records if "its own code took" in r.getMessage()]
-    assert "stopped after 5 steps, 2 written" in line
+    assert "stopped after 5 steps; wrote " in line and " rows of 2 step(s) to " in line
     assert f"{busy:.3f} s" in line
     assert f"{1e3 * busy / 2:.1f} ms per written step" in line
 

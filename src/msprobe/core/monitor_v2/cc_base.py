@@ -22,6 +22,7 @@ from time import perf_counter
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from .monitor import Monitor
+from .safe_fs import open_append
 from .stats import Record, StatPlan
 from .structure import flatten_tensors
 
@@ -308,7 +309,12 @@ class CommMonitorBase(Monitor):
         text = f"[cc_log_only] {op} called from {site} (to keep only this call: \"cc_codeline\": [\"{site}\"]):\n{stack}"
         logger.warning("monitor_v2 %s", text)
         try:
-            with open(self._stack_log, "a", encoding="utf-8") as f:
-                f.write(text + "\n")
+            fd, _ = open_append(self._stack_log)  # never through a link, never blocking
+            try:
+                data = (text + "\n").encode("utf-8", errors="backslashreplace")
+                while data:
+                    data = data[os.write(fd, data):]
+            finally:
+                os.close(fd)
         except OSError as exc:
             self.errors.report("cc_log_only stack file", exc)

@@ -2,9 +2,9 @@
 
 Everything is checked here, at construction of ``TrainerMonitorV2``: a bad config never
 reaches the training loop. Errors are ``ConfigError`` naming the field (dotted path),
-the value and what is allowed. Fields this project does not know inside a *known*
-monitor are only warnings, so that configs written for the original tool still run;
-an unknown top-level field or monitor name is an error.
+the value and what is allowed. An unknown top-level field, monitor name or field inside
+a monitor is an error with the closest known name; inside a monitor, a field whose name
+starts with ``_`` is ignored (the way to keep comments or other tools' settings).
 
 A JSON ``null`` is read as "use the default" for every optional field.
 """
@@ -21,7 +21,8 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
-from .errors import ConfigError
+from .errors import ConfigError, UnsafePathError
+from .safe_fs import dir_mode, file_mode, make_dirs, private_dir_problem, read_regular_file
 from .schedule import StepSchedule
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -40,6 +41,9 @@ CODELINE_PATTERN = re.compile(r"^(?P<file>.+)\[(?P<line>[0-9]+)\]$")
 # Step counts, ranks and micro-batch counts are int64 in every framework: a larger value
 # is a typo (and one with thousands of digits cannot even be printed by Python's repr).
 MAX_INT = 2**63 - 1
+# A config is a few hundred bytes; anything above this is not one (and a device such as
+# /dev/zero, refused before, would otherwise fill the memory).
+MAX_CONFIG_BYTES = 1 << 20
 
 _SHORT_REPR = reprlib.Repr()
 _SHORT_REPR.maxstring = 120
@@ -146,20 +150,17 @@ def _unknown_field(path: str, name: str, known, kind: str = "field") -> str:
     return f"monitor_v2 config: unknown {kind} '{path}'{hint} Known {kind}s: {', '.join(known)}"
 
 
-def _unused_monitor_field(path: str, key: str, known: Tuple[str, ...], raw: Mapping[str, Any]) -> str:
-    """The warning for a field a known monitor does not use (the spec keeps it a warning,
-    so that configs of the original tool run): name the known field it resembles, and say
-    loudly what a misspelt ``enabled`` leaves the monitor at (off, or on for ``module``)."""
+def _unknown_monitor_field(path: str, key: str, known: Tuple[str, ...]) -> ConfigError:
+    """A field a known monitor does not have: an error, not a warning, because a misspelt
+    field silently changes what is recorded ("target" records every module, "enable"
+    leaves the monitor off). A name starting with '_' is the documented way to keep a
+    field this tool does not read (a comment, another tool's setting)."""
     close = difflib.get_close_matches(key.lower(), list(known), n=1, cutoff=0.6)
-    message = f"monitor_v2 config: field '{path}.{key}' is not used by this tool and is ignored"
-    if close:
-        message += f"; did you mean '{close[0]}'?"
-        if close[0] == "enabled" and raw.get("enabled") is None:
-            name = path.split(".")[-1]
-            on = name == "module"  # the default of "enabled"
-            message += (f" As written, monitor '{name}' is {'ON' if on else 'OFF'} "
-                        f"(\"enabled\" defaults to {'true' if on else 'false'} for it).")
-    return message + f" (known fields: {', '.join(known)})"
+    hint = f"; did you mean '{close[0]}'?" if close else "."
+    return ConfigError(
+        f"monitor_v2 config: unknown field '{path}.{key}'{hint} Known fields: {', '.join(known)} "
+        "(a field whose name starts with '_' is ignored: the way to keep a comment or another tool's setting)",
+        field=f"{path}.{key}")
 
 
 # ----------------------------------------------------------------- per-monitor fields
@@ -294,8 +295,8 @@ def _parse_monitor(name: str, raw: Any) -> MonitorSettings:
     specific = _MONITOR_FIELDS[name]
     known = _COMMON_FIELDS + tuple(specific)
     for key in raw:
-        if key not in known:
-            logger.warning("%s", _unused_monitor_field(path, str(key), known, raw))
+        if key not in known and not key.startswith("_"):
+            raise _unknown_monitor_field(path, key, known)
 
     enabled_raw = raw.get("enabled")
     enabled = (name == "module") if enabled_raw is None else check_bool(f"{path}.enabled", enabled_raw)
@@ -339,8 +340,9 @@ def _decode(path: str, data: bytes) -> str:
 def read_config_file(path: str) -> Dict[str, Any]:
     """The JSON object in the file ``path``; every way it can be unreadable is a ``ConfigError``."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = read_regular_file(path, MAX_CONFIG_BYTES, "config")
+    except UnsafePathError as exc:  # a FIFO, a device, a directory, or too large: never read
+        raise ConfigError(f"monitor_v2 config: cannot read '{path}': {exc.why}") from None
     except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ConfigError(f"monitor_v2 config: cannot read '{path}': {reason}") from None
@@ -387,32 +389,45 @@ def output_dir_text_problem(path: Any) -> Optional[str]:
 
 
 def check_output_dir(path: Any, keep: bool = True) -> str:
-    """Create ``path`` (with parents), prove that a file can be written in it, and return
-    it as an absolute path: the one check of ``output_dir``, shared by the library and
-    ``msprobe-monitor validate``. A relative ``output_dir`` is resolved once, here, against
-    the working directory of the constructor, whatever the working directory at ``start()``.
+    """Create ``path`` (with parents, mode 0750 whatever the umask), check that it is safe
+    to write into, prove that a file can be written in it, and return it as an absolute
+    path: the one check of ``output_dir``, shared by the library and ``msprobe-monitor
+    validate``. A relative ``output_dir`` is resolved once, here, against the working
+    directory of the constructor, whatever the working directory at ``start()``.
+
+    Safe means: no component is a symbolic link another user owns, and the directory
+    itself is owned by this user and writable by nobody else (see ``safe_fs``).
 
     ``keep=False`` (validate) removes the directories this check created, so the file
     system is left as it was; the probe file is always removed."""
     problem = output_dir_text_problem(path)
     if problem is not None:
         raise _fail("output_dir", path, problem)
+    dir_mode()  # a bad MSPROBE_MONITOR_*_MODE fails here, before training
+    file_mode()
     path = os.path.abspath(path)
     created = []  # directories that did not exist, deepest first
     probe = path
-    while not os.path.exists(probe):
+    while not os.path.lexists(probe):
         created.append(probe)
         parent = os.path.dirname(probe)
         if parent == probe:
             break
         probe = parent
-    if not os.path.isdir(probe):
+    if os.path.exists(probe) and not os.path.isdir(probe):
         raise _fail("output_dir", path, f"must be a writable directory ({probe!r} exists and is not a directory)")
     try:
-        os.makedirs(path, exist_ok=True)
+        make_dirs(path)
+        unsafe = private_dir_problem(path)
+        if unsafe is not None:
+            raise _fail("output_dir", path, f"must be a directory that only you can write ({path!r}: {unsafe})")
         fd, probe_file = tempfile.mkstemp(prefix=".msprobe_write_check_", dir=path)
         os.close(fd)
         os.remove(probe_file)
+    except ConfigError:
+        raise
+    except UnsafePathError as exc:
+        raise _fail("output_dir", path, f"must not lead through a link another user controls ({exc.why})") from None
     except (OSError, ValueError) as exc:
         what = "cannot be created: " if created else ""
         if isinstance(exc, PermissionError):

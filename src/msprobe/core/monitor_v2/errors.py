@@ -35,3 +35,19 @@ class OutputError(MonitorError, OSError):
 class MissingDependencyError(MonitorError, ImportError):
     """An optional integration was used without the library it integrates with; the
     message names the package to install."""
+
+
+class UnsafePathError(OutputError):
+    """A path this package would write (or read a config from) is refused because using
+    it would be unsafe on a shared machine: a symbolic link, a FIFO or device, a directory
+    another user owns or can write. ``why`` says which, ``path`` names it."""
+
+    def __init__(self, message: str, path: str, why: str = "") -> None:
+        super().__init__(message)
+        self.strerror = message
+        self.filename = path
+        self.path = path
+        self.why = why or message
+
+    def __str__(self) -> str:
+        return self.strerror

@@ -231,14 +231,30 @@ class TrainerMonitorV2:
         if problem:
             logger.warning("monitor_v2: rank %d wrote no rows: %s", self.rank, problem)
         if self._step:  # steps count from 0 and advance by one: _step steps have ended
-            lost = len(self._writer.lost_steps)
-            written = self._written_steps - lost
-            _announce(
-                f"monitor_v2: rank {self.rank} stopped after {self._step} steps, {written} written"
-                + (f" ({lost} lost: see the warning above)" if lost else "")
-                + f" to {self.rank_dir}; its own code took {self.errors.busy:.3f} s on the training path "
-                f"({1e3 * self.errors.busy / max(1, written):.1f} ms per written step). "
-                f"Read them: msprobe-monitor summary {self.config.output_dir}")
+            self._announce_end(bool(problem))
+
+    def _announce_end(self, warned: bool) -> None:
+        """The end-of-run line: what reached the disk (steps that produced rows, and
+        rows), never the schedule's count; the command to read it only when there is
+        something to read."""
+        lost = len(self._writer.lost_steps)
+        # a step counts as lost when any of its rows is (docs/long-runs.md): never both
+        steps = len(self._writer.written_steps - self._writer.lost_steps)
+        rows = self._writer.written_rows
+        head = f"monitor_v2: rank {self.rank} stopped after {self._step} steps"
+        if not rows:
+            _announce(f"{head}; wrote no rows to {self.rank_dir}"
+                      + (f" ({lost} step(s) lost)" if lost else "")
+                      + (": see the warning above" if warned or lost else ""))
+            return
+        from .analysis.command import command_line  # light: no Polars on the training side
+
+        _announce(
+            f"{head}; wrote {rows} rows of {steps} step(s)"
+            + (f" ({lost} step(s) lost: see the warning above)" if lost else "")
+            + f" to {self.rank_dir}; its own code took {self.errors.busy:.3f} s on the training path "
+            f"({1e3 * self.errors.busy / max(1, steps):.1f} ms per written step). "
+            f"Read them: {command_line('summary', self.config.output_dir)}")
 
     def _why_nothing_was_written(self) -> Optional[str]:
         """The likely cause when a monitored rank ran but wrote nothing (None otherwise)."""

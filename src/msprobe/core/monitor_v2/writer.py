@@ -11,7 +11,9 @@ holds half a step and no empty file is left behind; the first failure and the re
 are logged once each, and ``close()`` logs what was lost, with counts. A removed output
 directory (or a deleted file) is re-created and writing goes on. Names that a CSV cannot
 hold on one line (control characters) or that UTF-8 cannot encode (lone surrogates) are
-written escaped: see ``csv_text``.
+written escaped: see ``csv_text``; a text cell that a spreadsheet would run as a formula
+gets a leading single quote: see ``csv_cell``. Files and directories are opened and created
+through ``safe_fs`` (no link followed, modes 0640/0750, nothing that blocks).
 """
 
 import atexit
@@ -25,8 +27,9 @@ import threading
 import unicodedata
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
+from . import safe_fs
 from .alert import Alerter
-from .errors import OutputError
+from .errors import OutputError, UnsafePathError
 from .schedule import StepSchedule
 from .stats import Record, Row, format_value, merge_records
 
@@ -70,6 +73,21 @@ def csv_text(text: str) -> str:
     return "".join(out)
 
 
+# A spreadsheet runs a cell that starts with one of these as a formula (OWASP, "CSV
+# injection"); tab and CR never start a cell here (csv_text escapes them). A quote starts
+# the escaped form, so a name that really starts with one is escaped too and reads back.
+_FORMULA_START = frozenset("=+-@\t\r'")
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def csv_cell(text: str) -> str:
+    """A text cell (``module_name``, ``scope``) as written: ``csv_text``, then one single
+    quote in front if it would start with ``=``, ``+``, ``-``, ``@`` or ``'``; readers
+    remove exactly one leading quote (``analysis.reader.text_cell``)."""
+    out = csv_text(text)
+    return "'" + out if out[:1] in _FORMULA_START else out
+
+
 def _write_all(fd: int, data: bytes) -> None:
     """The writer's only write to the file system (a full disk shows up here)."""
     view = memoryview(data)
@@ -78,6 +96,8 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _describe_os_error(exc: BaseException) -> str:
+    if isinstance(exc, UnsafePathError):
+        return exc.strerror
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.strerror} (errno {exc.errno})" if exc.errno else exc.strerror
     return repr(exc)
@@ -139,14 +159,25 @@ class CsvWriter:
         # losses: steps with rows that never reached the disk, how many rows, the first error
         self.lost_steps: Set[int] = set()
         self.lost_rows = 0
+        # what reached the disk: the end-of-run line counts these, not the schedule
+        self.written_steps: Set[int] = set()
+        self.written_rows = 0
         self._first_error: Optional[str] = None
         self._failing = False
         self._episodes = 0
         self._lost_in_episode: Set[int] = set()
+        self._refused: Set[str] = set()
+        # read once at start(): a later change of the environment cannot fail a write
+        self._dir_mode = safe_fs.dir_mode()
+        self._file_mode = safe_fs.file_mode()
         self._make_rank_dir()
 
     def _make_rank_dir(self) -> None:
+        """Create ``rank_<r>`` (0750) or check the existing one: never a link, owned by
+        this user, writable by nobody else (no one else can plant a link in it)."""
+        safe_fs.refuse_link(self.rank_dir)
         if os.path.isdir(self.rank_dir):
+            safe_fs.check_private_dir(self.rank_dir)
             return
         if os.path.lexists(self.rank_dir):
             raise OutputError(
@@ -154,7 +185,9 @@ class CsvWriter:
                 f"this rank writes its CSV files there. Move or delete that file, or choose another output_dir."
             )
         try:
-            os.makedirs(self.rank_dir, exist_ok=True)
+            safe_fs.make_dirs(self.rank_dir, mode=self._dir_mode, link_ok=False)
+        except UnsafePathError:
+            raise
         except OSError as exc:
             raise OutputError(
                 f"monitor_v2: cannot create the output directory {self.rank_dir!r}: {_describe_os_error(exc)}. "
@@ -191,14 +224,15 @@ class CsvWriter:
                 what, self.rank_dir,
             )
 
-    def _open_fd(self, path: str) -> int:
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+    def _open_fd(self, path: str) -> Tuple[int, bool]:
+        """``(fd, created)``; a link, a FIFO, a device or another user's file at ``path``
+        is refused (``UnsafePathError``) without blocking and without touching it."""
         try:
-            return os.open(path, flags, 0o644)
+            return safe_fs.open_append(path, self._file_mode)
         except FileNotFoundError:  # the directory was removed: re-create it, once per removal
-            os.makedirs(self.rank_dir, exist_ok=True)
+            safe_fs.make_dirs(self.rank_dir, mode=self._dir_mode, link_ok=False)
             self._note_recreated("the output directory was removed")
-            return os.open(path, flags, 0o644)
+            return safe_fs.open_append(path, self._file_mode)
 
     def _open(self, monitor: str, step: int) -> Tuple[_OpenFile, bool]:
         """The file of the step's window and whether it still needs its header."""
@@ -207,15 +241,16 @@ class CsvWriter:
         if current is not None:
             return current, False
         path = self.path(monitor, step)
-        fd = self._open_fd(path)
+        fd, _created = self._open_fd(path)
         opened = _OpenFile(window, path, fd)
         existing = os.fstat(fd).st_size > 0
         if existing:
-            self._check_existing(monitor, path)
+            self._check_existing(monitor, opened)
         self._files[monitor] = opened
         return opened, not existing
 
-    def _check_existing(self, monitor: str, path: str) -> None:
+    def _check_existing(self, monitor: str, opened: _OpenFile) -> None:
+        path = opened.path
         if not self._warned_append:
             self._warned_append = True
             logger.warning(
@@ -223,13 +258,16 @@ class CsvWriter:
                 "output_dir to keep runs apart.", self.rank_dir, os.path.basename(path),
             )
         expected = ",".join(self.outputs[monitor].header)
+        # read through the descriptor just checked, never by name again; and never log what
+        # the file holds (it may not be ours to show): only that it differs
         try:
-            with open(path, encoding="utf-8", errors="replace") as r:
-                first = r.readline().strip()
+            first = os.pread(opened.fd, len(expected) + 1, 0)
         except OSError:
             return
-        if first != expected:
-            logger.warning("monitor_v2: %s has header %r, this run writes %r", path, first, expected)
+        if first != (expected + "\n").encode("utf-8"):
+            logger.warning("monitor_v2: %s does not start with the header this run writes (%s); rows are "
+                           "appended after it: keep runs with other settings in another output_dir",
+                           path, expected)
 
     # ------------------------------------------------------------------ rows
     def _format(self, monitor: str, rows: Sequence[Row], with_header: bool) -> bytes:
@@ -239,7 +277,7 @@ class CsvWriter:
         if with_header:
             writer.writerow(out.header)
         for row in rows:
-            cells = [row.vpp_stage, row.step, csv_text(row.name), csv_text(row.scope)]
+            cells = [row.vpp_stage, row.step, csv_cell(row.name), csv_cell(row.scope)]
             if out.with_micro_step:
                 cells.append(row.micro_step)
             cells.extend(format_value(op, row.stat.value(op)) for op in out.ops)
@@ -287,15 +325,29 @@ class CsvWriter:
         for monitor, rows in merged:
             try:
                 self.write_rows(monitor, step, rows)
+                if rows:
+                    self.written_rows += len(rows)
+                    self.written_steps.add(step)
             except Exception as exc:  # noqa: BLE001 - output problems are counted, never raised
                 failure = failure or exc
                 self.lost_rows += len(rows)
+                if isinstance(exc, UnsafePathError):
+                    self._note_refused(monitor, exc)
                 if not isinstance(exc, OSError) and self._first_error is None:
                     logger.error("monitor_v2: writing %s rows of step %s failed", monitor, step, exc_info=exc)
         if failure is not None:
             self._on_failure(step, failure)
         elif self._failing:
             self._on_recovery(step)
+
+    def _note_refused(self, monitor: str, exc: UnsafePathError) -> None:
+        """Each path refused (a link, a FIFO, another user's file) is named once: a
+        failure episode is logged only once, and a second refused file must not go unsaid."""
+        if exc.path in self._refused or len(self._refused) >= _EPISODES_LOGGED * 4:
+            return
+        self._refused.add(exc.path)
+        logger.warning("%s; the %s rows that belong in it are not written (said once per path).",
+                       exc.strerror, monitor)
 
     def _on_failure(self, step: int, exc: BaseException) -> None:
         self.lost_steps.add(step)
@@ -358,6 +410,14 @@ class AsyncCsvWriter:
     @property
     def lost_steps(self) -> Set[int]:
         return self._writer.lost_steps
+
+    @property
+    def written_steps(self) -> Set[int]:
+        return self._writer.written_steps
+
+    @property
+    def written_rows(self) -> int:
+        return self._writer.written_rows
 
     def _run(self) -> None:
         while True:

@@ -20,6 +20,8 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
 
+from .command import command_line
+from ..errors import ConfigError, UnsafePathError
 from .detect import RankCheckSettings, Report, SpikeSettings, analyse
 from .reader import (OPS, InputError, Layout, Problems, parse_int_list, parse_monitor_list, parse_steps, scan)
 from .text import compact_steps, dump_json, fmt_num, table
@@ -385,7 +387,7 @@ def _appended_text(item: Dict[str, Any], root: str) -> str:
     runs = item["runs"]
     return (f"{_rel(item['file'], root)}: {runs} runs (run {2 if runs == 2 else '2..' + str(runs)} starts at line "
             f"{', '.join(map(str, item['restart_lines'][:5]))}{', ...' if len(item['restart_lines']) > 5 else ''}); "
-            f"steps written more than once: {compact_steps(item['steps_repeated']) if item['steps_repeated'] else 'none'}")
+            f"repeated step(s): {compact_steps(item['steps_repeated']) if item['steps_repeated'] else 'none'}")
 
 
 def _appended_rows(report: Report, limit: int) -> List[List[Any]]:
@@ -457,11 +459,13 @@ def cmd_summary(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     else:
         lines.append("  rank disagreement: none")
     if report.appended:
-        lines.append(f"  steps written more than once: {len(report.appended)} file(s) hold several runs (a re-run "
-                     f"appended to the same output_dir); first: {_appended_text(report.appended[0], root)}")
+        repeated = sum(len(i["steps_repeated"]) for i in report.appended)
+        lines.append(f"  appended re-runs:  {len(report.appended)} file(s) hold several runs (a re-run appended to "
+                     f"the same output_dir), {repeated} step(s) written more than once; first: "
+                     f"{_appended_text(report.appended[0], root)}")
     if report.problems.count:
         lines.append(f"  malformed input:   {report.problems.summary()} (see the warnings above)")
-    lines += ["", f"Details: msprobe-monitor anomalies {root}"]
+    lines += ["", f"Details: {command_line('anomalies', root)}"]
     print("\n".join(lines), file=out)
     return EXIT_OK
 
@@ -561,7 +565,7 @@ def cmd_plot(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         lines.append(f"  report: {html_path}")
         lines.append(f"  open:   file://{os.path.abspath(html_path)}")
     if report.anomalies_found:
-        lines.append("  anomalies found: see the report, or msprobe-monitor anomalies " + layout.root)
+        lines.append("  anomalies found: see the report, or " + command_line("anomalies", layout.root))
     print("\n".join(lines), file=out)
     return EXIT_OK
 
@@ -655,7 +659,7 @@ def cmd_export(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         return EXIT_OK
     lines = [f"msprobe-monitor export {args.out_dir}: {res['rows']} rows from {layout.n_files} CSV file(s) -> "
              f"{res['files']} Parquet file(s) in {args.dest}",
-             f"  read it with any command, e.g. msprobe-monitor summary {args.dest}"]
+             f"  read it with any command, e.g. {command_line('summary', args.dest)}"]
     if problems.count:
         lines.append(f"  malformed input: {problems.summary()} (see the warnings above)")
     print("\n".join(lines), file=out)
@@ -685,7 +689,7 @@ def cmd_validate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
               + (f" to {d['stop_step'] - 1}" if d["stop_step"] is not None else "")
               + f" every {d['step_interval']}, {d['step_count_per_record']} per file", file=out)
     else:
-        print(f"{res.message}", file=err)
+        print(f"INVALID: {args.config}: {res.message}", file=err)
     return code
 
 
@@ -715,6 +719,9 @@ def main(argv: Optional[Sequence[str]] = None, out: Optional[TextIO] = None, err
         except OSError:
             pass
         return EXIT_OK
+    except (UnsafePathError, ConfigError) as exc:  # a link, a FIFO, a shared directory, a bad mode setting
+        print(f"msprobe-monitor {args.command}: error: {exc}", file=err)
+        return EXIT_INPUT
     except OSError as exc:  # e.g. a report directory that cannot be written
         name = f" {exc.filename}" if getattr(exc, "filename", None) else ""
         print(f"msprobe-monitor {args.command}: error:{name}: {exc.strerror or exc}", file=err)

@@ -2,7 +2,7 @@
 the notebook API (:func:`load`) and ``msprobe-monitor export`` (:func:`export`).
 
 Polars is imported only here (and by modules that call this one), never by the training
-side: install it with ``pip install 'msprobe-monitor[analysis]'``.
+side: the error names this interpreter's ``python -m pip install`` for it.
 
 **CSV, fast and exact.** Files of a (rank, monitor) are read in batches: the bytes of
 every file of a batch with the same header are joined and parsed by Polars in one call,
@@ -27,10 +27,12 @@ import re
 import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from .command import pip_command
+from ..safe_fs import SafeDir, open_regular
 from .reader import (BASE_COLUMNS, MONITORS, OPS, CsvFile, InputError, Layout, Problems, Row, StepRange,
                      header_ops, iter_rows)
 
-INSTALL_HINT = "pip install 'msprobe-monitor[analysis]' (it installs polars and matplotlib)"
+INSTALL_HINT = pip_command("polars>=1.20", "matplotlib>=3.5") + " (what the 'analysis' extra of msprobe-monitor installs)"
 PARQUET_GLOB = "part-*.parquet"
 PARQUET_PART = re.compile(r"^part-\d+\.parquet$")
 _HIVE_MONITOR = re.compile(r"^monitor=(?P<monitor>[a-z_]+)$")
@@ -209,9 +211,9 @@ def read_batch(files: List[CsvFile], problems: Problems, steps: Optional[StepRan
 def _fast_candidate(f: CsvFile) -> Optional[Tuple[Tuple[str, ...], memoryview, int]]:
     """``(ops, body, rows)`` of a file that may take the fast path, else None."""
     try:
-        with open(f.path, "rb") as fh:
+        with open(open_regular(f.path), "rb") as fh:
             data = fh.read()
-    except OSError:
+    except OSError:  # refused or unreadable: the reference reader reports why
         return None
     if not data.endswith(b"\n") or b'"' in data or b"\r" in data or b"\x00" in data:
         return None
@@ -295,7 +297,9 @@ def _parse_bodies(pl, files: List[CsvFile], ops: Tuple[str, ...], items: List[Tu
     if ((step < first) | (step > last)).any():
         return None  # the reference reader names the line and the file's window
     missing = [pl.lit(None, dtype=full[c]).alias(c) for c in COLUMNS if c not in names]
-    return df.with_columns(*missing, pl.Series("line", line), pl.Series("fidx", fidx)).select(
+    # the writer's formula escape (reader.text_cell): one leading quote is not part of the name
+    unquoted = [pl.col(c).str.strip_prefix("'") for c in ("module_name", "scope")]
+    return df.with_columns(*unquoted, *missing, pl.Series("line", line), pl.Series("fidx", fidx)).select(
         *COLUMNS, "line", "fidx")
 
 
@@ -401,32 +405,42 @@ def export(path: str, dest: str, ranks: Optional[Sequence[int]] = None, monitors
     layout = scan(path, ranks=ranks, monitors=monitors, steps=steps)
     problems = problems if problems is not None else Problems()
     written = rows = 0
+    root = SafeDir(dest, link_ok=False)
     for rank in layout.ranks:
         for monitor in MONITORS:
             files = layout.files_of(rank, monitor)
             if not files:
                 continue
-            out_dir = os.path.join(dest, f"monitor={monitor}", f"rank={rank}")
-            os.makedirs(out_dir, exist_ok=True)
-            for old in os.listdir(out_dir):
-                if PARQUET_PART.match(old):
-                    os.remove(os.path.join(out_dir, old))
-            part = 0
-            for group in batches(files):
-                fr = read_batch(group, problems, steps).frame
-                first = pl.Series([f.first for f in group], dtype=pl.Int64)
-                last = pl.Series([f.last for f in group], dtype=pl.Int64)
-                fr = fr.with_columns(
-                    pl.col("fidx").replace_strict(list(range(len(group))), first, return_dtype=pl.Int64)
-                    .alias("file_first"),
-                    pl.col("fidx").replace_strict(list(range(len(group))), last, return_dtype=pl.Int64)
-                    .alias("file_last"),
-                ).select(*COLUMNS, "file_first", "file_last", "line")
-                fr.write_parquet(os.path.join(out_dir, f"part-{part:05d}.parquet"), compression="zstd",
-                                 row_group_size=256 * 1024)
-                part += 1
-                rows += len(fr)
-                if progress is not None:
-                    progress(f"rank {rank} {monitor}", len(group))
-            written += part
+            # opened once, never through a link; parts are replaced by rename, not truncated
+            with root.subdir(f"monitor={monitor}") as mdir, mdir.subdir(f"rank={rank}") as out_dir:
+                written, rows = _export_files(pl, out_dir, files, problems, steps, progress, rank, monitor,
+                                              written, rows)
+    root.close()
     return {"files": written, "rows": rows}
+
+
+def _export_files(pl, out_dir: "SafeDir", files: List[CsvFile], problems: Problems, steps: Optional[StepRange],
+                  progress: Optional[Callable[[str, int], None]], rank: int, monitor: str, written: int,
+                  rows: int) -> Tuple[int, int]:
+    """One partition of :func:`export`: its old parts removed, its batches written."""
+    for old in out_dir.listdir():
+        if PARQUET_PART.match(old):
+            out_dir.remove(old)
+    part = 0
+    for group in batches(files):
+        fr = read_batch(group, problems, steps).frame
+        first = pl.Series([f.first for f in group], dtype=pl.Int64)
+        last = pl.Series([f.last for f in group], dtype=pl.Int64)
+        fr = fr.with_columns(
+            pl.col("fidx").replace_strict(list(range(len(group))), first, return_dtype=pl.Int64)
+            .alias("file_first"),
+            pl.col("fidx").replace_strict(list(range(len(group))), last, return_dtype=pl.Int64)
+            .alias("file_last"),
+        ).select(*COLUMNS, "file_first", "file_last", "line")
+        with out_dir.replace(f"part-{part:05d}.parquet") as fh:
+            fr.write_parquet(fh, compression="zstd", row_group_size=256 * 1024)
+        part += 1
+        rows += len(fr)
+        if progress is not None:
+            progress(f"rank {rank} {monitor}", len(group))
+    return written + part, rows

@@ -16,7 +16,9 @@ of each statistic in ``SpikeSettings.stats`` (default ``norm`` and ``max``; ``ma
 checked as the largest magnitude ``absmax = max(|min|, |max|)`` when the file has
 ``min``, so that a value crossing zero is not mistaken for a jump) is compared
 with the tensor's own previous ``window`` finite values (micro-batch rows of a step
-count as separate values). It is a spike when at least ``min_history`` values precede
+count as separate values) of the same run: in files that hold several runs (a script
+re-run with the same output_dir, see :class:`FileRuns`), the k-th run of each file has
+a history of its own. It is a spike when at least ``min_history`` values precede
 it and both ``x > median + k * 1.4826 * MAD`` (robust z-score above ``k``; MAD is the
 median absolute deviation, 1.4826 * MAD estimates a standard deviation) and
 ``x > ratio * median``. The value then joins the history, so a lasting change of level
@@ -233,7 +235,7 @@ def analyse(layout: Layout, problems: Problems, spikes: SpikeSettings, rank_chec
             col = collected[monitor]
             col.ranks.add(rank)
             spike_stats = spikes.stats if (spikes.enabled and monitor in spikes.monitors) else ()
-            history: Dict[Tuple[str, str], Dict[str, deque]] = {}
+            history: Dict[Tuple[str, str, int], Dict[str, deque]] = {}
 
             def on_header(ops: Tuple[str, ...], col: Collected = col) -> None:
                 if any(op not in col.ops for op in ops):
@@ -246,6 +248,8 @@ def analyse(layout: Layout, problems: Problems, spikes: SpikeSettings, rank_chec
                 steps_seen = col.steps
                 for row in iter_rows(f, problems, steps, on_header=on_header):
                     n_rows += 1
+                    # first: the row's run (a re-run appended to the file) chooses its spike history
+                    runs.add(row.step, row.line, row.name, row.scope, row.micro)
                     steps_seen.add(row.step)
                     col.tensors.add((row.name, row.scope))
                     col.scopes[row.scope] += 1
@@ -262,9 +266,13 @@ def analyse(layout: Layout, problems: Problems, spikes: SpikeSettings, rank_chec
                             first_nonfinite[rank] = (key, finding(
                                 rank, monitor, row, f.path, kind=kind, values=dict(vals)))
                     elif spike_stats:
-                        hist = history.get((row.name, row.scope))
+                        # The k-th run of every file is the k-th run of the script: each run
+                        # has its own history, so that a re-run is never compared with the
+                        # end of the run before it (nor do its repeated values shrink the MAD).
+                        hkey = (row.name, row.scope, runs.seg)
+                        hist = history.get(hkey)
                         if hist is None:
-                            hist = history[(row.name, row.scope)] = {}
+                            hist = history[hkey] = {}
                         spiked = None
                         for stat in spike_stats:
                             v = vals.get(stat)
@@ -298,7 +306,6 @@ def analyse(layout: Layout, problems: Problems, spikes: SpikeSettings, rank_chec
                             spike_items.add(order_key(row.step, monitor, row.scope, row.micro, row.line, rank),
                                             spiked)
                     col.rows += 1
-                    runs.add(row.step, row.line, row.name, row.scope, row.micro)
                     for visit in visitors:
                         visit(rank, monitor, row, f)
                 if runs.restarts:

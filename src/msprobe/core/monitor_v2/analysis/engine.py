@@ -101,10 +101,12 @@ def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, 
                         n_rows += len(fr)
                         col.rows += len(fr)
                         _collect(pl, fr, col, ids)
+                        fr = _with_runs(pl, fr)
                         _appended(pl, fr, rank, monitor, batch, appended)
                         nonfinite_count += _nonfinite(pl, fr, rank, monitor, batch, first_nonfinite, nonfinite_by)
                         if spike_stats:
-                            _spikes(pl, fr, rank, monitor, batch, spikes, spike_stats, carry, spike_items, spike_steps)
+                            _spikes(pl, _per_run_tensors(pl, fr), rank, monitor, batch, spikes, spike_stats, carry,
+                                    spike_items, spike_steps)
                         if do_rank_check and monitor in RANK_CHECKED_MONITORS:
                             _hash_steps(pl, fr, rank, monitor, batch, hashes, irregular)
                         for visit in visitors:
@@ -178,8 +180,9 @@ def _collect(pl, fr, col: Collected, ids) -> None:
     col.micro_steps.update(fr["micro_step"].drop_nulls().unique().to_list())
 
 
-def _appended(pl, fr, rank: int, monitor: str, batch: Batch, out: List[Dict[str, Any]]) -> None:
-    """Files holding several runs (see :class:`.detect.FileRuns`), on integer columns."""
+def _with_runs(pl, fr):
+    """``fr`` with ``_run``: the row's run within its file (0, or k for the k-th run
+    appended to it; see :class:`.detect.FileRuns`), on integer columns."""
     back = (pl.col("step").diff().over("fidx") < 0).fill_null(False)
     key = [pl.col("step"), pl.col("_gid"), pl.col("micro_step").fill_null(-1)]
     # cheap test first: no step goes back and each file's first row occurs once
@@ -187,25 +190,39 @@ def _appended(pl, fr, rank: int, monitor: str, batch: Batch, out: List[Dict[str,
     quick = fr.select(back.any().alias("b"), pl.all_horizontal(*[k == k.first().over("fidx") for k in key]).sum()
                       .alias("h")).row(0)
     if not quick[0] and quick[1] == heads:
+        return fr.with_columns(pl.lit(0, dtype=pl.Int64).alias("_run"))
+    seg1 = back.cast(pl.Int64).cum_sum().over("fidx")
+    same_head = pl.all_horizontal(*[(k == k.first()).over("fidx", seg1) for k in key])
+    first_row = pl.int_range(pl.len()).over("fidx", seg1) == 0
+    restart = (back | (same_head & ~first_row)).alias("_restart")
+    return (fr.with_columns(restart)
+            .with_columns(pl.col("_restart").cast(pl.Int64).cum_sum().over("fidx").alias("_run"))
+            .drop("_restart"))
+
+
+def _appended(pl, fr, rank: int, monitor: str, batch: Batch, out: List[Dict[str, Any]]) -> None:
+    """Files holding several runs (``fr`` carries ``_run``, see :func:`_with_runs`)."""
+    if not (fr["_run"] > 0).any():
         return
-    fr = fr.select("fidx", "step", "line", "_gid", "micro_step").with_columns(
-        back.cast(pl.Int64).cum_sum().over("fidx").alias("_seg1"))
-    same_head = pl.all_horizontal(*[(k == k.first()).over("fidx", "_seg1") for k in key])
-    first_row = pl.int_range(pl.len()).over("fidx", "_seg1") == 0
-    restart = back | (same_head & ~first_row)
-    fr = fr.with_columns(restart.alias("_restart"))
-    if not fr["_restart"].any():
-        return
-    files = fr.filter(pl.col("_restart"))["fidx"].unique().to_list()
-    fr = fr.filter(pl.col("fidx").is_in(files)).with_columns(
-        pl.col("_restart").cast(pl.Int64).cum_sum().over("fidx").alias("_seg"))
+    fr = fr.select("fidx", "step", "line", "_run")
+    files = fr.filter(pl.col("_run") > 0)["fidx"].unique().to_list()
+    fr = fr.filter(pl.col("fidx").is_in(files))
+    restart = (pl.col("_run") != pl.col("_run").shift(1).over("fidx")).fill_null(False)
     # a step is repeated when a later run writes it again (its first run is not the current one)
-    repeated = (fr.with_columns(pl.col("_seg").first().over("fidx", "step").alias("_first"))
-                .filter(pl.col("_seg") != pl.col("_first")).group_by("fidx").agg(pl.col("step").unique().sort()))
+    repeated = (fr.with_columns(pl.col("_run").first().over("fidx", "step").alias("_first"))
+                .filter(pl.col("_run") != pl.col("_first")).group_by("fidx").agg(pl.col("step").unique().sort()))
     rep = {f: steps for f, steps in repeated.iter_rows()}
-    restarts = fr.filter(pl.col("_restart")).group_by("fidx", maintain_order=True).agg(pl.col("line")).sort("fidx")
+    restarts = fr.filter(restart).group_by("fidx", maintain_order=True).agg(pl.col("line")).sort("fidx")
     for fidx, lines in restarts.iter_rows():
         out.append(appended_item(rank, monitor, batch.files[fidx].path, list(lines), list(rep.get(fidx, []))))
+
+
+def _per_run_tensors(pl, fr):
+    """``fr`` whose ``_gid`` also names the run: each run appended to a file has its own
+    spike history, as in :func:`.detect.analyse` (ids of run 0 are unchanged)."""
+    if not (fr["_run"] > 0).any():
+        return fr
+    return fr.with_columns((pl.col("_gid").cast(pl.Int64) + pl.col("_run") * (1 << 32)).alias("_gid"))
 
 
 # ------------------------------------------------------------------ non-finite

@@ -18,6 +18,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, TextIO, Tuple
 
+from ..errors import UnsafePathError
+from ..safe_fs import open_regular
+
 MONITORS: Tuple[str, ...] = ("module", "weight_grad", "optimizer", "param", "cc")
 OPS: Tuple[str, ...] = ("min", "max", "mean", "norm", "nans")
 BASE_COLUMNS: Tuple[str, ...] = ("vpp_stage", "step", "module_name", "scope")
@@ -287,13 +290,24 @@ def header_ops(monitor: str, header: List[str]) -> Tuple[Optional[Tuple[str, ...
     return tuple(ops), ""
 
 
+def text_cell(cell: str) -> str:
+    """A ``module_name`` or ``scope`` cell as the monitor meant it: the writer puts one
+    single quote in front of a name that starts with ``=``, ``+``, ``-``, ``@`` or ``'``
+    (so that a spreadsheet never runs it as a formula); exactly one is removed here."""
+    return cell[1:] if cell.startswith("'") else cell
+
+
 def iter_rows(f: CsvFile, problems: Problems, steps: Optional[StepRange] = None,
               on_header: Optional[Callable[[Tuple[str, ...]], None]] = None) -> Iterator[Row]:
     """Stream the valid rows of ``f``; report every bad line to ``problems`` and skip it.
     ``on_header(ops)`` is called once the header is known to be good."""
     path = f.path
     try:
-        fh = open(path, newline="", encoding="utf-8", errors="replace")
+        # never blocks on a FIFO, never shows a file another user linked here
+        fh = open(open_regular(path), newline="", encoding="utf-8", errors="replace")
+    except UnsafePathError as exc:
+        problems.report(path, None, f"not read: {exc.why}", "file")
+        return
     except OSError as exc:
         problems.report(path, None, f"cannot read the file: {exc.strerror or exc}", "file")
         return
@@ -362,7 +376,7 @@ def iter_rows(f: CsvFile, problems: Problems, steps: Optional[StepRange] = None,
                 continue
             if steps is not None and not in_steps(step, steps):
                 continue
-            yield Row(step, vpp, cells[2], cells[3], micro, vals, line)
+            yield Row(step, vpp, text_cell(cells[2]), text_cell(cells[3]), micro, vals, line)
 
 
 def _column_count_message(cells: List[str], header: List[str], ncol: int) -> str:

@@ -11,6 +11,7 @@ import os
 from types import ModuleType
 from typing import Optional, Sequence
 
+from ..analysis.command import pip_command
 from ..errors import ConfigError, MonitorError
 
 _MODULES = {"pytorch": ("pytorch", "torch"), "mindspore": ("mindspore", "mindspore")}
@@ -23,7 +24,7 @@ def load_backend(framework: str) -> ModuleType:
     except ImportError as exc:
         raise MonitorError(
             f"monitor_v2: framework '{framework}' needs the '{package}' package, which cannot be "
-            f"imported ({exc}). Install it, e.g. pip install 'msprobe-monitor[{framework if framework != 'pytorch' else 'torch'}]'."
+            f"imported ({exc}). Install it, e.g. {pip_command(package)}."
         ) from None
     return importlib.import_module(f"{__name__}.{module}")
 

@@ -7,6 +7,7 @@ import logging
 import os
 from typing import Any, Mapping, Optional, Union
 
+from ..analysis.command import pip_command
 from ..errors import MissingDependencyError
 from ..trainer import TrainerMonitorV2
 
@@ -22,7 +23,7 @@ def require(module: str, package: str, integration: str) -> Any:
     except ImportError as exc:
         raise MissingDependencyError(
             f"msprobe-monitor's {integration} needs the package '{package}', which is not installed "
-            f"(import {module!r} failed: {exc}); install it with: pip install {package}"
+            f"(import {module!r} failed: {exc}); install it with: {pip_command(package)}"
         ) from exc
 
 

@@ -10,6 +10,7 @@ import importlib
 import logging
 from typing import Any, Optional
 
+from ..analysis.command import pip_command
 from ..errors import MissingDependencyError
 from ._common import ConfigSource, FrameworkStepMonitor, deepspeed_engine, require
 
@@ -26,7 +27,7 @@ def _lightning() -> Any:
     except MissingDependencyError:
         raise MissingDependencyError(
             "msprobe-monitor's MonitorLightningCallback needs Lightning, which is not installed "
-            "(neither 'lightning.pytorch' nor 'pytorch_lightning' imports); install it with: pip install lightning"
+            f"(neither 'lightning.pytorch' nor 'pytorch_lightning' imports); install it with: {pip_command('lightning')}"
         ) from None
 
 

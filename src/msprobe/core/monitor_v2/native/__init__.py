@@ -7,7 +7,10 @@ pass, at the speed of one ``torch._foreach_norm`` pass.
 
 The package ships the C source, not a binary. ``load()`` builds it once per machine with
 the system C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``; about 0.4 s), keeps
-the library in a cache directory and checks it on known data before using it. Without a
+the library in a cache directory and checks it on known data before using it. The cache is
+used only if this user owns it and nobody else can write it, and a cached file is loaded
+only if it is a regular file of this user (never a link); otherwise the kernel is built in
+a private temporary directory, removed again once the library is loaded. Without a
 compiler, or with ``MSPROBE_MONITOR_NATIVE=0``, ``load()`` returns ``None`` and the
 engines use framework reductions: the same numbers, slower. Nothing here knows a
 framework: callers pass a data pointer, an element count and a dtype code.
@@ -21,11 +24,15 @@ import os
 import platform
 import shlex
 import shutil
+import stat
 import struct
 import subprocess
 import tempfile
 import threading
 from typing import List, Optional, Sequence, Tuple
+
+from .. import safe_fs
+from ..errors import UnsafePathError
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
@@ -122,57 +129,98 @@ def _build_and_load() -> NativeStats:
     for flags in _FLAG_SETS:
         key = hashlib.sha256(source + "\0".join(compiler + flags).encode()).hexdigest()[:16]
         name = f"stats_kernel-{key}-{platform.system()}-{platform.machine()}.so"
+        private: Optional[str] = None
         try:
-            path = _cached_build(compiler, flags, name)
+            path, private = _cached_build(compiler, flags, name)
             native = NativeStats(ctypes.CDLL(path), path)
         except (_Unavailable, OSError) as exc:
             errors.append(str(exc))
             continue
+        finally:
+            # a private build is loaded (mapped) by now or failed: its directory goes, so
+            # no msprobe_native_* directory is left behind in the temp folder
+            if private is not None:
+                shutil.rmtree(private, ignore_errors=True)
         _self_test(native)
         return native
     raise _Unavailable("; ".join(errors))
 
 
-def _cached_build(compiler: List[str], flags: List[str], name: str) -> str:
-    for directory in (_cache_dir(), None):
-        try:
-            if directory is None:  # an unwritable cache: build for this process only
-                directory = tempfile.mkdtemp(prefix="msprobe_native_")
-            os.makedirs(directory, exist_ok=True)
-        except OSError:
-            continue
+def _cache_problem(directory: str) -> Optional[str]:
+    """Why ``directory`` cannot hold libraries this process loads (None if it can):
+    created 0750 if missing, never reached through another user's link, owned by this
+    user and writable by nobody else (so no one can swap a file in it before dlopen)."""
+    try:
+        safe_fs.make_dirs(directory)
+        return safe_fs.private_dir_problem(directory)
+    except UnsafePathError as exc:
+        return exc.why
+    except OSError as exc:
+        return exc.strerror or str(exc)
+
+
+def _cached_build(compiler: List[str], flags: List[str], name: str) -> Tuple[str, Optional[str]]:
+    """``(path of the library, private directory to remove after loading or None)``."""
+    cache = _cache_dir()
+    problem = _cache_problem(cache)
+    if problem is not None:
+        logger.info("monitor_v2: the kernel cache %s is not used (%s); building for this process only", cache, problem)
+    for directory in ((cache,) if problem is None else ()) + (None,):
+        private = None
+        if directory is None:  # an unusable cache: build for this process only
+            try:
+                directory = private = tempfile.mkdtemp(prefix="msprobe_native_")
+            except OSError:
+                break
         path = os.path.join(directory, name)
-        if os.path.exists(path):
-            if _trusted(path):
-                return path
-            continue  # someone else's file: build a private copy instead
+        if private is None:
+            try:
+                info: Optional[os.stat_result] = os.lstat(path)
+            except FileNotFoundError:
+                info = None
+            except OSError:
+                continue
+            if info is not None:
+                if _trusted(info):
+                    return path, None
+                continue  # a link or someone else's file: build a private copy instead
         # Ranks that start together each build under their own name; the rename is atomic.
         partial = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             result = subprocess.run(compiler + flags + ["-o", partial, _SOURCE],
                                     capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as exc:
+            _discard(private)
             raise _Unavailable(f"running {compiler[0]} failed: {exc}") from None
         if result.returncode != 0:
             _remove(partial)
+            _discard(private)
             last = (result.stderr.strip().splitlines() or ["no output"])[-1]
             raise _Unavailable(f"{' '.join(compiler)} exited with {result.returncode}: {last}")
         try:
-            os.chmod(partial, 0o755)  # whatever the umask: see _trusted
+            os.chmod(partial, 0o750)  # whatever the umask: see _trusted
             os.replace(partial, path)
-            return path
+            return path, private
         except OSError:
             _remove(partial)
+            _discard(private)
     raise _Unavailable("no writable directory to build the kernel in")
 
 
-def _trusted(path: str) -> bool:
-    """A cached library is loaded only if this user owns it and nobody else may write it
-    (a shared or world-writable cache directory must not be a way to run code here)."""
+def _discard(directory: Optional[str]) -> None:
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _trusted(info: os.stat_result) -> bool:
+    """A cached library (``lstat``, never followed) is loaded only if it is a regular file
+    with one link that this user owns and nobody else may write (a link or a file planted
+    in a shared cache directory must not be a way to run code here)."""
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        return False
     if not hasattr(os, "getuid"):
         return True
-    info = os.stat(path)
-    return info.st_uid == os.getuid() and not info.st_mode & 0o022
+    return info.st_uid == os.geteuid() and not info.st_mode & 0o022
 
 
 def _remove(path: str) -> None:

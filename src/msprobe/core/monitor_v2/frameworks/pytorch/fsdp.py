@@ -22,16 +22,9 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
+from .naming import clean_path, named_modules, wrapped_module
+
 logger = logging.getLogger("msprobe.monitor_v2")
-
-_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def clean_name(name: str) -> str:
-    """Parameter or module name without the segments that wrappers insert."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
 
 
 def _fsdp1_class() -> Optional[type]:
@@ -68,10 +61,12 @@ class FlatSegment:
 class FlatParamLayout:
     """Layout of one FSDP1 flat parameter: unsharded segments and local-shard segments."""
 
-    def __init__(self, prefix: str, flat_param: torch.Tensor) -> None:
+    def __init__(self, prefix: str, flat_param: torch.Tensor, unit: Optional[torch.nn.Module] = None) -> None:
         self.flat_param = flat_param
-        fqns = list(flat_param._fqns)
-        names = [f"{prefix}.{f}" if prefix else f for f in (clean_name(f) for f in fqns)]
+        # ``_fqns`` are relative to the module the FSDP unit wraps; wrappers inside it
+        # (checkpoint_wrapper under FSDP1) are left out of the names as everywhere.
+        fqns = [clean_path(unit, f) if unit is not None else f for f in flat_param._fqns]
+        names = [f"{prefix}.{f}" if prefix else f for f in fqns]
         self.unsharded: List[FlatSegment] = []
         offset, k = 0, 0
         for numel, is_pad in zip(flat_param._numels_with_padding, flat_param._is_padding_mask):
@@ -94,7 +89,7 @@ def fsdp1_layouts(root: torch.nn.Module) -> List[FlatParamLayout]:
     if cls is None:
         return []
     layouts = []
-    for path, module in root.named_modules():
+    for path, module in named_modules(root, wrappers=True):
         if not isinstance(module, cls):
             continue
         handle = getattr(module, "_handle", None)
@@ -102,7 +97,7 @@ def fsdp1_layouts(root: torch.nn.Module) -> List[FlatParamLayout]:
         if flat is None:
             continue
         try:
-            layouts.append(FlatParamLayout(clean_name(path), flat))
+            layouts.append(FlatParamLayout(path, flat, wrapped_module(module)))
         except AttributeError as exc:
             logger.warning("monitor_v2: cannot read the FSDP flat-parameter layout of '%s' (%r); its "
                            "'unreduced' gradients are not observed", path, exc)

@@ -38,12 +38,14 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from .naming import unwrap
 from .stacks import GradCallback, TrainingStack, UnreducedCapture, tensor_states
 
 if TYPE_CHECKING:  # pragma: no cover
     from .session import ParamInfo, TorchSession
 
-# Wrappers whose ``.module`` is the user's model: their names never reach the CSV.
+# Megatron's wrappers whose ``.module`` is the user's model (how the stack is detected;
+# naming.py strips them from names with every other pure wrapper).
 _WRAPPERS = ("DistributedDataParallel", "Float16Module")
 
 
@@ -53,20 +55,6 @@ def is_megatron(obj: Any) -> bool:
 
 def is_megatron_ddp(chunk: Any) -> bool:
     return is_megatron(chunk) and hasattr(chunk, "ddp_config") and callable(getattr(chunk, "finish_grad_sync", None))
-
-
-def unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """The user's model below Megatron's ``DistributedDataParallel`` and
-    ``Float16Module`` (and torch's DDP), in any nesting."""
-    while True:
-        inner = getattr(module, "module", None)
-        if not isinstance(inner, torch.nn.Module):
-            return module
-        if isinstance(module, torch.nn.parallel.DistributedDataParallel) or (
-                is_megatron(module) and type(module).__name__ in _WRAPPERS):
-            module = inner
-        else:
-            return module
 
 
 # ------------------------------------------------------------------- optimizers
@@ -146,7 +134,7 @@ class MegatronStack(TrainingStack):
 
     # ----------------------------------------------------------------- names
     def unwrap(self, chunk: torch.nn.Module) -> torch.nn.Module:
-        return unwrap(chunk)
+        return unwrap(chunk)  # naming.py: Megatron's DDP and Float16Module are pure wrappers
 
     def optimizer_model_params(self) -> Optional[List[torch.Tensor]]:
         if not self.megatron_optimizer:

@@ -44,6 +44,8 @@ from ...monitor import EVAL_SCOPE, TRAIN_SCOPE, Monitor, select_modules
 from ...stats import Record
 from ...structure import flatten_tensors
 from .copies import ModuleHooks
+from .naming import class_name, named_modules
+from .passes import internal_pass
 from .stats import StatPlan
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -213,14 +215,42 @@ class ModuleMonitor(Monitor):
         self._warned: set = set()
         self._pass_depth = 0  # nesting of model chunk calls in progress
         self._eval_pass = False  # whether the outermost one is an evaluation pass
+        self._internal_depth = 0  # nesting of framework-internal chunk calls (passes.py)
         self.attached = True
-        named = [(vpp, name, m) for vpp, root in enumerate(self.session.roots) for name, m in root.named_modules()]
+        named = [(vpp, name or class_name(m), m) for vpp, root in enumerate(self.session.roots)
+                 for name, m in named_modules(root)]
         for vpp, tag, module in select_modules(named, targets, self.session.qualify):
             self._hook(module, vpp, tag)
         roots = {id(r): r for r in self.session.roots}
         for root in roots.values():
             self._track_passes(root)
+            self._skip_internal_passes(root)
         _warn_if_already_compiled()
+
+    def _skip_internal_passes(self, root: torch.nn.Module) -> None:
+        """A chunk call the framework makes for itself (pipelining's shape inference, a
+        pass on meta tensors: see passes.py) records nothing, forward or backward: no
+        rows, and no graph hooks on what it builds."""
+
+        def enter(mod: torch.nn.Module, args: Tuple, kwargs: Dict) -> None:
+            if self._internal_depth:
+                self._internal_depth += 1
+                return
+            what = internal_pass(args, kwargs)
+            if what is not None:
+                self._internal_depth = 1
+                if ("internal", what) not in self._warned:
+                    self._warned.add(("internal", what))
+                    logger.info("monitor_v2 module: %s is a framework-internal pass, not training: no module "
+                                "rows for it (logged once)", what)
+
+        def leave(mod: torch.nn.Module, args: Tuple, output: Any) -> None:
+            if self._internal_depth:
+                self._internal_depth -= 1
+
+        self._hooks.forward_pre(root, _eager(self.errors.wrap("module internal-pass tracking", enter)),
+                                prepend=True, with_kwargs=True)
+        self._hooks.forward(root, _eager(self.errors.wrap("module internal-pass tracking", leave)), always_call=True)
 
     def _track_passes(self, root: torch.nn.Module) -> None:
         """Hooks around each call of a model chunk: the first to run before the call and
@@ -250,13 +280,13 @@ class ModuleMonitor(Monitor):
 
     def _hook(self, module: torch.nn.Module, vpp: int, tag: str) -> None:
         def pre_hook(mod: torch.nn.Module, args: Tuple, kwargs: Dict) -> None:
-            if self.active:
+            if self.active and not self._internal_depth:
                 self._before_forward(mod, vpp, tag, args, kwargs)
 
         # always_call: the post-hook also runs when forward raises (non-reentrant
         # checkpointing stops its recomputation that way), so the call state is dropped.
         def post_hook(mod: torch.nn.Module, args: Tuple, kwargs: Dict, output: Any) -> None:
-            if self.active:
+            if self.active and not self._internal_depth:
                 self._after_forward(mod, vpp, tag, output)
 
         self._hooks.forward_pre(module, _eager(self.errors.wrap(f"module forward pre-hook of {tag}", pre_hook)),
@@ -397,6 +427,7 @@ class ModuleMonitor(Monitor):
         super().begin_step(step, active)
         self._calls.clear()
         self._pass_depth = 0  # no model call spans a step boundary; never let a count drift
+        self._internal_depth = 0
 
     def collect(self) -> List[Record]:
         for acc, (vpp, name) in list(self._pending.values()):

@@ -8,7 +8,8 @@ import torch
 
 from ...errors import ConfigError
 from .. import rank_from_environment
-from .fsdp import FlatParamLayout, clean_name, fsdp1_layouts, fsdp2_modules, fsdp2_sharded_params
+from .fsdp import FlatParamLayout, fsdp1_layouts, fsdp2_modules, fsdp2_sharded_params
+from .naming import named_parameters, unwrap
 from .stacks import TrainingStack, UnreducedCapture, detect_stack
 from .stats import TorchStatsEngine
 
@@ -46,21 +47,6 @@ def _as_chunks(model: Any) -> Tuple[List[torch.nn.Module], bool]:
     return chunks, is_list
 
 
-def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The user's own module below the wrappers that add nothing to it: DDP and
-    ``torch.compile``'s ``OptimizedModule`` (its ``_orig_mod`` runs the compiled code, so
-    hooks on it and its submodules see every call), in any nesting."""
-    compiled = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
-    optimized = getattr(compiled, "OptimizedModule", ())
-    while True:
-        if isinstance(chunk, torch.nn.parallel.DistributedDataParallel):
-            chunk = chunk.module
-        elif optimized and isinstance(chunk, optimized):
-            chunk = chunk._orig_mod
-        else:
-            return chunk
-
-
 class ParamInfo:
     __slots__ = ("index", "vpp_stage", "name", "param")
 
@@ -77,8 +63,9 @@ class TorchSession:
         self.chunks, self.is_chunk_list = _as_chunks(model)
         # What the training stack (plain torch, DeepSpeed, Megatron...) keeps where: see stacks.py.
         self.stack: TrainingStack = detect_stack(self.chunks, optimizer)
-        # Names are read below the stack's wrappers and below DDP's and torch.compile's,
-        # so they match the user's model (no "module.", no "_orig_mod.").
+        # Names are read below every pure wrapper (naming.py: DDP, FSDP1, torch.compile,
+        # checkpoint/offload wrappers, DeepSpeed's engine, Megatron's), at the root and
+        # inside, so they match the user's model (no "module.", no "_orig_mod.").
         self.roots = [unwrap(self.stack.unwrap(c)) for c in self.chunks]
         self.optimizer = optimizer
         self.context = dict(context)
@@ -88,9 +75,9 @@ class TorchSession:
         self.params: List[ParamInfo] = []
         self._by_id: Dict[int, ParamInfo] = {}
         for vpp, chunk in enumerate(self.roots):
-            for name, p in chunk.named_parameters():
+            for name, p in named_parameters(chunk):
                 if id(p) not in self._by_id:
-                    self._add(vpp, self.qualify(vpp, clean_name(name)), p)
+                    self._add(vpp, self.qualify(vpp, name), p)
         self.n_model_params = len(self.params)
         self._find_fsdp()
         self._optimizer_params: List[ParamInfo] = []
@@ -112,7 +99,9 @@ class TorchSession:
         self.flat_layouts: Dict[int, Tuple[int, FlatParamLayout]] = {}
         self.fsdp2_modules: List[Tuple[int, torch.nn.Module]] = []
         self.fsdp_managed: set = set()
-        for vpp, chunk in enumerate(self.roots):
+        # The chunks as given: an FSDP1 root is a pure wrapper above its root (``self.roots``)
+        # and holds that unit's flat parameter.
+        for vpp, chunk in enumerate(self.chunks):
             for layout in fsdp1_layouts(chunk):
                 for seg in layout.unsharded + layout.shard:
                     seg.name = self.qualify(vpp, seg.name)

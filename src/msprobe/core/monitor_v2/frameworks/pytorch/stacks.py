@@ -102,7 +102,8 @@ class TrainingStack:
 
     # ----------------------------------------------------------------- names
     def unwrap(self, chunk: torch.nn.Module) -> torch.nn.Module:
-        # torch DDP and torch.compile wrappers are unwrapped by the session (session.unwrap).
+        # Pure wrappers (DDP, FSDP1, torch.compile, checkpoint wrappers...) are unwrapped
+        # by the session with naming.unwrap, at the root and inside the model.
         return chunk
 
     def optimizer_model_params(self) -> Optional[List[torch.Tensor]]:

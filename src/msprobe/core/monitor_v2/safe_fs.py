@@ -1,0 +1,483 @@
+"""File-system primitives for shared machines: no write through a link, fixed modes,
+no blocking on a FIFO or a device.
+
+Training jobs often run as root under a directory that other users can write (the system
+temp directory, a shared scratch). Everything the monitor, the CLI and the native kernel
+cache write goes through this module, with these rules:
+
+- Directories are created ``0750`` and files ``0640`` whatever the umask (the modes are
+  set with ``fchmod`` after creation). ``MSPROBE_MONITOR_DIR_MODE`` /
+  ``MSPROBE_MONITOR_FILE_MODE`` (octal) may loosen read access, never write access:
+  a directory mode is a subset of ``0755`` holding ``0700``, a file mode a subset of
+  ``0644`` holding ``0600``.
+- A name this code chooses (``rank_<r>``, a CSV file, ``analysis_report``, a report
+  file, a cache file) is never followed when it is a symbolic link: the link is refused
+  with an error naming it. A link on the way to a path the user chose (``output_dir``,
+  ``--out``, ``DEST``) is followed only if this user or root owns it: a link another
+  user planted in a shared directory is refused.
+- The directory that receives the output (``output_dir``, ``rank_<r>``) must be owned by
+  this user and writable by nobody else, so no one else can plant a name in it.
+- A file appended to is opened with ``O_NOFOLLOW | O_NONBLOCK`` and then checked with
+  ``fstat``: a regular file with one link, owned by this user. A new file is created with
+  ``O_CREAT | O_EXCL``. A file the CLI rewrites is written to a fresh temporary file in
+  the same directory (``O_EXCL``) and renamed over the old name (``rename`` replaces a
+  link, it never writes through it), all relative to a directory opened with
+  ``O_NOFOLLOW``.
+- A file read (a config) is opened with ``O_NONBLOCK`` and refused unless ``fstat`` says
+  it is a regular file; its size is capped.
+"""
+
+import contextlib
+import errno
+import io
+import os
+import secrets
+import stat
+from typing import IO, Iterator, List, Optional, Tuple
+
+from .errors import ConfigError, UnsafePathError
+
+DIR_MODE_ENV = "MSPROBE_MONITOR_DIR_MODE"
+FILE_MODE_ENV = "MSPROBE_MONITOR_FILE_MODE"
+DIR_MODE = 0o750
+FILE_MODE = 0o640
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_HAS_UIDS = hasattr(os, "geteuid")
+
+
+def _mode_from_env(name: str, default: int, most: int, least: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        mode = int(raw.strip(), 8)
+    except ValueError:
+        mode = -1
+    if mode < 0 or mode & ~most or mode & least != least:
+        raise ConfigError(
+            f"monitor_v2: environment variable {name}={raw!r} is not allowed: it must be an octal mode "
+            f"within {most:04o} that keeps {least:04o} (read access may be widened, write access never: "
+            f"others must not be able to plant links in the output)", field=name)
+    return mode
+
+
+def dir_mode() -> int:
+    """The mode of the directories this package creates (0750 unless loosened)."""
+    return _mode_from_env(DIR_MODE_ENV, DIR_MODE, 0o755, 0o700)
+
+
+def file_mode() -> int:
+    """The mode of the files this package creates (0640 unless loosened)."""
+    return _mode_from_env(FILE_MODE_ENV, FILE_MODE, 0o644, 0o600)
+
+
+def _euid() -> int:
+    return os.geteuid() if _HAS_UIDS else 0
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    return "a regular file" if stat.S_ISREG(mode) else "not a regular file"
+
+
+def _refuse(path: str, why: str) -> UnsafePathError:
+    return UnsafePathError(f"monitor_v2: refusing {path!r}: {why}", path, why)
+
+
+def _trusted_link(info: os.stat_result) -> bool:
+    return not _HAS_UIDS or info.st_uid in (_euid(), 0)
+
+
+# ------------------------------------------------------------------- directories
+def _check_components(path: str) -> None:
+    """Every existing component of ``path`` that is a link must be ours or root's."""
+    parts: List[str] = []
+    head = path
+    while True:
+        parent, tail = os.path.split(head)
+        if not tail:
+            break
+        parts.append(head)
+        head = parent
+    for comp in reversed(parts):
+        try:
+            info = os.lstat(comp)
+        except FileNotFoundError:
+            return
+        except OSError:
+            return  # the creating call says what is wrong
+        if stat.S_ISLNK(info.st_mode) and not _trusted_link(info):
+            raise _refuse(comp, f"it is a symbolic link owned by uid {info.st_uid}, another user (a link "
+                                f"planted in a shared directory would redirect the output); remove it or "
+                                f"choose another path")
+
+
+def _set_dir_mode(path: str, mode: int) -> None:
+    fd = os.open(path, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC)
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def make_dirs(path: str, mode: Optional[int] = None, link_ok: bool = True) -> List[str]:
+    """Create ``path`` and its missing parents with ``mode`` (default :func:`dir_mode`),
+    whatever the umask; returns the directories created, deepest first. ``link_ok=False``:
+    the last component is a name this package chose and must not be a symbolic link."""
+    path = os.path.abspath(path)
+    mode = dir_mode() if mode is None else mode
+    _check_components(os.path.dirname(path) if not link_ok else path)
+    if not link_ok:
+        refuse_link(path)
+    missing: List[str] = []
+    probe = path
+    while not os.path.lexists(probe):
+        missing.append(probe)
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    created: List[str] = []
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, 0o700)
+        except FileExistsError:  # another rank was faster: it must still be a real directory
+            info = os.lstat(directory)
+            if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+                raise _refuse(directory, f"it appeared as {_kind(info.st_mode)} while it was being created")
+            continue
+        created.append(directory)
+        _set_dir_mode(directory, mode)
+    return created[::-1]
+
+
+def refuse_link(path: str) -> None:
+    """Raise if ``path`` exists and is a symbolic link (a name this package chose)."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return
+    if stat.S_ISLNK(info.st_mode):
+        raise _refuse(path, f"it is a symbolic link (to {os.readlink(path)!r}); this program creates that "
+                            f"name itself and never follows a link there. Remove the link")
+
+
+def private_dir_problem(path: str) -> Optional[str]:
+    """Why ``path`` (followed) is not a directory that only this user can write, or None."""
+    info = os.stat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        return f"it is {_kind(info.st_mode)}, not a directory"
+    if _HAS_UIDS and info.st_uid != _euid():
+        return (f"it is owned by uid {info.st_uid}, not by this user (uid {_euid()}): its owner could plant "
+                f"links in it that redirect the output; use a directory of your own")
+    if info.st_mode & 0o022:
+        who = {0o022: "group and others", 0o020: "its group", 0o002: "others"}[info.st_mode & 0o022]
+        return (f"it is writable by {who} (mode {stat.S_IMODE(info.st_mode):04o}): they could plant links in it "
+                f"that redirect the output; run 'chmod go-w {path}' or use another directory")
+    return None
+
+
+def check_private_dir(path: str) -> None:
+    """Raise ``UnsafePathError`` unless ``path`` is a directory only this user can write."""
+    problem = private_dir_problem(path)
+    if problem is not None:
+        raise _refuse(path, problem)
+
+
+# -------------------------------------------------------------------------- files
+def _open_error(path: str, exc: OSError, dir_fd: Optional[int] = None) -> UnsafePathError:
+    name = os.path.basename(path) if dir_fd is not None else path
+    try:
+        info = os.lstat(name, dir_fd=dir_fd)
+        what = _kind(info.st_mode)
+    except OSError:
+        what = "not a regular file"
+    if what == "a symbolic link":
+        return _refuse(path, "it is a symbolic link; files are never written through a link. Remove it")
+    if exc.errno == errno.ENXIO or what != "a regular file":
+        return _refuse(path, f"it is {what}, not a regular file; remove it")
+    return _refuse(path, f"{exc.strerror or exc}")
+
+
+def _check_opened(fd: int, path: str) -> None:
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise _refuse(path, f"it is {_kind(info.st_mode)}, not a regular file; remove it")
+    if info.st_nlink != 1:
+        raise _refuse(path, f"it has {info.st_nlink} hard links; a file this program appends to has one")
+    if _HAS_UIDS and info.st_uid != _euid():
+        raise _refuse(path, f"it is owned by uid {info.st_uid}, not by this user (uid {_euid()})")
+
+
+def _open_parent(path: str) -> int:
+    """The directory of ``path``, opened without following a link in its last component
+    (a name this package chose, such as ``rank_<r>``); FileNotFoundError when it is gone."""
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        return os.open(parent, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if os.path.islink(parent):
+            raise _refuse(parent, "it is a symbolic link; this program writes only into a directory of its "
+                                  "own. Remove the link") from None
+        if exc.errno == errno.ENOTDIR:
+            raise _refuse(parent, "it is not a directory") from None
+        raise
+
+
+def open_append(path: str, mode: Optional[int] = None) -> Tuple[int, bool]:
+    """``(fd, created)``: ``path`` opened for reading and appending, created with ``mode``
+    (default :func:`file_mode`) if missing. Never follows a link (neither the file nor its
+    directory), never blocks, and only appends to a regular file of this user with one
+    link. ``FileNotFoundError`` when the directory is gone; ``UnsafePathError`` (an
+    ``OSError``) for anything refused."""
+    mode = file_mode() if mode is None else mode
+    dir_fd = _open_parent(path)
+    try:
+        return _open_append_at(dir_fd, path, mode)
+    finally:
+        os.close(dir_fd)
+
+
+def _open_append_at(dir_fd: int, path: str, mode: int) -> Tuple[int, bool]:
+    name = os.path.basename(path)
+    flags = os.O_RDWR | os.O_APPEND | _NOFOLLOW | _NONBLOCK | _CLOEXEC
+    for _ in range(3):  # a name removed between the two opens: try again
+        try:
+            fd = os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=dir_fd)
+            created = True
+            break
+        except FileExistsError:
+            try:
+                fd = os.open(name, flags, dir_fd=dir_fd)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise _open_error(path, exc, dir_fd) from None
+            created = False
+            break
+    else:
+        raise _refuse(path, "it keeps appearing and disappearing while being opened")
+    try:
+        if created:
+            os.fchmod(fd, mode)
+        else:
+            _check_opened(fd, path)
+        if _NONBLOCK:
+            import fcntl
+
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, created
+
+
+def read_regular_file(path: str, limit: int, what: str = "file") -> bytes:
+    """The bytes of ``path``: opened without blocking, refused unless a regular file, and
+    refused above ``limit`` bytes (``UnsafePathError``; other ``OSError`` as raised)."""
+    fd = os.open(path, os.O_RDONLY | _NONBLOCK | _CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _refuse(path, f"it is {_kind(info.st_mode)}, not a regular file (a {what} is read from a "
+                                f"regular file; reading this one could block or never end)")
+        if info.st_size > limit:
+            raise _refuse(path, f"it is {info.st_size} bytes, more than the {limit} bytes a {what} may have")
+        chunks = []
+        total = 0
+        while True:
+            chunk = os.read(fd, min(1 << 16, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:  # it grew while being read
+                raise _refuse(path, f"it is more than the {limit} bytes a {what} may have")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def open_regular(path: str) -> int:
+    """``path`` opened for reading, without blocking: refused (``UnsafePathError``) if it
+    is a FIFO, a device or a directory, or a symbolic link that neither this user nor root
+    owns (a file planted as a link to another one must not have its content shown)."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        info = None
+    if info is not None and stat.S_ISLNK(info.st_mode) and not _trusted_link(info):
+        raise _refuse(path, f"it is a symbolic link owned by uid {info.st_uid}, another user")
+    fd = os.open(path, os.O_RDONLY | _NONBLOCK | _CLOEXEC)
+    try:
+        _check_opened_regular(fd, path)
+        if _NONBLOCK:
+            import fcntl
+
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_own_file(path: str) -> bytes:
+    """The bytes of a file this package wrote: never through a link, never blocking."""
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC)
+    try:
+        _check_opened_regular(fd, path)
+        chunks = []
+        while True:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------- replaced files
+class SafeDir:
+    """A directory opened once with ``O_NOFOLLOW``; files are (re)written inside it by
+    name, relative to that descriptor, so a link swapped in for the directory or a file
+    later is never written through."""
+
+    def __init__(self, path: str, create: bool = True, link_ok: bool = True) -> None:
+        self.path = os.path.abspath(path)
+        self._fd: Optional[int] = None
+        if create:
+            make_dirs(self.path, link_ok=link_ok)
+        else:
+            _check_components(self.path if link_ok else os.path.dirname(self.path))
+        if not link_ok:
+            refuse_link(self.path)
+        target = os.path.realpath(self.path) if link_ok else self.path
+        try:
+            self._fd = os.open(target, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.EMLINK):
+                raise _refuse(self.path, "it is a symbolic link; remove it") from None
+            raise
+        info = os.fstat(self._fd)
+        if not stat.S_ISDIR(info.st_mode):
+            self.close()
+            raise _refuse(self.path, f"it is {_kind(info.st_mode)}, not a directory")
+
+    @property
+    def fd(self) -> int:
+        assert self._fd is not None
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "SafeDir":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def subdir(self, name: str) -> "SafeDir":
+        """``name`` inside this directory, created if missing, never a link."""
+        try:
+            os.mkdir(name, 0o700, dir_fd=self.fd)
+            created = True
+        except FileExistsError:
+            created = False
+        sub = SafeDir.__new__(SafeDir)
+        sub.path = os.path.join(self.path, name)
+        sub._fd = None
+        try:
+            sub._fd = os.open(name, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=self.fd)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.EMLINK, errno.ENOTDIR):
+                try:
+                    kind = _kind(os.lstat(name, dir_fd=self.fd).st_mode)
+                except OSError:
+                    kind = "not a directory"
+                raise _refuse(sub.path, f"it is {kind}, not a directory of this program; remove it") from None
+            raise
+        if created:
+            os.fchmod(sub._fd, dir_mode())
+        return sub
+
+    def listdir(self) -> List[str]:
+        return os.listdir(self.fd)
+
+    def remove(self, name: str) -> None:
+        """Remove the name (a link is removed, never its target)."""
+        os.unlink(name, dir_fd=self.fd)
+
+    @contextlib.contextmanager
+    def replace(self, name: str, mode: Optional[int] = None) -> Iterator[IO[bytes]]:
+        """A binary file object; when the block ends without an error, what was written
+        replaces ``name`` atomically (a link at ``name`` is replaced, not followed)."""
+        mode = file_mode() if mode is None else mode
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
+        for _ in range(100):
+            tmp = f".{name}.{secrets.token_hex(6)}.tmp"
+            try:
+                fd = os.open(tmp, flags, 0o600, dir_fd=self.fd)
+                break
+            except FileExistsError:
+                continue
+        else:  # pragma: no cover - 100 collisions of 48 random bits
+            raise _refuse(os.path.join(self.path, name), "no temporary name could be created next to it")
+        done = False
+        try:
+            os.fchmod(fd, mode)
+            with io.open(fd, "wb", closefd=False) as fh:
+                yield fh
+            os.replace(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+            done = True
+        finally:
+            os.close(fd)
+            if not done:
+                try:
+                    os.unlink(tmp, dir_fd=self.fd)
+                except OSError:
+                    pass
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        with self.replace(name) as fh:
+            fh.write(data)
+
+    def read_bytes(self, name: str) -> bytes:
+        fd = os.open(name, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC, dir_fd=self.fd)
+        try:
+            _check_opened_regular(fd, os.path.join(self.path, name))
+            with io.open(fd, "rb", closefd=False) as fh:
+                return fh.read()
+        finally:
+            os.close(fd)
+
+
+def _check_opened_regular(fd: int, path: str) -> None:
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise _refuse(path, f"it is {_kind(info.st_mode)}, not a regular file")
+
+
+@contextlib.contextmanager
+def replace_file(path: str, mode: Optional[int] = None) -> Iterator[IO[bytes]]:
+    """:meth:`SafeDir.replace` for one file: its directory must exist and not be a link."""
+    with SafeDir(os.path.dirname(os.path.abspath(path)), create=False, link_ok=False) as d:
+        with d.replace(os.path.basename(path), mode) as fh:
+            yield fh
