@@ -212,3 +212,44 @@ def test_ranks_listing_tensors_in_another_order_are_compared_by_name(tmp_path):
         (d / "param_step0-0.csv").write_text(header + "".join(rows))
     res = both("anomalies", tmp_path, "--json")
     assert [(i["rank"], i["tensor"], i["rows_differing"]) for i in res.json()["rank_check"]["items"]] == [(1, "b", 2)]
+
+
+def _write_converged(root: Path) -> None:
+    """One gradient that converged to exactly 0 for 30 steps, then reads 1.5e-8 for 10
+    (2 micro-batches per step), next to one that jumps from 1 to 100 at step 35."""
+    d = root / "rank_0"
+    d.mkdir(parents=True)
+    lines = [HEADER_WG + ",min,max,norm"]
+    for step in range(40):
+        v = 0.0 if step < 30 else 1.5e-8
+        w = 100.0 if step == 35 else 1.0 + 0.01 * (step % 3)
+        for m in (1, 2):
+            lines.append(f"0,{step},zero.w,unreduced,{m},{-v:.9g},{v:.9g},{v:.9g}")
+            lines.append(f"0,{step},live.w,unreduced,{m},{-w:.9g},{w:.9g},{w:.9g}")
+    (d / "weight_grad_step0-39.csv").write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("floor, zero_flagged", [(1e-6, False), (0.0, True)])
+def test_values_near_zero_are_not_spikes_in_both_engines(tmp_path, floor, zero_flagged):
+    _write_converged(tmp_path)
+    spikes = SpikeSettings(monitors=("weight_grad",), floor=floor)
+    layout = scan(str(tmp_path))
+    ref = report_json(analyse(layout, Problems(), spikes, RankCheckSettings(), limit=None), 0)
+    for batch_rows in (7, 10 ** 6):
+        new = analyse_columnar(layout, Problems(), spikes, RankCheckSettings(), limit=None, batch_rows=batch_rows)
+        assert json.dumps(report_json(new, 0)) == json.dumps(ref)
+    flagged = {(i["tensor"], i["step"]) for i in ref["spikes"]["items"]}
+    assert ("live.w", 35) in flagged  # a real jump is found whatever the floor
+    assert any(t == "zero.w" for t, _ in flagged) == zero_flagged
+    if zero_flagged:
+        assert ("zero.w", 30) in flagged
+
+
+def test_the_cli_takes_the_spike_floor(tmp_path, capsys):
+    _write_converged(tmp_path)
+    default = cli("anomalies", str(tmp_path), "--json", "--no-rank-check")
+    assert "zero.w" not in default.out and "live.w" in default.out
+    loose = cli("anomalies", str(tmp_path), "--json", "--no-rank-check", "--spike-floor", "0")
+    assert "zero.w" in loose.out
+    bad = cli("anomalies", str(tmp_path), "--spike-floor", "-1")
+    assert bad.code == 2 and "--spike-floor" in bad.err + capsys.readouterr().err  # argparse prints to sys.stderr

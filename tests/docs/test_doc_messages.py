@@ -17,6 +17,8 @@ from msprobe.core.monitor_v2.errors import ConfigError
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = sorted([*ROOT.glob("README*.md"), *(ROOT / "docs").rglob("*.md")])
 MARK = "monitor_v2 config: "
+# an ``output_dir`` made world-writable (mode 0777) under tmp_path, shown as this path
+SHARED_DIR = "/tmp/shared"
 
 # the start of a documented message (after MARK) -> a config that produces it
 CASES: Dict[str, dict] = {
@@ -25,6 +27,9 @@ CASES: Dict[str, dict] = {
     "unknown field 'start_stpe'": {"start_stpe": 1},
     "unknown field 'monitors.module.target'": {"monitors": {"module": {"target": ["blocks.0"]}}},
     "unknown field 'monitors.weight_grad.enable'": {"monitors": {"weight_grad": {"enable": True}}},
+    # docs/long-runs.md, "Security": a real directory that group and others can write,
+    # shown in the docs as /tmp/shared
+    "field 'output_dir' = '/tmp/shared'": {"output_dir": SHARED_DIR},
 }
 
 
@@ -47,9 +52,15 @@ def documented() -> List[Tuple[str, str]]:
 
 
 def real_message(cfg: dict, tmp_path: Path) -> str:
+    out = str(tmp_path / "out")
+    if cfg.get("output_dir") == SHARED_DIR:
+        shared = tmp_path / "shared"
+        shared.mkdir()
+        shared.chmod(0o777)
+        out = str(shared)
     with pytest.raises(ConfigError) as info:
-        load_config({**cfg, "output_dir": str(tmp_path / "out")})
-    message = str(info.value)
+        load_config({**cfg, "output_dir": out})
+    message = str(info.value).replace(out, SHARED_DIR)
     assert message.startswith(MARK), message
     return message[len(MARK):]
 

@@ -19,7 +19,7 @@ import logging
 import math
 import weakref
 from collections import defaultdict
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -200,6 +200,17 @@ def _flat(obj: Any) -> List[torch.Tensor]:
     return []
 
 
+def _named(obj: Any, prefix: str = "") -> List[Tuple[str, torch.Tensor]]:
+    """The contract's output names: entries of a dict by key (recursively), everything
+    else numbered over its tensors (a dict inside a tuple with the rest of the tuple)."""
+    if isinstance(obj, dict):
+        out = []
+        for key, value in obj.items():
+            out += [(f"{prefix}.{key}", value)] if isinstance(value, torch.Tensor) else _named(value, f"{prefix}.{key}")
+        return out
+    return [(f"{prefix}.{i}", t) for i, t in enumerate(_flat(obj))]
+
+
 def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """Same traversal order as ``_flat``."""
     if isinstance(obj, torch.Tensor):
@@ -259,10 +270,10 @@ def _reference(model: nn.Module, batches, loss_scale: float = 1.0, grads: bool =
                 return _map((args, kwargs), rep)
 
             def post(m, args, kwargs, out, tag=tag):
-                for i, t in enumerate(_flat(out)):
-                    exp[f"{tag}.output.{i}"].append(t.detach().clone())
+                for suffix, t in _named(out):
+                    exp[f"{tag}.output{suffix}"].append(t.detach().clone())
                     if grads and t.requires_grad and t.grad_fn is not None:
-                        wrt.append((f"{tag}.grad_output.{i}", torch.autograd.graph.get_gradient_edge(t)))
+                        wrt.append((f"{tag}.grad_output{suffix}", torch.autograd.graph.get_gradient_edge(t)))
 
             handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
             handles.append(mod.register_forward_hook(post, with_kwargs=True))
@@ -623,8 +634,8 @@ def test_gradient_accumulation_one_row_per_tag_and_step(tmp_path, no_monitor_err
 
 
 def test_structured_outputs_and_keyword_inputs(tmp_path, no_monitor_errors):
-    """Test 8: tuple/dict/dataclass outputs are numbered over tensors only, in order;
-    a keyword argument comes after the positional ones."""
+    """Test 8: tuple/dataclass outputs are numbered over tensors only, in order; dict
+    outputs are named by key; a keyword argument comes after the positional ones."""
     model = TinyGPT()
     ref = fresh_copy(model)
     data = make_data(1, seed=19)
@@ -649,14 +660,14 @@ def test_structured_outputs_and_keyword_inputs(tmp_path, no_monitor_errors):
     assert {t for t in tags if t.startswith("split.output")} == {"split.output.0", "split.output.1"}
     assert_row_matches(find_row(rows, module_name="split.output.0"), numpy_stats(a * 2), rtol=1e-5, atol=1e-6)
     assert_row_matches(find_row(rows, module_name="split.output.1"), numpy_stats(torch.tanh(b)), rtol=1e-5, atol=1e-6)
-    # dict {"h": cat, "n": 3, "gate": Linear(b)}
+    # dict {"h": cat, "n": 3, "gate": Linear(b)}: named by key
     ma, mb = captured["mixer"]
-    assert {t for t in tags if t.startswith("mixer.output")} == {"mixer.output.0", "mixer.output.1"}
-    assert_row_matches(find_row(rows, module_name="mixer.output.0"), numpy_stats(torch.cat([ma, mb], -1)),
+    assert {t for t in tags if t.startswith("mixer.output")} == {"mixer.output.h", "mixer.output.gate"}
+    assert_row_matches(find_row(rows, module_name="mixer.output.h"), numpy_stats(torch.cat([ma, mb], -1)),
                        rtol=1e-5, atol=1e-6)
     with torch.no_grad():
         gate = ref.mixer.gate(mb)
-    assert_row_matches(find_row(rows, module_name="mixer.output.1"), numpy_stats(gate), rtol=1e-5, atol=1e-6)
+    assert_row_matches(find_row(rows, module_name="mixer.output.gate"), numpy_stats(gate), rtol=1e-5, atol=1e-6)
     # dataclass LMOutput(loss, n_tokens: int, logits)
     h, targets = captured["head"]
     with torch.no_grad():
@@ -674,7 +685,7 @@ def test_structured_outputs_and_keyword_inputs(tmp_path, no_monitor_errors):
     assert not any(t.startswith("blocks.0.attn.input.2") for t in tags)
     # backward numbering follows the same order
     btags = {tag_of(r) for r in rows if r["scope"] == "backward"}
-    assert {"split.grad_output.0", "split.grad_output.1", "mixer.grad_output.0", "mixer.grad_output.1",
+    assert {"split.grad_output.0", "split.grad_output.1", "mixer.grad_output.h", "mixer.grad_output.gate",
             "head.grad_output.0", "mixer.grad_input.0", "mixer.grad_input.1", "head.grad_input.0"} <= btags
     assert "head.grad_input.1" not in btags  # integer targets
     assert "blocks.0.attn.grad_input.1" not in btags  # bool mask
@@ -811,12 +822,12 @@ def test_huggingface_gpt2_trains_identically(tmp_path, no_monitor_errors):
 
     rows = rows_of(tmp_path / "out", "module")
     for s in range(3):
-        loss_row = find_row(rows, step=s, module_name="GPT2LMHeadModel.output.0", scope="forward")
+        # a ModelOutput is a dict: named by key
+        loss_row = find_row(rows, step=s, module_name="GPT2LMHeadModel.output.loss", scope="forward")
         assert_row_matches(loss_row, numpy_stats(plain_losses[s]), rtol=1e-6)
-        # output.1 of the ModelOutput is the logits
-        assert_row_matches(find_row(rows, step=s, module_name="GPT2LMHeadModel.output.1"),
+        assert_row_matches(find_row(rows, step=s, module_name="GPT2LMHeadModel.output.logits"),
                            numpy_stats(plain_logits[s]), rtol=1e-4, atol=1e-6)
-        assert float(find_row(rows, step=s, module_name="GPT2LMHeadModel.grad_output.0")["max"]) == 1.0
+        assert float(find_row(rows, step=s, module_name="GPT2LMHeadModel.grad_output.loss")["max"]) == 1.0
         for tag in ("lm_head.grad_output.0", "transformer.h.0.mlp.c_fc.grad_output.0",
                     "transformer.h.1.attn.c_attn.grad_input.0", "transformer.wte.output.0"):
             find_row(rows, step=s, module_name=tag)

@@ -8,7 +8,9 @@ written, from the statistics already on the host (no synchronisation of its own)
   ``MAX_NONFINITE_STEPS`` steps, then no more.
 - Spikes: a row's norm larger than ``spike_factor`` times the median of the same tensor's
   last ``spike_window`` written norms, once ``spike_warmup`` of them are known (a robust
-  rule: one earlier outlier does not move the median). At most ``MAX_SPIKES_PER_STEP``
+  rule: one earlier outlier does not move the median). A norm not above ``spike_floor``
+  (default 1e-6) is never a spike: a gradient that converged to exactly 0 and then reads
+  1.5e-8 is rounding noise, not an explosion. At most ``MAX_SPIKES_PER_STEP``
   lines per step. Rows of evaluation passes (scope ``eval_forward``) are not checked
   for spikes: they sum over however many batches the evaluation ran, which changes their
   norm from one evaluation to the next (they are checked for non-finite values).
@@ -87,7 +89,7 @@ class Alerter:
                 history = self._history.get(key)
                 if history is None:
                     history = self._history[key] = deque(maxlen=s.spike_window)
-                if len(history) >= s.spike_warmup:
+                if len(history) >= s.spike_warmup and value > s.spike_floor:
                     median = statistics.median(history)
                     if median > 0 and value > s.spike_factor * median:
                         spikes.append((value / median, monitor, row, median, len(history)))

@@ -207,9 +207,12 @@ class AlertSettings:
     spike_factor: Optional[float] = 10.0  # None: no spike alerts
     spike_window: int = 20
     spike_warmup: int = 10
+    # A norm at or below this is never a spike: a tensor that converged to 0 and then reads
+    # 1e-8 is rounding noise, not "inf x the median".
+    spike_floor: float = 1e-6
 
 
-_ALERT_FIELDS = ("enabled", "nonfinite", "spike_factor", "spike_window", "spike_warmup")
+_ALERT_FIELDS = ("enabled", "nonfinite", "spike_factor", "spike_window", "spike_warmup", "spike_floor")
 
 
 def _parse_alert(raw: Any) -> Optional[AlertSettings]:
@@ -235,7 +238,14 @@ def _parse_alert(raw: Any) -> Optional[AlertSettings]:
         spike_factor=factor,
         spike_window=20 if raw.get("spike_window") is None else check_int("alert.spike_window", raw["spike_window"], 3),
         spike_warmup=10 if raw.get("spike_warmup") is None else check_int("alert.spike_warmup", raw["spike_warmup"], 1),
+        spike_floor=1e-6 if raw.get("spike_floor") is None else _nonneg_floor(raw["spike_floor"]),
     )
+
+
+def _nonneg_floor(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise _fail("alert.spike_floor", value, "must be a finite number >= 0 (0: no floor)")
+    return float(value)
 
 
 @dataclass(frozen=True)

@@ -108,6 +108,8 @@ class Record:
     ``vector`` is a framework tensor on the device (or, for empty tensors, a host
     tuple) and ``nans`` a 0-d integer tensor, ``None`` when the engine proved there is
     no NaN (or none was asked for), or an int; ``to_host`` replaces both by host values.
+    ``vector`` None: the tensor gave no statistics (a meta tensor, an unsupported layout;
+    the engine said so once); the record is left out of its row.
     """
 
     vpp_stage: int
@@ -134,9 +136,12 @@ class Row:
 
 
 def merge_records(step: int, records: Iterable[Record]) -> List[Row]:
-    """Merge host records sharing a row key; rows keep the order of first appearance."""
+    """Merge host records sharing a row key; rows keep the order of first appearance.
+    Unobserved records (``vector`` None) are left out: a row of only those is not written."""
     rows: Dict[Tuple[int, str, str, Optional[int]], Row] = {}
     for rec in records:
+        if rec.vector is None:
+            continue
         stat = Stat.from_vector(rec.vector, rec.nans or 0, rec.numel)
         row = rows.get(rec.key)
         if row is None:

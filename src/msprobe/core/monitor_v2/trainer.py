@@ -4,12 +4,20 @@ It owns the step counter and schedule, the monitors and the writer. A step's dat
 hooks compute statistics on the device into small vectors (only on steps that will be
 written); ``step()`` collects every monitor's records, moves them to the host in one
 transfer per device, and hands them to the writer, which merges and formats rows.
+
+A process forked from a training process while the monitor runs (``os.fork()``) inherits
+the monitor, its hooks and the parent's open files. In the child the monitor records and
+writes nothing: the files are the parent's, and the async writer's thread does not exist
+there. The first time the child ends a step (a patched ``optimizer.step()``, or
+``step()``), that is said once at WARNING; a child that never trains (a DataLoader
+worker) says nothing.
 """
 
 import logging
 import os
 import sys
 import time
+import weakref
 from typing import Any, Dict, List, Mapping, Optional, Union
 
 from .alert import make_alerter
@@ -17,7 +25,7 @@ from .config import MonitorConfig, load_config
 from .errors import ConfigError, MonitorStateError
 from .frameworks import load_backend
 from .monitor import ContainedErrors, Monitor
-from .writer import AsyncCsvWriter, CsvWriter, MonitorOutput
+from .writer import AsyncCsvWriter, CsvWriter, MonitorOutput, count_rows
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
@@ -47,6 +55,8 @@ class TrainerMonitorV2:
         self._written_steps = 0
         self._steps_with_rows = 0  # written steps that produced at least one row
         self._optimizer_steps = 0  # optimizer.step() calls seen (patched or not)
+        self._pid = os.getpid()
+        self._warned_forked = False
 
     # ------------------------------------------------------------------ properties
     @property
@@ -134,6 +144,8 @@ class TrainerMonitorV2:
             self._writer.close()
             raise
         self._state = "running"
+        self._pid = os.getpid()
+        _RUNNING.add(self)
         self._begin_step(first_step)
 
     # ---------------------------------------------------------------- step logic
@@ -143,8 +155,29 @@ class TrainerMonitorV2:
         for m in self.monitors:
             m.begin_step(step, self._active)
 
+    def _in_child(self) -> None:
+        """After ``os.fork()``, in the child: record nothing, write nothing."""
+        if self._state not in ("running", "stopping"):
+            return
+        self._state = "forked"
+        for m in self.monitors:
+            m.active = False
+        if self._writer is not None:
+            self._writer.abandon_in_child()
+
+    def _say_forked(self) -> None:
+        if not self._warned_forked:
+            self._warned_forked = True
+            logger.warning(
+                "monitor_v2: process %d, forked from the training process %d while the monitor was running, trains: "
+                "the monitor records and writes nothing here (%s belongs to the parent process, whose rows and "
+                "counts are unchanged). Start a monitor of its own in the child to observe it. Logged once.",
+                os.getpid(), self._pid, self.rank_dir)
+
     def _before_optimizer_step(self) -> None:
         if self._state != "running":
+            if self._state == "forked":
+                self._say_forked()
             return
         for m in self.monitors:
             try:
@@ -169,6 +202,8 @@ class TrainerMonitorV2:
 
         Ignored (with a one-time warning) while ``optimizer.step()`` is patched to do it."""
         if self._state != "running":
+            if self._state == "forked":
+                self._say_forked()
             return
         if self._patched:
             if not self._warned_manual_step:
@@ -201,31 +236,43 @@ class TrainerMonitorV2:
                 self._steps_with_rows += 1
             except Exception as exc:  # noqa: BLE001
                 self.errors.report("writing step results", exc)
-                self._writer.report_lost(step, exc)
+                self._writer.report_lost(step, exc, count_rows(records))
         self._session.engine.forget()
         self._written_steps += self._active
         self._begin_step(step + 1)
 
     # ---------------------------------------------------------------------- stop
     def stop(self) -> None:
-        """Remove every hook and wrapper, flush and close the output. Idempotent."""
+        """Remove every hook and wrapper, flush and close the output. Idempotent.
+
+        With ``async_write``, a Ctrl-C while ``stop()`` waits for the backlog raises
+        here after a warning; calling ``stop()`` again goes on with the drain (and the
+        exit handler drains too). In a forked child it only removes the hooks."""
         if self._state in ("new", "stopped"):
             return
-        state, self._state = self._state, "stopped"
+        state = self._state
         if state == "idle":
+            self._state = "stopped"
             return
-        if self._undo_step_hooks is not None:
-            self._undo_step_hooks()
-            self._undo_step_hooks = None
-        for m in reversed(self.monitors):
-            try:
-                m.detach()
-            except Exception as exc:  # noqa: BLE001
-                self.errors.report(f"{m.name} detach", exc)
+        if state in ("running", "forked"):
+            self._state = "stopping" if state == "running" else "stopped"
+            if self._undo_step_hooks is not None:
+                self._undo_step_hooks()
+                self._undo_step_hooks = None
+            for m in reversed(self.monitors):
+                try:
+                    m.detach()
+                except Exception as exc:  # noqa: BLE001
+                    self.errors.report(f"{m.name} detach", exc)
+            _RUNNING.discard(self)
+            if state == "forked":
+                return
+        # "stopping": hooks are gone; an earlier stop() may have been interrupted in the drain
         try:
             self._writer.close()  # logs what was lost; never raises for output problems
         except Exception as exc:  # noqa: BLE001 - stop() must not mask the training's own error
             logger.warning("monitor_v2: closing the output failed: %r", exc)
+        self._state = "stopped"
         self._session = None
         problem = self._why_nothing_was_written()
         if problem:
@@ -289,3 +336,17 @@ def _announce(message: str) -> None:
         logger.info(message)
     else:
         print(message, file=sys.stderr, flush=True)
+
+
+# Monitors running in this process, told when it forks (a weak set: never kept alive here).
+_RUNNING: "weakref.WeakSet[TrainerMonitorV2]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for mon in list(_RUNNING):
+        mon._in_child()
+    _RUNNING.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -119,6 +119,11 @@ def _ranges(steps: Iterable[int]) -> str:
     return shown + (f" and {len(parts) - 10} more ranges" if len(parts) > 10 else "")
 
 
+def count_rows(records: Dict[str, List[Record]]) -> int:
+    """The rows a step's records make (one per row key of each monitor), for loss counts."""
+    return sum(len({r.key for r in recs if r.vector is not None}) for recs in records.values())
+
+
 class MonitorOutput:
     """What the writer needs to know about one monitor's file."""
 
@@ -374,11 +379,16 @@ class CsvWriter:
             logger.warning("monitor_v2: writing to %s works again from step %d; %d step(s) were lost (%s).",
                            self.rank_dir, step, len(lost), _ranges(lost))
 
-    def report_lost(self, step: int, exc: BaseException) -> None:
-        """A step that never reached ``write_step`` (its statistics failed to reach the host)."""
+    def report_lost(self, step: int, exc: BaseException, rows: int = 0) -> None:
+        """A step that never reached ``write_step`` (its statistics failed to reach the host)
+        and the ``rows`` it would have written."""
         self.lost_steps.add(step)
+        self.lost_rows += rows
         if self._first_error is None:
             self._first_error = repr(exc)
+
+    def abandon_in_child(self) -> None:
+        """In a forked child: nothing to undo (the child never writes; see the trainer)."""
 
     def close(self) -> None:
         """Close the files; log what was lost. Never raises."""
@@ -394,7 +404,13 @@ class CsvWriter:
 
 
 class AsyncCsvWriter:
-    """Same interface as ``CsvWriter``; the work happens on a daemon thread."""
+    """Same interface as ``CsvWriter``; the work happens on a daemon thread.
+
+    ``close()`` drains the queue. Interrupted (Ctrl-C while ``stop()`` waits), it says
+    how much is still queued and can be called again: it goes on where it stopped. The
+    exit handler calls it too, so a program that never finishes ``stop()`` still writes
+    its backlog; only when that last drain is interrupted as well are the remaining
+    steps given up, counted exactly (steps and rows) and logged once by ``close()``."""
 
     _STOP = object()
 
@@ -402,10 +418,18 @@ class AsyncCsvWriter:
         self._writer = writer
         self._queue: "queue.Queue" = queue.Queue()
         self._error: Optional[BaseException] = None
+        self._current: Optional[Tuple[int, Dict[str, List[Record]]]] = None  # on the writer thread now
+        self._give_up = False  # set at exit after an interrupted drain: count the rest as lost
+        self._stop_sent = False
+        self._warned_interrupted = False
+        self._closed = False
+        # Set by the writer thread when it ends. Waited on instead of Thread.join(): a
+        # KeyboardInterrupt inside join() can leave the Thread reporting it ended while it
+        # still runs (CPython's tstate lock handling), and the files would be closed under it.
+        self._finished = threading.Event()
         self._thread = threading.Thread(target=self._run, name="msprobe-monitor-writer", daemon=True)
         self._thread.start()
-        self._closed = False
-        atexit.register(self.close)
+        atexit.register(self._at_exit)
 
     @property
     def lost_steps(self) -> Set[int]:
@@ -420,18 +444,30 @@ class AsyncCsvWriter:
         return self._writer.written_rows
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._finished.set()
+
+    def _loop(self) -> None:
         while True:
             item = self._queue.get()
             if item is self._STOP:
                 self._queue.task_done()
                 return
+            self._current = item
             try:
-                self._writer.write_step(*item)
+                if self._give_up:
+                    self._writer.report_lost(item[0], _Interrupted("the drain at exit was interrupted"),
+                                             count_rows(item[1]))
+                else:
+                    self._writer.write_step(*item)
             except Exception as exc:  # noqa: BLE001 - counted and reported by close(), never lost
-                self._writer.report_lost(item[0], exc)
+                self._writer.report_lost(item[0], exc, count_rows(item[1]))
                 if self._error is None:
                     self._error = exc
                     logger.error("monitor_v2: writing step %s failed: %r", item[0], exc)
+            self._current = None
             self._queue.task_done()
 
     def drain(self) -> None:
@@ -441,14 +477,59 @@ class AsyncCsvWriter:
     def write_step(self, step: int, records: Dict[str, List[Record]]) -> None:
         self._queue.put((step, records))
 
-    def report_lost(self, step: int, exc: BaseException) -> None:
-        self._writer.report_lost(step, exc)
+    def report_lost(self, step: int, exc: BaseException, rows: int = 0) -> None:
+        self._writer.report_lost(step, exc, rows)
+
+    def pending(self) -> Tuple[int, int]:
+        """``(steps, rows)`` handed over and not written yet (queued or being written)."""
+        with self._queue.mutex:
+            items = [i for i in self._queue.queue if i is not self._STOP]
+        current = self._current
+        if current is not None:
+            items.append(current)
+        return len(items), sum(count_rows(i[1]) for i in items)
 
     def close(self) -> None:
+        """Drain, then close the files. A KeyboardInterrupt while waiting is raised
+        after a warning; the next call goes on with the drain."""
         if self._closed:
             return
+        if not self._stop_sent:
+            self._stop_sent = True
+            self._queue.put(self._STOP)
+        try:
+            while not self._finished.wait(0.05):  # short waits: Ctrl-C is seen at once
+                pass
+        except BaseException:
+            steps, rows = self.pending()
+            if not self._warned_interrupted:
+                self._warned_interrupted = True
+                logger.warning(
+                    "monitor_v2: stop() was interrupted while %d step(s) (%d row(s)) were still to be written to "
+                    "%s; nothing is lost yet: call stop() again to write them (at exit the monitor writes them "
+                    "too). Logged once.", steps, rows, self._writer.rank_dir)
+            raise
         self._closed = True
-        atexit.unregister(self.close)
-        self._queue.put(self._STOP)
-        self._thread.join()
+        atexit.unregister(self._at_exit)
         self._writer.close()
+
+    def _at_exit(self) -> None:
+        try:
+            self.close()
+        except KeyboardInterrupt:
+            # Interrupted at exit too: the process ends now. The writer thread counts the
+            # rest as lost (no writing: quick), and close() says how much, once.
+            self._give_up = True
+            self._finished.wait(5.0)
+            self._closed = True
+            self._writer.close()
+
+    def abandon_in_child(self) -> None:
+        """In a forked child: its writer thread does not exist and the files are the
+        parent's; write nothing, drain nothing, log nothing at exit."""
+        self._closed = True
+        atexit.unregister(self._at_exit)
+
+
+class _Interrupted(Exception):
+    pass

@@ -99,8 +99,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _detectors(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "spikes", "a value is a spike when |value| > median + K * 1.4826 * MAD and |value| > RATIO * median of "
-                  "the same tensor's previous WINDOW values on the same rank (the first MIN_HISTORY values of "
-                  "each tensor are never flagged)")
+                  "the same tensor's previous WINDOW values on the same rank and |value| > FLOOR (the first "
+                  "MIN_HISTORY values of each tensor are never flagged)")
     g.add_argument("--spike-stats", type=_stat_list(("min", "max", "mean", "norm")), default="norm,max",
                    help="statistics checked for spikes (comma-separated); max is checked as max(|min|,|max|)")
     g.add_argument("--spike-monitors", type=_monitor_list, default="module,weight_grad,param,cc",
@@ -111,6 +111,8 @@ def _detectors(p: argparse.ArgumentParser) -> None:
                    help="MIN_HISTORY (per-micro-batch gradients: N values per step)")
     g.add_argument("--spike-mad-k", type=_nonneg_float, default=10.0, help="K: robust z-score threshold")
     g.add_argument("--spike-ratio", type=_nonneg_float, default=5.0, help="RATIO: minimum factor over the median")
+    g.add_argument("--spike-floor", type=_nonneg_float, default=1e-6,
+                   help="FLOOR: a value not above it is never a spike (values near zero are rounding noise)")
     g.add_argument("--no-spikes", action="store_true", help="do not look for spikes")
     r = p.add_argument_group(
         "rank agreement", "under data parallelism, reduced gradients, parameters and optimizer state must be the "
@@ -284,7 +286,8 @@ def _settings(args: argparse.Namespace) -> Tuple[SpikeSettings, RankCheckSetting
                          f"({args.spike_window}): nothing would ever be flagged")
     spikes = SpikeSettings(enabled=not args.no_spikes, stats=tuple(args.spike_stats),
                            monitors=tuple(args.spike_monitors), window=args.spike_window,
-                           min_history=args.spike_min_history, mad_k=args.spike_mad_k, ratio=args.spike_ratio)
+                           min_history=args.spike_min_history, mad_k=args.spike_mad_k, ratio=args.spike_ratio,
+                           floor=args.spike_floor)
     groups = None
     if args.rank_groups:
         groups = [parse_int_list(g, "--rank-groups") for g in args.rank_groups.split(";") if g.strip()]

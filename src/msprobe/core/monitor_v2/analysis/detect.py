@@ -21,7 +21,8 @@ re-run with the same output_dir, see :class:`FileRuns`), the k-th run of each fi
 a history of its own. It is a spike when at least ``min_history`` values precede
 it and both ``x > median + k * 1.4826 * MAD`` (robust z-score above ``k``; MAD is the
 median absolute deviation, 1.4826 * MAD estimates a standard deviation) and
-``x > ratio * median``. The value then joins the history, so a lasting change of level
+``x > ratio * median`` and ``x > floor`` (an absolute floor, default 1e-6: a value that
+converged to exactly 0 and then reads 1.5e-8 is rounding noise, not a spike). The value then joins the history, so a lasting change of level
 stops being flagged once it is the median.
 
 **Rank disagreement.** Rows that data-parallel ranks must agree on: ``weight_grad``
@@ -58,11 +59,13 @@ class SpikeSettings:
     min_history: int = 10
     mad_k: float = 10.0
     ratio: float = 5.0
+    floor: float = 1e-6
 
     def describe(self) -> str:
         names = ", ".join("absmax = max(|min|,|max|)" if s == "max" else f"|{s}|" for s in self.stats)
         return (f"{names} of {', '.join(self.monitors)} rows: a spike when > median + {self.mad_k:g} * 1.4826 * MAD "
-                f"and > {self.ratio:g} x median of the tensor's previous {self.window} values on its rank; the first "
+                f"and > {self.ratio:g} x median of the tensor's previous {self.window} values on its rank and > "
+                f"{self.floor:g} (absolute floor); the first "
                 f"{self.min_history} values of each tensor are never flagged")
 
 
@@ -222,7 +225,7 @@ def analyse(layout: Layout, problems: Problems, spikes: SpikeSettings, rank_chec
     checked_files = sum(len(layout.files_of(r, m)) for r in layout.ranks for m in RANK_CHECKED_MONITORS)
     total = layout.n_files + (checked_files if do_rank_check else 0)
     prog = Progress(total, "reading", enabled=progress, stream=progress_stream)
-    window, min_hist, mad_k, ratio = spikes.window, spikes.min_history, spikes.mad_k, spikes.ratio
+    window, min_hist, mad_k, ratio, floor = spikes.window, spikes.min_history, spikes.mad_k, spikes.ratio, spikes.floor
     appended: List[Dict[str, Any]] = []
 
     for rank in layout.ranks:
@@ -288,7 +291,7 @@ def analyse(layout: Layout, problems: Problems, spikes: SpikeSettings, rank_chec
                             h = hist.get(stat)
                             if h is None:
                                 h = hist[stat] = deque(maxlen=window)
-                            if len(h) >= min_hist and x > ratio * min(h):
+                            if len(h) >= min_hist and x > floor and x > ratio * min(h):
                                 s = sorted(h)
                                 med = _median(s)
                                 if x > ratio * med:

@@ -9,7 +9,7 @@ answers; this module gives the same ones, much faster:
   smallest order key (:mod:`.order`) among them;
 - **spikes**: per tensor and statistic, rows are sorted by (tensor, row order) and a
   rolling minimum of the previous ``window`` values selects the *candidates*, the rows
-  that pass the rule's first test ``x > ratio * min(history)`` (exact: a minimum has no
+  that pass the rule's first tests ``x > floor`` and ``x > ratio * min(history)`` (exact: a minimum has no
   rounding). Only candidates get the median and MAD, computed in Python with the
   reference's own arithmetic on the same values in the same order, so findings are
   identical. A tensor whose history holds a NaN (an empty tensor's ``max``), where
@@ -280,7 +280,7 @@ def _spikes(pl, fr, rank: int, monitor: str, batch: Batch, settings: SpikeSettin
             carry: Dict[str, Any], items: FirstN, spike_steps: Counter) -> None:
     import numpy as np
 
-    W, min_hist, ratio, mad_k = settings.window, settings.min_history, settings.ratio, settings.mad_k
+    W, min_hist, ratio, mad_k, floor = settings.window, settings.min_history, settings.ratio, settings.mad_k, settings.floor
     hits: Dict[int, Dict[str, Tuple[str, float, float, float]]] = {}  # seq -> {stat: (label, x, median, mad)}
     g = "_gid"
     need = [c for c in dict.fromkeys([g, "seq", "min", "max", *stats]) if c in fr.columns]
@@ -349,7 +349,7 @@ def _spikes(pl, fr, rank: int, monitor: str, batch: Batch, settings: SpikeSettin
                     pm[ok] = np.minimum(pm[ok], xc[short[ok] - k])
                 pmin[short] = pm
             with np.errstate(invalid="ignore"):
-                cand = isnew & ((~odd & (pos >= min_hist) & (x > ratio * pmin)) | odd)
+                cand = isnew & (x > floor) & ((~odd & (pos >= min_hist) & (x > ratio * pmin)) | odd)
             for i in np.flatnonzero(cand).tolist():
                 m = min(int(pos[i]), W)
                 if m < min_hist:

@@ -21,12 +21,17 @@ for every Cell inside it, once it is known: a ``TrainOneStepCell`` given as the 
 starts recording only in its inner network's call, and a ``recompute()`` block first runs
 its forward without recording inside a training pass. The rows of a call wait for the
 decision until the call returns or the step ends. A Cell called outside a chunk's call
-decides for itself."""
+decides for itself. Passes are tracked per thread: a second thread calling the model
+while the main thread trains is its own pass, decided by its own calls, as in PyTorch.
+
+Output names follow ``structure.named_outputs``: a dict output is named by key
+(``output.logits``), everything else numbered over its tensors."""
 
 import functools
 import importlib
 import inspect
 import logging
+import threading
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import mindspore as ms
@@ -34,7 +39,7 @@ from mindspore import nn
 
 from ...monitor import EVAL_SCOPE, TRAIN_SCOPE, Monitor, remove_all, select_modules
 from ...stats import StatPlan
-from ...structure import flatten_tensors
+from ...structure import flatten_tensors, named_outputs
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
@@ -59,6 +64,16 @@ def _pynative_executor() -> Any:
     return None
 
 
+class _Pass(threading.local):
+    """One thread's pass: nesting of model chunk calls in progress, whether the outermost
+    one recorded a gradient so far, and its forward records (scope not decided yet)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.trains = False
+        self.records: List[Any] = []
+
+
 class MsModuleMonitor(Monitor):
     name = "module"
 
@@ -70,9 +85,7 @@ class MsModuleMonitor(Monitor):
         named = [(vpp, name, c) for vpp, root in enumerate(self.session.roots) for name, c in root.cells_and_names()]
         optimizer = self.session.optimizer
         self._toggled: List[Callable[[], List[Any]]] = []  # installed in this order
-        self._pass_depth = 0  # nesting of model chunk calls in progress
-        self._pass_trains = False  # whether the outermost one recorded a gradient so far
-        self._pass_records: List[Any] = []  # its forward records, scope not decided yet
+        self._pass = _Pass()  # per thread: another thread's calls never join the training pass
         self._executor = _pynative_executor()
         if self._executor is None:
             logger.info("monitor_v2 module: this MindSpore does not say whether a forward is recorded for a "
@@ -101,8 +114,8 @@ class MsModuleMonitor(Monitor):
     def before_optimizer_step(self) -> None:
         # The optimizer runs inside the model's call (TrainOneStepCell): a training pass,
         # even when its forward ran in an unwritten step, where no row hook saw it record.
-        if self._pass_depth:
-            self._pass_trains = True
+        if self._pass.depth:
+            self._pass.trains = True
 
     def collect(self) -> List[Any]:
         self._settle_pass()  # a step can end inside a chunk's call (TrainOneStepCell)
@@ -110,45 +123,54 @@ class MsModuleMonitor(Monitor):
 
     def _track_enter(self, root: Any) -> List[Any]:
         def enter(c: Any, inputs: Tuple, kwargs: Dict = None) -> None:
-            if self._pass_depth == 0:
-                self._pass_trains = False
-            self._pass_depth += 1
+            state = self._pass
+            if state.depth == 0:
+                state.trains = False
+            state.depth += 1
 
         extra = {"with_kwargs": True} if _KWARGS else {}
         return [root.register_forward_pre_hook(self.errors.wrap("module pass tracking", enter), **extra)]
 
     def _track_leave(self, root: Any) -> List[Any]:
         def leave(c: Any, inputs: Tuple, *rest: Any) -> None:
-            if self._pass_depth:
-                self._pass_depth -= 1
-                if self._pass_depth == 0:
+            state = self._pass
+            if state.depth:
+                state.depth -= 1
+                if state.depth == 0:
                     self._settle_pass()
 
         extra = {"with_kwargs": True} if _KWARGS else {}
         return [root.register_forward_hook(self.errors.wrap("module pass tracking", leave), **extra)]
 
     def _settle_pass(self) -> None:
-        scope = TRAIN_SCOPE if self._pass_trains else EVAL_SCOPE
-        for rec in self._pass_records:
+        state = self._pass
+        scope = TRAIN_SCOPE if state.trains else EVAL_SCOPE
+        for rec in state.records:
             rec.scope = scope
-        self._records += self._pass_records
-        self._pass_records = []
+        self._records += state.records
+        state.records = []
 
     def _records_gradient(self) -> bool:
         return self._executor is None or bool(self._executor.requires_grad())
 
     def _emit_forward(self, values: Any, vpp: int, tag: str, kind: str) -> None:
-        if self._pass_depth == 0:  # outside a chunk's call: this call decides
+        state = self._pass
+        if state.depth == 0:  # outside a chunk's call: this call decides
             scope = TRAIN_SCOPE if self._records_gradient() else EVAL_SCOPE
             self._emit(values, vpp, tag, kind, scope, self._records)
         else:  # the scope is settled with the pass
-            self._pass_trains = self._pass_trains or self._records_gradient()
-            self._emit(values, vpp, tag, kind, TRAIN_SCOPE, self._pass_records)
+            state.trains = state.trains or self._records_gradient()
+            self._emit(values, vpp, tag, kind, TRAIN_SCOPE, state.records)
 
     def _emit(self, values: Any, vpp: int, tag: str, kind: str, scope: str, into: List[Any]) -> None:
         engine = self.session.engine
-        for i, t in enumerate(flatten_tensors(values, _is_tensor)):
-            into.append(engine.record(t, self.plan, vpp, f"{tag}.{kind}.{i}", scope))
+        if kind == "output":  # a dict output by key (structure.py)
+            named = named_outputs(values, _is_tensor, f"{tag}.output")
+        else:
+            named = [(f"{tag}.{kind}.{i}", t)
+                     for i, t in enumerate(flatten_tensors(values, _is_tensor, f"{tag}.{kind}"))]
+        for name, t in named:
+            into.append(engine.record(t, self.plan, vpp, name, scope))
 
     def _hook(self, cell: Any, vpp: int, tag: str) -> List[Any]:
         def pre(c: Any, inputs: Tuple, kwargs: Dict = None) -> None:

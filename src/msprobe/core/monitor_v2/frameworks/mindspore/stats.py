@@ -22,6 +22,7 @@ count is therefore also taken when ``min``/``max`` are asked for, and the host s
 reports NaN min/max for any tensor that holds a NaN.
 """
 
+import logging
 import math
 from collections import defaultdict
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -31,7 +32,10 @@ import mindspore as ms
 from mindspore import ops
 
 from ... import native
+from ...monitor import short_error
 from ...stats import EMPTY_VECTOR, Record, StatPlan
+
+logger = logging.getLogger("msprobe.monitor_v2")
 
 _FLOATS = (ms.float32, ms.float64)
 # NumPy dtype names (as ``asnumpy`` returns them) of the kernel's element types.
@@ -54,6 +58,9 @@ def _kernel_threads() -> int:
     return max(1, threads)
 
 
+_COMPLEX = tuple(d for d in (getattr(ms, "complex64", None), getattr(ms, "complex128", None)) if d is not None)
+
+
 class MsStatsEngine:
     def __init__(self, use_native: bool = True, read_host: Optional[bool] = None) -> None:
         """``read_host``: read tensors in place on the host (default: on MindSpore's CPU
@@ -65,6 +72,7 @@ class MsStatsEngine:
         self._native_codes = {} if kernel is None else {
             name: code for name, code in _NATIVE_CODES.items() if code in kernel.dtype_codes}
         self._threads = _kernel_threads()
+        self._warned_unobserved: set = set()
 
     def _zero(self, dtype) -> ms.Tensor:
         z = self._zeros.get(dtype)
@@ -86,6 +94,8 @@ class MsStatsEngine:
             vector, nans = self._native.stats(a.ctypes.data, numel, code, self._threads)
             return Record(vpp_stage, name, scope, micro_step, vector, nans, numel)
         x = a.reshape(-1)
+        if np.iscomplexobj(x):
+            x = np.abs(x)  # magnitudes, as the PyTorch engine (a cast would drop the imaginary part)
         if x.dtype != np.float64:
             x = x.astype(np.float64)  # integers, bool, and low precision without the kernel
         nans = int(np.count_nonzero(np.isnan(x)))
@@ -97,6 +107,10 @@ class MsStatsEngine:
         return Record(vpp_stage, name, scope, micro_step, vector, nans, numel)
 
     def _vector(self, t: ms.Tensor, plan: StatPlan) -> Tuple[ms.Tensor, Optional[ms.Tensor]]:
+        if t.dtype in _COMPLEX:
+            t = ops.abs(t)  # magnitudes, as the PyTorch engine (a cast would drop the imaginary part)
+        if t.dtype == ms.bool_:
+            t = t.astype(ms.int32)  # some devices (the CPU) cast bool to int, not to float
         if t.dtype not in _FLOATS:
             t = t.astype(ms.float32)
         zero = self._zero(t.dtype)
@@ -112,6 +126,24 @@ class MsStatsEngine:
 
     def record(self, t: ms.Tensor, plan: StatPlan, vpp_stage: int, name: str, scope: str,
                micro_step: Optional[int] = None, cache: bool = False) -> Record:
+        """Statistics of one tensor; a tensor MindSpore cannot reduce here (a dtype without
+        a cast kernel on this device: float8, hifloat8, packed int4) loses only its own row
+        (an unobserved record, ``vector`` None), said once per dtype."""
+        try:
+            return self._record(t, plan, vpp_stage, name, scope, micro_step)
+        except (TypeError, RuntimeError, ValueError) as exc:
+            self._warn_unobserved(name, str(t.dtype), short_error(exc))
+            return Record(vpp_stage, name, scope, micro_step, None, None, 0)
+
+    def _warn_unobserved(self, name: str, dtype: str, why: str) -> None:
+        if dtype not in self._warned_unobserved:
+            self._warned_unobserved.add(dtype)
+            logger.warning("monitor_v2: %s is a %s tensor that MindSpore cannot reduce here (%s): no statistics, "
+                           "its row is left out (the other rows of the step are written). Logged once for %s.",
+                           name, dtype, why, dtype)
+
+    def _record(self, t: ms.Tensor, plan: StatPlan, vpp_stage: int, name: str, scope: str,
+                micro_step: Optional[int]) -> Record:
         if self._host:
             return self._host_record(t, vpp_stage, name, scope, micro_step)
         numel = int(t.size)
@@ -136,12 +168,28 @@ class MsStatsEngine:
             if isinstance(rec.nans, ms.Tensor):
                 nan_groups.append(rec)
         for recs in vec_groups.values():
-            host = ops.stack([r.vector for r in recs]).asnumpy().tolist()
+            try:
+                host = ops.stack([r.vector for r in recs]).asnumpy().tolist()
+            except (TypeError, RuntimeError, ValueError):
+                recs, host = self._one_by_one(recs)  # one bad vector never costs the step
             for rec, values in zip(recs, host):
                 # the device vector holds the sum of squares (one primitive fewer than a norm)
                 values[3] = math.sqrt(values[3])
                 rec.vector = values
+        nan_groups = [r for r in nan_groups if r.vector is not None]
         if nan_groups:
             host = ops.stack([r.nans.astype(ms.int64) for r in nan_groups]).asnumpy().tolist()
             for rec, value in zip(nan_groups, host):
                 rec.nans = value
+
+    def _one_by_one(self, recs: List[Record]) -> Tuple[List[Record], List[List[float]]]:
+        """The vectors of ``recs`` moved one at a time; those that fail are unobserved."""
+        kept, host = [], []
+        for rec in recs:
+            try:
+                host.append(rec.vector.asnumpy().tolist())
+                kept.append(rec)
+            except (TypeError, RuntimeError, ValueError) as exc:
+                self._warn_unobserved(rec.name, "vector", short_error(exc))
+                rec.vector, rec.nans, rec.numel = None, None, 0
+        return kept, host

@@ -29,6 +29,11 @@ submodule may be kept in ``eval()`` mode while the model trains. A module called
 a chunk's call (Lightning's ``training_step``/``validation_step`` call submodules) is in
 an evaluation pass when its chunk is in ``eval()`` mode or inference mode is on.
 
+Threads: passes are tracked per thread. A second thread calling the model while the
+main thread trains (an evaluation under ``no_grad`` on a background thread) is in its
+own pass, decided by its own outermost call: under ``no_grad`` or ``eval()`` its rows go
+under ``eval_forward``, never into the training ``forward`` rows.
+
 Copies and ``torch.compile``: the forward hooks are left out of ``torch.save``,
 ``copy.deepcopy`` and EMA/SWA copies of the modules (see ``copies.py``), and Dynamo does
 not trace them (``torch.compiler.disable``): a compiled model breaks its graph at each
@@ -36,13 +41,14 @@ monitored module, and the hooks run eagerly on the real tensors there.
 """
 
 import logging
+import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ...monitor import EVAL_SCOPE, TRAIN_SCOPE, Monitor, select_modules
 from ...stats import Record
-from ...structure import flatten_tensors
+from ...structure import flatten_tensors, named_outputs
 from .copies import ModuleHooks
 from .naming import class_name, named_modules
 from .passes import internal_pass
@@ -193,6 +199,16 @@ class _Call:
         self.scope = scope
 
 
+class _Pass(threading.local):
+    """One thread's pass: nesting of model chunk calls in progress, whether the
+    outermost one is an evaluation pass, and nesting of framework-internal chunk calls
+    (passes.py)."""
+
+    depth = 0
+    evaluation = False
+    internal = 0
+
+
 class _GradInputSum:
     """Collects the contributions of several graph edges to one input's gradient."""
 
@@ -210,12 +226,10 @@ class ModuleMonitor(Monitor):
         self.plan = StatPlan.from_ops(self.settings.ops)
         targets: Sequence[str] = self.settings.get("targets")
         self._hooks = ModuleHooks()
-        self._calls: Dict[int, List[_Call]] = {}
+        self._calls: Dict[Tuple[int, int], List[_Call]] = {}  # (thread, module) -> calls in progress
         self._pending: Dict[int, Tuple[_GradInputSum, Tuple[int, str]]] = {}
         self._warned: set = set()
-        self._pass_depth = 0  # nesting of model chunk calls in progress
-        self._eval_pass = False  # whether the outermost one is an evaluation pass
-        self._internal_depth = 0  # nesting of framework-internal chunk calls (passes.py)
+        self._pass = _Pass()  # per thread: a background evaluation never joins the training pass
         self.attached = True
         named = [(vpp, name or class_name(m), m) for vpp, root in enumerate(self.session.roots)
                  for name, m in named_modules(root)]
@@ -233,20 +247,20 @@ class ModuleMonitor(Monitor):
         rows, and no graph hooks on what it builds."""
 
         def enter(mod: torch.nn.Module, args: Tuple, kwargs: Dict) -> None:
-            if self._internal_depth:
-                self._internal_depth += 1
+            if self._pass.internal:
+                self._pass.internal += 1
                 return
             what = internal_pass(args, kwargs)
             if what is not None:
-                self._internal_depth = 1
+                self._pass.internal = 1
                 if ("internal", what) not in self._warned:
                     self._warned.add(("internal", what))
                     logger.info("monitor_v2 module: %s is a framework-internal pass, not training: no module "
                                 "rows for it (logged once)", what)
 
         def leave(mod: torch.nn.Module, args: Tuple, output: Any) -> None:
-            if self._internal_depth:
-                self._internal_depth -= 1
+            if self._pass.internal:
+                self._pass.internal -= 1
 
         self._hooks.forward_pre(root, _eager(self.errors.wrap("module internal-pass tracking", enter)),
                                 prepend=True, with_kwargs=True)
@@ -257,20 +271,23 @@ class ModuleMonitor(Monitor):
         the last after it, so that the chunk's own rows are classified too."""
 
         def enter(mod: torch.nn.Module, args: Tuple) -> None:
-            if self._pass_depth == 0:
-                self._eval_pass = _is_evaluation(mod)
-            self._pass_depth += 1
+            state = self._pass
+            if state.depth == 0:
+                state.evaluation = _is_evaluation(mod)
+            state.depth += 1
 
         def leave(mod: torch.nn.Module, args: Tuple, output: Any) -> None:
-            if self._pass_depth:
-                self._pass_depth -= 1
+            state = self._pass
+            if state.depth:
+                state.depth -= 1
 
         self._hooks.forward_pre(root, _eager(self.errors.wrap("module pass tracking", enter)), prepend=True)
         self._hooks.forward(root, _eager(self.errors.wrap("module pass tracking", leave)), always_call=True)
 
     def _forward_scope(self, vpp: int) -> str:
-        if self._pass_depth:
-            evaluation = self._eval_pass
+        state = self._pass
+        if state.depth:
+            evaluation = state.evaluation
         else:
             # A submodule called outside the model's own call (a LightningModule's
             # training_step calls its submodules): the model's mode decides, or inference
@@ -280,13 +297,13 @@ class ModuleMonitor(Monitor):
 
     def _hook(self, module: torch.nn.Module, vpp: int, tag: str) -> None:
         def pre_hook(mod: torch.nn.Module, args: Tuple, kwargs: Dict) -> None:
-            if self.active and not self._internal_depth:
+            if self.active and not self._pass.internal:
                 self._before_forward(mod, vpp, tag, args, kwargs)
 
         # always_call: the post-hook also runs when forward raises (non-reentrant
         # checkpointing stops its recomputation that way), so the call state is dropped.
         def post_hook(mod: torch.nn.Module, args: Tuple, kwargs: Dict, output: Any) -> None:
-            if self.active and not self._internal_depth:
+            if self.active and not self._pass.internal:
                 self._after_forward(mod, vpp, tag, output)
 
         self._hooks.forward_pre(module, _eager(self.errors.wrap(f"module forward pre-hook of {tag}", pre_hook)),
@@ -296,7 +313,7 @@ class ModuleMonitor(Monitor):
 
     # ------------------------------------------------------------------ forward
     def _before_forward(self, module: torch.nn.Module, vpp: int, tag: str, args: Tuple, kwargs: Dict) -> None:
-        inputs = flatten_tensors((args, kwargs), _is_tensor)
+        inputs = flatten_tensors((args, kwargs), _is_tensor, f"{tag}.input")
         recompute = _in_backward()
         scope = self._forward_scope(vpp)
         if not recompute:
@@ -307,24 +324,27 @@ class ModuleMonitor(Monitor):
         # producers as they are now, before any in-place op inside the module.
         boundary = _get_sequence_nr() if _get_sequence_nr is not None else -1
         producers = [_grad_edges(t) if t.grad_fn is not None else t for t in inputs]
-        self._calls.setdefault(id(module), []).append(_Call(producers, boundary, scope))
+        self._calls.setdefault((threading.get_ident(), id(module)), []).append(_Call(producers, boundary, scope))
 
     def _after_forward(self, module: torch.nn.Module, vpp: int, tag: str, output: Any) -> None:
-        stack = self._calls.get(id(module))
+        stack = self._calls.get((threading.get_ident(), id(module)))
         call = stack.pop() if stack else None
-        outputs = flatten_tensors(output, _is_tensor)
+        named = named_outputs(output, _is_tensor, f"{tag}.output")  # a dict output by key: structure.py
+        outputs = [t for _, t in named]
         if not _in_backward():
             engine = self.session.engine
             scope = call.scope if call is not None else self._forward_scope(vpp)
-            for i, t in enumerate(outputs):
-                self._records.append(engine.record(t, self.plan, vpp, f"{tag}.output.{i}", scope, cache=True))
+            for name, t in named:
+                self._records.append(engine.record(t, self.plan, vpp, name, scope, cache=True))
         if torch.is_grad_enabled() and any(t.requires_grad for t in outputs):
-            self._hook_grad_outputs(vpp, tag, outputs, call)
+            suffixes = [name[len(tag) + len(".output."):] for name, _ in named]
+            self._hook_grad_outputs(vpp, tag, outputs, call, suffixes)
             if call is not None:
                 self._hook_grad_inputs(vpp, tag, call, outputs)
 
     # ----------------------------------------------------------------- backward
-    def _hook_grad_outputs(self, vpp: int, tag: str, outputs: List[torch.Tensor], call: Optional[_Call]) -> None:
+    def _hook_grad_outputs(self, vpp: int, tag: str, outputs: List[torch.Tensor], call: Optional[_Call],
+                           suffixes: Sequence[str]) -> None:
         by_node: Dict[Any, List[Tuple[int, int]]] = {}
         for j, t in enumerate(outputs):
             if not t.requires_grad:
@@ -334,7 +354,8 @@ class ModuleMonitor(Monitor):
                 # their bias with skip_bias_add): its gradient is the parameter's own,
                 # reported by weight_grad, so there is nothing to say about it here.
                 if not isinstance(t, torch.nn.Parameter):
-                    self._warn_once(f"{tag}.leaf", f"output {j} of {tag} is a leaf tensor; its gradient is not observed")
+                    self._warn_once(f"{tag}.leaf", f"output {suffixes[j]} of {tag} is a leaf tensor; its gradient "
+                                    f"is not observed")
                 continue
             node, nr = _grad_edges(t)[-1]
             if call is not None and node is not t.grad_fn and node._sequence_nr() < call.boundary:
@@ -348,7 +369,7 @@ class ModuleMonitor(Monitor):
                     g = grad_outputs[nr]
                     if g is not None:
                         self._records.append(self.session.engine.record(
-                            g, self.plan, vpp, f"{tag}.grad_output.{j}", "backward", cache=True))
+                            g, self.plan, vpp, f"{tag}.grad_output.{suffixes[j]}", "backward", cache=True))
             node.register_prehook(self.errors.wrap(f"module grad_output hook of {tag}", prehook))
 
     def _hook_grad_inputs(self, vpp: int, tag: str, call: _Call, outputs: List[torch.Tensor]) -> None:
@@ -426,8 +447,8 @@ class ModuleMonitor(Monitor):
     def begin_step(self, step: int, active: bool) -> None:
         super().begin_step(step, active)
         self._calls.clear()
-        self._pass_depth = 0  # no model call spans a step boundary; never let a count drift
-        self._internal_depth = 0
+        self._pass.depth = 0  # no model call of this thread spans a step boundary; never let a count drift
+        self._pass.internal = 0
 
     def collect(self) -> List[Record]:
         for acc, (vpp, name) in list(self._pending.values()):

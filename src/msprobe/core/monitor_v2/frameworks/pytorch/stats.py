@@ -28,6 +28,14 @@ cloned or kept: the reductions read the tensor in place.
   other statistics together, and a finite norm proves there is none. On accelerators the
   NaN count is computed on the device for every floating-point tensor.
 
+Tensors that cannot be reduced as they are: 1-byte floats (float8 variants) are cast to
+fp32 first (exact: every such value is an fp32 value); a quantized tensor gives the
+statistics of the values it stands for (``dequantize()``, fp32); a jagged nested tensor
+those of its packed values. A tensor without data (``device="meta"``), a strided nested
+tensor, another layout (MKL-DNN...) or a dtype that cannot be cast exactly (packed
+float4) gives no statistics: its record is marked unobserved (``vector`` None), its row
+alone is left out, and the first tensor of each kind is named at WARNING once.
+
 ``to_host`` moves the vectors of a whole step to the host in one transfer per
 (device, dtype) group: the number of transfers does not grow with the tensors.
 """
@@ -43,6 +51,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ... import native
+from ...monitor import short_error
 from ...stats import EMPTY_VECTOR, Record, StatPlan
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -125,13 +134,35 @@ def _memory_key(t: torch.Tensor, plan: StatPlan) -> Optional[Tuple[int, int, tor
     return None if pointer is None else (pointer, t.numel(), t.dtype, plan)
 
 
+def unobservable(t: torch.Tensor) -> Optional[str]:
+    """Why the engine cannot give statistics of ``t`` (None when it can)."""
+    if t.is_meta:
+        return "a meta tensor (it has a shape but no data)"
+    if t.is_nested:
+        return None if t.layout == torch.jagged else "a strided nested tensor (only jagged ones are reduced)"
+    if t.layout not in _REDUCED_LAYOUTS:
+        return f"a tensor of layout {t.layout} (strided and sparse tensors are reduced)"
+    if t.dtype in _NO_EXACT_CAST:
+        return f"a {t.dtype} tensor (packed values that no reduction reads)"
+    return None
+
+
+_REDUCED_LAYOUTS = {torch.strided, torch.sparse_coo, torch.sparse_csr, torch.sparse_csc,
+                    torch.sparse_bsr, torch.sparse_bsc}
+_NO_EXACT_CAST = {d for d in (getattr(torch, "float4_e2m1fn_x2", None),) if d is not None}
+
+
 def _prepared(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if hasattr(t, "to_local"):  # DTensor: statistics of the local shard
         t = t.to_local()
+    if t.is_nested:  # jagged (unobservable() turned the rest away): its packed values
+        t = t.values()
+    if t.is_quantized:
+        return t.dequantize()
     if t.is_complex():
         t = t.abs()
-    elif not t.is_floating_point():
+    elif not t.is_floating_point() or t.element_size() == 1:  # ints, bool, float8: exact in fp32
         t = t.to(torch.float32)
     return t
 
@@ -157,6 +188,7 @@ class TorchStatsEngine:
         # and neither it nor the new view has been modified since. With ``module`` on
         # every module of the benchmark's model this reads 12 % fewer elements per step.
         self._seen_memory: Dict[Tuple[int, int, torch.dtype, StatPlan], Tuple["weakref.ref", int, Any, Any, int]] = {}
+        self._warned_unobserved: set = set()
 
     def _zero(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         key = (device, dtype)
@@ -293,7 +325,7 @@ class TorchStatsEngine:
                 if (first is not None and seen[1] == first._version == t._version
                         and first.data_ptr() == memory_key[0]):
                     return Record(vpp_stage, name, scope, micro_step, seen[2], seen[3], seen[4])
-        vector, nans, numel = self._compute(t, plan)
+        vector, nans, numel = self._compute(t, plan, name)
         if cacheable and numel:
             try:
                 entry = (weakref.ref(t), t._version, vector, nans, numel)
@@ -304,13 +336,18 @@ class TorchStatsEngine:
                 self._seen_memory[memory_key] = entry
         return Record(vpp_stage, name, scope, micro_step, vector, nans, numel)
 
-    def _compute(self, t: torch.Tensor, plan: StatPlan) -> Tuple[Any, Any, int]:
+    def _compute(self, t: torch.Tensor, plan: StatPlan, name: str = "") -> Tuple[Any, Any, int]:
         """``(vector, nans, numel)`` of one tensor: the one-pass kernel where it applies,
-        else ATen reductions on the prepared tensor."""
+        else ATen reductions on the prepared tensor; ``(None, None, 0)`` for a tensor
+        without statistics (see ``unobservable``)."""
         host = self._native_vector(t, plan)
         if host is not None:
             return host[0], host[1], t.numel()
-        if t.layout != torch.strided:
+        why = unobservable(t)
+        if why is not None:
+            self.warn_unobserved(name, why)
+            return None, None, 0
+        if t.layout != torch.strided and not t.is_nested:
             return self._sparse(t, plan)
         with torch.no_grad():
             plan = _for_dtype(plan, t)
@@ -357,7 +394,15 @@ class TorchStatsEngine:
         keys: Sequence[Tuple[int, str, str, Optional[int]]],
     ) -> List[Record]:
         """Statistics of many tensors at once (parameters, gradients, optimizer states)."""
-        return [Record(*key, *self._compute(t, plan)) for t, key in zip(tensors, keys)]
+        return [Record(*key, *self._compute(t, plan, key[1])) for t, key in zip(tensors, keys)]
+
+    def warn_unobserved(self, name: str, why: str) -> None:
+        """Say once per kind of tensor that its rows are left out."""
+        kind = why.split(" (")[0]
+        if kind not in self._warned_unobserved:
+            self._warned_unobserved.add(kind)
+            logger.warning("monitor_v2: %s is %s: no statistics, its row is left out (the other rows of the step are "
+                           "written). Logged once for %s.", name, why, kind)
 
     def forget(self) -> None:
         """Forget the tensors seen so far (step end, or after a collective)."""
@@ -376,9 +421,24 @@ class TorchStatsEngine:
                 nan_groups[rec.nans.device].append(rec)
         with torch.no_grad():
             for recs in vec_groups.values():
-                _replace(recs, "vector")
+                self._replace_or_drop(recs, "vector")
             for recs in nan_groups.values():
-                _replace(recs, "nans")
+                self._replace_or_drop(recs, "nans")
+
+    def _replace_or_drop(self, records: Sequence[Record], attr: str) -> None:
+        """``_replace``; where a group's transfer fails, each record is moved alone and
+        only those that fail again are unobserved (one bad vector never costs the step)."""
+        try:
+            _replace(records, attr)
+            return
+        except Exception:  # noqa: BLE001 - narrowed down below
+            pass
+        for rec in records:
+            try:
+                _replace([rec], attr)
+            except Exception as exc:  # noqa: BLE001
+                self.warn_unobserved(rec.name, f"a tensor whose statistics could not reach the host ({short_error(exc)})")
+                rec.vector, rec.nans, rec.numel = None, None, 0
 
 
 def _replace(records: Sequence[Record], attr: str) -> None:
