@@ -150,3 +150,61 @@ def test_accelerate_monitor_needs_the_prepared_optimizer(tmp_path):
     with pytest.raises(Exception, match="AcceleratedOptimizer"):
         AccelerateMonitor({"output_dir": str(tmp_path)}, accelerator, model,
                           torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_accelerate_monitor_under_the_fsdp2_plugin_two_processes(tmp_path):
+    """Accelerate's FSDP plugin (fsdp_version=2), 2 gloo ranks: 'unreduced' is each rank's
+    accumulated local gradient (a replica's), 'reduced' this rank's shard of the clipped
+    rank mean, 'param'/'optimizer' the shards of the weights and moments, under the
+    model's own names. See accelerate_fsdp_worker.py."""
+    from pathlib import Path
+
+    from conftest import run_torchrun
+    from shard_checks import assert_shards_make_up
+
+    out = tmp_path / "out"
+    out.mkdir()
+    run_torchrun(Path(__file__).with_name("accelerate_fsdp_worker.py"), out, timeout=300)
+    refs = [torch.load(out / f"ref_rank{r}.pt", weights_only=False) for r in range(2)]
+    names = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    steps = 3
+    for r in range(2):
+        assert refs[r]["identical"] is True and refs[r]["warnings"] == []
+        assert refs[r]["seen"] == [1, 2, 3]  # one monitor step per synchronised step
+        rows = rows_of(out, "weight_grad", r)
+        assert {x["module_name"] for x in rows} == set(names)
+        assert {x["module_name"] for x in rows_of(out, "param", r)} == set(names)
+        assert {x["module_name"] for x in rows_of(out, "optimizer", r)} == {
+            f"{n}.{k}" for n in names for k in ("exp_avg", "exp_avg_sq")}
+        assert {x["module_name"] for x in rows_of(out, "module", r)} >= {"fc1.input.0", "fc1.output.0"}
+        for step in range(steps):
+            for name in names:
+                row = find_row(rows, step=step, module_name=name, scope="unreduced")
+                assert row["micro_step"] == "2"
+                assert_row_matches(row, numpy_stats(refs[r]["acc"][step][name]), rtol=1e-4, atol=1e-7)
+
+    def shards(monitor, step, name, scope):
+        return [[x for x in rows_of(out, monitor, r) if x["step"] == str(step) and x["module_name"] == name
+                 and x["scope"] == scope] for r in range(2)]
+
+    clipped = 0
+    for step in range(steps):
+        for name in names:
+            assert_shards_make_up(shards("weight_grad", step, name, "reduced"), refs[0]["used"][step][name],
+                                  1e-4, 1e-8, (step, name))
+            after = refs[0]["after"][step]
+            assert_shards_make_up(shards("param", step, name, "param_updated"), after[name], 1e-5, 1e-9, (step, name))
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert_shards_make_up(shards("optimizer", step, f"{name}.{key}", key), after[f"{name}.{key}"],
+                                      1e-5, 1e-12, (step, name, key))
+        used_norm = sum(float(t.pow(2).sum()) for t in refs[0]["used"][step].values()) ** 0.5
+        clipped += abs(used_norm - 0.1) < 1e-5  # clipped to max_norm 0.1
+    assert clipped, "clip_grad_norm_ must clip, or 'reduced' after clipping cannot be told apart"
+    # sync_each_batch=True: FSDP2 reduce-scatters each micro-batch; the accumulated local
+    # gradient never exists: no accumulated 'unreduced' row, said once; 'reduced' unaffected.
+    for r in range(2):
+        said = [m for m in refs[r]["each_batch_warnings"] if "reduce-scattered the gradient" in m]
+        assert len(said) == 1 and refs[r]["each_batch_warnings"] == said, refs[r]["each_batch_warnings"]
+        rows = rows_of(out / "each_batch", "weight_grad", r)
+        assert not [x for x in rows if x["scope"] == "unreduced"]
+        assert {x["step"] for x in rows if x["scope"] == "reduced"} == {"0", "1", "2"}

@@ -6,6 +6,7 @@ local gradient right before the Trainer clips it (``unreduced``) and the gradien
 optimizer update uses (``reduced``: at ``on_pre_optimizer_step``, after clipping)."""
 
 import logging
+import math
 
 import pytest
 import torch
@@ -113,6 +114,14 @@ def test_trainer_callback_values_steps_eval_and_bit_identity(tmp_path, caplog):
                                rtol=1e-4, atol=1e-6)
             clipped += not torch.equal(grad, reduced)
     assert clipped, "max_grad_norm must clip, or 'reduced' and 'unreduced' cannot be told apart"
+    # The Trainer logs the update of monitor step s under its global_step s + 1 (it logs
+    # after the update): its grad_norm (before clipping) is the norm of step s's 'unreduced'.
+    logged = [(h["step"], h["grad_norm"]) for h in trainer.state.log_history if "grad_norm" in h]
+    assert [s for s, _ in logged] == list(range(1, STEPS + 1))
+    for logged_step, grad_norm in logged:
+        norms = [float(r["norm"]) for r in rows if r["step"] == str(logged_step - 1) and r["scope"] == "unreduced"]
+        assert len(norms) == len(unreduced[0])
+        assert math.isclose(math.sqrt(sum(n * n for n in norms)), grad_norm, rel_tol=1e-4), logged_step
 
     # Evaluation passes are not merged into the training steps' forward rows.
     module_rows = rows_of(out, "module")

@@ -27,6 +27,17 @@ def require(module: str, package: str, integration: str) -> Any:
         ) from exc
 
 
+def deepspeed_engine(*candidates: Any) -> Any:
+    """The first of ``candidates`` that is a ``DeepSpeedEngine`` (None if none is). The
+    frameworks keep the engine next to the bare model (``trainer.deepspeed``,
+    ``trainer.strategy.model``); the monitor reads ZeRO's partitions, the names and the
+    real step through it. Recognised by class name: DeepSpeed is not imported here."""
+    for candidate in candidates:
+        if any(c.__name__ == "DeepSpeedEngine" for c in type(candidate).__mro__):
+            return candidate
+    return None
+
+
 class FrameworkStepMonitor:
     """A ``TrainerMonitorV2`` driven by a training framework.
 

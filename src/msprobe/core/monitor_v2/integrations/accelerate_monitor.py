@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from ..errors import ConfigError
 from ..frameworks.pytorch.stacks import wrap_method
-from ._common import ConfigSource, FrameworkStepMonitor, require
+from ._common import ConfigSource, FrameworkStepMonitor, deepspeed_engine, require
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
@@ -36,6 +36,12 @@ class AccelerateMonitor:
                 f"AccelerateMonitor: optimizer must be the AcceleratedOptimizer returned by accelerator.prepare(), "
                 f"got {type(optimizer).__name__}", field="optimizer")
         self.driver = FrameworkStepMonitor(config, fr, integration="AccelerateMonitor")
+        # With the DeepSpeed plugin prepare() returns the engine; a model unwrapped from it
+        # (accelerator.unwrap_model) is monitored through that engine.
+        wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+        engine = deepspeed_engine(getattr(wrapped, "engine", None))
+        if engine is not None and model is not engine and getattr(engine, "module", None) is model:
+            model = engine
         self._steps = int(global_step)
         self.driver.start(model, optimizer, global_step=self._steps,
                           grad_acc_steps=accelerator.gradient_accumulation_steps)

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from ..analysis.command import pip_command
 from ..errors import MissingDependencyError
-from ._common import ConfigSource, FrameworkStepMonitor, require
+from ._common import ConfigSource, FrameworkStepMonitor, deepspeed_engine, require
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
@@ -40,7 +40,8 @@ class MonitorLightningCallback(_pl.Callback):
     - ``on_train_start``: the strategy has built the optimizer and wrapped the model
       (DDP...): the monitor starts on the ``LightningModule`` (names as in the user's
       module) and ``trainer.optimizers[0]`` at ``trainer.global_step``, with
-      ``accumulate_grad_batches``. The sanity-check validation before it is not monitored.
+      ``accumulate_grad_batches``; under ``DeepSpeedStrategy`` on the engine
+      (``trainer.strategy.model``), names still the module's. The sanity-check validation before it is not monitored.
     - ``on_train_batch_end``: the monitor's step follows ``trainer.global_step``.
       With gradient accumulation Lightning runs the last micro-batch's
       forward/backward and the clipping inside ``optimizer.step(closure)``: ``reduced``
@@ -67,7 +68,10 @@ class MonitorLightningCallback(_pl.Callback):
         if len(optimizers) > 1:
             logger.warning("monitor_v2 MonitorLightningCallback: %d optimizers; only the first one is monitored",
                            len(optimizers))
-        self.driver.start(pl_module, optimizers[0], global_step=trainer.global_step,
+        # DeepSpeedStrategy: the engine (strategy.model, whose module is pl_module) holds the
+        # ZeRO partitions and the real step.
+        model = deepspeed_engine(getattr(trainer.strategy, "model", None)) or pl_module
+        self.driver.start(model, optimizers[0], global_step=trainer.global_step,
                           grad_acc_steps=trainer.accumulate_grad_batches)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:

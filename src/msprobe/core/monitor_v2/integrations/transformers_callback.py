@@ -8,7 +8,7 @@ import sys
 from typing import Any, Optional
 
 from ..frameworks.pytorch.copies import set_without_copy
-from ._common import ConfigSource, FrameworkStepMonitor, require
+from ._common import ConfigSource, FrameworkStepMonitor, deepspeed_engine, require
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
@@ -21,7 +21,9 @@ class MonitorTrainerCallback(_transformers.TrainerCallback):
     - ``on_train_begin``: the model and the optimizer exist, wrapped by the Trainer
       (Accelerate's ``AcceleratedOptimizer``; the monitor hooks the optimizer it wraps):
       the monitor starts at the Trainer's global step with its
-      ``gradient_accumulation_steps``.
+      ``gradient_accumulation_steps``. Under DeepSpeed it starts on the engine
+      (``trainer.deepspeed``), whose module is the Trainer's model; under FSDP the
+      Trainer's model is already the wrapped one.
     - ``on_step_end``: the monitor's step follows ``state.global_step``.
     - ``on_train_end`` stops the monitor; an exception out of ``trainer.train()`` stops it
       too when the callback was given to the Trainer's constructor (the Trainer has no
@@ -56,6 +58,12 @@ class MonitorTrainerCallback(_transformers.TrainerCallback):
         if self._guarded is None:
             logger.info("monitor_v2 MonitorTrainerCallback: added after the Trainer was built; the monitor "
                         "stops at the end of training but not on an exception (pass it in Trainer(callbacks=[...]))")
+        # Under DeepSpeed the callback gets the bare model and Accelerate's wrapper of the
+        # ZeRO optimizer; the engine (trainer.deepspeed) is what the monitor reads through.
+        trainer = _calling_trainer() or self._guarded
+        engine = deepspeed_engine(getattr(trainer, "deepspeed", None), getattr(trainer, "model_wrapped", None))
+        if engine is not None and getattr(engine, "module", None) is model:
+            model = engine
         self.driver.start(model, optimizer, global_step=state.global_step,
                           grad_acc_steps=args.gradient_accumulation_steps)
 

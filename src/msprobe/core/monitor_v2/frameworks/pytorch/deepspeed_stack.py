@@ -33,15 +33,24 @@ micro-batch (``monitor_mbs_grad=true``) is exact. Computing the sum ourselves wo
 a full-size copy of every local gradient across micro-batches, which is what ZeRO exists
 to avoid.
 
+Frameworks hand their callbacks the bare model and a wrapper of the ZeRO optimizer (the
+HF Trainer: ``trainer.model`` and Accelerate's ``DeepSpeedOptimizerWrapper``). Given those,
+``detect`` finds the engine whose ``optimizer`` it is and monitors through it; without one
+(``DeepSpeedWithoutEngine``) no flat partition is written under a made-up name and one
+WARNING says what is not observed.
+
 Everything below reads private attributes, defensively: one missing in another version
 is logged once, naming what is not observed, and training goes on.
 """
 
+import logging
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from .stacks import TrainingStack, UnreducedCapture, wrap_method
+
+logger = logging.getLogger("msprobe.monitor_v2")
 
 _KINDS = {
     "FP16_UnfusedOptimizer": "masters",
@@ -65,6 +74,53 @@ def _flat(groups: Any) -> List[torch.Tensor]:
     return [p for group in groups for p in group]
 
 
+def _wrapper_chain(optimizer: Any) -> Iterator[Any]:
+    """``optimizer`` and what it wraps, outermost first: Accelerate's
+    ``AcceleratedOptimizer``/``DeepSpeedOptimizerWrapper`` (``.optimizer``), Lightning's
+    ``LightningOptimizer`` (``._optimizer``)."""
+    seen: set = set()
+    while optimizer is not None and id(optimizer) not in seen and len(seen) < 8:
+        seen.add(id(optimizer))
+        yield optimizer
+        own = getattr(optimizer, "__dict__", {})
+        optimizer = own.get("optimizer", own.get("_optimizer"))
+
+
+def _deepspeed_optimizer(optimizer: Any) -> Optional[Any]:
+    """The DeepSpeed optimizer (ZeRO, FP16/BF16 wrappers) in ``optimizer``'s wrapper
+    chain, or None. A torch optimizer (ZeRO-0 fp32) is not one: plain torch reads it."""
+    for opt in _wrapper_chain(optimizer):
+        if type(opt).__name__ in _KINDS or type(opt).__module__.startswith("deepspeed."):
+            return opt
+    return None
+
+
+def _engine_stepping(ds_opt: Any, engine_cls: type) -> Optional[Any]:
+    """The ``DeepSpeedEngine`` whose ``optimizer`` is ``ds_opt``. The optimizer keeps no
+    reference to its engine, so the engine is found among the objects that refer to it
+    (an engine refers to it from its instance dict); this runs once, at ``start()``."""
+    import gc
+
+    for ref in gc.get_referrers(ds_opt):
+        if isinstance(ref, engine_cls):
+            owners = [ref]
+        elif isinstance(ref, dict):
+            owners = [o for o in gc.get_referrers(ref) if isinstance(o, engine_cls)]
+        else:
+            continue
+        for engine in owners:
+            if vars(engine).get("optimizer") is ds_opt:
+                return engine
+    return None
+
+
+def _holds_all(engine: Any, chunks: List[torch.nn.Module]) -> bool:
+    """Every parameter of ``chunks`` is one the engine's module trains."""
+    inside = {id(p) for p in engine.module.parameters()}
+    given = [id(p) for c in chunks for p in c.parameters()]
+    return bool(given) and all(i in inside for i in given)
+
+
 class DeepSpeedStack(TrainingStack):
     name = "deepspeed"
 
@@ -82,8 +138,8 @@ class DeepSpeedStack(TrainingStack):
             self.log_once("kind", "engine.optimizer is a %s, which this version of the monitor does not know; "
                           "'reduced', 'optimizer' and 'param' rows are read as for a plain torch optimizer and "
                           "may be missing", cls)
-        if optimizer is not None and optimizer is not self.ds_optimizer and optimizer is not getattr(
-                engine, "basic_optimizer", None):
+        mine = (self.ds_optimizer, getattr(engine, "basic_optimizer", None))
+        if optimizer is not None and not any(o is m for o in _wrapper_chain(optimizer) for m in mine):
             self.log_once("optimizer", "the optimizer passed to start() is neither engine.optimizer nor "
                           "engine.basic_optimizer; the engine's optimizer (%s) is monitored", cls)
         try:
@@ -93,14 +149,29 @@ class DeepSpeedStack(TrainingStack):
         self._model_params = self._read_model_params()
 
     @classmethod
-    def detect(cls, chunks: List[torch.nn.Module], optimizer: Any) -> Optional["DeepSpeedStack"]:
+    def detect(cls, chunks: List[torch.nn.Module], optimizer: Any) -> Optional[TrainingStack]:
+        """The engine among ``chunks``; else, when ``optimizer`` is (or wraps) a DeepSpeed
+        optimizer, the engine that steps it (frameworks hand out the bare model and a
+        wrapper of the ZeRO optimizer: ``trainer.model`` and Accelerate's
+        ``DeepSpeedOptimizerWrapper`` under the HF Trainer). Without the engine the flat
+        partitions cannot be named nor the step found: ``DeepSpeedWithoutEngine`` says so."""
         engine_cls = _engine_class()
         if engine_cls is None:
             return None
         engines = [c for c in chunks if isinstance(c, engine_cls)]
-        if not engines:
+        if engines:
+            return cls(chunks, optimizer, engines[0])
+        ds_opt = _deepspeed_optimizer(optimizer)
+        if ds_opt is None:
             return None
-        return cls(chunks, optimizer, engines[0])
+        engine = _engine_stepping(ds_opt, engine_cls)
+        if engine is not None and _holds_all(engine, chunks):
+            logger.info("monitor_v2: the model passed to start() is not a DeepSpeedEngine; the engine that steps "
+                        "its %s is used (names stay the model's)", type(ds_opt).__name__)
+            return cls(chunks, optimizer, engine)
+        why = ("no DeepSpeedEngine steps it" if engine is None
+               else "the DeepSpeedEngine that steps it trains other parameters than the model given")
+        return DeepSpeedWithoutEngine(chunks, optimizer, ds_opt, why)
 
     # ----------------------------------------------------------------- names
     def unwrap(self, chunk: torch.nn.Module) -> torch.nn.Module:
@@ -380,6 +451,36 @@ def _accumulate(prior: Optional[torch.Tensor], grad: torch.Tensor) -> torch.Tens
     if prior is None:
         return grad
     return prior + grad.to(prior.dtype).view(prior.shape)
+
+
+class DeepSpeedWithoutEngine(TrainingStack):
+    """A DeepSpeed optimizer given without the engine that steps it. Its param groups
+    hold flat fp32 partitions (ZeRO-1/2/3) or masters that the monitor cannot map to
+    parameter names, and its gradients live in buffers only the engine's configuration
+    explains: rather than misnamed or wrong rows, none of ``reduced``, ``unreduced``,
+    ``param`` and ``optimizer`` is written, and one WARNING says so. ``module`` rows and
+    the steps (ended at the wrapper's ``step()``) are unaffected."""
+
+    name = "deepspeed"
+
+    def __init__(self, chunks: List[torch.nn.Module], optimizer: Any, ds_opt: Any, why: str) -> None:
+        super().__init__(chunks, optimizer)
+        self.ds_optimizer = ds_opt
+        self.reason = (
+            f"the optimizer passed to start() is DeepSpeed's {type(ds_opt).__name__}, but the model is "
+            f"{', '.join(type(c).__name__ for c in chunks) or 'missing'}, not a DeepSpeedEngine, and {why}: "
+            "'reduced', 'unreduced', 'param' and 'optimizer' rows are not written (they are read through the "
+            "engine). Pass the engine as the model: what deepspeed.initialize returned, trainer.deepspeed "
+            "(HF Trainer), trainer.strategy.model (Lightning)")
+        self.log_once("no-engine", "%s", self.reason)
+
+    def optimizer_model_params(self) -> Optional[List[torch.Tensor]]:
+        return []
+
+    def unreduced_capture(self, session: Any, per_micro_batch: bool, micro_batches: int) -> Optional[UnreducedCapture]:
+        return UnreducedCapture(not_observable=(
+            f"DeepSpeed's {type(self.ds_optimizer).__name__} was given without its DeepSpeedEngine (see the "
+            "warning above)"))
 
 
 STACK = DeepSpeedStack

@@ -23,7 +23,7 @@ capture instead, or says why the value cannot be captured exactly (``stacks.py``
 
 import functools
 import logging
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -42,13 +42,17 @@ class GradSource:
     """A tensor whose gradient is read for ``unreduced`` rows, and the rows it yields:
     ``(vpp_stage, name, segment)``; ``segment`` None means the whole gradient."""
 
-    __slots__ = ("index", "rows", "plain_param")
+    __slots__ = ("index", "rows", "plain_param", "reduces")
 
     def __init__(self, index: int, rows: Sequence[Tuple[int, str, Optional[FlatSegment]]],
-                 plain_param: Optional[torch.Tensor] = None) -> None:
+                 plain_param: Optional[torch.Tensor] = None,
+                 reduces: Optional[Callable[[], bool]] = None) -> None:
         self.index = index
         self.rows = list(rows)
         self.plain_param = plain_param  # set when the monitored tensor is the optimizer's parameter
+        # FSDP2: whether the running backward pass reduce-scatters this gradient (and frees
+        # the unsharded one), i.e. whether it is not kept for accumulation
+        self.reduces = reduces
 
 
 class WeightGradMonitor(Monitor):
@@ -64,6 +68,7 @@ class WeightGradMonitor(Monitor):
         self._hooked: Set[int] = set()
         session = self.session
         self._warned_short = False
+        self._warned_early = False
         self._reset()
         self.sources: List[GradSource] = []
         self._adapter_sources: Dict[int, GradSource] = {}
@@ -117,17 +122,20 @@ class WeightGradMonitor(Monitor):
 
     def _hook_fsdp2_unsharded(self, module: torch.nn.Module) -> None:
         # _unsharded_param exists once the module has run forward; hook each one once.
+        reduces = _fsdp2_reduces(module)
         for sharded, unsharded in fsdp2_params(module):
             if unsharded is None or id(unsharded) in self._hooked:
                 continue
             info = self.session.info(sharded)
-            self._hook_tensor(unsharded, GradSource(info.index, [(info.vpp_stage, info.name, None)]))
+            self._hook_tensor(unsharded, GradSource(info.index, [(info.vpp_stage, info.name, None)],
+                                                    reduces=reduces))
 
     # ------------------------------------------------------------------ hooks
     def _reset(self) -> None:
         self._passes: Dict[int, int] = {}  # source index -> backward passes that reached it
         self._unreduced: Dict[Tuple[int, int, int], Record] = {}  # (source index, micro step, row)
         self._reduced: List[Record] = []
+        self._reduced_early: Set[int] = set()  # FSDP2 sources reduce-scattered before the last pass
 
     def begin_step(self, step: int, active: bool) -> None:
         super().begin_step(step, active)
@@ -157,10 +165,27 @@ class WeightGradMonitor(Monitor):
         if not self.active:
             return
         n = self._count_pass(source)
+        if source.reduces is not None and n < self.micro_batches and source.reduces():
+            self._reduced_early.add(source.index)
         if n >= self.micro_batches and grad is not None:
+            if source.index in self._reduced_early:
+                self._warn_reduced_early(source)
+                return
             if callable(grad):  # built only for the row that is recorded
                 grad = grad()
             self._record(source, grad, 0)
+
+    def _warn_reduced_early(self, source: GradSource) -> None:
+        if self._warned_early:
+            return
+        self._warned_early = True
+        logger.warning(
+            "monitor_v2 weight_grad: at step %d FSDP2 reduce-scattered the gradient of '%s' (and others) "
+            "before the last of the %d micro-batches (gradient sync on for every micro-batch: no "
+            "set_requires_gradient_sync(False), or Accelerate's sync_each_batch=True), so the accumulated "
+            "local gradient of the step never exists: no accumulated 'unreduced' rows are written for such "
+            "parameters; monitor_mbs_grad=true gives each micro-batch's exact row. Logged once.",
+            self.step, source.rows[0][1], self.micro_batches)
 
     # --------------------------------------------------------- optimizer step
     def before_optimizer_step(self) -> None:
@@ -201,3 +226,20 @@ class WeightGradMonitor(Monitor):
     def detach(self) -> None:
         remove_all(self._handles)
         self._hooked.clear()
+
+
+def _fsdp2_reduces(module: torch.nn.Module) -> Optional[Callable[[], bool]]:
+    """Whether ``module``'s FSDP2 parameter groups reduce-scatter in the running backward
+    pass (``set_requires_gradient_sync`` sets their ``reduce_grads``); None where this
+    torch keeps no such flag (nothing is then assumed)."""
+    try:
+        state = module._get_fsdp_state()
+    except AttributeError:
+        return None
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    if not groups or not all(hasattr(g, "reduce_grads") for g in groups):
+        return None
+    return lambda: any(g.reduce_grads for g in groups)
