@@ -38,9 +38,9 @@ def test_wrap_method_runs_around_selected_calls_and_undo_restores_the_instance()
     calls = []
     engine = Engine()
     boundary = iter([False, True])
-    undo = wrap_method(engine, "step", lambda: calls.append("before"), lambda: calls.append("after"),
+    patch = wrap_method(engine, "step", lambda: calls.append("before"), lambda: calls.append("after"),
                        when=lambda: next(boundary))
     assert engine.step(1) == 2 and engine.step(2) == 3
     assert calls == [("step", 1), "before", ("step", 2), "after"]
-    undo()
+    patch.remove()
     assert "step" not in vars(engine)

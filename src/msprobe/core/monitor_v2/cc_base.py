@@ -22,6 +22,7 @@ from time import perf_counter
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from .monitor import Monitor
+from .patching import Patch, remove_all, replace_attribute
 from .safe_fs import open_append
 from .stats import Record, StatPlan
 from .structure import flatten_tensors
@@ -73,22 +74,10 @@ def call_site(frame: Any, skip_dirs: Sequence[str]) -> str:
     return "?"
 
 
-class Patch:
-    """One replaced attribute: where it lives, the original and the wrapper."""
-
-    __slots__ = ("owner", "attr", "original", "wrapper", "had_own")
-
-    def __init__(self, owner: Any, attr: str, original: Callable, wrapper: Callable, had_own: bool) -> None:
-        self.owner, self.attr, self.original, self.wrapper, self.had_own = owner, attr, original, wrapper, had_own
-
-    def undo(self) -> bool:
-        if self.owner.__dict__.get(self.attr) is not self.wrapper:
-            return False
-        if self.had_own:
-            setattr(self.owner, self.attr, self.original)
-        else:  # the attribute was inherited: remove ours and the inherited one shows again
-            delattr(self.owner, self.attr)
-        return True
+def _replaced_after_start(owner: Any, attr: str) -> None:
+    logger.warning("monitor_v2 cc: %s.%s was replaced by someone else after start(); left as it is "
+                   "(the monitor's wrapper, if still referenced, no longer records)",
+                   getattr(owner, "__name__", owner), attr)
 
 
 class Call:
@@ -126,9 +115,9 @@ class CommMonitorBase(Monitor):
         callback()
         return result
 
-    def prepare_call(self, op: str, args: Tuple, kwargs: Dict[str, Any]) -> Callable[[], None]:
-        """Adjust a call before it runs; returns the undo (default: nothing)."""
-        return lambda: None
+    def prepare_call(self, op: str, args: Tuple, kwargs: Dict[str, Any]) -> Patch:
+        """Adjust a call before it runs; returns the patch removed once it ran (default: nothing)."""
+        return Patch()
 
     def poll_pending(self) -> None:
         """Record asynchronous calls found complete at the end of a step (default: none)."""
@@ -183,18 +172,12 @@ class CommMonitorBase(Monitor):
             wrapper = wrappers.get(id(original))
             if wrapper is None:
                 wrapper = wrappers[id(original)] = self._wrap(op, original)
-            had_own = attr in owner.__dict__
-            setattr(owner, attr, wrapper)
-            self._patches.append(Patch(owner, attr, original, wrapper, had_own))
+            self._patches.append(replace_attribute(owner, attr, wrapper, if_replaced=functools.partial(
+                _replaced_after_start, owner, attr)))
 
     def detach(self) -> None:
         self.enabled = False
-        for patch in reversed(self._patches):
-            if not patch.undo():
-                logger.warning("monitor_v2 cc: %s.%s was replaced by someone else after start(); left as it is "
-                               "(the monitor's wrapper, if still referenced, no longer records)",
-                               getattr(patch.owner, "__name__", patch.owner), patch.attr)
-        self._patches.clear()
+        remove_all(self._patches)
 
     def collect(self) -> List[Record]:
         self.poll_pending()
@@ -220,7 +203,7 @@ class CommMonitorBase(Monitor):
             if not (monitor.active and monitor.enabled) or getattr(local, "depth", 0):
                 return original(*args, **kwargs)
             local.depth = 1
-            undo = monitor.prepare_call(op, args, kwargs)
+            adjusted = monitor.prepare_call(op, args, kwargs)
             try:
                 call = monitor._before(op, original, args, kwargs, sys._getframe(1))
                 result = original(*args, **kwargs)
@@ -232,7 +215,7 @@ class CommMonitorBase(Monitor):
                 return result
             finally:
                 local.depth = 0
-                undo()
+                adjusted.remove()
 
         wrapper.__msprobe_original__ = original  # type: ignore[attr-defined]
         return wrapper

@@ -183,8 +183,3 @@ def weight_grad_rows(unreduced: Mapping[Tuple, Record], reduced: List[Record], p
         rec.micro_step = micro
         records.append(rec)
     return records
-
-
-def remove_all(handles: List[Any]) -> None:
-    while handles:
-        handles.pop().remove()

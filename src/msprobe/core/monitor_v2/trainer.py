@@ -26,6 +26,7 @@ from .errors import ConfigError, MonitorStateError
 from .frameworks import load_backend
 from .model_structure import write_structure
 from .monitor import ContainedErrors, Monitor
+from .patching import Patch
 from .writer import AsyncCsvWriter, CsvWriter, MonitorOutput, count_rows
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -50,7 +51,7 @@ class TrainerMonitorV2:
         self._active = False
         self._state = "new"  # new -> running | idle (rank not monitored) -> stopped
         self._writer: Any = None
-        self._undo_step_hooks = None
+        self._step_hooks = Patch()
         self._patched = False
         self._warned_manual_step = False
         self._written_steps = 0
@@ -134,7 +135,7 @@ class TrainerMonitorV2:
                 m.attach()
             patch = self.config.patch_optimizer_step
             self._patched = optimizer is not None and (patch is None or patch)
-            self._undo_step_hooks = session.install_step_hooks(
+            self._step_hooks = session.install_step_hooks(
                 self.errors.wrap("optimizer pre-step hook", self._before_optimizer_step),
                 self.errors.wrap("optimizer post-step hook", self._after_optimizer_step),
             )
@@ -267,9 +268,7 @@ class TrainerMonitorV2:
             return
         if state in ("running", "forked"):
             self._state = "stopping" if state == "running" else "stopped"
-            if self._undo_step_hooks is not None:
-                self._undo_step_hooks()
-                self._undo_step_hooks = None
+            self._step_hooks.remove()
             for m in reversed(self.monitors):
                 try:
                     m.detach()

@@ -9,7 +9,7 @@ import logging
 from typing import Any, Optional
 
 from ..errors import ConfigError
-from ..frameworks.pytorch.stacks import wrap_method
+from ..patching import wrap_method
 from ._common import ConfigSource, FrameworkStepMonitor, deepspeed_engine, require
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -46,8 +46,8 @@ class AccelerateMonitor:
         self.driver.start(model, optimizer, global_step=self._steps,
                           grad_acc_steps=accelerator.gradient_accumulation_steps)
         gradient_state = optimizer.gradient_state
-        self._undo = wrap_method(optimizer, "step", _nothing, self._after_step,
-                                 when=lambda: gradient_state.sync_gradients)
+        self._patch = wrap_method(optimizer, "step", _nothing, self._after_step,
+                                  when=lambda: gradient_state.sync_gradients)
 
     @property
     def monitor(self) -> Any:
@@ -63,9 +63,7 @@ class AccelerateMonitor:
 
     def stop(self) -> None:
         """Remove the step wrapper and stop the monitor; harmless twice."""
-        undo, self._undo = self._undo, None
-        if undo is not None:
-            undo()
+        self._patch.remove()
         self.driver.stop()
 
     def __enter__(self) -> "AccelerateMonitor":

@@ -37,7 +37,8 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 import mindspore as ms
 from mindspore import nn
 
-from ...monitor import EVAL_SCOPE, TRAIN_SCOPE, Monitor, remove_all, select_modules
+from ...monitor import EVAL_SCOPE, TRAIN_SCOPE, Monitor, select_modules
+from ...patching import remove_all
 from ...stats import StatPlan
 from ...structure import flatten_tensors, named_outputs
 

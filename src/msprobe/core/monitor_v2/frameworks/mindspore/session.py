@@ -16,6 +16,7 @@ from mindspore import nn
 from ...errors import ConfigError, MonitorError
 from ...model_structure import ParamEntry, Structure, module_entries
 from ...monitor import module_tags
+from ...patching import Patch, hooks
 from .. import rank_from_environment
 from .optimizer_state import optimizer_states
 from .stats import MsStatsEngine
@@ -140,10 +141,10 @@ class MsSession:
             for state_name, values in optimizer_states(self.optimizer, len(infos)):
                 yield info, state_name, values[i]
 
-    def install_step_hooks(self, before: Callable[[], None], after: Callable[[], None]) -> Callable[[], None]:
+    def install_step_hooks(self, before: Callable[[], None], after: Callable[[], None]) -> Patch:
         opt = self.optimizer
         if opt is None:
-            return lambda: None
+            return Patch()
 
         def pre(cell: Any, inputs: Tuple) -> None:
             grads = inputs[0] if inputs else None
@@ -154,10 +155,4 @@ class MsSession:
             after()
             self.current_grads = None
 
-        handles = [opt.register_forward_pre_hook(pre), opt.register_forward_hook(post)]
-
-        def undo() -> None:
-            for h in handles:
-                h.remove()
-
-        return undo
+        return hooks([opt.register_forward_pre_hook(pre), opt.register_forward_hook(post)])

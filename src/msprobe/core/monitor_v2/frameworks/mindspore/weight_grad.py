@@ -27,7 +27,8 @@ from typing import Any, Dict, List, Tuple
 import logging
 
 from ...config import resolve_micro_batches
-from ...monitor import Monitor, remove_all, weight_grad_rows
+from ...monitor import Monitor, weight_grad_rows
+from ...patching import remove_all
 from ...stats import Record, StatPlan
 
 logger = logging.getLogger("msprobe.monitor_v2")

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ...cc_base import CC_OPS, CommMonitorBase
+from ...patching import Patch
 
 NAMESPACES = ("torch.distributed", "torch.distributed.distributed_c10d")
 
@@ -159,14 +160,14 @@ class CommMonitor(CommMonitorBase):
 
     def prepare_call(self, op, args, kwargs):
         if op != "batch_isend_irecv":
-            return lambda: None
+            return Patch()
         swapped = _align_p2p_ops(args, kwargs)
 
         def undo() -> None:
             for p2p_op, previous in swapped:
                 p2p_op.op = previous
 
-        return undo
+        return Patch(undo)
 
     def when_done(self, op, result, callback):
         """Record in a callback of the work's future; a work without a future (gloo p2p,

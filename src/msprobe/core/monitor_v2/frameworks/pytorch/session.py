@@ -9,8 +9,9 @@ import torch
 from ...errors import ConfigError
 from ...model_structure import ParamEntry, Structure, module_entries
 from ...monitor import module_tags
+from ...patching import Patch
 from .. import rank_from_environment
-from .fsdp import FlatParamLayout, fsdp1_layouts, fsdp2_modules, fsdp2_sharded_params
+from .stacks.fsdp import FlatParamLayout, fsdp1_layouts, fsdp2_modules, fsdp2_sharded_params
 from . import naming
 from .naming import class_name, named_parameters, unwrap
 from .stacks import TrainingStack, UnreducedCapture, detect_stack
@@ -199,8 +200,8 @@ class TorchSession:
     def unreduced_capture(self, per_micro_batch: bool, micro_batches: int) -> Optional[UnreducedCapture]:
         return self.stack.unreduced_capture(self, per_micro_batch, micro_batches)
 
-    def install_step_hooks(self, before: Callable[[], None], after: Callable[[], None]) -> Callable[[], None]:
-        """Call ``before``/``after`` around every real optimizer step; returns the undo."""
+    def install_step_hooks(self, before: Callable[[], None], after: Callable[[], None]) -> Patch:
+        """Call ``before``/``after`` around every real optimizer step; returns the patch."""
         return self.stack.install_step_hooks(before, after)
 
 

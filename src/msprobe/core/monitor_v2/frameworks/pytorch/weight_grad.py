@@ -28,9 +28,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 
 from ...config import resolve_micro_batches
-from ...monitor import Monitor, remove_all, weight_grad_rows
+from ...monitor import Monitor, weight_grad_rows
+from ...patching import remove_all
 from ...stats import Record
-from .fsdp import FlatSegment, fsdp2_params
+from .stacks.fsdp import FlatSegment, fsdp2_params
 from .session import ParamInfo
 from .stacks import UnreducedCapture
 from .stats import StatPlan

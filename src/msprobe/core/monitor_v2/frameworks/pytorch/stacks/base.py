@@ -14,7 +14,7 @@ session and the monitors call only these hook points:
   (None: the tensors in ``optimizer.param_groups``). Flat or fp32-master tensors in the
   param groups are thus named after the parameters they belong to.
 - ``install_step_hooks(before, after)``: hook the call that is the real optimizer step,
-  once per step (not a wrapper's per-micro-batch ``step()``); returns the undo.
+  once per step (not a wrapper's per-micro-batch ``step()``); returns a ``patching.Patch``.
 - ``reduced_grads(session)``: ``(ParamInfo, tensor)`` of the gradients as they stand at
   the step, after the data-parallel reduction; local shards allowed (a tensor without
   elements is left out).
@@ -40,11 +40,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Seque
 
 import torch
 
-from ...errors import ConfigError
-from .copies import set_without_copy
+from ....errors import ConfigError
+from ....patching import Patch, hooks, wrap_method
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .session import ParamInfo, TorchSession
+    from ..session import ParamInfo, TorchSession
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
@@ -53,8 +53,8 @@ GradCallback = Callable[["ParamInfo", torch.Tensor], None]
 # (module that must already be imported by the user, adapter module in this package).
 # An adapter module defines ``STACK``, a TrainingStack subclass.
 _ADAPTERS: Sequence[Tuple[str, str]] = (
-    ("deepspeed", "deepspeed_stack"),
-    ("megatron.core", "megatron_stack"),
+    ("deepspeed", "deepspeed"),
+    ("megatron.core", "megatron"),
 )
 
 
@@ -62,7 +62,7 @@ class UnreducedCapture:
     """How ``weight_grad`` captures ``unreduced`` gradients under a stack.
 
     ``install(on_micro_batch, on_accumulated)`` installs the adapter's hooks and returns
-    their removable handles. A hook calls ``on_micro_batch(info, grad)`` once per
+    their removable handles (framework hook handles or ``patching.Patch``es). A hook calls ``on_micro_batch(info, grad)`` once per
     backward pass with that pass's own gradient (``monitor_mbs_grad=true``), or
     ``on_accumulated(info, grad)`` once per backward pass with the local gradient
     accumulated so far (the monitor counts the passes and records after the announced
@@ -113,16 +113,16 @@ class TrainingStack:
         return {}
 
     # ------------------------------------------------------------------ step
-    def install_step_hooks(self, before: Callable[[], None], after: Callable[[], None]) -> Callable[[], None]:
-        """Call ``before``/``after`` around every ``optimizer.step()``; returns the undo.
+    def install_step_hooks(self, before: Callable[[], None], after: Callable[[], None]) -> Patch:
+        """Call ``before``/``after`` around every ``optimizer.step()``; returns the patch.
 
         A ``torch.optim.Optimizer`` gets removable step hooks (no attribute is patched);
         a wrapper of one (Accelerate, Lightning) is hooked through the optimizer it wraps;
-        another object with a ``step`` method gets an instance-level wrapper that the undo
-        removes again."""
+        another object with a ``step`` method gets an instance-level wrapper that the
+        patch's removal takes off again."""
         opt = hookable_optimizer(self.optimizer)
         if opt is None:
-            return lambda: None
+            return Patch()
         if isinstance(opt, torch.optim.Optimizer) and "_optimizer_step_pre_hooks" in vars(opt):
             return optimizer_step_hooks(opt, before, after)
         if not callable(getattr(opt, "step", None)):
@@ -188,8 +188,8 @@ def hookable_optimizer(opt: Any) -> Any:
 
 
 def optimizer_step_hooks(opt: torch.optim.Optimizer, before: Callable[[], None],
-                         after: Callable[[], None]) -> Callable[[], None]:
-    """Step hooks on a ``torch.optim.Optimizer``; returns their undo.
+                         after: Callable[[], None]) -> Patch:
+    """Step hooks on a ``torch.optim.Optimizer``, as one patch.
 
     ``before`` runs when the gradients are final and the update has not begun: right
     before ``step()`` runs, or, for ``step(closure)``, right after the closure's first
@@ -228,63 +228,7 @@ def optimizer_step_hooks(opt: torch.optim.Optimizer, before: Callable[[], None],
         run_before_once()
         after()
 
-    pre = opt.register_step_pre_hook(pre_hook)
-    post = opt.register_step_post_hook(post_hook)
-
-    def undo() -> None:
-        pre.remove()
-        post.remove()
-
-    return undo
-
-
-def wrap_method(obj: Any, method: str, before: Callable[[], None], after: Callable[[], None],
-                when: Optional[Callable[[], bool]] = None) -> Callable[[], None]:
-    """Wrap ``obj.<method>`` at instance level with ``before``/``after`` (only for calls
-    where ``when()`` is true, if given); returns the undo, which restores the instance
-    exactly as it was (or leaves a later replacement alone, with a warning). Copies and
-    pickles of ``obj`` get the method as it was before."""
-    had_instance_attr = method in vars(obj)
-    previous = vars(obj).get(method)
-    wrapper = _PatchedMethod(getattr(obj, method), before, after, when)
-    copy_state = set_without_copy(obj, method, wrapper)
-
-    def undo() -> None:
-        if copy_state is not None:
-            copy_state.uninstall()
-        if vars(obj).get(method) is not wrapper:
-            logger.warning("monitor_v2: %s.%s was replaced after start(); leaving it as it is",
-                           type(obj).__name__, method)
-            return
-        if had_instance_attr:
-            setattr(obj, method, previous)
-        else:
-            delattr(obj, method)
-
-    return undo
-
-
-class _PatchedMethod:
-    """The instance-level method put by ``wrap_method``: ``before()``, the original,
-    ``after()`` (when ``when()`` is true or not given)."""
-
-    __slots__ = ("original", "before", "after", "when")
-
-    def __init__(self, original: Callable[..., Any], before: Callable[[], None], after: Callable[[], None],
-                 when: Optional[Callable[[], bool]]) -> None:
-        self.original = original
-        self.before = before
-        self.after = after
-        self.when = when
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        hooked = self.when is None or self.when()
-        if hooked:
-            self.before()
-        result = self.original(*args, **kwargs)
-        if hooked:
-            self.after()
-        return result
+    return hooks([opt.register_step_pre_hook(pre_hook), opt.register_step_post_hook(post_hook)])
 
 
 def detect_stack(chunks: List[torch.nn.Module], optimizer: Any) -> TrainingStack:

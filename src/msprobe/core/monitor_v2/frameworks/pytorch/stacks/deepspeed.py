@@ -48,7 +48,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .stacks import TrainingStack, UnreducedCapture, wrap_method
+from ....patching import Patch, wrap_method
+from .base import TrainingStack, UnreducedCapture
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
@@ -200,7 +201,7 @@ class DeepSpeedStack(TrainingStack):
         return {"grad_acc_steps": self.gas} if self.gas else {}
 
     # ------------------------------------------------------------------ step
-    def install_step_hooks(self, before: Callable[[], None], after: Callable[[], None]) -> Callable[[], None]:
+    def install_step_hooks(self, before: Callable[[], None], after: Callable[[], None]) -> Patch:
         engine = self.engine
         if callable(getattr(engine, "_take_model_step", None)):
             return wrap_method(engine, "_take_model_step", before, after)

@@ -22,7 +22,7 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-from .naming import clean_path, named_modules, wrapped_module
+from ..naming import clean_path, named_modules, wrapped_module
 
 logger = logging.getLogger("msprobe.monitor_v2")
 

@@ -38,11 +38,11 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .naming import unwrap
-from .stacks import GradCallback, TrainingStack, UnreducedCapture, tensor_states
+from ..naming import unwrap
+from .base import GradCallback, TrainingStack, UnreducedCapture, tensor_states
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .session import ParamInfo, TorchSession
+    from ..session import ParamInfo, TorchSession
 
 # Megatron's wrappers whose ``.module`` is the user's model (how the stack is detected;
 # naming.py strips them from names with every other pure wrapper).
