@@ -171,3 +171,40 @@ def test_trainer_callback_resumed_run_keeps_the_trainer_step_numbers(tmp_path):
 
     assert run(tmp_path / "first") == [0, 1, 2, 3]
     assert run(tmp_path / "resumed", resume=str(tmp_path / "hf" / "checkpoint-2")) == [2, 3]
+
+
+def test_trainer_callback_puts_train_back_when_it_stops(tmp_path):
+    """The instance-level ``trainer.train`` wrapper (stop on exception) is on the Trainer
+    only while the callback runs: after a normal run and after an exception the instance
+    has the attributes a Trainer built without the callback has, and ``train`` is the
+    class's method again; removing it again changes nothing."""
+    def build(callbacks, name, boom_at=None):
+        class Boom(transformers.TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == boom_at:
+                    raise RuntimeError("boom")
+
+        args = transformers.TrainingArguments(output_dir=str(tmp_path / name), max_steps=2,
+                                              per_device_train_batch_size=BATCH, report_to=[], use_cpu=True,
+                                              save_strategy="no", disable_tqdm=True)
+        return transformers.Trainer(model=_model(), args=args, train_dataset=_data(4, 0, 1),
+                                    callbacks=callbacks + ([Boom()] if boom_at else []))
+
+    plain = build([], "plain")
+    plain_keys = set(vars(plain))
+    for boom_at in (None, 1):
+        callback = MonitorTrainerCallback({"output_dir": str(tmp_path / f"out{boom_at}"),
+                                           "monitors": {"weight_grad": {"enabled": True}}})
+        trainer = build([callback], f"hf{boom_at}", boom_at)
+        assert set(vars(trainer)) - plain_keys == {"train", "__getstate__"}
+        if boom_at is None:
+            trainer.train()
+        else:
+            with pytest.raises(RuntimeError, match="boom"):
+                trainer.train()
+        assert callback.monitor is None
+        assert "train" not in vars(trainer) and "__getstate__" not in vars(trainer)
+        assert trainer.train.__func__ is transformers.Trainer.train
+        keys_after = set(vars(trainer))
+        callback._unguard()
+        assert set(vars(trainer)) == keys_after and trainer.train.__func__ is transformers.Trainer.train

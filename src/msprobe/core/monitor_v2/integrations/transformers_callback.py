@@ -7,7 +7,7 @@ import logging
 import sys
 from typing import Any, Optional
 
-from ..frameworks.pytorch.copies import set_without_copy
+from ..patching import Patch, replace_attribute
 from ._common import ConfigSource, FrameworkStepMonitor, deepspeed_engine, require
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -27,7 +27,9 @@ class MonitorTrainerCallback(_transformers.TrainerCallback):
     - ``on_step_end``: the monitor's step follows ``state.global_step``.
     - ``on_train_end`` stops the monitor; an exception out of ``trainer.train()`` stops it
       too when the callback was given to the Trainer's constructor (the Trainer has no
-      callback event for exceptions, so its ``train`` is wrapped at instance level).
+      callback event for exceptions, so its ``train`` is wrapped at instance level, from
+      the end of the Trainer's ``__init__`` until the callback stops the monitor: the
+      instance is then exactly as before; a later ``train()`` is not wrapped again).
     - Evaluation runs (``model.eval()`` under ``no_grad``) are not merged into the
       training steps' ``module`` rows.
     """
@@ -36,6 +38,7 @@ class MonitorTrainerCallback(_transformers.TrainerCallback):
         super().__init__()
         self.driver = FrameworkStepMonitor(config, fr, integration="MonitorTrainerCallback")
         self._guarded: Any = None
+        self._train_patch = Patch()
 
     @property
     def monitor(self) -> Any:
@@ -46,7 +49,10 @@ class MonitorTrainerCallback(_transformers.TrainerCallback):
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = _calling_trainer()
         if trainer is not None and self._guarded is not trainer:
-            set_without_copy(trainer, "train", _StopOnException(trainer.train, self.driver))
+            self._train_patch.remove()
+            self._train_patch = replace_attribute(
+                trainer, "train", _StopOnException(trainer.train, self.driver, self._unguard),
+                keep_out_of_copies=True, if_replaced=_train_replaced)
             self._guarded = trainer
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -55,7 +61,10 @@ class MonitorTrainerCallback(_transformers.TrainerCallback):
             logger.warning("monitor_v2 MonitorTrainerCallback: the Trainer gave no model/optimizer at "
                            "on_train_begin; nothing is monitored")
             return
-        if self._guarded is None:
+        if self._guarded is not None and not self._train_patch.installed:
+            logger.info("monitor_v2 MonitorTrainerCallback: trainer.train() called again after the monitor stopped; "
+                        "the monitor stops at the end of training but not on an exception")
+        elif self._guarded is None:
             logger.info("monitor_v2 MonitorTrainerCallback: added after the Trainer was built; the monitor "
                         "stops at the end of training but not on an exception (pass it in Trainer(callbacks=[...]))")
         # Under DeepSpeed the callback gets the bare model and Accelerate's wrapper of the
@@ -73,16 +82,23 @@ class MonitorTrainerCallback(_transformers.TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.driver.sync(state.global_step)
         self.driver.stop()
+        self._unguard()
+
+    def _unguard(self) -> None:
+        """Put ``trainer.train`` back as it was before the callback wrapped it."""
+        self._train_patch.remove()
 
 
 class _StopOnException:
-    """``trainer.train`` that stops the monitor when an exception leaves it."""
+    """``trainer.train`` that stops the monitor when an exception leaves it (and then
+    takes itself off the trainer with ``unguard``)."""
 
-    __slots__ = ("original", "driver")
+    __slots__ = ("original", "driver", "unguard")
 
-    def __init__(self, original: Any, driver: FrameworkStepMonitor) -> None:
+    def __init__(self, original: Any, driver: FrameworkStepMonitor, unguard: Any) -> None:
         self.original = original
         self.driver = driver
+        self.unguard = unguard
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -92,7 +108,13 @@ class _StopOnException:
                 self.driver.stop()
             except Exception as exc:  # noqa: BLE001 - the training error is the one to raise
                 logger.error("monitor_v2 MonitorTrainerCallback: stopping after an exception failed: %r", exc)
+            self.unguard()
             raise
+
+
+def _train_replaced() -> None:
+    logger.warning("monitor_v2 MonitorTrainerCallback: trainer.train was replaced after the callback wrapped it; "
+                   "left as it is")
 
 
 def _calling_trainer() -> Any:

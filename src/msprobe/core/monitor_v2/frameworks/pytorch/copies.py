@@ -64,3 +64,7 @@ class ModuleHooks:
             state.uninstall()
         self._states.clear()
         self._ids.clear()
+
+    def remove(self) -> None:
+        """The same ``remove()`` as a ``patching.Patch``: a ``ModuleHooks`` sits in a list of handles."""
+        self.remove_all()
