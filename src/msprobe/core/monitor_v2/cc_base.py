@@ -21,6 +21,7 @@ import traceback
 from time import perf_counter
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
+from .logonce import LogOnce
 from .monitor import Monitor
 from .patching import Patch, remove_all, replace_attribute
 from .safe_fs import open_append
@@ -147,7 +148,7 @@ class CommMonitorBase(Monitor):
         self._local = threading.local()
         self._records: List[Record] = []
         self._in_flight = 0  # asynchronous calls whose 'post' rows are not recorded yet
-        self._warned_in_flight = False
+        self._once = LogOnce()
         self._patches: List[Patch] = []
         self._seen_stacks: Set[Tuple] = set()
         self._stack_log: Optional[str] = None
@@ -184,9 +185,8 @@ class CommMonitorBase(Monitor):
         with self._lock:
             records, self._records = self._records, []
             in_flight = self._in_flight
-        if in_flight and self.active and not self._warned_in_flight:
-            self._warned_in_flight = True
-            logger.warning(
+        if in_flight and self.active:
+            self._once.warning("in-flight",
                 "monitor_v2 cc: %d asynchronous communication call(s) had not completed when step %d "
                 "ended; their 'post' rows are written with the step in which they complete. Logged once.",
                 in_flight, self.step)

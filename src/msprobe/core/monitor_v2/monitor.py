@@ -12,9 +12,10 @@ import logging
 import os
 import traceback
 from time import perf_counter
-from typing import Any, Callable, ClassVar, List, Mapping, Sequence, Set, Tuple
+from typing import Any, Callable, ClassVar, List, Mapping, Sequence, Tuple
 
 from .config import MonitorSettings
+from .logonce import LogOnce
 from .stats import Record
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -45,7 +46,7 @@ class ContainedErrors:
     the training code (non-negotiable: the monitor never breaks training)."""
 
     def __init__(self) -> None:
-        self._reported: Set[str] = set()
+        self._reported = LogOnce()
         self.count = 0
         # Wall time spent inside the monitor's hooks: the monitor's own cost, reported at
         # stop() and read by the benchmark (far less noisy than timing whole steps).
@@ -53,8 +54,7 @@ class ContainedErrors:
 
     def report(self, site: str, exc: BaseException) -> None:
         self.count += 1
-        if site not in self._reported:
-            self._reported.add(site)
+        if self._reported.first(site):
             # Short: some framework errors carry kilobytes (PyTorch's list of dispatch keys).
             # The whole error and its traceback go to the DEBUG level.
             logger.error(

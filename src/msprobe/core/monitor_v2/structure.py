@@ -20,12 +20,13 @@ followed; the first time that drops a container at a place (e.g. ``fc1.output``)
 
 import dataclasses
 import logging
-from typing import Any, Callable, List, Mapping, Set, Tuple
+from typing import Any, Callable, List, Mapping, Tuple
+
+from .logonce import warn_once
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
 MAX_DEPTH = 16  # guards against self-referencing containers
-_warned_deep: Set[str] = set()  # process-wide: said once per place
 
 
 def flatten_tensors(obj: Any, is_tensor: Callable[[Any], bool], where: str = "") -> List[Any]:
@@ -61,10 +62,9 @@ def _name(obj: Any, is_tensor: Callable[[Any], bool], prefix: str, out: List[Tup
 
 
 def _too_deep(where: str) -> None:
-    if where not in _warned_deep:
-        _warned_deep.add(where)
-        logger.warning("monitor_v2 module: %s holds containers nested deeper than %d levels; the tensors below that "
-                       "depth are not recorded. Logged once.", where or "an input or output", MAX_DEPTH)
+    # process-wide: said once per place
+    warn_once(("too-deep", where), "monitor_v2 module: %s holds containers nested deeper than %d levels; the "
+              "tensors below that depth are not recorded. Logged once.", where or "an input or output", MAX_DEPTH)
 
 
 def _flatten(obj: Any, is_tensor: Callable[[Any], bool], out: List[Any], depth: int, where: str) -> None:

@@ -26,6 +26,7 @@ from .errors import ConfigError, MonitorStateError
 from .frameworks import load_backend
 from .model_structure import write_structure
 from .monitor import ContainedErrors, Monitor
+from .logonce import LogOnce
 from .patching import Patch
 from .writer import AsyncCsvWriter, CsvWriter, MonitorOutput, count_rows
 
@@ -53,12 +54,11 @@ class TrainerMonitorV2:
         self._writer: Any = None
         self._step_hooks = Patch()
         self._patched = False
-        self._warned_manual_step = False
         self._written_steps = 0
         self._steps_with_rows = 0  # written steps that produced at least one row
         self._optimizer_steps = 0  # optimizer.step() calls seen (patched or not)
         self._pid = os.getpid()
-        self._warned_forked = False
+        self._once = LogOnce()
 
     # ------------------------------------------------------------------ properties
     @property
@@ -178,13 +178,11 @@ class TrainerMonitorV2:
             self._writer.abandon_in_child()
 
     def _say_forked(self) -> None:
-        if not self._warned_forked:
-            self._warned_forked = True
-            logger.warning(
-                "monitor_v2: process %d, forked from the training process %d while the monitor was running, trains: "
-                "the monitor records and writes nothing here (%s belongs to the parent process, whose rows and "
-                "counts are unchanged). Start a monitor of its own in the child to observe it. Logged once.",
-                os.getpid(), self._pid, self.rank_dir)
+        self._once.warning("forked",
+            "monitor_v2: process %d, forked from the training process %d while the monitor was running, trains: "
+            "the monitor records and writes nothing here (%s belongs to the parent process, whose rows and "
+            "counts are unchanged). Start a monitor of its own in the child to observe it. Logged once.",
+            os.getpid(), self._pid, self.rank_dir)
 
     def _before_optimizer_step(self) -> None:
         if self._state != "running":
@@ -218,13 +216,11 @@ class TrainerMonitorV2:
                 self._say_forked()
             return
         if self._patched:
-            if not self._warned_manual_step:
-                self._warned_manual_step = True
-                logger.warning(
-                    "monitor_v2: step() called by hand while optimizer.step() is patched to call it; "
-                    "the manual call is ignored. Set \"patch_optimizer_step\": false to step by hand. "
-                    "Logged once."
-                )
+            self._once.warning("manual-step",
+                "monitor_v2: step() called by hand while optimizer.step() is patched to call it; "
+                "the manual call is ignored. Set \"patch_optimizer_step\": false to step by hand. "
+                "Logged once."
+            )
             return
         start = time.perf_counter()
         self._advance()

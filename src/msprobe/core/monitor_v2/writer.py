@@ -30,6 +30,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 from . import safe_fs
 from .alert import Alerter
 from .errors import OutputError, UnsafePathError
+from .logonce import LogOnce
 from .schedule import StepSchedule
 from .stats import Record, Row, format_value, merge_records
 
@@ -159,8 +160,7 @@ class CsvWriter:
         self.schedule = schedule
         self.outputs = {o.name: o for o in outputs}
         self._files: Dict[str, _OpenFile] = {}
-        self._warned_append = False
-        self._warned_recreated = False
+        self._once = LogOnce()
         # losses: steps with rows that never reached the disk, how many rows, the first error
         self.lost_steps: Set[int] = set()
         self.lost_rows = 0
@@ -221,13 +221,11 @@ class CsvWriter:
         return None
 
     def _note_recreated(self, what: str) -> None:
-        if not self._warned_recreated:
-            self._warned_recreated = True
-            logger.warning(
-                "monitor_v2: %s while the run was writing to %s; writing goes on in re-created files "
-                "(and directories). Rows written to the deleted files are gone. Logged once.",
-                what, self.rank_dir,
-            )
+        self._once.warning("recreated",
+            "monitor_v2: %s while the run was writing to %s; writing goes on in re-created files "
+            "(and directories). Rows written to the deleted files are gone. Logged once.",
+            what, self.rank_dir,
+        )
 
     def _open_fd(self, path: str) -> Tuple[int, bool]:
         """``(fd, created)``; a link, a FIFO, a device or another user's file at ``path``
@@ -256,12 +254,10 @@ class CsvWriter:
 
     def _check_existing(self, monitor: str, opened: _OpenFile) -> None:
         path = opened.path
-        if not self._warned_append:
-            self._warned_append = True
-            logger.warning(
-                "monitor_v2: %s already holds CSV files (e.g. %s); appending to them. Use another "
-                "output_dir to keep runs apart.", self.rank_dir, os.path.basename(path),
-            )
+        self._once.warning("append",
+            "monitor_v2: %s already holds CSV files (e.g. %s); appending to them. Use another "
+            "output_dir to keep runs apart.", self.rank_dir, os.path.basename(path),
+        )
         expected = ",".join(self.outputs[monitor].header)
         # read through the descriptor just checked, never by name again; and never log what
         # the file holds (it may not be ours to show): only that it differs
@@ -421,7 +417,7 @@ class AsyncCsvWriter:
         self._current: Optional[Tuple[int, Dict[str, List[Record]]]] = None  # on the writer thread now
         self._give_up = False  # set at exit after an interrupted drain: count the rest as lost
         self._stop_sent = False
-        self._warned_interrupted = False
+        self._once = LogOnce()
         self._closed = False
         # Set by the writer thread when it ends. Waited on instead of Thread.join(): a
         # KeyboardInterrupt inside join() can leave the Thread reporting it ended while it
@@ -502,12 +498,10 @@ class AsyncCsvWriter:
                 pass
         except BaseException:
             steps, rows = self.pending()
-            if not self._warned_interrupted:
-                self._warned_interrupted = True
-                logger.warning(
-                    "monitor_v2: stop() was interrupted while %d step(s) (%d row(s)) were still to be written to "
-                    "%s; nothing is lost yet: call stop() again to write them (at exit the monitor writes them "
-                    "too). Logged once.", steps, rows, self._writer.rank_dir)
+            self._once.warning("interrupted",
+                "monitor_v2: stop() was interrupted while %d step(s) (%d row(s)) were still to be written to "
+                "%s; nothing is lost yet: call stop() again to write them (at exit the monitor writes them "
+                "too). Logged once.", steps, rows, self._writer.rank_dir)
             raise
         self._closed = True
         atexit.unregister(self._at_exit)

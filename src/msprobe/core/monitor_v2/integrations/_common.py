@@ -9,6 +9,7 @@ from typing import Any, Mapping, Optional, Union
 
 from ..analysis.command import pip_command
 from ..errors import MissingDependencyError
+from ..logonce import LogOnce
 from ..trainer import TrainerMonitorV2
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -58,8 +59,7 @@ class FrameworkStepMonitor:
         self.monitor: Optional[TrainerMonitorV2] = None
         self._check = self._new_monitor()  # a bad config fails here, not in the training loop
         self._real_steps_seen = 0
-        self._warned_skip = False
-        self._warned_extra = False
+        self._once = LogOnce()
 
     def _new_monitor(self) -> TrainerMonitorV2:
         monitor = TrainerMonitorV2(self._source, fr=self._fr)
@@ -97,16 +97,14 @@ class FrameworkStepMonitor:
             return
         real = monitor.optimizer_steps - self._real_steps_seen
         self._real_steps_seen = monitor.optimizer_steps
-        if real < ended and not self._warned_skip:
-            self._warned_skip = True
-            logger.warning(
+        if real < ended:
+            self._once.warning("skipped",
                 "monitor_v2 %s: step %d ended without an optimizer update (skipped, e.g. by the gradient "
                 "scaler for an overflow); the monitor's step still follows the framework's global step, "
                 "and that step has no 'reduced', 'param_updated' or moment rows. Logged once.",
                 self.integration, monitor.current_step + ended - 1)
-        elif real > ended and not self._warned_extra:
-            self._warned_extra = True
-            logger.warning(
+        elif real > ended:
+            self._once.warning("extra",
                 "monitor_v2 %s: %d optimizer updates ran in %d framework step(s) (several optimizers or "
                 "manual optimization?); the monitor's step follows the framework's global step. Logged once.",
                 self.integration, real, ended)

@@ -36,6 +36,7 @@ import mindspore as ms
 from mindspore import ops
 
 from ... import native
+from ...logonce import LogOnce
 from ...monitor import short_error
 from ...stats import EMPTY_VECTOR, Record, StatPlan
 
@@ -76,7 +77,7 @@ class MsStatsEngine:
         self._native_codes = {} if kernel is None else {
             name: code for name, code in _NATIVE_CODES.items() if code in kernel.dtype_codes}
         self._threads = _kernel_threads()
-        self._warned_unobserved: set = set()
+        self._unobserved = LogOnce()
 
     def _zero(self, dtype) -> ms.Tensor:
         z = self._zeros.get(dtype)
@@ -148,11 +149,9 @@ class MsStatsEngine:
             return Record(vpp_stage, name, scope, micro_step, None, None, 0)
 
     def _warn_unobserved(self, name: str, dtype: str, why: str) -> None:
-        if dtype not in self._warned_unobserved:
-            self._warned_unobserved.add(dtype)
-            logger.warning("monitor_v2: %s is a %s tensor that MindSpore cannot reduce here (%s): no statistics, "
-                           "its row is left out (the other rows of the step are written). Logged once for %s.",
-                           name, dtype, why, dtype)
+        self._unobserved.warning(dtype, "monitor_v2: %s is a %s tensor that MindSpore cannot reduce here (%s): no "
+                                 "statistics, its row is left out (the other rows of the step are written). Logged "
+                                 "once for %s.", name, dtype, why, dtype)
 
     def _record(self, t: ms.Tensor, plan: StatPlan, vpp_stage: int, name: str, scope: str,
                 micro_step: Optional[int]) -> Record:

@@ -28,6 +28,7 @@ import logging
 
 from ...config import resolve_micro_batches
 from ...monitor import Monitor, weight_grad_rows
+from ...logonce import LogOnce
 from ...patching import remove_all
 from ...stats import Record, StatPlan
 
@@ -46,7 +47,7 @@ class MsWeightGradMonitor(Monitor):
         self.params = self.session.model_params() or [
             i for i in self.session.optimizer_params() if i.param.requires_grad]
         self._handles: List[Any] = []
-        self._warned_extra = False
+        self._once = LogOnce()
         self._reset()
 
     def _install(self) -> None:
@@ -78,12 +79,12 @@ class MsWeightGradMonitor(Monitor):
             self._unreduced[(info.index, n)] = engine.record(grad, self.plan, info.vpp_stage, info.name, "unreduced", n)
             return
         if self.micro_batches == 1:
-            if n > 1 and not self._warned_extra:
-                self._warned_extra = True
-                logger.warning("monitor_v2 weight_grad: step %d ran %d backward passes but grad_acc_steps / "
-                               "micro_batch_number is 1; MindSpore's accumulated gradient cannot be rebuilt, so "
-                               "'unreduced' holds the last pass. Announce the number of micro-batches. Logged once.",
-                               self.step, n)
+            if n > 1:
+                self._once.warning("extra-passes",
+                                   "monitor_v2 weight_grad: step %d ran %d backward passes but grad_acc_steps / "
+                                   "micro_batch_number is 1; MindSpore's accumulated gradient cannot be rebuilt, so "
+                                   "'unreduced' holds the last pass. Announce the number of micro-batches. "
+                                   "Logged once.", self.step, n)
             total = grad
         else:
             prev = self._sums.get(info.index)

@@ -36,7 +36,7 @@ under ``eval_forward``, never into the training ``forward`` rows.
 
 Copies and ``torch.compile``: the forward hooks are left out of ``torch.save``,
 ``copy.deepcopy`` and EMA/SWA copies of the modules (see ``copies.py``), and Dynamo does
-not trace them (``torch.compiler.disable``): a compiled model breaks its graph at each
+not trace them (``compile.py``): a compiled model breaks its graph at each
 monitored module, and the hooks run eagerly on the real tensors there.
 """
 
@@ -46,9 +46,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ...logonce import LogOnce
 from ...monitor import EVAL_SCOPE, TRAIN_SCOPE, Monitor, select_modules
 from ...stats import Record
 from ...structure import flatten_tensors, named_outputs
+from .compile import eager_hook, warn_if_already_compiled
 from .copies import ModuleHooks
 from .passes import internal_pass
 from .stats import StatPlan
@@ -56,95 +58,6 @@ from .stats import StatPlan
 logger = logging.getLogger("msprobe.monitor_v2")
 
 _get_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)
-_compiler = getattr(torch, "compiler", None)
-_compiler_disable = getattr(_compiler, "disable", None)
-_is_compiling = getattr(_compiler, "is_compiling", None)
-_skipped_codes: List[bool] = []
-
-
-def _skip_frame_and_callees(code: Any) -> None:
-    """Dynamo never compiles a frame of ``code`` nor the frames it calls (private API of
-    torch >= 2.5; without it, Dynamo may recompile the hook until its limit: slower, but
-    rows and training are the same)."""
-    eval_frame = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
-    try:
-        from torch._dynamo.types import FrameAction, FrameExecStrategy  # type: ignore
-        eval_frame.set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
-    except Exception:  # noqa: BLE001 - an optimisation only
-        pass
-
-
-def _graph_breaks_allowed() -> bool:
-    """Whether the code Dynamo is tracing now may break its graph (not under
-    ``fullgraph=True`` or ``error_on_graph_break``). Dynamo runs this function while
-    tracing and takes its result as a constant (``assume_constant_result``)."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator  # private; absent: allowed
-
-        tx = InstructionTranslator.current_tx()
-        allowed = not (getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
-    except Exception:  # noqa: BLE001 - another torch version: break the graph as usual
-        return True
-    if not allowed:
-        _warn_once_fullgraph()
-    return allowed
-
-
-_graph_breaks_allowed._dynamo_marked_constant = True  # torch._dynamo.assume_constant_result
-
-
-_warned_fullgraph: List[bool] = []  # process-wide: compiled code outlives a monitor
-
-
-def _warn_once_fullgraph() -> None:
-    if not _warned_fullgraph:
-        _warned_fullgraph.append(True)
-        logger.warning("monitor_v2 module: a model compiled with fullgraph=True (or error_on_graph_break) cannot "
-                       "run the monitor's hooks inside its graph: modules inside it are not recorded. Logged once.")
-
-
-def _eager(body: Any) -> Any:
-    """A module hook that Dynamo does not trace: where the hook is met while compiling,
-    the graph breaks and the hook runs eagerly on the real tensors (traced, its reads of
-    the monitor's state would become guards, and the compiled code would be recompiled at
-    every change until the recompile limit). Where the graph may not break
-    (``fullgraph=True``), the hook does nothing inside the compiled code."""
-    if _compiler_disable is None or _is_compiling is None:
-        return body
-    disabled = _compiler_disable(body)
-
-    def hook(*args: Any, **kwargs: Any) -> None:
-        if _is_compiling():
-            if _graph_breaks_allowed():
-                disabled(*args, **kwargs)
-            return None
-        body(*args, **kwargs)
-        return None
-
-    if not _skipped_codes:
-        # After a graph break, Dynamo would compile ``hook`` as a frame of its own, once
-        # per closure (each hook's cells are new guards) until the recompile limit. All
-        # hooks share this code object: skipping it (and what it calls) as a top-level
-        # frame runs it eagerly there, while a trace that inlines it still takes the
-        # branch above.
-        _skip_frame_and_callees(hook.__code__)
-        _skipped_codes.append(True)
-    return hook
-
-
-def _warn_if_already_compiled() -> None:
-    # Frames Dynamo compiled since the process started or torch._dynamo.reset() (private).
-    convert_frame = getattr(getattr(torch, "_dynamo", None), "convert_frame", None)
-    compiled = getattr(getattr(convert_frame, "input_codes", None), "seen_ids", None)
-    if not compiled:
-        return
-    logger.warning(
-        "monitor_v2 module: torch.compile already compiled code in this process before start(). If it compiled "
-        "this model, the compiled code does not see the hooks added now (Dynamo does not guard on module hooks, "
-        "torch._dynamo.config.skip_nnmodule_hook_guards): modules inside it are not recorded. Start the monitor "
-        "before the first call of the compiled model, or call torch._dynamo.reset() before start().")
-
-
 def _is_evaluation(module: torch.nn.Module) -> bool:
     return not torch.is_grad_enabled() or not module.training
 
@@ -227,7 +140,7 @@ class ModuleMonitor(Monitor):
         self._hooks = ModuleHooks()
         self._calls: Dict[Tuple[int, int], List[_Call]] = {}  # (thread, module) -> calls in progress
         self._pending: Dict[int, Tuple[_GradInputSum, Tuple[int, str]]] = {}
-        self._warned: set = set()
+        self._once = LogOnce()
         self._pass = _Pass()  # per thread: a background evaluation never joins the training pass
         self.attached = True
         for vpp, tag, module in select_modules(self.session.named_modules(), targets, self.session.qualify):
@@ -236,7 +149,7 @@ class ModuleMonitor(Monitor):
         for root in roots.values():
             self._track_passes(root)
             self._skip_internal_passes(root)
-        _warn_if_already_compiled()
+        warn_if_already_compiled()
 
     def _skip_internal_passes(self, root: torch.nn.Module) -> None:
         """A chunk call the framework makes for itself (pipelining's shape inference, a
@@ -250,18 +163,16 @@ class ModuleMonitor(Monitor):
             what = internal_pass(args, kwargs)
             if what is not None:
                 self._pass.internal = 1
-                if ("internal", what) not in self._warned:
-                    self._warned.add(("internal", what))
-                    logger.info("monitor_v2 module: %s is a framework-internal pass, not training: no module "
-                                "rows for it (logged once)", what)
+                self._once.info(("internal", what), "monitor_v2 module: %s is a framework-internal pass, not "
+                                "training: no module rows for it (logged once)", what)
 
         def leave(mod: torch.nn.Module, args: Tuple, output: Any) -> None:
             if self._pass.internal:
                 self._pass.internal -= 1
 
-        self._hooks.forward_pre(root, _eager(self.errors.wrap("module internal-pass tracking", enter)),
+        self._hooks.forward_pre(root, eager_hook(self.errors.wrap("module internal-pass tracking", enter)),
                                 prepend=True, with_kwargs=True)
-        self._hooks.forward(root, _eager(self.errors.wrap("module internal-pass tracking", leave)), always_call=True)
+        self._hooks.forward(root, eager_hook(self.errors.wrap("module internal-pass tracking", leave)), always_call=True)
 
     def _track_passes(self, root: torch.nn.Module) -> None:
         """Hooks around each call of a model chunk: the first to run before the call and
@@ -278,8 +189,8 @@ class ModuleMonitor(Monitor):
             if state.depth:
                 state.depth -= 1
 
-        self._hooks.forward_pre(root, _eager(self.errors.wrap("module pass tracking", enter)), prepend=True)
-        self._hooks.forward(root, _eager(self.errors.wrap("module pass tracking", leave)), always_call=True)
+        self._hooks.forward_pre(root, eager_hook(self.errors.wrap("module pass tracking", enter)), prepend=True)
+        self._hooks.forward(root, eager_hook(self.errors.wrap("module pass tracking", leave)), always_call=True)
 
     def _forward_scope(self, vpp: int) -> str:
         state = self._pass
@@ -303,9 +214,9 @@ class ModuleMonitor(Monitor):
             if self.active and not self._pass.internal:
                 self._after_forward(mod, vpp, tag, output)
 
-        self._hooks.forward_pre(module, _eager(self.errors.wrap(f"module forward pre-hook of {tag}", pre_hook)),
+        self._hooks.forward_pre(module, eager_hook(self.errors.wrap(f"module forward pre-hook of {tag}", pre_hook)),
                                 with_kwargs=True)
-        self._hooks.forward(module, _eager(self.errors.wrap(f"module forward hook of {tag}", post_hook)),
+        self._hooks.forward(module, eager_hook(self.errors.wrap(f"module forward hook of {tag}", post_hook)),
                             with_kwargs=True, always_call=True)
 
     # ------------------------------------------------------------------ forward
@@ -436,9 +347,7 @@ class ModuleMonitor(Monitor):
             self._records.append(self.session.engine.record(total, self.plan, vpp, name, "backward"))
 
     def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.warning("monitor_v2 module: %s (logged once)", message)
+        self._once.warning(key, "monitor_v2 module: %s (logged once)", message)
 
     # -------------------------------------------------------------- lifecycle
     def begin_step(self, step: int, active: bool) -> None:

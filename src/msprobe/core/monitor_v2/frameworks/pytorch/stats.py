@@ -56,6 +56,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ... import native
+from ...logonce import LogOnce
 from ...monitor import short_error
 from ...stats import EMPTY_VECTOR, Record, StatPlan
 
@@ -204,7 +205,7 @@ class TorchStatsEngine:
         # and neither it nor the new view has been modified since. With ``module`` on
         # every module of the benchmark's model this reads 12 % fewer elements per step.
         self._seen_memory: Dict[Tuple[int, int, torch.dtype, StatPlan], Tuple["weakref.ref", int, Any, Any, int]] = {}
-        self._warned_unobserved: set = set()
+        self._unobserved = LogOnce()
 
     def _zero(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         key = (device, dtype)
@@ -428,10 +429,8 @@ class TorchStatsEngine:
     def warn_unobserved(self, name: str, why: str) -> None:
         """Say once per kind of tensor that its rows are left out."""
         kind = why.split(" (")[0]
-        if kind not in self._warned_unobserved:
-            self._warned_unobserved.add(kind)
-            logger.warning("monitor_v2: %s is %s: no statistics, its row is left out (the other rows of the step are "
-                           "written). Logged once for %s.", name, why, kind)
+        self._unobserved.warning(kind, "monitor_v2: %s is %s: no statistics, its row is left out (the other rows "
+                                 "of the step are written). Logged once for %s.", name, why, kind)
 
     def forget(self) -> None:
         """Forget the tensors seen so far (step end, or after a collective)."""

@@ -29,6 +29,7 @@ import torch
 
 from ...config import resolve_micro_batches
 from ...monitor import Monitor, weight_grad_rows
+from ...logonce import LogOnce
 from ...patching import remove_all
 from ...stats import Record
 from .stacks.fsdp import FlatSegment, fsdp2_params
@@ -68,8 +69,7 @@ class WeightGradMonitor(Monitor):
         self._handles: List = []
         self._hooked: Set[int] = set()
         session = self.session
-        self._warned_short = False
-        self._warned_early = False
+        self._once = LogOnce()
         self._reset()
         self.sources: List[GradSource] = []
         self._adapter_sources: Dict[int, GradSource] = {}
@@ -177,11 +177,8 @@ class WeightGradMonitor(Monitor):
             self._record(source, grad, 0)
 
     def _warn_reduced_early(self, source: GradSource) -> None:
-        if self._warned_early:
-            return
-        self._warned_early = True
-        logger.warning(
-            "monitor_v2 weight_grad: at step %d FSDP2 reduce-scattered the gradient of '%s' (and others) "
+        self._once.warning(
+            "reduced-early", "monitor_v2 weight_grad: at step %d FSDP2 reduce-scattered the gradient of '%s' (and others) "
             "before the last of the %d micro-batches (gradient sync on for every micro-batch: no "
             "set_requires_gradient_sync(False), or Accelerate's sync_each_batch=True), so the accumulated "
             "local gradient of the step never exists: no accumulated 'unreduced' rows are written for such "
@@ -206,15 +203,13 @@ class WeightGradMonitor(Monitor):
         ]
         if not short:
             return
-        if not self._warned_short:
-            self._warned_short = True
-            logger.warning(
-                "monitor_v2 weight_grad: at step %d, %d parameter(s) (e.g. %s) got gradients in fewer "
-                "backward passes than the %d announced by grad_acc_steps/micro_batch_number; their "
-                "'unreduced' rows are read right before optimizer.step() (after any data-parallel "
-                "reduction; not at all for FSDP-sharded parameters). Logged once.",
-                self.step, len(short), short[0].rows[0][1], self.micro_batches,
-            )
+        self._once.warning("short",
+            "monitor_v2 weight_grad: at step %d, %d parameter(s) (e.g. %s) got gradients in fewer "
+            "backward passes than the %d announced by grad_acc_steps/micro_batch_number; their "
+            "'unreduced' rows are read right before optimizer.step() (after any data-parallel "
+            "reduction; not at all for FSDP-sharded parameters). Logged once.",
+            self.step, len(short), short[0].rows[0][1], self.micro_batches,
+        )
         for s in short:
             if s.plain_param is not None and s.plain_param.grad is not None:
                 self._record(s, s.plain_param.grad, 0)

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Seque
 import torch
 
 from ....errors import ConfigError
+from ....logonce import LogOnce
 from ....patching import Patch, hooks, wrap_method
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -88,7 +89,7 @@ class TrainingStack:
     def __init__(self, chunks: List[torch.nn.Module], optimizer: Any) -> None:
         self.chunks = chunks
         self.optimizer = optimizer
-        self._logged: set = set()
+        self._once = LogOnce()
 
     @classmethod
     def detect(cls, chunks: List[torch.nn.Module], optimizer: Any) -> Optional["TrainingStack"]:
@@ -96,9 +97,7 @@ class TrainingStack:
 
     def log_once(self, key: str, msg: str, *args: Any) -> None:
         """Warn once per adapter and key (what cannot be observed, and why)."""
-        if key not in self._logged:
-            self._logged.add(key)
-            logger.warning("monitor_v2 (%s): " + msg, self.name, *args)
+        self._once.warning(key, "monitor_v2 (%s): " + msg, self.name, *args)
 
     # ----------------------------------------------------------------- names
     def unwrap(self, chunk: torch.nn.Module) -> torch.nn.Module:

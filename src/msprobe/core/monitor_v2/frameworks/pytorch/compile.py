@@ -1,0 +1,103 @@
+"""``torch.compile`` and the module hooks.
+
+A module hook met while Dynamo traces a compiled model breaks the graph there and runs
+eagerly on the real tensors (``eager_hook``); under ``fullgraph=True`` (or
+``error_on_graph_break``) the graph may not break, and the hook does nothing inside the
+compiled code (said once). Code compiled before ``start()`` does not see hooks added
+later: ``warn_if_already_compiled`` says so. The private Dynamo APIs used here are read
+defensively: in a torch version without them the hooks still run, only slower or with
+more recompilations.
+"""
+
+import logging
+from typing import Any, List
+
+import torch
+
+from ...logonce import warn_once
+
+logger = logging.getLogger("msprobe.monitor_v2")
+
+_compiler = getattr(torch, "compiler", None)
+_compiler_disable = getattr(_compiler, "disable", None)
+_is_compiling = getattr(_compiler, "is_compiling", None)
+_skipped_codes: List[bool] = []
+
+
+def _skip_frame_and_callees(code: Any) -> None:
+    """Dynamo never compiles a frame of ``code`` nor the frames it calls (private API of
+    torch >= 2.5; without it, Dynamo may recompile the hook until its limit: slower, but
+    rows and training are the same)."""
+    eval_frame = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    try:
+        from torch._dynamo.types import FrameAction, FrameExecStrategy  # type: ignore
+        eval_frame.set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    except Exception:  # noqa: BLE001 - an optimisation only
+        pass
+
+
+def _graph_breaks_allowed() -> bool:
+    """Whether the code Dynamo is tracing now may break its graph (not under
+    ``fullgraph=True`` or ``error_on_graph_break``). Dynamo runs this function while
+    tracing and takes its result as a constant (``assume_constant_result``)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator  # private; absent: allowed
+
+        tx = InstructionTranslator.current_tx()
+        allowed = not (getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
+    except Exception:  # noqa: BLE001 - another torch version: break the graph as usual
+        return True
+    if not allowed:
+        _warn_once_fullgraph()
+    return allowed
+
+
+_graph_breaks_allowed._dynamo_marked_constant = True  # torch._dynamo.assume_constant_result
+
+
+def _warn_once_fullgraph() -> None:
+    # process-wide: compiled code outlives a monitor
+    warn_once("fullgraph", "monitor_v2 module: a model compiled with fullgraph=True (or error_on_graph_break) "
+              "cannot run the monitor's hooks inside its graph: modules inside it are not recorded. Logged once.")
+
+
+def eager_hook(body: Any) -> Any:
+    """A module hook that Dynamo does not trace: where the hook is met while compiling,
+    the graph breaks and the hook runs eagerly on the real tensors (traced, its reads of
+    the monitor's state would become guards, and the compiled code would be recompiled at
+    every change until the recompile limit). Where the graph may not break
+    (``fullgraph=True``), the hook does nothing inside the compiled code."""
+    if _compiler_disable is None or _is_compiling is None:
+        return body
+    disabled = _compiler_disable(body)
+
+    def hook(*args: Any, **kwargs: Any) -> None:
+        if _is_compiling():
+            if _graph_breaks_allowed():
+                disabled(*args, **kwargs)
+            return None
+        body(*args, **kwargs)
+        return None
+
+    if not _skipped_codes:
+        # After a graph break, Dynamo would compile ``hook`` as a frame of its own, once
+        # per closure (each hook's cells are new guards) until the recompile limit. All
+        # hooks share this code object: skipping it (and what it calls) as a top-level
+        # frame runs it eagerly there, while a trace that inlines it still takes the
+        # branch above.
+        _skip_frame_and_callees(hook.__code__)
+        _skipped_codes.append(True)
+    return hook
+
+
+def warn_if_already_compiled() -> None:
+    # Frames Dynamo compiled since the process started or torch._dynamo.reset() (private).
+    convert_frame = getattr(getattr(torch, "_dynamo", None), "convert_frame", None)
+    compiled = getattr(getattr(convert_frame, "input_codes", None), "seen_ids", None)
+    if not compiled:
+        return
+    logger.warning(
+        "monitor_v2 module: torch.compile already compiled code in this process before start(). If it compiled "
+        "this model, the compiled code does not see the hooks added now (Dynamo does not guard on module hooks, "
+        "torch._dynamo.config.skip_nnmodule_hook_guards): modules inside it are not recorded. Start the monitor "
+        "before the first call of the compiled model, or call torch._dynamo.reset() before start().")
