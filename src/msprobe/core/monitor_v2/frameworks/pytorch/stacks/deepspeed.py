@@ -53,15 +53,6 @@ from .base import TrainingStack, UnreducedCapture
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
-_KINDS = {
-    "FP16_UnfusedOptimizer": "masters",
-    "FP16_Optimizer": "masters",
-    "DeepSpeedZeroOptimizer": "zero12",
-    "BF16_Optimizer": "bf16",
-    "DeepSpeedZeroOptimizer_Stage3": "zero3",
-}
-
-
 def _engine_class() -> Optional[type]:
     try:
         from deepspeed.runtime.engine import DeepSpeedEngine
@@ -91,7 +82,7 @@ def _deepspeed_optimizer(optimizer: Any) -> Optional[Any]:
     """The DeepSpeed optimizer (ZeRO, FP16/BF16 wrappers) in ``optimizer``'s wrapper
     chain, or None. A torch optimizer (ZeRO-0 fp32) is not one: plain torch reads it."""
     for opt in _wrapper_chain(optimizer):
-        if type(opt).__name__ in _KINDS or type(opt).__module__.startswith("deepspeed."):
+        if type(opt).__name__ in _READERS or type(opt).__module__.startswith("deepspeed."):
             return opt
     return None
 
@@ -123,6 +114,9 @@ def _holds_all(engine: Any, chunks: List[torch.nn.Module]) -> bool:
 
 
 class DeepSpeedStack(TrainingStack):
+    """The engine and its optimizer; what differs by the optimizer the engine built is
+    read by one ``_Reader``, chosen here once (``_READERS``)."""
+
     name = "deepspeed"
 
     def __init__(self, chunks: List[torch.nn.Module], optimizer: Any, engine: Any) -> None:
@@ -131,14 +125,14 @@ class DeepSpeedStack(TrainingStack):
         self.ds_optimizer = getattr(engine, "optimizer", None)
         self.inner = getattr(self.ds_optimizer, "optimizer", None)  # the torch optimizer inside a wrapper
         cls = type(self.ds_optimizer).__name__
-        if isinstance(self.ds_optimizer, torch.optim.Optimizer) and cls not in _KINDS:
-            self.kind = "torch"
-        else:
-            self.kind = _KINDS.get(cls, "unknown")
-        if self.kind == "unknown":
+        reader = _READERS.get(cls)
+        if reader is None:
+            reader = _TorchReader if isinstance(self.ds_optimizer, torch.optim.Optimizer) else _UnknownReader
+        if reader is _UnknownReader:
             self.log_once("kind", "engine.optimizer is a %s, which this version of the monitor does not know; "
                           "'reduced', 'optimizer' and 'param' rows are read as for a plain torch optimizer and "
                           "may be missing", cls)
+        self.reader: _Reader = reader(self)
         mine = (self.ds_optimizer, getattr(engine, "basic_optimizer", None))
         if optimizer is not None and not any(o is m for o in _wrapper_chain(optimizer) for m in mine):
             self.log_once("optimizer", "the optimizer passed to start() is neither engine.optimizer nor "
@@ -147,7 +141,7 @@ class DeepSpeedStack(TrainingStack):
             self.gas = int(engine.gradient_accumulation_steps())
         except Exception:  # noqa: BLE001
             self.gas = None
-        self._model_params = self._read_model_params()
+        self._model_params = self.reader.model_params()
 
     @classmethod
     def detect(cls, chunks: List[torch.nn.Module], optimizer: Any) -> Optional[TrainingStack]:
@@ -180,20 +174,6 @@ class DeepSpeedStack(TrainingStack):
             return getattr(chunk, "module", chunk)
         return super().unwrap(chunk)
 
-    def _read_model_params(self) -> Optional[List[torch.Tensor]]:
-        opt = self.ds_optimizer
-        attr = {"masters": "fp16_groups", "zero12": "bit16_groups", "bf16": "bf16_groups", "zero3": "fp16_groups"}
-        if self.kind in attr:
-            groups = getattr(opt, attr[self.kind], None)
-            if groups is None:
-                self.log_once("params", "%s has no '%s'; 'reduced', 'optimizer' and 'param' rows cannot be "
-                              "mapped to parameter names and are not written", type(opt).__name__, attr[self.kind])
-                return []
-            return _flat(groups)
-        if self.kind == "torch":
-            return _flat(g["params"] for g in opt.param_groups)
-        return None
-
     def optimizer_model_params(self) -> Optional[List[torch.Tensor]]:
         return self._model_params
 
@@ -212,39 +192,12 @@ class DeepSpeedStack(TrainingStack):
 
     # ------------------------------------------------------------- gradients
     def unreduced_capture(self, session: Any, per_micro_batch: bool, micro_batches: int) -> Optional[UnreducedCapture]:
-        if self.kind in ("torch", "masters", "unknown") or per_micro_batch:
-            return None  # the gradient of each pass, or .grad accumulating until the boundary
-        opt = self.ds_optimizer
-        partitions_grads = self.kind == "zero3" or (self.kind == "zero12" and getattr(opt, "partition_gradients", True))
-        if partitions_grads:
-            passes = max(self.gas or 1, micro_batches)
-            if passes > 1:
-                stage = 3 if self.kind == "zero3" else 2
-                return UnreducedCapture(not_observable=(
-                    f"DeepSpeed ZeRO-{stage} reduce-scatters each micro-batch's gradient during backward and never "
-                    f"holds the accumulated local gradient of a step ({passes} micro-batches per step); set "
-                    f"monitor_mbs_grad=true for one exact row per micro-batch"))
-            # one micro-batch per step: the gradient of the only pass is the accumulated one
-            return self._tensor_hook_capture(session, lambda p: None)
-        if self.kind == "bf16":
-            prior = self._bf16_accumulation_buffers()
-            if prior is None:
-                return UnreducedCapture(not_observable=(
-                    "BF16_Optimizer has no readable fp32_groups_gradients, where it accumulates local gradients"))
-            return self._tensor_hook_capture(session, lambda p: prior.get(id(p)))
-        if getattr(opt, "use_grad_accum_attribute", False):
-            return self._tensor_hook_capture(session, lambda p: getattr(p, "grad_accum", None))
-        return self._tensor_hook_capture(session, lambda p: p.grad)
+        if per_micro_batch:
+            return None  # the gradient of each pass
+        return self.reader.unreduced_capture(session, micro_batches)
 
-    def _bf16_accumulation_buffers(self) -> Optional[Dict[int, torch.Tensor]]:
-        opt = self.ds_optimizer
-        groups, grads = getattr(opt, "bf16_groups", None), getattr(opt, "fp32_groups_gradients", None)
-        if groups is None or grads is None:
-            return None
-        return {id(p): g for group, ggroup in zip(groups, grads) for p, g in zip(group, ggroup)}
-
-    def _tensor_hook_capture(self, session: Any, prior: Callable[[torch.Tensor], Optional[torch.Tensor]]
-                             ) -> UnreducedCapture:
+    def tensor_hook_capture(self, session: Any, prior: Callable[[torch.Tensor], Optional[torch.Tensor]]
+                            ) -> UnreducedCapture:
         """Accumulated local gradient = what the stack accumulated before this pass +
         this pass's gradient, read in a tensor hook (before autograd accumulates it and
         before DeepSpeed's own hooks move it). The sum is built, in the accumulation
@@ -262,13 +215,13 @@ class DeepSpeedStack(TrainingStack):
 
         return UnreducedCapture(install=install)
 
-    # The three readers below go through private attributes: one that moved or changed
-    # shape in another DeepSpeed version ends that reader with one log line, not an error.
+    # The three readings below go through private attributes: one that moved or changed
+    # shape in another DeepSpeed version ends that reading with one log line, not an error.
     _MOVED = (AttributeError, KeyError, IndexError, TypeError, RuntimeError)
 
     def reduced_grads(self, session: Any) -> List[Tuple[Any, torch.Tensor]]:
         try:
-            return self._reduced_grads(session)
+            return self.reader.reduced_grads(session)
         except self._MOVED as exc:
             self.log_once("read:reduced", "cannot read the reduced gradients of %s (%r); 'reduced' rows are not "
                           "written", type(self.ds_optimizer).__name__, exc)
@@ -276,7 +229,7 @@ class DeepSpeedStack(TrainingStack):
 
     def param_values(self, session: Any) -> List[Tuple[Any, torch.Tensor]]:
         try:
-            return self._param_values(session)
+            return self.reader.param_values(session)
         except self._MOVED as exc:
             self.log_once("read:param", "cannot read the weights %s updates (%r); 'param' rows are not written",
                           type(self.ds_optimizer).__name__, exc)
@@ -284,97 +237,148 @@ class DeepSpeedStack(TrainingStack):
 
     def optimizer_states(self, session: Any) -> Iterator[Tuple[Any, str, torch.Tensor]]:
         try:
-            states = list(self._optimizer_states(session))
+            states = list(self.reader.optimizer_states(session))
         except self._MOVED as exc:
             self.log_once("read:state", "cannot read the optimizer state of %s (%r); 'optimizer' rows are not "
                           "written", type(self.ds_optimizer).__name__, exc)
             states = []
         return iter(states)
 
-    def _reduced_grads(self, session: Any) -> List[Tuple[Any, torch.Tensor]]:
-        if self.kind in ("zero12", "bf16"):
-            return self._fragments(session, self._hp_grad_fragment, "reduced gradients")
-        if self.kind == "zero3":
-            return self._zero3_pieces(session, "averaged_gradients")
+    # the plain-torch readings, for the readers of a torch optimizer
+    def torch_reduced_grads(self, session: Any) -> List[Tuple[Any, torch.Tensor]]:
         return super().reduced_grads(session)
 
-    # ------------------------------------------------------ optimizer, params
-    def _param_values(self, session: Any) -> List[Tuple[Any, torch.Tensor]]:
-        if self.kind in ("zero12", "bf16"):
-            return self._fragments(session, lambda p, m: m.hp_fragment, "fp32 master weights")
-        if self.kind == "zero3":
-            return self._zero3_pieces(session, "masters")
-        if self.kind == "masters":
-            masters = self._unfused_masters()
-            return [(i, masters[id(i.param)]) for i in session.optimizer_params() if id(i.param) in masters]
+    def torch_param_values(self, session: Any) -> List[Tuple[Any, torch.Tensor]]:
         return super().param_values(session)
 
-    def _optimizer_states(self, session: Any) -> Iterator[Tuple[Any, str, torch.Tensor]]:
-        state = getattr(self.inner, "state", None)
-        if self.kind in ("torch", "unknown"):
-            yield from super().optimizer_states(session)
-            return
-        if state is None:
-            self.log_once("state", "the optimizer inside %s has no 'state'; no optimizer rows",
-                          type(self.ds_optimizer).__name__)
-            return
-        if self.kind == "masters":
-            masters = self._unfused_masters()
-            for info in session.optimizer_params():
-                master = masters.get(id(info.param))
-                if master is not None:
-                    for key, value in _moments(state, master):
-                        yield info, key, value
-            return
-        if self.kind in ("zero12", "bf16"):
-            attr = "single_partition_of_fp32_groups" if self.kind == "zero12" else "fp32_groups_flat_partition"
-            flats = getattr(self.ds_optimizer, attr, None)
-            if flats is None:
-                self.log_once("flats", "%s has no '%s'; no optimizer rows", type(self.ds_optimizer).__name__, attr)
-                return
-            for info in session.optimizer_params():
-                mapping = getattr(info.param, "_hp_mapping", None)
-                if mapping is None:
-                    continue  # no fragment of this parameter on this rank
-                flat = flats[mapping.param_group_index]
-                addr = mapping.hp_fragment_address
-                for key, value in _moments(state, flat):
-                    yield info, key, value.narrow(0, addr.start, addr.numel)
-            return
-        if self.kind == "zero3":
-            for info, flat, offset, numel in self._zero3_positions(session):
-                for key, value in _moments(state, flat):
-                    yield info, key, value.narrow(0, offset, numel)
+    def torch_optimizer_states(self, session: Any) -> Iterator[Tuple[Any, str, torch.Tensor]]:
+        return super().optimizer_states(session)
 
-    # --------------------------------------------------------------- helpers
-    def _unfused_masters(self) -> Dict[int, torch.Tensor]:
-        opt = self.ds_optimizer
-        lows, masters = getattr(opt, "fp16_groups", None), getattr(opt, "fp32_groups", None)
+
+class _Reader:
+    """Where one kind of ``engine.optimizer`` keeps the reduced gradients, the values it
+    updates and their moments (the table in the module docstring). This base reads a
+    torch optimizer (ZeRO-0 fp32) as plain torch does."""
+
+    # the groups of model parameters the optimizer's flat buffers are laid out after
+    groups_attr: Optional[str] = None
+
+    def __init__(self, stack: DeepSpeedStack) -> None:
+        self.stack = stack
+        self.opt = stack.ds_optimizer
+
+    def model_params(self) -> Optional[List[torch.Tensor]]:
+        groups = getattr(self.opt, self.groups_attr, None)
+        if groups is None:
+            self.stack.log_once("params", "%s has no '%s'; 'reduced', 'optimizer' and 'param' rows cannot be "
+                                "mapped to parameter names and are not written", type(self.opt).__name__,
+                                self.groups_attr)
+            return []
+        return _flat(groups)
+
+    def unreduced_capture(self, session: Any, micro_batches: int) -> Optional[UnreducedCapture]:
+        return None  # .grad accumulating until the boundary: the default hooks
+
+    def reduced_grads(self, session: Any) -> List[Tuple[Any, torch.Tensor]]:
+        return self.stack.torch_reduced_grads(session)
+
+    def param_values(self, session: Any) -> List[Tuple[Any, torch.Tensor]]:
+        return self.stack.torch_param_values(session)
+
+    def optimizer_states(self, session: Any) -> Iterator[Tuple[Any, str, torch.Tensor]]:
+        return self.stack.torch_optimizer_states(session)
+
+    def inner_state(self) -> Optional[Any]:
+        """The state of the torch optimizer inside ``engine.optimizer`` (None: said once)."""
+        state = getattr(self.stack.inner, "state", None)
+        if state is None:
+            self.stack.log_once("state", "the optimizer inside %s has no 'state'; no optimizer rows",
+                                type(self.opt).__name__)
+        return state
+
+
+class _TorchReader(_Reader):
+    """A torch optimizer as ``engine.optimizer`` (ZeRO-0, fp32)."""
+
+    def model_params(self) -> Optional[List[torch.Tensor]]:
+        return _flat(g["params"] for g in self.opt.param_groups)
+
+
+class _UnknownReader(_Reader):
+    """An optimizer of a DeepSpeed version this monitor does not know: read as plain
+    torch (said once, at detection)."""
+
+    def model_params(self) -> Optional[List[torch.Tensor]]:
+        return None
+
+
+class _MastersReader(_Reader):
+    """``FP16_UnfusedOptimizer``/``FP16_Optimizer`` (ZeRO-0 bf16/fp16): ``param.grad`` is
+    the reduced gradient, the fp32 masters ``fp32_groups`` are aligned with
+    ``fp16_groups``."""
+
+    groups_attr = "fp16_groups"
+
+    def masters(self) -> Dict[int, torch.Tensor]:
+        lows, masters = getattr(self.opt, "fp16_groups", None), getattr(self.opt, "fp32_groups", None)
         if lows is None or masters is None:
-            self.log_once("masters", "%s has no fp16_groups/fp32_groups; parameters and moments are not observed",
-                          type(opt).__name__)
+            self.stack.log_once("masters", "%s has no fp16_groups/fp32_groups; parameters and moments are not "
+                                "observed", type(self.opt).__name__)
             return {}
         return {id(p): m for p, m in zip(_flat(lows), _flat(masters))}
 
-    def _hp_grad_fragment(self, param: torch.Tensor, mapping: Any) -> Optional[torch.Tensor]:
-        try:
-            grad = mapping.get_lp_grad_fragment(param._index_in_param_group)
-        except ValueError:  # no gradients held (e.g. an overflow cleared them)
-            return None
-        grad = grad.reshape(-1)
-        addr = mapping.lp_fragment_address
-        if grad.numel() != addr.numel:  # BF16_Optimizer: the whole parameter's fp32 buffer
-            grad = grad.narrow(0, addr.start, addr.numel)
-        return grad
+    def param_values(self, session: Any) -> List[Tuple[Any, torch.Tensor]]:
+        masters = self.masters()
+        return [(i, masters[id(i.param)]) for i in session.optimizer_params() if id(i.param) in masters]
 
-    def _fragments(self, session: Any, read: Callable[[torch.Tensor, Any], Optional[torch.Tensor]],
-                   what: str) -> List[Tuple[Any, torch.Tensor]]:
-        """This rank's fragment of each parameter (ZeRO-1/2, BF16_Optimizer), through the
-        mapping DeepSpeed itself keeps for checkpoints (``param._hp_mapping``)."""
+    def optimizer_states(self, session: Any) -> Iterator[Tuple[Any, str, torch.Tensor]]:
+        state = self.inner_state()
+        if state is None:
+            return
+        masters = self.masters()
+        for info in session.optimizer_params():
+            master = masters.get(id(info.param))
+            if master is not None:
+                for key, value in _moments(state, master):
+                    yield info, key, value
+
+
+class _FragmentReader(_Reader):
+    """ZeRO-1/2 and ``BF16_Optimizer``: this rank's fragment of each parameter, through
+    the mapping DeepSpeed itself keeps for checkpoints (``param._hp_mapping``)."""
+
+    flats_attr = ""  # this rank's flat fp32 partition of each group, where the moments are kept
+
+    def reduced_grads(self, session: Any) -> List[Tuple[Any, torch.Tensor]]:
+        return self.fragments(session, _hp_grad_fragment, "reduced gradients")
+
+    def param_values(self, session: Any) -> List[Tuple[Any, torch.Tensor]]:
+        return self.fragments(session, lambda p, m: m.hp_fragment, "fp32 master weights")
+
+    def optimizer_states(self, session: Any) -> Iterator[Tuple[Any, str, torch.Tensor]]:
+        state = self.inner_state()
+        if state is None:
+            return
+        flats = getattr(self.opt, self.flats_attr, None)
+        if flats is None:
+            self.stack.log_once("flats", "%s has no '%s'; no optimizer rows", type(self.opt).__name__,
+                                self.flats_attr)
+            return
+        for info in session.optimizer_params():
+            mapping = getattr(info.param, "_hp_mapping", None)
+            if mapping is None:
+                continue  # no fragment of this parameter on this rank
+            flat = flats[mapping.param_group_index]
+            addr = mapping.hp_fragment_address
+            for key, value in _moments(state, flat):
+                yield info, key, value.narrow(0, addr.start, addr.numel)
+
+    def fragments(self, session: Any, read: Callable[[torch.Tensor, Any], Optional[torch.Tensor]],
+                  what: str) -> List[Tuple[Any, torch.Tensor]]:
         out = []
         for info in session.optimizer_params():
             if not hasattr(info.param, "_hp_mapping"):
-                self.log_once("hp_mapping", "parameters carry no _hp_mapping; %s are not observed", what)
+                self.stack.log_once("hp_mapping", "parameters carry no _hp_mapping; %s are not observed", what)
                 return []
             mapping = info.param._hp_mapping
             if mapping is None:
@@ -384,15 +388,87 @@ class DeepSpeedStack(TrainingStack):
                 out.append((info, t))
         return out
 
-    def _zero3_positions(self, session: Any) -> Iterator[Tuple[Any, torch.Tensor, int, int]]:
+
+class _Zero12Reader(_FragmentReader):
+    """``DeepSpeedZeroOptimizer`` (ZeRO-1/2)."""
+
+    groups_attr = "bit16_groups"
+    flats_attr = "single_partition_of_fp32_groups"
+
+    def unreduced_capture(self, session: Any, micro_batches: int) -> Optional[UnreducedCapture]:
+        if getattr(self.opt, "partition_gradients", True):  # ZeRO-2
+            return _partitioned_unreduced(self.stack, session, micro_batches, 2)
+        if getattr(self.opt, "use_grad_accum_attribute", False):
+            return self.stack.tensor_hook_capture(session, lambda p: getattr(p, "grad_accum", None))
+        return self.stack.tensor_hook_capture(session, lambda p: p.grad)
+
+
+class _Bf16Reader(_FragmentReader):
+    """``BF16_Optimizer`` (ZeRO-1 bf16): the gradients accumulate in its fp32 buffer."""
+
+    groups_attr = "bf16_groups"
+    flats_attr = "fp32_groups_flat_partition"
+
+    def unreduced_capture(self, session: Any, micro_batches: int) -> Optional[UnreducedCapture]:
+        groups, grads = getattr(self.opt, "bf16_groups", None), getattr(self.opt, "fp32_groups_gradients", None)
+        if groups is None or grads is None:
+            return UnreducedCapture(not_observable=(
+                "BF16_Optimizer has no readable fp32_groups_gradients, where it accumulates local gradients"))
+        prior = {id(p): g for group, ggroup in zip(groups, grads) for p, g in zip(group, ggroup)}
+        return self.stack.tensor_hook_capture(session, lambda p: prior.get(id(p)))
+
+
+class _Zero3Reader(_Reader):
+    """``DeepSpeedZeroOptimizer_Stage3``: this rank's partition of each parameter, at its
+    position in the flat fp32 partition of its group."""
+
+    groups_attr = "fp16_groups"
+
+    def unreduced_capture(self, session: Any, micro_batches: int) -> Optional[UnreducedCapture]:
+        return _partitioned_unreduced(self.stack, session, micro_batches, 3)
+
+    def reduced_grads(self, session: Any) -> List[Tuple[Any, torch.Tensor]]:
+        out = []
+        opt = self.opt
+        groups, grads = getattr(opt, "fp16_groups", None), getattr(opt, "averaged_gradients", None)
+        if groups is None or grads is None:
+            self.stack.log_once("z3grads", "DeepSpeedZeroOptimizer_Stage3 has no averaged_gradients; 'reduced' "
+                                "rows are not written")
+            return out
+        wanted = {id(i.param): i for i in session.optimizer_params()}
+        for g, group in enumerate(groups):
+            pieces = grads.get(g)
+            if pieces is None:
+                if getattr(opt, "offload_optimizer", False):
+                    self.stack.log_once("z3offload", "ZeRO-3 with optimizer offload keeps the reduced gradients "
+                                        "in the offloaded fp32 buffers; 'reduced' rows are not written")
+                continue
+            for p, grad in zip(group, pieces):
+                info = wanted.get(id(p))
+                if info is not None and grad is not None:
+                    out.append((info, grad.reshape(-1).narrow(0, 0, _zero3_valid(opt, p, grad.numel()))))
+        return out
+
+    def param_values(self, session: Any) -> List[Tuple[Any, torch.Tensor]]:
+        return [(info, flat.narrow(0, offset, numel)) for info, flat, offset, numel in self.positions(session)]
+
+    def optimizer_states(self, session: Any) -> Iterator[Tuple[Any, str, torch.Tensor]]:
+        state = self.inner_state()
+        if state is None:
+            return
+        for info, flat, offset, numel in self.positions(session):
+            for key, value in _moments(state, flat):
+                yield info, key, value.narrow(0, offset, numel)
+
+    def positions(self, session: Any) -> Iterator[Tuple[Any, torch.Tensor, int, int]]:
         """``(info, flat master partition, offset, elements)`` of this rank's partition of
         each ZeRO-3 parameter, without the padding of the last partition."""
-        opt = self.ds_optimizer
+        opt = self.opt
         flats = getattr(opt, "fp32_partitioned_groups_flat", None)
         positions = getattr(opt, "grad_position", None)
         if flats is None or positions is None:
-            self.log_once("z3", "DeepSpeedZeroOptimizer_Stage3 has no fp32_partitioned_groups_flat/grad_position; "
-                          "parameters and moments are not observed")
+            self.stack.log_once("z3", "DeepSpeedZeroOptimizer_Stage3 has no fp32_partitioned_groups_flat/"
+                                "grad_position; parameters and moments are not observed")
             return
         for info in session.optimizer_params():
             p = info.param
@@ -402,31 +478,41 @@ class DeepSpeedStack(TrainingStack):
             group, offset, numel = pos
             yield info, flats[group], offset, _zero3_valid(opt, p, numel)
 
-    def _zero3_pieces(self, session: Any, what: str) -> List[Tuple[Any, torch.Tensor]]:
-        out = []
-        if what == "masters":
-            for info, flat, offset, numel in self._zero3_positions(session):
-                out.append((info, flat.narrow(0, offset, numel)))
-            return out
-        opt = self.ds_optimizer
-        groups, grads = getattr(opt, "fp16_groups", None), getattr(opt, "averaged_gradients", None)
-        if groups is None or grads is None:
-            self.log_once("z3grads", "DeepSpeedZeroOptimizer_Stage3 has no averaged_gradients; 'reduced' rows "
-                          "are not written")
-            return out
-        wanted = {id(i.param): i for i in session.optimizer_params()}
-        for g, group in enumerate(groups):
-            pieces = grads.get(g)
-            if pieces is None:
-                if getattr(opt, "offload_optimizer", False):
-                    self.log_once("z3offload", "ZeRO-3 with optimizer offload keeps the reduced gradients in the "
-                                  "offloaded fp32 buffers; 'reduced' rows are not written")
-                continue
-            for p, grad in zip(group, pieces):
-                info = wanted.get(id(p))
-                if info is not None and grad is not None:
-                    out.append((info, grad.reshape(-1).narrow(0, 0, _zero3_valid(opt, p, grad.numel()))))
-        return out
+
+# engine.optimizer's class name -> its reader (a torch optimizer: _TorchReader)
+_READERS: Dict[str, type] = {
+    "FP16_UnfusedOptimizer": _MastersReader,
+    "FP16_Optimizer": _MastersReader,
+    "DeepSpeedZeroOptimizer": _Zero12Reader,
+    "BF16_Optimizer": _Bf16Reader,
+    "DeepSpeedZeroOptimizer_Stage3": _Zero3Reader,
+}
+
+
+def _partitioned_unreduced(stack: DeepSpeedStack, session: Any, micro_batches: int,
+                           stage: int) -> UnreducedCapture:
+    """ZeRO-2/3 reduce-scatter each pass's gradient during backward: the accumulated
+    local gradient exists only when there is one pass per step."""
+    passes = max(stack.gas or 1, micro_batches)
+    if passes > 1:
+        return UnreducedCapture(not_observable=(
+            f"DeepSpeed ZeRO-{stage} reduce-scatters each micro-batch's gradient during backward and never "
+            f"holds the accumulated local gradient of a step ({passes} micro-batches per step); set "
+            f"monitor_mbs_grad=true for one exact row per micro-batch"))
+    # one micro-batch per step: the gradient of the only pass is the accumulated one
+    return stack.tensor_hook_capture(session, lambda p: None)
+
+
+def _hp_grad_fragment(param: torch.Tensor, mapping: Any) -> Optional[torch.Tensor]:
+    try:
+        grad = mapping.get_lp_grad_fragment(param._index_in_param_group)
+    except ValueError:  # no gradients held (e.g. an overflow cleared them)
+        return None
+    grad = grad.reshape(-1)
+    addr = mapping.lp_fragment_address
+    if grad.numel() != addr.numel:  # BF16_Optimizer: the whole parameter's fp32 buffer
+        grad = grad.narrow(0, addr.start, addr.numel)
+    return grad
 
 
 def _zero3_valid(opt: Any, param: torch.Tensor, partition_numel: int) -> int:
