@@ -1,4 +1,4 @@
-"""The training-stack seam (frameworks/pytorch/stacks.py) on plain torch: what the
+"""The training-stack seam (frameworks/pytorch/stacks/) on plain torch: what the
 session reads when no framework adapter recognises the objects given to start()."""
 
 import pytest

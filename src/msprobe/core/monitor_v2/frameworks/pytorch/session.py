@@ -65,12 +65,12 @@ class TorchSession:
     def __init__(self, model: Any, optimizer: Any, context: Mapping[str, Any], rank_dir: str) -> None:
         self.rank_dir = rank_dir
         self.chunks, self.is_chunk_list = _as_chunks(model)
-        # What the training stack (plain torch, DeepSpeed, Megatron...) keeps where: see stacks.py.
+        # What the training stack (plain torch, DeepSpeed, Megatron...) keeps where: see stacks/.
         self.stack: TrainingStack = detect_stack(self.chunks, optimizer)
         # Names are read below every pure wrapper (naming.py: DDP, FSDP1, torch.compile,
         # checkpoint/offload wrappers, DeepSpeed's engine, Megatron's), at the root and
         # inside, so they match the user's model (no "module.", no "_orig_mod.").
-        self.roots = [unwrap(self.stack.unwrap(c)) for c in self.chunks]
+        self.roots = [unwrap(c) for c in self.chunks]
         self.optimizer = optimizer
         self.context = dict(context)
         if self.context.get("micro_batch_number") is None and self.context.get("grad_acc_steps") is None:

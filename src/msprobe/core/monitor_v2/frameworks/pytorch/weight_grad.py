@@ -13,9 +13,9 @@ backward pass before it is accumulated into ``.grad``, i.e. that micro-batch's o
 gradient (all uses of a shared parameter already summed).
 
 Under DDP these hooks run before the bucket's all-reduce; under FSDP the hooks go on the
-unsharded gradient before the reduce-scatter (see ``fsdp.py``). A training stack that
+unsharded gradient before the reduce-scatter (see ``stacks/fsdp.py``). A training stack that
 keeps local gradients in its own buffers (DeepSpeed, Megatron-Core) installs its own
-capture instead, or says why the value cannot be captured exactly (``stacks.py``).
+capture instead, or says why the value cannot be captured exactly (``stacks/``).
 
 ``reduced`` is what the session's training stack reports at the optimizer step:
 ``param.grad`` for plain torch/DDP/FSDP, the stack's reduced buffers otherwise.

@@ -7,9 +7,6 @@ the monitors did before adapters existed); a framework adapter subclasses it, ov
 ``detect`` and only the hook points that differ, and is listed in ``_ADAPTERS``. The
 session and the monitors call only these hook points:
 
-- ``unwrap(chunk)``: the module whose ``named_parameters()``/``named_modules()`` give the
-  model's own names (no ``module.`` prefix of ``DeepSpeedEngine``, Megatron's DDP or
-  ``Float16Module``).
 - ``optimizer_model_params()``: the *model* parameters the optimizer updates, in order
   (None: the tensors in ``optimizer.param_groups``). Flat or fp32-master tensors in the
   param groups are thus named after the parameters they belong to.
@@ -100,11 +97,9 @@ class TrainingStack:
         self._once.warning(key, "monitor_v2 (%s): " + msg, self.name, *args)
 
     # ----------------------------------------------------------------- names
-    def unwrap(self, chunk: torch.nn.Module) -> torch.nn.Module:
-        # Pure wrappers (DDP, FSDP1, torch.compile, checkpoint wrappers...) are unwrapped
-        # by the session with naming.unwrap, at the root and inside the model.
-        return chunk
-
+    # Names need no hook point: every wrapper a stack puts around the model (DDP, FSDP1,
+    # torch.compile, DeepSpeedEngine, Megatron's DDP and Float16Module...) is a pure
+    # wrapper that the session removes with naming.unwrap, at the root and inside.
     def optimizer_model_params(self) -> Optional[List[torch.Tensor]]:
         return None
 

@@ -169,11 +169,6 @@ class DeepSpeedStack(TrainingStack):
         return DeepSpeedWithoutEngine(chunks, optimizer, ds_opt, why)
 
     # ----------------------------------------------------------------- names
-    def unwrap(self, chunk: torch.nn.Module) -> torch.nn.Module:
-        if chunk is self.engine:
-            return getattr(chunk, "module", chunk)
-        return super().unwrap(chunk)
-
     def optimizer_model_params(self) -> Optional[List[torch.Tensor]]:
         return self._model_params
 

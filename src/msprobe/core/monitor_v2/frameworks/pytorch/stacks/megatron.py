@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from ..naming import unwrap
 from .base import GradCallback, TrainingStack, UnreducedCapture, tensor_states
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -133,9 +132,6 @@ class MegatronStack(TrainingStack):
         return None
 
     # ----------------------------------------------------------------- names
-    def unwrap(self, chunk: torch.nn.Module) -> torch.nn.Module:
-        return unwrap(chunk)  # naming.py: Megatron's DDP and Float16Module are pure wrappers
-
     def optimizer_model_params(self) -> Optional[List[torch.Tensor]]:
         if not self.megatron_optimizer:
             return None
