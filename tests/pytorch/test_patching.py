@@ -200,3 +200,60 @@ def test_a_failing_undo_does_not_run_again():
         patch.remove()
     patch.remove()
     assert calls == [1]
+
+
+_CC_SCRIPT = r"""
+import json, sys, os, types
+import torch, torch.distributed as dist
+from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
+
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[2], 1), rank=0, world_size=1)
+names = [n for n in dir(dist) if callable(getattr(dist, n, None))]
+before = {n: id(getattr(dist, n)) for n in names}
+
+
+def own():  # the module's own attributes, without the submodules that importing torch.distributed.* adds
+    return {k: id(v) for k, v in vars(dist).items() if not isinstance(v, types.ModuleType)}
+
+
+own_before = own()
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+mon = TrainerMonitorV2({"output_dir": sys.argv[1], "monitors": {"module": {"enabled": False},
+                                                                "cc": {"enabled": True}}})
+mon.start(model=model, optimizer=opt)
+patched = sorted(n for n in names if id(getattr(dist, n)) != before[n])
+t = torch.ones(3)
+dist.all_reduce(t)
+model(torch.ones(1, 4)).sum().backward()
+opt.step()
+mon.stop()
+after = {n: id(getattr(dist, n)) for n in names}
+first_stop = (after == before, own() == own_before)
+mon.stop()
+second_stop = ({n: id(getattr(dist, n)) for n in names} == before, own() == own_before)
+print(json.dumps({"patched": patched, "first_stop": first_stop, "second_stop": second_stop}))
+dist.destroy_process_group()
+"""
+
+
+def test_cc_patches_of_torch_distributed_are_undone_by_stop(tmp_path):
+    """The ``cc`` monitor on a real one-rank gloo group (its own process: a process group
+    must not outlive the test): it replaces the functions of ``torch.distributed`` and
+    ``stop()`` puts every one back, the module's own attributes as before (submodules
+    that importing ``torch.distributed.*`` adds aside); a second
+    ``stop()`` changes nothing."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(
+        os.path.dirname(__file__), "..", "..", "src"), os.environ.get("PYTHONPATH")])))
+    res = subprocess.run([sys.executable, "-c", _CC_SCRIPT, str(tmp_path / "out"), str(tmp_path / "store")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads(res.stdout.strip().splitlines()[-1])
+    assert "all_reduce" in result["patched"] and "broadcast" in result["patched"]
+    assert result["first_stop"] == [True, True] and result["second_stop"] == [True, True]
