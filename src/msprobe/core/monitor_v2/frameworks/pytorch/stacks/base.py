@@ -60,8 +60,9 @@ class UnreducedCapture:
     """How ``weight_grad`` captures ``unreduced`` gradients under a stack.
 
     ``install(on_micro_batch, on_accumulated)`` installs the adapter's hooks and returns
-    their removable handles (framework hook handles or ``patching.Patch``es). A hook calls ``on_micro_batch(info, grad)`` once per
-    backward pass with that pass's own gradient (``monitor_mbs_grad=true``), or
+    their removable handles (framework hook handles or ``patching.Patch``es). A hook
+    calls ``on_micro_batch(info, grad)`` once per backward pass with that pass's own
+    gradient (``monitor_mbs_grad=true``), or
     ``on_accumulated(info, grad)`` once per backward pass with the local gradient
     accumulated so far (the monitor counts the passes and records after the announced
     last micro-batch); ``grad`` may be a zero-argument callable returning it, for a value
