@@ -186,7 +186,8 @@ class CommMonitorBase(Monitor):
             records, self._records = self._records, []
             in_flight = self._in_flight
         if in_flight and self.active:
-            self._once.warning("in-flight",
+            self._once.warning(
+                "in-flight",
                 "monitor_v2 cc: %d asynchronous communication call(s) had not completed when step %d "
                 "ended; their 'post' rows are written with the step in which they complete. Logged once.",
                 in_flight, self.step)

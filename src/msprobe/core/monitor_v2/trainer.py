@@ -178,7 +178,8 @@ class TrainerMonitorV2:
             self._writer.abandon_in_child()
 
     def _say_forked(self) -> None:
-        self._once.warning("forked",
+        self._once.warning(
+            "forked",
             "monitor_v2: process %d, forked from the training process %d while the monitor was running, trains: "
             "the monitor records and writes nothing here (%s belongs to the parent process, whose rows and "
             "counts are unchanged). Start a monitor of its own in the child to observe it. Logged once.",
@@ -216,7 +217,8 @@ class TrainerMonitorV2:
                 self._say_forked()
             return
         if self._patched:
-            self._once.warning("manual-step",
+            self._once.warning(
+                "manual-step",
                 "monitor_v2: step() called by hand while optimizer.step() is patched to call it; "
                 "the manual call is ignored. Set \"patch_optimizer_step\": false to step by hand. "
                 "Logged once."

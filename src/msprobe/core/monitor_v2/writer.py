@@ -221,7 +221,8 @@ class CsvWriter:
         return None
 
     def _note_recreated(self, what: str) -> None:
-        self._once.warning("recreated",
+        self._once.warning(
+            "recreated",
             "monitor_v2: %s while the run was writing to %s; writing goes on in re-created files "
             "(and directories). Rows written to the deleted files are gone. Logged once.",
             what, self.rank_dir,
@@ -254,7 +255,8 @@ class CsvWriter:
 
     def _check_existing(self, monitor: str, opened: _OpenFile) -> None:
         path = opened.path
-        self._once.warning("append",
+        self._once.warning(
+            "append",
             "monitor_v2: %s already holds CSV files (e.g. %s); appending to them. Use another "
             "output_dir to keep runs apart.", self.rank_dir, os.path.basename(path),
         )
@@ -498,7 +500,8 @@ class AsyncCsvWriter:
                 pass
         except BaseException:
             steps, rows = self.pending()
-            self._once.warning("interrupted",
+            self._once.warning(
+                "interrupted",
                 "monitor_v2: stop() was interrupted while %d step(s) (%d row(s)) were still to be written to "
                 "%s; nothing is lost yet: call stop() again to write them (at exit the monitor writes them "
                 "too). Logged once.", steps, rows, self._writer.rank_dir)

@@ -98,13 +98,15 @@ class FrameworkStepMonitor:
         real = monitor.optimizer_steps - self._real_steps_seen
         self._real_steps_seen = monitor.optimizer_steps
         if real < ended:
-            self._once.warning("skipped",
+            self._once.warning(
+                "skipped",
                 "monitor_v2 %s: step %d ended without an optimizer update (skipped, e.g. by the gradient "
                 "scaler for an overflow); the monitor's step still follows the framework's global step, "
                 "and that step has no 'reduced', 'param_updated' or moment rows. Logged once.",
                 self.integration, monitor.current_step + ended - 1)
         elif real > ended:
-            self._once.warning("extra",
+            self._once.warning(
+                "extra",
                 "monitor_v2 %s: %d optimizer updates ran in %d framework step(s) (several optimizers or "
                 "manual optimization?); the monitor's step follows the framework's global step. Logged once.",
                 self.integration, real, ended)

@@ -80,11 +80,12 @@ class MsWeightGradMonitor(Monitor):
             return
         if self.micro_batches == 1:
             if n > 1:
-                self._once.warning("extra-passes",
-                                   "monitor_v2 weight_grad: step %d ran %d backward passes but grad_acc_steps / "
-                                   "micro_batch_number is 1; MindSpore's accumulated gradient cannot be rebuilt, so "
-                                   "'unreduced' holds the last pass. Announce the number of micro-batches. "
-                                   "Logged once.", self.step, n)
+                self._once.warning(
+                    "extra-passes",
+                    "monitor_v2 weight_grad: step %d ran %d backward passes but grad_acc_steps / "
+                    "micro_batch_number is 1; MindSpore's accumulated gradient cannot be rebuilt, so "
+                    "'unreduced' holds the last pass. Announce the number of micro-batches. "
+                    "Logged once.", self.step, n)
             total = grad
         else:
             prev = self._sums.get(info.index)

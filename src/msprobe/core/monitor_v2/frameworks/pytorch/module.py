@@ -172,7 +172,8 @@ class ModuleMonitor(Monitor):
 
         self._hooks.forward_pre(root, eager_hook(self.errors.wrap("module internal-pass tracking", enter)),
                                 prepend=True, with_kwargs=True)
-        self._hooks.forward(root, eager_hook(self.errors.wrap("module internal-pass tracking", leave)), always_call=True)
+        self._hooks.forward(root, eager_hook(self.errors.wrap("module internal-pass tracking", leave)),
+                            always_call=True)
 
     def _track_passes(self, root: torch.nn.Module) -> None:
         """Hooks around each call of a model chunk: the first to run before the call and

@@ -178,7 +178,8 @@ class WeightGradMonitor(Monitor):
 
     def _warn_reduced_early(self, source: GradSource) -> None:
         self._once.warning(
-            "reduced-early", "monitor_v2 weight_grad: at step %d FSDP2 reduce-scattered the gradient of '%s' (and others) "
+            "reduced-early",
+            "monitor_v2 weight_grad: at step %d FSDP2 reduce-scattered the gradient of '%s' (and others) "
             "before the last of the %d micro-batches (gradient sync on for every micro-batch: no "
             "set_requires_gradient_sync(False), or Accelerate's sync_each_batch=True), so the accumulated "
             "local gradient of the step never exists: no accumulated 'unreduced' rows are written for such "
@@ -203,7 +204,8 @@ class WeightGradMonitor(Monitor):
         ]
         if not short:
             return
-        self._once.warning("short",
+        self._once.warning(
+            "short",
             "monitor_v2 weight_grad: at step %d, %d parameter(s) (e.g. %s) got gradients in fewer "
             "backward passes than the %d announced by grad_acc_steps/micro_batch_number; their "
             "'unreduced' rows are read right before optimizer.step() (after any data-parallel "
