@@ -12,9 +12,9 @@ framework hook handles in one list and undo them with :func:`remove_all`.
   attribute, or deletes ours so the inherited one shows again. One replaced again by
   someone else after us is left as it is (their replacement wins).
 - :func:`wrap_method` calls ``before``/``after`` around an instance's method.
-- :func:`set_without_copy` keeps an instance attribute out of copies and pickles of the
+- ``keep_out_of_copies`` keeps such an attribute out of copies and pickles of the
   instance (``copy.deepcopy``, ``torch.save``), so they are what they would be without
-  the monitor.
+  the monitor (:class:`StateWithout`).
 
 Nothing here imports a framework.
 """
@@ -68,8 +68,9 @@ class StateWithout:
     monitor, or ``_MISSING``).
 
     A previous instance-level ``__getstate__`` (another tool doing the same) is called
-    instead of the class's and put back by :meth:`uninstall`. Two monitors on one object
-    share one; it is removed when the last of them uninstalls it."""
+    instead of the class's and put back by :meth:`release`. Two monitors on one object
+    share one; it is removed when the last of them releases it (a reference count, not
+    a handle: the :class:`Patch` that installed it releases it)."""
 
     __slots__ = ("owner", "hook_ids", "hook_dicts", "attrs", "previous", "users")
 
@@ -112,7 +113,7 @@ class StateWithout:
         getstate.users += 1
         return getstate
 
-    def uninstall(self) -> None:
+    def release(self) -> None:
         self.users -= 1
         if self.users > 0:
             return
@@ -125,10 +126,10 @@ class StateWithout:
             object.__delattr__(owner, "__getstate__")
 
 
-def set_without_copy(owner: Any, name: str, value: Any) -> Optional[StateWithout]:
+def _set_without_copy(owner: Any, name: str, value: Any) -> Optional[StateWithout]:
     """Set the instance attribute ``name`` of ``owner`` so that copies and pickles of
     ``owner`` get the attribute as it was before (or none); the returned object's
-    ``uninstall()`` ends that, once the attribute is restored. None when ``owner`` has no
+    ``release()`` ends that, once the attribute is restored. None when ``owner`` has no
     ``__dict__`` (the attribute is then only set)."""
     before = vars(owner).get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
     setattr(owner, name, value)
@@ -145,14 +146,18 @@ def replace_attribute(owner: Any, attr: str, value: Any, *, keep_out_of_copies: 
     was: its own previous attribute, or none (the inherited one shows again). When the
     attribute no longer is ``value`` at removal (someone replaced it after us), it is left
     as it is and ``if_replaced()`` is called (to say so). ``keep_out_of_copies``: copies
-    and pickles of ``owner`` get the attribute as it was before (:func:`set_without_copy`)."""
+    and pickles of ``owner`` get the attribute as it was before (:class:`StateWithout`)."""
     had_own = attr in vars(owner)
     previous = vars(owner).get(attr)
-    copy_state = set_without_copy(owner, attr, value) if keep_out_of_copies else setattr(owner, attr, value)
+    copy_state: Optional[StateWithout] = None
+    if keep_out_of_copies:
+        copy_state = _set_without_copy(owner, attr, value)
+    else:
+        setattr(owner, attr, value)
 
     def undo() -> None:
         if copy_state is not None:
-            copy_state.uninstall()
+            copy_state.release()
         if vars(owner).get(attr) is not value:
             if if_replaced is not None:
                 if_replaced()

@@ -13,16 +13,14 @@ class would return, without the monitor's hook entries and without itself. Copie
 checkpoints are then exactly what they would be without the monitor (other libraries'
 hooks are copied as usual), and loading a checkpoint does not need msprobe. ``stop()``
 removes the hooks and the attribute. The same is done for the ``step`` wrapper put on an
-optimizer that is not a ``torch.optim.Optimizer`` (``patching.set_without_copy``).
+optimizer that is not a ``torch.optim.Optimizer`` (``patching.replace_attribute``).
 """
 
 from typing import Any, Callable, Dict, List, Set
 
 import torch
 
-from ...patching import StateWithout, set_without_copy
-
-__all__ = ["ModuleHooks", "StateWithout", "set_without_copy"]
+from ...patching import StateWithout
 
 # The dictionaries of a module that hold forward hooks or their flags, by handle id.
 _HOOK_DICTS = (
@@ -61,7 +59,7 @@ class ModuleHooks:
             self._handles.pop().remove()
         for key, state in self._states.items():
             state.hook_ids -= self._ids[key]
-            state.uninstall()
+            state.release()
         self._states.clear()
         self._ids.clear()
 
