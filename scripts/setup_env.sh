@@ -26,8 +26,8 @@ deps=("${base[@]}")
 check="import torch, numpy, polars, matplotlib, msprobe.core.monitor_v2.trainer"
 if [ "$profile" = test ]; then
   deps+=("mindspore==2.10.0" "pytest>=7" "transformers>=4.40,<5" "hypothesis>=6.100"
-        "deepspeed==0.19.8" "megatron-core==0.16.1" "accelerate==1.15.0" "lightning==2.6.6")
-  check="$check, mindspore, pytest, transformers, hypothesis, deepspeed, megatron.core, accelerate, lightning"
+        "deepspeed==0.19.8" "megatron-core==0.16.1" "accelerate==1.15.0" "lightning==2.6.6" "tensorboard==2.21.0" "wandb==0.31.0" "mlflow==3.17.2")
+  check="$check, mindspore, pytest, transformers, hypothesis, deepspeed, megatron.core, accelerate, lightning, tensorboard, wandb, mlflow"
 fi
 stamp=.venv/.msprobe-installed-$profile
 want="${deps[*]} $(sha1sum pyproject.toml | cut -c1-12)"
