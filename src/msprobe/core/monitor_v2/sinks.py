@@ -136,7 +136,9 @@ def _nonfinite(row: Row, ops: Sequence[str]) -> bool:
 
 # ------------------------------------------------------------------ the sinks
 class Sink:
-    """One dashboard. ``open`` runs on the sink thread before the first step."""
+    """One dashboard. ``load`` imports the library on the thread of ``start()`` (an import
+    holds the interpreter lock for up to seconds: on the sink thread it would slow the
+    first training steps); ``open`` runs on the sink thread before the first step."""
 
     name = "sink"
 
@@ -145,6 +147,9 @@ class Sink:
         self.rank = rank
         self.output_dir = output_dir
         self.run_name = str(self.options.get("run_name") or "rank_{rank}").replace("{rank}", str(rank))
+
+    def load(self) -> None:
+        raise NotImplementedError
 
     def open(self) -> None:
         raise NotImplementedError
@@ -162,12 +167,15 @@ class TensorBoardSink(Sink):
 
     name = "tensorboard"
 
-    def open(self) -> None:
+    def load(self) -> None:
         from tensorboard.summary import Writer
 
+        self._writer_class = Writer
+
+    def open(self) -> None:
         root = self.options.get("log_dir") or os.path.join(self.output_dir, "tensorboard")
         self.log_dir = os.path.join(os.path.abspath(root), self.run_name)
-        self._writer = Writer(self.log_dir)
+        self._writer = self._writer_class(self.log_dir)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         now = time.time()
@@ -185,9 +193,13 @@ class WandbSink(Sink):
 
     name = "wandb"
 
-    def open(self) -> None:
+    def load(self) -> None:
         import wandb
 
+        self._wandb = wandb
+
+    def open(self) -> None:
+        wandb = self._wandb
         o = self.options
         kwargs = {k: o[k] for k in ("project", "entity", "group", "mode") if o.get(k) is not None}
         self._run = wandb.init(name=self.run_name, dir=o.get("dir") or self.output_dir, reinit="create_new",
@@ -217,12 +229,14 @@ class MlflowSink(Sink):
     name = "mlflow"
     BATCH = 1000  # MLflow's limit of metrics per log_batch call
 
-    def open(self) -> None:
+    def load(self) -> None:
         from mlflow.entities import Metric
         from mlflow.tracking import MlflowClient
 
-        self._metric = Metric
-        self._client = MlflowClient(tracking_uri=self.options.get("tracking_uri"))
+        self._metric, self._client_class = Metric, MlflowClient
+
+    def open(self) -> None:
+        self._client = self._client_class(tracking_uri=self.options.get("tracking_uri"))
         exp_name = self.options.get("experiment") or "msprobe-monitor"
         exp = self._client.get_experiment_by_name(exp_name)
         exp_id = exp.experiment_id if exp is not None else self._client.create_experiment(exp_name)
@@ -244,9 +258,13 @@ class SwanlabSink(Sink):
 
     name = "swanlab"
 
-    def open(self) -> None:
+    def load(self) -> None:
         import swanlab
 
+        self._swanlab = swanlab
+
+    def open(self) -> None:
+        swanlab = self._swanlab
         self._own = not swanlab.has_run()
         if self._own:
             o = self.options
@@ -278,8 +296,12 @@ class SinkHub:
         self.settings = settings
         self.rank = rank
         self.aggregates = Aggregates(settings, ops)
-        self.sinks: List[Sink] = [SINKS[name](options, rank, output_dir) for name, options in settings.backends.items()]
         self.failed: Dict[str, str] = {}  # sink name -> its first error
+        self.sinks: List[Sink] = []
+        for name, options in settings.backends.items():
+            sink = SINKS[name](options, rank, output_dir)
+            if self._call(sink, "import", sink.load, Exception):  # on the training thread: Ctrl-C stays Ctrl-C
+                self.sinks.append(sink)
         self.sent_steps = 0
         self.dropped_steps = 0
         self._warned_full = False
@@ -328,11 +350,11 @@ class SinkHub:
         for sink in live:
             self._call(sink, "close", sink.close)
 
-    def _call(self, sink: Sink, what: str, fn: Callable[[], None]) -> bool:
+    def _call(self, sink: Sink, what: str, fn: Callable[[], None], caught: type = BaseException) -> bool:
         try:
             fn()
             return True
-        except BaseException as exc:  # noqa: BLE001 - a dashboard never stops training (nor wandb's SystemExit)
+        except caught as exc:  # noqa: BLE001 - a dashboard never stops training (nor a library's SystemExit)
             self.failed[sink.name] = f"{what}: {exc!r}"
             logger.warning(
                 "monitor_v2 sinks: the %s sink failed (%s: %r) on rank %d; it is turned off for the rest of the run "
