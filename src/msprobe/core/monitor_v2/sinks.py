@@ -302,6 +302,9 @@ class SinkHub:
             sink = SINKS[name](options, rank, output_dir)
             if self._call(sink, "import", sink.load, Exception):  # on the training thread: Ctrl-C stays Ctrl-C
                 self.sinks.append(sink)
+        if self.sinks:
+            logger.info("monitor_v2 sinks: rank %d sends at most %d keys per written step to %s", rank,
+                        settings.max_keys, ", ".join(f"{s.name} (run {s.run_name})" for s in self.sinks))
         self.sent_steps = 0
         self.dropped_steps = 0
         self._warned_full = False
