@@ -308,3 +308,22 @@ def test_sinks_send_from_rank_0_only_by_default(tmp_path):
     train(out, {"tensorboard": True, "ranks": [1]})
     assert not (out / "tensorboard").exists()
     assert len(list((out / "rank_0").glob("*.csv"))) == STEPS * len(MONITORS)
+
+
+def test_tensorboard_sink_files_are_private_and_no_link_is_followed(tmp_path, caplog):
+    out = tmp_path / "out"
+    train(out, {"tensorboard": True})
+    run = out / "tensorboard" / "rank_0"
+    assert (run.stat().st_mode & 0o777) == 0o750 and ((out / "tensorboard").stat().st_mode & 0o777) == 0o750
+    files = list(run.glob("events.out.tfevents.*"))
+    assert files and all((f.stat().st_mode & 0o777) == 0o640 for f in files)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "out2").mkdir()
+    (tmp_path / "out2" / "tensorboard").symlink_to(elsewhere)
+    with caplog.at_level(logging.WARNING, logger="msprobe.monitor_v2"):
+        train(tmp_path / "out2", {"tensorboard": True})
+    assert not any(elsewhere.iterdir())
+    (failed,) = [r for r in caplog.records if "sink failed" in r.getMessage()]
+    assert "symbolic link" in failed.getMessage()
+    assert len(list((tmp_path / "out2" / "rank_0").glob("weight_grad_step*.csv"))) == STEPS

@@ -36,6 +36,7 @@ import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .config import SinksSettings
+from .errors import OutputError
 from .stats import Row
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -135,6 +136,26 @@ def _nonfinite(row: Row, ops: Sequence[str]) -> bool:
 
 
 # ------------------------------------------------------------------ the sinks
+def make_private_dir(path: str) -> None:
+    """Create ``path`` and its missing parents 0750; refuse a symbolic link anywhere on it
+    (shared machines: a link planted where the event files go must not redirect them)."""
+    probe = os.path.abspath(path)
+    missing = []
+    while True:
+        if os.path.islink(probe):
+            raise OutputError(f"monitor_v2 sinks: {probe!r} is a symbolic link; nothing is written through a link "
+                              f"(choose another log_dir)")
+        if not os.path.exists(probe):
+            missing.append(probe)
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    for directory in reversed(missing):
+        os.mkdir(directory, 0o750)
+        os.chmod(directory, 0o750)
+
+
 class Sink:
     """One dashboard. ``load`` imports the library on the thread of ``start()`` (an import
     holds the interpreter lock for up to seconds: on the sink thread it would slow the
@@ -175,7 +196,15 @@ class TensorBoardSink(Sink):
     def open(self) -> None:
         root = self.options.get("log_dir") or os.path.join(self.output_dir, "tensorboard")
         self.log_dir = os.path.join(os.path.abspath(root), self.run_name)
+        make_private_dir(self.log_dir)
         self._writer = self._writer_class(self.log_dir)
+        self._files_private()
+
+    def _files_private(self) -> None:
+        for name in os.listdir(self.log_dir):
+            path = os.path.join(self.log_dir, name)
+            if name.startswith("events.out.tfevents.") and os.path.isfile(path) and not os.path.islink(path):
+                os.chmod(path, 0o640)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         now = time.time()
@@ -185,6 +214,7 @@ class TensorBoardSink(Sink):
 
     def close(self) -> None:
         self._writer.close()
+        self._files_private()
 
 
 class WandbSink(Sink):
