@@ -337,6 +337,8 @@ class SinkHub:
                         settings.max_keys, ", ".join(f"{s.name} (run {s.run_name})" for s in self.sinks))
         self.sent_steps = 0
         self.dropped_steps = 0
+        # CPU seconds of the sink thread, read on it: after opening the sinks, after the last step, in all
+        self.open_cpu_s = self.steps_end_cpu_s = self.cpu_s = 0.0
         self._warned_full = False
         self._closed = False
         self._queue: "queue.Queue" = queue.Queue(maxsize=QUEUE_STEPS)
@@ -366,6 +368,7 @@ class SinkHub:
         for sink in list(live):
             if not self._call(sink, "open", sink.open):
                 live.remove(sink)
+        self.open_cpu_s = time.thread_time()  # this thread's CPU: what the sinks cost, apart from the training
         while True:
             item = self._queue.get()
             if item is self._STOP:
@@ -380,8 +383,10 @@ class SinkHub:
                 if not self._call(sink, "log", lambda s=sink: s.log(step, metrics)):
                     live.remove(sink)
             self.sent_steps += 1
+        self.steps_end_cpu_s = time.thread_time()
         for sink in live:
             self._call(sink, "close", sink.close)
+        self.cpu_s = time.thread_time()
 
     def _call(self, sink: Sink, what: str, fn: Callable[[], None], caught: type = BaseException) -> bool:
         try:
@@ -394,6 +399,11 @@ class SinkHub:
                 "(the CSV files and the other sinks go on). Logged once.", sink.name, what, exc, self.rank)
             return False
 
+    @property
+    def steps_cpu_s(self) -> float:
+        """CPU seconds the sink thread spent on the steps (computing keys, calling the libraries)."""
+        return max(0.0, self.steps_end_cpu_s - self.open_cpu_s)
+
     def close(self) -> None:
         """Send what is queued, close the sinks; waits at most ``CLOSE_TIMEOUT_S``. Never raises."""
         if self._closed:
@@ -405,6 +415,10 @@ class SinkHub:
         if self._thread.is_alive():
             logger.warning("monitor_v2 sinks: the dashboards (%s) did not take the last steps within %.0f s; "
                            "stop() goes on without them", ", ".join(s.name for s in self.sinks), CLOSE_TIMEOUT_S)
+        elif self.sinks:
+            logger.info("monitor_v2 sinks: rank %d sent %d step(s); the sink thread used %.1f ms of CPU per step "
+                        "(and %.2f s to open and close the sinks)", self.rank, self.sent_steps,
+                        1e3 * self.steps_cpu_s / max(1, self.sent_steps), self.cpu_s - self.steps_cpu_s)
         if self.dropped_steps:
             logger.warning("monitor_v2 sinks: %d written step(s) were not sent to the dashboards (they fell "
                            "behind); the CSV files hold them", self.dropped_steps)
