@@ -67,3 +67,13 @@ def test_a_missing_library_names_the_pip_command(tmp_path, monkeypatch):
         with pytest.raises(ConfigError) as err:
             load_config(cfg(tmp_path, {name: True}))
         assert err.value.field == f"sinks.{name}" and f"pip install {name}" in str(err.value)
+
+
+def test_relative_sink_directories_are_resolved_at_construction(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    s = load_config(cfg(tmp_path, {"tensorboard": {"log_dir": "tb"}, "wandb": {"dir": "wb"}})).sinks
+    assert s.backends["tensorboard"]["log_dir"] == str(tmp_path / "tb")
+    assert s.backends["wandb"]["dir"] == str(tmp_path / "wb")
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg(tmp_path, {"tensorboard": {"log_dir": "a\0b"}}))
+    assert err.value.field == "sinks.tensorboard.log_dir" and "NUL" in str(err.value)

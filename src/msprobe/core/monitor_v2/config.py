@@ -222,6 +222,14 @@ def _check_str(path: str, value: Any) -> str:
     return value
 
 
+def _check_dir(path: str, value: Any) -> str:
+    # resolved here, as output_dir is: a relative directory means the one of the constructor's cwd
+    problem = output_dir_text_problem(value)
+    if problem is not None:
+        raise _fail(path, value, problem)
+    return os.path.abspath(value)
+
+
 def _check_choice(*allowed: str) -> Checker:
     def check(path: str, value: Any) -> str:
         if not isinstance(value, str) or value not in allowed:
@@ -235,13 +243,13 @@ _SINK_COMMON: Dict[str, Tuple[Checker, Any]] = {
     "run_name": (_check_str, "rank_{rank}"),
 }
 SINK_BACKENDS: Dict[str, Tuple[str, str, Dict[str, Tuple[Checker, Any]]]] = {
-    "tensorboard": ("tensorboard", "tensorboard", {"log_dir": (_check_str, None)}),
+    "tensorboard": ("tensorboard", "tensorboard", {"log_dir": (_check_dir, None)}),
     "wandb": ("wandb", "wandb", {
         "project": (_check_str, "msprobe-monitor"),
         "entity": (_check_str, None),
         "group": (_check_str, None),
         "mode": (_check_choice("online", "offline", "disabled"), None),
-        "dir": (_check_str, None),
+        "dir": (_check_dir, None),
     }),
     "mlflow": ("mlflow", "mlflow", {
         "tracking_uri": (_check_str, None),
@@ -251,7 +259,7 @@ SINK_BACKENDS: Dict[str, Tuple[str, str, Dict[str, Tuple[Checker, Any]]]] = {
         "project": (_check_str, "msprobe-monitor"),
         "workspace": (_check_str, None),
         "mode": (_check_choice("online", "local", "offline", "disabled"), None),
-        "log_dir": (_check_str, None),
+        "log_dir": (_check_dir, None),
     }),
 }
 _SINK_FIELDS = ("ranks", "max_keys", "top_k", "tensors")
