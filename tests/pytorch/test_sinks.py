@@ -327,3 +327,29 @@ def test_tensorboard_sink_files_are_private_and_no_link_is_followed(tmp_path, ca
     (failed,) = [r for r in caplog.records if "sink failed" in r.getMessage()]
     assert "symbolic link" in failed.getMessage()
     assert len(list((tmp_path / "out2" / "rank_0").glob("weight_grad_step*.csv"))) == STEPS
+
+
+def test_nonfinite_counts_follow_the_written_statistics(tmp_path):
+    """A gradient with +Inf (no NaN): max and norm are Inf, min stays finite. The counts the
+    sinks send equal the CSV rows' own non-finite cells, whatever ops are written."""
+    for ops in (["min"], ["max"], ["min", "norm"], ["nans"], ["min", "max", "mean", "norm", "nans"]):
+        out = tmp_path / "_".join(ops)
+        model = TinyMLP(seed=3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        mon = TrainerMonitorV2({"output_dir": str(out), "monitors": {"weight_grad": {"enabled": True, "ops": ops}},
+                                "sinks": {"tensorboard": True, "top_k": 0}})
+        mon.start(model=model, optimizer=opt)
+        for x, y in make_batches(1, seed=7):  # one step: the Inf makes the updated weights NaN
+            loss_fn(model, x, y).backward()
+            model.fc2.bias.grad[0] = math.inf
+            opt.step()
+            opt.zero_grad()
+        mon.stop()
+        got = read_tensorboard(out / "tensorboard" / "rank_0")
+        for step in (0,):
+            (f,) = (out / "rank_0").glob(f"weight_grad_step{step}-{step}.csv")
+            rows = [r for r in read_csv(f) if r["scope"] == "reduced"]
+            want = sum(any(not math.isfinite(float(r[op])) for op in ops if op != "nans") or
+                       int(r.get("nans", 0)) > 0 for r in rows)
+            assert got[step]["weight_grad/reduced/nonfinite_tensors"] == want, (ops, step)
+        assert want == (0 if ops in (["min"], ["nans"]) else 1), ops

@@ -43,7 +43,6 @@ logger = logging.getLogger("msprobe.monitor_v2")
 
 QUEUE_STEPS = 64  # steps waiting for the sink thread before one is dropped
 CLOSE_TIMEOUT_S = 120.0  # stop() waits this long for the dashboards to take the last steps
-_STAT_OPS = ("min", "max", "mean", "norm")
 
 
 def tag(monitor: str, scope: str, name: str, stat: str, micro: Optional[int] = None) -> str:
@@ -127,12 +126,18 @@ class Aggregates:
 
 
 def _nonfinite(row: Row, ops: Sequence[str]) -> bool:
-    if "nans" in ops and row.stat.nans:
+    """A NaN or Inf in one of the row's written statistics (as the CSV row shows it), read
+    from the exact sums: a step has hundreds of rows and this runs on each of them."""
+    st = row.stat
+    if st.nans and "nans" in ops:
         return True
-    for op in _STAT_OPS:
-        if op in ops and (row.stat.numel or op == "norm") and not math.isfinite(row.stat.value(op)):
-            return True
-    return False
+    if "norm" in ops and not math.isfinite(st.sumsq):
+        return True
+    if not st.numel:
+        return False
+    if ("min" in ops and not math.isfinite(st.min)) or ("max" in ops and not math.isfinite(st.max)):
+        return True
+    return "mean" in ops and not math.isfinite(st.total)
 
 
 # ------------------------------------------------------------------ the sinks
