@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/overhead.py                 # default model, all configs
     .venv/bin/python benchmarks/overhead.py --smoke         # tiny and quick (CI)
     .venv/bin/python benchmarks/overhead.py --only weight_grad --rounds 11
+    .venv/bin/python benchmarks/overhead.py --sinks --only all   # the dashboards against the CSV writer
 
 For every config, the same model and optimizer alternate timed windows of training steps
 without and with the monitor (the order flips every round, to cancel drift); a round's
@@ -229,6 +230,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--engine-repeats", type=int, default=7)
     p.add_argument("--only", action="append", help="run only configs whose name contains this (repeatable)")
     p.add_argument("--skip-engine", action="store_true", help="skip the statistics-engine micro-benchmark")
+    p.add_argument("--sinks", action="store_true",
+                   help="also the live-sink configs (tensorboard, wandb, mlflow; offline, in a temporary directory)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one round: checks that the benchmark runs")
     p.add_argument("--no-native", action="store_true",
                    help="ATen reductions only, without the one-pass C kernel (as on a machine without a C compiler)")
@@ -257,7 +260,11 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"CPU statistics: {kernel}")
     bench.train_steps(args.warmup)
     rows = []
-    for name, cfg in configs(args.layers).items():
+    if args.sinks:
+        # the dashboards offline, in the benchmark's temporary directory: nothing reaches the network
+        os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DISABLE_GIT="true",
+                          MLFLOW_ALLOW_FILE_STORE="true", MLFLOW_TRACKING_URI=f"file:{bench.out}/mlruns")
+    for name, cfg in configs(args.layers, sinks=args.sinks).items():
         if args.only and not any(o in name for o in args.only):
             continue
         row = bench.run_config(name, cfg)
