@@ -5,8 +5,8 @@ measured as ratios in one process per rank, like benchmarks/overhead.py.
         [--layers 4 --hidden 256 --seq 128 --batch 4 --acc 2] [--bf16] [--distopt]
     torchrun --nproc_per_node=2 benchmarks/megatron_overhead.py --smoke   # tiny, one round (CI)
 
-Megatron-Core hard-codes a few CUDA calls; on a CPU-only torch build the test shim
-(tests/stacks/megatron_cpu_shim.py) points them at the CPU. Its TorchFunctionMode sees
+Megatron-Core hard-codes a few CUDA calls; on a CPU-only torch build the shim
+(benchmarks/megatron_cpu_shim.py, shared with the tests) points them at the CPU. Its TorchFunctionMode sees
 every torch call, so it is only entered for model/optimizer construction and around
 ``optimizer.step()`` (the same for both sides), not for forward and backward.
 
@@ -29,7 +29,6 @@ import warnings
 warnings.filterwarnings("ignore")  # Megatron: "Transformer Engine and Apex are not installed"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
-sys.path.insert(0, os.path.join(ROOT, "tests", "stacks"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
