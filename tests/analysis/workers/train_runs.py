@@ -17,7 +17,6 @@ Several runs in one launch, each in its own output directory under OUT_ROOT:
               ``fc1.weight`` (the ranks' replicas silently diverge).
 """
 
-import os
 import sys
 
 import torch
