@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 import torch  # noqa: E402
 
 from gpt import GPT, GPTConfig, synthetic_batches  # noqa: E402
+from alternating import alternate  # noqa: E402
 from config_matrix import configs  # noqa: E402
 from heap_memory import PeakMemory  # noqa: E402
 from msprobe.core.monitor_v2 import native  # noqa: E402
@@ -143,15 +144,8 @@ class Bench:
         return on.get("cpu", 0) - base.get("cpu", 0), on.get("item", 0) - base.get("item", 0)
 
     def run_config(self, name: str, cfg: dict) -> dict:
-        ratios, busy, plain = [], [], []
-        for r in range(self.args.rounds):
-            order = (None, cfg) if r % 2 == 0 else (cfg, None)
-            results = {}
-            for which in order:
-                results[which is not None] = self.window(which)
-            ratios.append(results[True] / results[False])
-            busy.append(self.busy / results[False])
-            plain.append(results[False] / self.args.steps_per_window)
+        timed = alternate(lambda monitored: self.window(cfg if monitored else None), lambda: self.busy,
+                          self.args.rounds, self.args.steps_per_window)
         mem = []
         for _ in range(2):
             off = self.window(None, measure_memory=True)
@@ -159,14 +153,14 @@ class Bench:
         cpu_per_step, items_per_step = self.transfers(cfg)
         return {
             "name": name,
-            "median": statistics.median(ratios),
-            "min": min(ratios),
-            "max": max(ratios),
+            "median": timed.median,
+            "min": timed.min,
+            "max": timed.max,
             # The monitor's own code, timed inside it: the direct part of the overhead,
             # without the machine's run-to-run noise (it misses indirect costs such as
             # caches the statistics evict).
-            "busy": statistics.median(busy),
-            "busy_ms": statistics.median(busy) * statistics.median(plain) * 1e3,
+            "busy": timed.busy_median,
+            "busy_ms": timed.busy_ms,
             "mem": statistics.median(mem),
             "cpu": cpu_per_step,
             "item": items_per_step,

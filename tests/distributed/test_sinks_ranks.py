@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import read_csv, run_torchrun
+from support import read_csv, run_torchrun
 
 pytest.importorskip("tensorboard", reason="tensorboard is part of the test profile (scripts/setup_env.sh test)")
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TinyMLP, loss_fn, make_batches, read_csv
+from support import TinyMLP, loss_fn, make_batches, read_csv
 from msprobe.core.monitor_v2.errors import ConfigError
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 

@@ -12,11 +12,9 @@ import sys
 
 import torch
 import torch.distributed as dist
+from support import finish
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from torchrun_worker import finish  # noqa: E402
-
-from msprobe.core.monitor_v2.trainer import TrainerMonitorV2  # noqa: E402
+from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
 
 def run(out: str, sinks: dict) -> None:

@@ -12,7 +12,7 @@ pytest.importorskip("mindspore")
 pytest.importorskip("tensorboard", reason="tensorboard is part of the test profile (scripts/setup_env.sh test)")
 pytest.importorskip("mlflow", reason="mlflow is part of the test profile (scripts/setup_env.sh test)")
 
-from ms_helpers import MLP, batches, grads_np, ms, mse, nn, weights_of  # noqa: E402
+from support.ms_helpers import MLP, batches, grads_np, ms, mse, nn, weights_of  # noqa: E402
 
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2  # noqa: E402
 
