@@ -4,7 +4,9 @@ MindSpore), kept in one place so that their tables stay comparable."""
 from typing import Dict
 
 
-def configs(n_layer: int) -> Dict[str, dict]:
+def configs(n_layer: int, sinks: bool = False) -> Dict[str, dict]:
+    """``sinks``: also the live-sink configs (the PyTorch benchmark; they need tensorboard,
+    wandb and mlflow, run offline: see benchmarks/overhead.py)."""
     two = [f"blocks.{n_layer // 2 - 1}.", f"blocks.{n_layer // 2}."] if n_layer > 1 else ["blocks.0."]
     every = {"enabled": True, "targets": []}
     all_on = {
@@ -13,7 +15,7 @@ def configs(n_layer: int) -> Dict[str, dict]:
         "optimizer": {"enabled": True},
         "param": {"enabled": True},
     }
-    return {
+    matrix = {
         "weight_grad": {"monitors": {"weight_grad": {"enabled": True}}},
         "optimizer": {"monitors": {"optimizer": {"enabled": True}}},
         "param": {"monitors": {"param": {"enabled": True}}},
@@ -23,3 +25,9 @@ def configs(n_layer: int) -> Dict[str, dict]:
         "all, step outside window": {"start_step": 10 ** 9, "monitors": all_on},
         "all, step_interval 4": {"step_interval": 4, "monitors": all_on},
     }
+    if sinks:
+        # against "all monitors": the cost of the dashboards on top of the CSV writer
+        matrix["all + tensorboard sink"] = {"monitors": all_on, "sinks": {"tensorboard": True}}
+        matrix["all + tensorboard, wandb, mlflow sinks"] = {
+            "monitors": all_on, "sinks": {"tensorboard": True, "wandb": {"mode": "offline"}, "mlflow": True}}
+    return matrix

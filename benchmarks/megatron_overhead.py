@@ -5,8 +5,8 @@ measured as ratios in one process per rank, like benchmarks/overhead.py.
         [--layers 4 --hidden 256 --seq 128 --batch 4 --acc 2] [--bf16] [--distopt]
     torchrun --nproc_per_node=2 benchmarks/megatron_overhead.py --smoke   # tiny, one round (CI)
 
-Megatron-Core hard-codes a few CUDA calls; on a CPU-only torch build the test shim
-(tests/stacks/megatron_cpu_shim.py) points them at the CPU. Its TorchFunctionMode sees
+Megatron-Core hard-codes a few CUDA calls; on a CPU-only torch build the shim
+(benchmarks/megatron_cpu_shim.py, shared with the tests) points them at the CPU. Its TorchFunctionMode sees
 every torch call, so it is only entered for model/optimizer construction and around
 ``optimizer.step()`` (the same for both sides), not for forward and backward.
 
@@ -20,7 +20,6 @@ import argparse
 import logging
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -29,12 +28,12 @@ import warnings
 warnings.filterwarnings("ignore")  # Megatron: "Transformer Engine and Apex are not installed"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "src"))
-sys.path.insert(0, os.path.join(ROOT, "tests", "stacks"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import megatron_cpu_shim  # noqa: E402
+from alternating import alternate  # noqa: E402
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2  # noqa: E402
 
 
@@ -105,18 +104,12 @@ class Bench:
         return elapsed
 
     def run(self, name: str, cfg: dict) -> None:
-        ratios, busy, plain = [], [], []
-        for r in range(self.args.rounds):
-            results = {}
-            for which in ((None, cfg) if r % 2 == 0 else (cfg, None)):
-                results[which is not None] = self.window(which)
-            ratios.append(results[True] / results[False])
-            busy.append(self.busy / results[False])
-            plain.append(results[False] / self.args.steps_per_window)
+        timed = alternate(lambda monitored: self.window(cfg if monitored else None), lambda: self.busy,
+                          self.args.rounds, self.args.steps_per_window)
         if dist.get_rank() == 0:
-            print(f"{name:<34} median {statistics.median(ratios):.3f}  (min {min(ratios):.3f}, max {max(ratios):.3f})"
-                  f"  monitor's own code {100 * statistics.median(busy):.1f}% of a plain window"
-                  f"  (plain step {1e3 * statistics.median(plain):.0f} ms)", flush=True)
+            print(f"{name:<34} median {timed.median:.3f}  (min {timed.min:.3f}, max {timed.max:.3f})"
+                  f"  monitor's own code {100 * timed.busy_median:.1f}% of a plain window"
+                  f"  (plain step {1e3 * timed.plain_median:.0f} ms)", flush=True)
 
 
 def main() -> int:

@@ -42,6 +42,7 @@ import mindspore as ms  # noqa: E402
 from mindspore import nn  # noqa: E402
 from mindspore.common.api import _pynative_executor  # noqa: E402
 
+from alternating import alternate  # noqa: E402
 from config_matrix import configs  # noqa: E402
 from heap_memory import PeakMemory  # noqa: E402
 from msprobe.core.monitor_v2 import native  # noqa: E402
@@ -166,31 +167,23 @@ class Bench:
         return per_step[1] - per_step[0]
 
     def run_config(self, name: str, cfg: dict) -> dict:
-        ratios, cpu_ratios, busy, plain = [], [], [], []
-        for r in range(self.args.rounds):
-            order = (None, cfg) if r % 2 == 0 else (cfg, None)
-            results = {}
-            for which in order:
-                results[which is not None] = self.window(which)
-            ratios.append(results[True][0] / results[False][0])
-            cpu_ratios.append(results[True][1] / results[False][1])
-            busy.append(self.busy / results[False][0])
-            plain.append(results[False][0] / self.args.steps_per_window)
+        timed = alternate(lambda monitored: self.window(cfg if monitored else None), lambda: self.busy,
+                          self.args.rounds, self.args.steps_per_window)
         mem = []
         for _ in range(self.args.memory_rounds):
             off = self.window(None, measure_memory=True)[0]
             mem.append(self.window(cfg, measure_memory=True)[0] - off)
         return {
             "name": name,
-            "ratios": ratios,
-            "median": statistics.median(ratios),
-            "min": min(ratios),
-            "max": max(ratios),
-            "cpu_ratios": cpu_ratios,
-            "cpu_median": statistics.median(cpu_ratios),
-            "step_s": statistics.median(plain),
-            "busy": statistics.median(busy),
-            "busy_ms": statistics.median(busy) * statistics.median(plain) * 1e3,
+            "ratios": timed.ratios,
+            "median": timed.median,
+            "min": timed.min,
+            "max": timed.max,
+            "cpu_ratios": timed.more_ratios[0],
+            "cpu_median": statistics.median(timed.more_ratios[0]),
+            "step_s": timed.plain_median,
+            "busy": timed.busy_median,
+            "busy_ms": timed.busy_ms,
             "mem": statistics.median(mem),
             "asnumpy": self.asnumpy_per_step(cfg),
         }

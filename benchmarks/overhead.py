@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/overhead.py                 # default model, all configs
     .venv/bin/python benchmarks/overhead.py --smoke         # tiny and quick (CI)
     .venv/bin/python benchmarks/overhead.py --only weight_grad --rounds 11
+    .venv/bin/python benchmarks/overhead.py --sinks --only all   # the dashboards against the CSV writer
 
 For every config, the same model and optimizer alternate timed windows of training steps
 without and with the monitor (the order flips every round, to cancel drift); a round's
@@ -36,6 +37,7 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 import torch  # noqa: E402
 
 from gpt import GPT, GPTConfig, synthetic_batches  # noqa: E402
+from alternating import alternate  # noqa: E402
 from config_matrix import configs  # noqa: E402
 from heap_memory import PeakMemory  # noqa: E402
 from msprobe.core.monitor_v2 import native  # noqa: E402
@@ -142,15 +144,8 @@ class Bench:
         return on.get("cpu", 0) - base.get("cpu", 0), on.get("item", 0) - base.get("item", 0)
 
     def run_config(self, name: str, cfg: dict) -> dict:
-        ratios, busy, plain = [], [], []
-        for r in range(self.args.rounds):
-            order = (None, cfg) if r % 2 == 0 else (cfg, None)
-            results = {}
-            for which in order:
-                results[which is not None] = self.window(which)
-            ratios.append(results[True] / results[False])
-            busy.append(self.busy / results[False])
-            plain.append(results[False] / self.args.steps_per_window)
+        timed = alternate(lambda monitored: self.window(cfg if monitored else None), lambda: self.busy,
+                          self.args.rounds, self.args.steps_per_window)
         mem = []
         for _ in range(2):
             off = self.window(None, measure_memory=True)
@@ -158,14 +153,14 @@ class Bench:
         cpu_per_step, items_per_step = self.transfers(cfg)
         return {
             "name": name,
-            "median": statistics.median(ratios),
-            "min": min(ratios),
-            "max": max(ratios),
+            "median": timed.median,
+            "min": timed.min,
+            "max": timed.max,
             # The monitor's own code, timed inside it: the direct part of the overhead,
             # without the machine's run-to-run noise (it misses indirect costs such as
             # caches the statistics evict).
-            "busy": statistics.median(busy),
-            "busy_ms": statistics.median(busy) * statistics.median(plain) * 1e3,
+            "busy": timed.busy_median,
+            "busy_ms": timed.busy_ms,
             "mem": statistics.median(mem),
             "cpu": cpu_per_step,
             "item": items_per_step,
@@ -229,6 +224,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--engine-repeats", type=int, default=7)
     p.add_argument("--only", action="append", help="run only configs whose name contains this (repeatable)")
     p.add_argument("--skip-engine", action="store_true", help="skip the statistics-engine micro-benchmark")
+    p.add_argument("--sinks", action="store_true",
+                   help="also the live-sink configs (tensorboard, wandb, mlflow; offline, in a temporary directory)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one round: checks that the benchmark runs")
     p.add_argument("--no-native", action="store_true",
                    help="ATen reductions only, without the one-pass C kernel (as on a machine without a C compiler)")
@@ -257,7 +254,11 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"CPU statistics: {kernel}")
     bench.train_steps(args.warmup)
     rows = []
-    for name, cfg in configs(args.layers).items():
+    if args.sinks:
+        # the dashboards offline, in the benchmark's temporary directory: nothing reaches the network
+        os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DISABLE_GIT="true",
+                          MLFLOW_ALLOW_FILE_STORE="true", MLFLOW_TRACKING_URI=f"file:{bench.out}/mlruns")
+    for name, cfg in configs(args.layers, sinks=args.sinks).items():
         if args.only and not any(o in name for o in args.only):
             continue
         row = bench.run_config(name, cfg)

@@ -17,7 +17,6 @@ import argparse
 import logging
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from alternating import alternate  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batches  # noqa: E402
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2  # noqa: E402
 
@@ -128,14 +128,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     bench = Bench(args)
     rank = dist.get_rank()
     bench.train_steps(args.warmup)
-    ratios, busy, plain = [], [], []
-    for r in range(args.rounds):
-        results = {}
-        for monitored in ((False, True) if r % 2 == 0 else (True, False)):
-            results[monitored] = bench.window(monitored)
-        ratios.append(results[True] / results[False])
-        busy.append(bench.busy / results[False])
-        plain.append(results[False] / args.steps_per_window)
+    timed = alternate(bench.window, lambda: bench.busy, args.rounds, args.steps_per_window)
     if rank == 0:
         name = (f"ZeRO-{args.stage} {args.dtype}, gas {args.gas}, weight_grad "
                 f"monitor_mbs_grad={'true' if args.mbs else 'false'}")
@@ -148,9 +141,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("| config | median ratio (with / without) | spread (min..max) | monitor code per step | "
               "step without monitor |")
         print("|---|---|---|---|---|")
-        print(f"| {name} | {statistics.median(ratios):.3f} | {min(ratios):.3f}..{max(ratios):.3f} | "
-              f"{statistics.median(busy) * statistics.median(plain) * 1e3:.1f} ms "
-              f"({100 * statistics.median(busy):.1f} %) | {statistics.median(plain) * 1e3:.0f} ms |", flush=True)
+        print(f"| {name} | {timed.median:.3f} | {timed.min:.3f}..{timed.max:.3f} | "
+              f"{timed.busy_ms:.1f} ms "
+              f"({100 * timed.busy_median:.1f} %) | {timed.plain_median * 1e3:.0f} ms |", flush=True)
     shutil.rmtree(bench.out, ignore_errors=True)
     dist.barrier()
     return 0

@@ -66,11 +66,19 @@ deps=("${base[@]}")
 check="import torch, numpy, polars, matplotlib, msprobe.core.monitor_v2.trainer"
 if [ "$profile" = test ]; then
   deps+=("mindspore==2.10.0" "pytest>=7" "transformers>=4.40,<5" "hypothesis>=6.100"
-        "deepspeed==0.19.8" "megatron-core==0.16.1" "accelerate==1.15.0" "lightning==2.6.6")
-  check="$check, mindspore, pytest, transformers, hypothesis, deepspeed, megatron.core, accelerate, lightning"
+        "deepspeed==0.19.8" "megatron-core==0.16.1" "accelerate==1.15.0" "lightning==2.6.6"
+        "tensorboard==2.21.0" "wandb==0.31.0" "mlflow==3.17.2")
+  # SwanLab 0.10.3 pins protobuf<7 and MindSpore 2.10 protobuf>=7.34.1, so pip refuses
+  # both in one environment; SwanLab runs (offline, as its test does) with protobuf 7:
+  # its other requirements join the test profile, and SwanLab itself installs without them.
+  swanlab="swanlab==0.10.3"
+  deps+=("click" "nvidia-ml-py" "orjson" "platformdirs>=4.2.0" "psutil>=5.0.0" "pwinput>=1.0.3"
+         "pydantic-settings>=2.8.1" "pydantic~=2.0" "pyecharts>=2.0.0" "pyroaring>=1.0.0,<1.0.4" "pyyaml"
+         "requests>=2.28.0" "rich>=13.6.0" "setuptools" "urllib3>=1.26.0" "watchdog" "wrapt>=1.17.0")
+  check="$check, mindspore, pytest, transformers, hypothesis, deepspeed, megatron.core, accelerate, lightning, tensorboard, wandb, mlflow, swanlab"
 fi
 stamp=.venv/.msprobe-installed-$profile
-want="${deps[*]} $(sha1sum pyproject.toml | cut -c1-12)"
+want="${deps[*]} ${swanlab:-} $(sha1sum pyproject.toml | cut -c1-12)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # Sizes measured on Linux x86-64, Python 3.11; times on a 2-core machine with a fast
   # link (a step whose packages are already there takes seconds).
@@ -112,6 +120,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
         "and ${deps[*]:$((${#base[@]} + 1))} (together about 900 MB to download; .venv ends near 4.4 GB;" \
         "about 1.5 min on a fast link)..."
     pip_quiet "${deps[@]}"
+    say "installing $swanlab without its protobuf<7 pin (MindSpore needs protobuf 7; a 1 MB download, seconds)..."
+    pip_quiet --no-deps "$swanlab"
   fi
   say "installing msprobe-monitor itself (editable, no download, a few seconds)..."
   pip_quiet --no-deps -e .

@@ -25,7 +25,7 @@ _CACHE: Dict[str, Path] = {}
 
 def training_runs(tmp_path_factory) -> Path:
     if "root" not in _CACHE:
-        from conftest import run_torchrun
+        from support import run_torchrun
 
         root = tmp_path_factory.mktemp("analysis_runs")
         run_torchrun(WORKER, root, NAN_STEP, LR_STEP, SPIKE_STEP, DESYNC_STEP)

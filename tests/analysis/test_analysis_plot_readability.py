@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from analysis_helpers import cli
-from conftest import make_batches
+from support import make_batches
 from msprobe.core.monitor_v2 import TrainerMonitorV2
 from msprobe.core.monitor_v2.analysis.plot import layer_of, line_style, use_log_scale
 

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from analysis_helpers import cli, training_runs
-from conftest import TinyMLP, loss_fn, make_batches
+from support import TinyMLP, loss_fn, make_batches
 from msprobe.core.monitor_v2 import TrainerMonitorV2
 from msprobe.core.monitor_v2.analysis.plot import LINE_COLOURS, NAN_COLOUR, RUNAWAY, SPIKE_COLOUR, y_view
 from test_analysis_plot import find_chromium

@@ -13,7 +13,7 @@ import torch
 
 from analysis_helpers import cli
 
-from conftest import TinyMLP, loss_fn, make_batches
+from support import TinyMLP, loss_fn, make_batches
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
 OTHER_UID = 65534

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from analysis_helpers import cli
-from conftest import TinyMLP, make_batches
+from support import TinyMLP, make_batches
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
 pl = pytest.importorskip("polars", reason="the analysis extra (polars) is part of the test profile")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import _free_port
+from support import free_port
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "overhead_deepspeed.py"
 
@@ -22,7 +22,7 @@ def test_deepspeed_overhead_benchmark_smoke_mode_prints_its_row(tmp_path):
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     env.pop("RANK", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", str(BENCH), "--smoke"]
+           f"--master_port={free_port()}", str(BENCH), "--smoke"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ZeRO-1 fp32, gas 2")]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import _free_port
+from support import free_port
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "megatron_overhead.py"
 
@@ -22,7 +22,7 @@ def test_megatron_overhead_benchmark_smoke_mode_prints_its_rows(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("RANK", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", str(BENCH), "--smoke"]
+           f"--master_port={free_port()}", str(BENCH), "--smoke"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for name in ("weight_grad (accumulated)", "weight_grad (monitor_mbs_grad)"):

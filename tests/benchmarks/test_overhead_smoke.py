@@ -27,3 +27,16 @@ def test_overhead_benchmark_smoke_mode_prints_every_config(flags, statistics):
         ratio = float(line.split("|")[2])
         assert ratio > 0
     assert re.search(r"statistics engine, \d+ tensors, .* ratio \d+\.\d+", proc.stdout)
+
+
+def test_overhead_benchmark_smoke_mode_with_sinks():
+    pytest.importorskip("tensorboard", reason="tensorboard is part of the test profile")
+    pytest.importorskip("wandb", reason="wandb is part of the test profile")
+    pytest.importorskip("mlflow", reason="mlflow is part of the test profile")
+    proc = subprocess.run([sys.executable, str(BENCH), "--smoke", "--sinks", "--only", "all monitors", "--only",
+                           "all +", "--skip-engine"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "config" not in line]
+    assert [line.split("|")[1].strip() for line in table] == [
+        "all monitors", "all + tensorboard sink", "all + tensorboard, wandb, mlflow sinks"]
+    assert "sink failed" not in proc.stderr, proc.stderr[-4000:]

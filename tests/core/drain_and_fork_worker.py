@@ -19,8 +19,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from conftest import TinyMLP, loss_fn, make_batches  # noqa: E402
+from support import TinyMLP, loss_fn, make_batches  # noqa: E402
 
 import msprobe.core.monitor_v2.writer as writer_mod  # noqa: E402
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2  # noqa: E402

@@ -17,7 +17,7 @@ from msprobe.core.monitor_v2.errors import ConfigError
 from msprobe.core.monitor_v2.schedule import StepSchedule
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
-from conftest import TinyMLP, loss_fn, make_batches
+from support import TinyMLP, loss_fn, make_batches
 
 LOGGER = "msprobe.monitor_v2"
 ALL_OPS = ("min", "max", "mean", "norm", "nans")

@@ -26,7 +26,7 @@ from msprobe.core.monitor_v2.analysis.reader import CsvFile, FILE_RE, Problems, 
 from msprobe.core.monitor_v2.errors import MonitorError, OutputError
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
-from conftest import TinyMLP, loss_fn, make_batches
+from support import TinyMLP, loss_fn, make_batches
 
 LOGGER = "msprobe.monitor_v2"
 CFG_MONITORS = {"weight_grad": {"enabled": True}, "param": {"enabled": True}}

@@ -11,7 +11,7 @@ import torch
 from msprobe.core.monitor_v2.schedule import StepSchedule
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
-from conftest import TinyMLP, loss_fn, make_batches, read_rank_dir
+from support import TinyMLP, loss_fn, make_batches, read_rank_dir
 
 LOGGER = "msprobe.monitor_v2"
 PARAM_NAMES = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]

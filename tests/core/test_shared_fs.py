@@ -30,7 +30,7 @@ from msprobe.core.monitor_v2.config import MAX_CONFIG_BYTES
 from msprobe.core.monitor_v2.errors import ConfigError, OutputError, UnsafePathError
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
-from conftest import TinyMLP, loss_fn, make_batches
+from support import TinyMLP, loss_fn, make_batches
 
 LOGGER = "msprobe.monitor_v2"
 OTHER_UID = 65534
@@ -319,7 +319,7 @@ def test_output_dir_through_a_link_another_user_planted_is_refused(tmp_path):
 _FIFO_RUN = textwrap.dedent("""
     import logging, os, sys, torch
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
-    from conftest import TinyMLP, loss_fn, make_batches
+    from support import TinyMLP, loss_fn, make_batches
     from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
     out, async_write = sys.argv[1], sys.argv[2] == "async"
     torch.manual_seed(0)
@@ -532,7 +532,7 @@ def test_csv_cell_rule():
 _CC_LOG_ONLY = textwrap.dedent("""
     import logging, os, sys, torch, torch.distributed as dist
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(levelname)s %(message)s")
-    from conftest import TinyMLP, loss_fn, make_batches
+    from support import TinyMLP, loss_fn, make_batches
     from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
     out, store = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)

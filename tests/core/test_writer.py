@@ -12,7 +12,7 @@ import msprobe.core.monitor_v2.writer as writer_mod
 from msprobe.core.monitor_v2.stats import format_value
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
-from conftest import TinyMLP, loss_fn, make_batches, read_rank_dir, rows_of
+from support import TinyMLP, loss_fn, make_batches, read_rank_dir, rows_of
 
 LOGGER = "msprobe.monitor_v2"
 BASE = ["vpp_stage", "step", "module_name", "scope"]

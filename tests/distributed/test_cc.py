@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_row_matches, numpy_stats, rows_of, run_torchrun
+from support import assert_row_matches, numpy_stats, rows_of, run_torchrun
 
 WORKER = Path(__file__).parent / "workers" / "cc_ops.py"
 WORKER_LINES = WORKER.read_text(encoding="utf-8").splitlines()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_row_matches, numpy_stats, rows_of, run_torchrun
+from support import assert_row_matches, numpy_stats, rows_of, run_torchrun
 
 WORKER = Path(__file__).parent / "workers" / "data_parallel.py"
 PARAMS = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias"]

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_row_matches, numpy_stats, rows_of, run_torchrun
+from support import assert_row_matches, numpy_stats, rows_of, run_torchrun
 
 WORKER = Path(__file__).parent / "workers" / "internal_passes.py"
 

@@ -113,6 +113,9 @@ def config_fields() -> Set[str]:
     fields = set(config._TOP_LEVEL) | set(config._COMMON_FIELDS) | set(config._ALERT_FIELDS)
     for own in config._MONITOR_FIELDS.values():
         fields |= set(own)
+    fields |= set(config._SINK_FIELDS) | set(config._SINK_COMMON) | set(config.SINK_BACKENDS)
+    for _module, _package, own in config.SINK_BACKENDS.values():
+        fields |= set(own)
     return fields
 
 

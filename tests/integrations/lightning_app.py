@@ -88,7 +88,7 @@ def fit(config=None, strategy="auto", devices=1, extra_callbacks=()):
 def check_run(out_dir, module, monitored, probe, rank=0, unreduced=None):
     """The CSV rows of ``rank`` against the module's references (``unreduced``: the
     local gradients before the reduction by step, when they differ from before_clip)."""
-    from conftest import assert_row_matches, find_row, numpy_stats, rows_of
+    from support import assert_row_matches, find_row, numpy_stats, rows_of
 
     unreduced = unreduced if unreduced is not None else module.before_clip
     # After each training batch the monitor's step is Lightning's global step.

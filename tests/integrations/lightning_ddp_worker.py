@@ -11,8 +11,6 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/, for conftest
-
 from lightning_app import CONFIG_MONITORS, check_run, fit  # noqa: E402
 
 
@@ -65,7 +63,6 @@ def main(out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/
-    from torchrun_worker import finish
+    from support import finish
 
     finish()

@@ -173,7 +173,6 @@ def main(out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/
-    from torchrun_worker import finish
+    from support import finish
 
     finish()

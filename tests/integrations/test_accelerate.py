@@ -12,7 +12,7 @@ import torch
 
 accelerate = pytest.importorskip("accelerate", reason="the test profile of scripts/setup_env.sh installs accelerate")
 
-from conftest import TinyMLP, assert_row_matches, find_row, numpy_stats, rows_of  # noqa: E402
+from support import TinyMLP, assert_row_matches, find_row, numpy_stats, rows_of  # noqa: E402
 from msprobe.core.monitor_v2.integrations import AccelerateMonitor  # noqa: E402
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2  # noqa: E402
 
@@ -159,8 +159,8 @@ def test_accelerate_monitor_under_the_fsdp2_plugin_two_processes(tmp_path):
     model's own names. See accelerate_fsdp_worker.py."""
     from pathlib import Path
 
-    from conftest import run_torchrun
-    from shard_checks import assert_shards_make_up
+    from support import run_torchrun
+    from support.shards import assert_shards_make_up
 
     out = tmp_path / "out"
     out.mkdir()

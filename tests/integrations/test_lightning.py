@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("lightning", reason="the test profile of scripts/setup_env.sh installs lightning")
 
-from conftest import run_torchrun  # noqa: E402
+from support import run_torchrun  # noqa: E402
 from lightning_app import CONFIG_MONITORS, check_run, fit  # noqa: E402
 
 
@@ -38,7 +38,7 @@ def test_lightning_ddp_two_processes(tmp_path):
 def test_plain_start_on_a_lightning_optimizer_hooks_the_wrapped_one(tmp_path):
     from lightning.pytorch.core.optimizer import LightningOptimizer
 
-    from conftest import TinyMLP, make_batches
+    from support import TinyMLP, make_batches
     from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
     model = TinyMLP()

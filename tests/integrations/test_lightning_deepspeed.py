@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_row_matches, numpy_stats, rows_of, run_torchrun
-from shard_checks import assert_shards_make_up
+from support import assert_row_matches, numpy_stats, rows_of, run_torchrun
+from support.shards import assert_shards_make_up
 
 for _package in ("deepspeed", "lightning"):
     if importlib.util.find_spec(_package) is None:  # not imported here: the worker does, with DS_ACCELERATOR=cpu

@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from conftest import TinyMLP, make_batches, rows_of
+from support import TinyMLP, make_batches, rows_of
 from msprobe.core.monitor_v2.errors import ConfigError
 from msprobe.core.monitor_v2.integrations._common import FrameworkStepMonitor
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from conftest import assert_row_matches, find_row, numpy_stats, rows_of
+from support import assert_row_matches, find_row, numpy_stats, rows_of
 
 transformers = pytest.importorskip("transformers",
                                    reason="the test profile of scripts/setup_env.sh installs transformers")

@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from conftest import TinyMLP, loss_fn, make_batches
+from support import TinyMLP, loss_fn, make_batches
 from msprobe.core.monitor_v2.errors import ConfigError
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TinyMLP, assert_row_matches, find_row, loss_fn, make_batches, numpy_stats, rows_of
+from support import TinyMLP, assert_row_matches, find_row, loss_fn, make_batches, numpy_stats, rows_of
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
 STEPS = 6

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from conftest import TinyMLP, assert_row_matches, find_row, loss_fn, make_batches, numpy_stats, rows_of
+from support import TinyMLP, assert_row_matches, find_row, loss_fn, make_batches, numpy_stats, rows_of
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
 ALL_MONITORS = {"module": {"enabled": True}, "weight_grad": {"enabled": True},

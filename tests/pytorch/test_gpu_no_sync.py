@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from conftest import rows_of
+from support import rows_of
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the CPU has no device to synchronise with")

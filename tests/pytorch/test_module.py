@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from conftest import assert_row_matches, find_row, numpy_stats, rows_of
+from support import assert_row_matches, find_row, numpy_stats, rows_of
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
 V, T, D, N_HEAD, B = 50, 8, 16, 2, 2

@@ -20,7 +20,7 @@ from msprobe.core.monitor_v2 import native
 from msprobe.core.monitor_v2.monitor import ContainedErrors
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
-from conftest import assert_row_matches, find_row, numpy_stats, rows_of
+from support import assert_row_matches, find_row, numpy_stats, rows_of
 
 LOGGER = "msprobe.monitor_v2"
 EMPTY_ROW = {"min": "nan", "max": "nan", "mean": "nan", "norm": "0", "nans": "0"}

@@ -5,7 +5,7 @@ contiguous fp32/bf16/fp16 CPU tensors) and with ATen reductions only
 (``MSPROBE_MONITOR_NATIVE=0``), so both paths meet the same expectations.
 
 Every value is checked against an independent NumPy reference computed in float64 on
-a copy of the tensor (``conftest.numpy_stats``), following MONITOR_V2.md "Output":
+a copy of the tensor (``support.numpy_stats``), following MONITOR_V2.md "Output":
 min/max/mean, L2 norm and NaN count, computed in at least fp32, int/bool cast, an
 empty tensor gives nan for min/max/mean and 0 for norm/nans, a NaN is never hidden.
 """
@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from conftest import TinyMLP, find_row, make_batches, numpy_stats, rows_of
+from support import TinyMLP, find_row, make_batches, numpy_stats, rows_of
 from msprobe.core.monitor_v2 import native
 from msprobe.core.monitor_v2.frameworks.pytorch.stats import StatPlan, TorchStatsEngine
 from msprobe.core.monitor_v2.stats import Record, format_value, merge_records

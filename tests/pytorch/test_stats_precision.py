@@ -16,7 +16,7 @@ from msprobe.core.monitor_v2.frameworks.pytorch.stats import TorchStatsEngine
 from msprobe.core.monitor_v2.stats import StatPlan, merge_records
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
-from conftest import rows_of
+from support import rows_of
 
 ALL_OPS = ("min", "max", "mean", "norm", "nans")
 # far below diff's default tolerance: a rerun of the same training must never look different

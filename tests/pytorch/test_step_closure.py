@@ -6,7 +6,7 @@ read after the closure's first call, before the update; the monitor's step ends 
 import pytest
 import torch
 
-from conftest import TinyMLP, assert_row_matches, find_row, make_batches, numpy_stats, rows_of
+from support import TinyMLP, assert_row_matches, find_row, make_batches, numpy_stats, rows_of
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import rows_of
+from support import rows_of
 from msprobe.core.monitor_v2.analysis.cli import main
 from msprobe.core.monitor_v2.errors import ConfigError, OutputError
 from msprobe.core.monitor_v2.model_structure import read_structure

@@ -16,7 +16,7 @@ import threading
 import pytest
 import torch
 
-from conftest import TinyMLP, assert_row_matches, find_row, loss_fn, make_batches, numpy_stats, rows_of
+from support import TinyMLP, assert_row_matches, find_row, loss_fn, make_batches, numpy_stats, rows_of
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
 LOGGER = "msprobe.monitor_v2"

@@ -16,7 +16,7 @@ import torch
 
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
-from conftest import assert_row_matches, find_row, numpy_stats, rows_of
+from support import assert_row_matches, find_row, numpy_stats, rows_of
 
 LOGGER = "msprobe.monitor_v2"
 OPS = ["min", "max", "mean", "norm", "nans"]

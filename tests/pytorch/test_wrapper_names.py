@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl, checkpoint_wrapper, offload_wrapper)
 
-from conftest import assert_row_matches, numpy_stats, rows_of
+from support import assert_row_matches, numpy_stats, rows_of
 from msprobe.core.monitor_v2.frameworks.pytorch import naming
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 

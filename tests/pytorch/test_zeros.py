@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import TinyMLP, make_batches, rows_of
+from support import TinyMLP, make_batches, rows_of
 from msprobe.core.monitor_v2 import native
 from msprobe.core.monitor_v2.config import load_config
 from msprobe.core.monitor_v2.frameworks.pytorch.stats import StatPlan, TorchStatsEngine

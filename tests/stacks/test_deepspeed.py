@@ -16,7 +16,7 @@ from typing import Dict, List
 import pytest
 import torch
 
-from conftest import assert_row_matches, numpy_stats, rows_of, run_torchrun
+from support import assert_row_matches, numpy_stats, rows_of, run_torchrun
 
 if importlib.util.find_spec("deepspeed") is None:  # not imported here: the workers do, with DS_ACCELERATOR=cpu
     pytest.skip("DeepSpeed is not installed (it is part of the test profile: scripts/setup_env.sh test)",

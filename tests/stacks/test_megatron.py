@@ -1,4 +1,4 @@
-"""Megatron-Core 0.16 (GPTModel, TP=PP=1, DP=2, gloo, CPU through tests/stacks/megatron_cpu_shim.py):
+"""Megatron-Core 0.16 (GPTModel, TP=PP=1, DP=2, gloo, CPU through benchmarks/megatron_cpu_shim.py):
 ``mon.start(model=ddp, optimizer=get_megatron_optimizer(...))`` with Megatron's own
 ``DistributedDataParallel``, in fp32 and bf16 (``Float16Module``), without and with the
 distributed optimizer, grad_acc_steps 2, monitor_mbs_grad false and true; and fp32 with
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_row_matches, numpy_stats, rows_of, run_torchrun
+from support import assert_row_matches, numpy_stats, rows_of, run_torchrun
 
 pytest.importorskip("megatron.core", reason="megatron-core is installed by the test profile (scripts/setup_env.sh)")
 

@@ -4,7 +4,7 @@ session reads when no framework adapter recognises the objects given to start().
 import pytest
 import torch
 
-from conftest import TinyMLP
+from support import TinyMLP
 from msprobe.core.monitor_v2.frameworks.pytorch.session import TorchSession
 from msprobe.core.monitor_v2.frameworks.pytorch.stacks import TrainingStack, UnreducedCapture, detect_stack, wrap_method
 

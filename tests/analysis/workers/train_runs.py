@@ -17,7 +17,6 @@ Several runs in one launch, each in its own output directory under OUT_ROOT:
               ``fc1.weight`` (the ranks' replicas silently diverge).
 """
 
-import os
 import sys
 
 import torch
@@ -106,7 +105,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # tests/
-    from torchrun_worker import finish
+    from support import finish
 
     finish()

@@ -379,7 +379,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # tests/
-    from torchrun_worker import finish
+    from support import finish
 
     finish()

@@ -22,7 +22,7 @@ The references are taken by this script, not by the monitor, and saved per run t
 - the final parameters and losses (bit-identical with and without the monitor);
 - the monitor's own log records (no error, no per-layer warning).
 
-The CPU shim (tests/stacks/megatron_cpu_shim.py) is installed before Megatron runs.
+The CPU shim (benchmarks/megatron_cpu_shim.py) is installed before Megatron runs.
 """
 
 import contextlib
@@ -32,7 +32,9 @@ import sys
 import warnings
 
 warnings.filterwarnings("ignore")  # Megatron's "Transformer Engine and Apex are not installed"
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# The CPU shim lives with benchmarks/megatron_overhead.py, which uses it too and may not
+# import from tests/; the tests may import from benchmarks/.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "benchmarks"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -225,7 +227,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # tests/
-    from torchrun_worker import finish
+    from support import finish
 
     finish()

@@ -11,12 +11,14 @@ A JSON ``null`` is read as "use the default" for every optional field.
 
 import codecs
 import difflib
+import importlib.util
 import json
 import logging
 import math
 import os
 import re
 import reprlib
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
@@ -219,6 +221,151 @@ class AlertSettings:
 _ALERT_FIELDS = ("enabled", "nonfinite", "spike_factor", "spike_window", "spike_warmup", "spike_floor")
 
 
+# ------------------------------------------------------------------------- sinks
+# Live dashboards (see sinks.py). Each entry: the module imported, the pip package, and
+# the sink's own fields (checker, default); the fields every sink has come first.
+def _check_str(path: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise _fail(path, value, "must be a non-empty string")
+    return value
+
+
+def _check_dir(path: str, value: Any) -> str:
+    # resolved here, as output_dir is: a relative directory means the one of the constructor's cwd
+    problem = output_dir_text_problem(value)
+    if problem is not None:
+        raise _fail(path, value, problem)
+    return os.path.abspath(value)
+
+
+def _check_choice(*allowed: str) -> Checker:
+    def check(path: str, value: Any) -> str:
+        if not isinstance(value, str) or value not in allowed:
+            raise _fail(path, value, "allowed: " + ", ".join(allowed))
+        return value
+    return check
+
+
+_SINK_COMMON: Dict[str, Tuple[Checker, Any]] = {
+    "enabled": (check_bool, True),
+    "run_name": (_check_str, "rank_{rank}"),
+}
+SINK_BACKENDS: Dict[str, Tuple[str, str, Dict[str, Tuple[Checker, Any]]]] = {
+    "tensorboard": ("tensorboard", "tensorboard", {"log_dir": (_check_dir, None)}),
+    "wandb": ("wandb", "wandb", {
+        "project": (_check_str, "msprobe-monitor"),
+        "entity": (_check_str, None),
+        "group": (_check_str, None),
+        "mode": (_check_choice("online", "offline", "disabled"), None),
+        "dir": (_check_dir, None),
+    }),
+    "mlflow": ("mlflow", "mlflow", {
+        "tracking_uri": (_check_str, None),
+        "experiment": (_check_str, "msprobe-monitor"),
+    }),
+    "swanlab": ("swanlab", "swanlab", {
+        "project": (_check_str, "msprobe-monitor"),
+        "workspace": (_check_str, None),
+        "mode": (_check_choice("online", "local", "offline", "disabled"), None),
+        "log_dir": (_check_dir, None),
+    }),
+}
+_SINK_FIELDS = ("ranks", "max_keys", "top_k", "tensors")
+MAX_SINK_KEYS = 10000
+
+
+@dataclass(frozen=True)
+class SinksSettings:
+    """``sinks``: what goes to the live dashboards at each written step (``sinks.py``)."""
+
+    backends: Mapping[str, Mapping[str, Any]]  # sink name -> its validated fields
+    ranks: Optional[Tuple[int, ...]] = (0,)  # None: every monitored rank
+    max_keys: int = 1000
+    top_k: int = 5
+    tensors: Tuple[str, ...] = ()  # regular expressions (re.search) over tensor names
+
+
+def _check_patterns(path: str, value: Any) -> Tuple[str, ...]:
+    patterns = check_str_list(path, value)
+    for i, pattern in enumerate(patterns):
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise _fail(f"{path}[{i}]", pattern, f"must be a regular expression ({exc})") from None
+    return patterns
+
+
+def _parse_sink(name: str, raw: Any) -> Optional[Dict[str, Any]]:
+    path = f"sinks.{name}"
+    module, package, own = SINK_BACKENDS[name]
+    if raw is None or raw is False:
+        return None
+    if raw is True:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise _fail(path, raw, "must be true/false or an object of the sink's fields "
+                               f"({', '.join(list(_SINK_COMMON) + list(own))})")
+    check_keys(path, raw)
+    fields = {**_SINK_COMMON, **own}
+    for key in raw:
+        if key not in fields:
+            raise ConfigError(_unknown_field(f"{path}.{key}", key, tuple(fields)), field=f"{path}.{key}")
+    parsed = {key: default if raw.get(key) is None else checker(f"{path}.{key}", raw[key])
+              for key, (checker, default) in fields.items()}
+    if not parsed.pop("enabled"):
+        return None
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(
+            f"monitor_v2 config: field '{path}' turns on the {name} sink, but the library '{module}' is not "
+            f"installed in this Python ({sys.executable}): pip install {package}  (or remove '{path}')",
+            field=path)
+    return parsed
+
+
+def _parse_sinks(raw: Any) -> Optional[SinksSettings]:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise _fail("sinks", raw, "must be an object such as {\"tensorboard\": true} (sinks: "
+                                  + ", ".join(SINK_BACKENDS) + ")")
+    check_keys("sinks", raw)
+    known = tuple(SINK_BACKENDS) + _SINK_FIELDS
+    for key in raw:
+        if key not in known:
+            raise ConfigError(_unknown_field(f"sinks.{key}", key, known), field=f"sinks.{key}")
+    backends = {}
+    for name in SINK_BACKENDS:
+        parsed = _parse_sink(name, raw.get(name))
+        if parsed is not None:
+            backends[name] = parsed
+    ranks_raw = raw.get("ranks")
+    if ranks_raw is None:
+        ranks: Optional[Tuple[int, ...]] = (0,)
+    elif ranks_raw == "all":
+        ranks = None
+    elif isinstance(ranks_raw, str):
+        raise _fail("sinks.ranks", ranks_raw, "must be \"all\", a rank (integer >= 0) or a list of ranks")
+    else:
+        ranks = check_rank_list("sinks.ranks", ranks_raw)
+        if not ranks:
+            raise _fail("sinks.ranks", ranks_raw, "must name at least one rank, or be \"all\"")
+    max_keys = 1000 if raw.get("max_keys") is None else check_int("sinks.max_keys", raw["max_keys"], 1)
+    if max_keys > MAX_SINK_KEYS:
+        raise _fail("sinks.max_keys", max_keys, f"must be at most {MAX_SINK_KEYS} (dashboards slow down or refuse "
+                                                f"steps with more keys)")
+    if not backends:
+        logger.warning("monitor_v2 config: 'sinks' turns on no sink (sinks: %s), so nothing is sent to a dashboard",
+                       ", ".join(SINK_BACKENDS))
+        return None
+    return SinksSettings(
+        backends=backends,
+        ranks=ranks,
+        max_keys=max_keys,
+        top_k=5 if raw.get("top_k") is None else check_int("sinks.top_k", raw["top_k"], 0),
+        tensors=() if raw.get("tensors") is None else _check_patterns("sinks.tensors", raw["tensors"]),
+    )
+
+
 def _parse_alert(raw: Any) -> Optional[AlertSettings]:
     if raw is None or raw is False:
         return None
@@ -266,6 +413,7 @@ class MonitorConfig:
     monitors: Mapping[str, MonitorSettings] = field(default_factory=dict)
     alert: Optional["AlertSettings"] = None  # None: no online alerts
     structure: bool = False  # start() writes rank_<r>/structure.txt (module and parameter names)
+    sinks: Optional["SinksSettings"] = None  # None: no live dashboard
 
     @property
     def enabled_monitors(self) -> List[MonitorSettings]:
@@ -330,6 +478,7 @@ _TOP_LEVEL = (
     "framework", "output_dir", "format", "async_write", "rank", "start_step", "stop_step",
     "step_interval", "step_count_per_record", "collect_times", "patch_optimizer_step", "monitors", "alert",
     "structure",
+    "sinks",
 )
 
 
@@ -497,6 +646,11 @@ def load_config(source: Union[str, os.PathLike, Mapping], fr: Optional[str] = No
         collect_times=None if get("collect_times") is None else check_int("collect_times", get("collect_times"), 1),
     )
     alert = _parse_alert(get("alert"))
+    sinks = _parse_sinks(get("sinks"))
+    if sinks is not None and ranks is not None and sinks.ranks is not None and not set(sinks.ranks) & set(ranks):
+        logger.warning("monitor_v2 config: 'sinks.ranks' %s names no rank that monitors ('rank' %s), so nothing is "
+                       "sent to a dashboard; add one of %s to 'sinks.ranks', or write \"ranks\": \"all\"",
+                       list(sinks.ranks), list(ranks), list(ranks))
     patch = get("patch_optimizer_step")
     patch = None if patch is None else check_bool("patch_optimizer_step", patch)
     structure = False if get("structure") is None else check_bool("structure", get("structure"))
@@ -533,6 +687,7 @@ def load_config(source: Union[str, os.PathLike, Mapping], fr: Optional[str] = No
         monitors=monitors,
         alert=alert,
         structure=structure,
+        sinks=sinks,
     )
 
 

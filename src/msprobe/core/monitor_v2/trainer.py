@@ -28,6 +28,7 @@ from .model_structure import write_structure
 from .monitor import ContainedErrors, Monitor
 from .logonce import LogOnce
 from .patching import Patch
+from .sinks import make_sink_hub
 from .writer import AsyncCsvWriter, CsvWriter, MonitorOutput, count_rows
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -117,12 +118,15 @@ class TrainerMonitorV2:
         session = backend.Session(model, optimizer, context, self.rank_dir)
         self.monitors = [backend.MONITORS[s.name](s, session, self.errors) for s in enabled]
 
+        outputs = [MonitorOutput(m.name, m.settings.ops, m.with_micro_step) for m in self.monitors]
         writer = CsvWriter(
             self.rank_dir,
             self.schedule,
-            [MonitorOutput(m.name, m.settings.ops, m.with_micro_step) for m in self.monitors],
+            outputs,
             make_alerter(self.config.alert, self.rank),
         )
+        writer.sinks = make_sink_hub(self.config.sinks, self.rank, self.config.output_dir,
+                                     {o.name: o.ops for o in outputs})
         self._writer = AsyncCsvWriter(writer) if self.config.async_write else writer
         self._session = session
 

@@ -25,7 +25,7 @@ import os
 import queue
 import threading
 import unicodedata
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from . import safe_fs
 from .alert import Alerter
@@ -33,6 +33,9 @@ from .errors import OutputError, UnsafePathError
 from .logonce import LogOnce
 from .schedule import StepSchedule
 from .stats import Record, Row, format_value, merge_records
+
+if TYPE_CHECKING:
+    from .sinks import SinkHub
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
@@ -154,9 +157,10 @@ class _OpenFile:
 
 class CsvWriter:
     def __init__(self, rank_dir: str, schedule: StepSchedule, outputs: Sequence[MonitorOutput],
-                 alerter: Optional[Alerter] = None) -> None:
+                 alerter: Optional[Alerter] = None, sinks: Optional["SinkHub"] = None) -> None:
         self.rank_dir = os.path.abspath(rank_dir)
         self.alerter = alerter
+        self.sinks = sinks  # live dashboards: handed the merged rows, they work on their own thread
         self.schedule = schedule
         self.outputs = {o.name: o for o in outputs}
         self._files: Dict[str, _OpenFile] = {}
@@ -324,6 +328,11 @@ class CsvWriter:
                 self.alerter.check_step(step, merged)
             except Exception as exc:  # noqa: BLE001 - an alert must never cost the rows
                 logger.error("monitor_v2: alert check failed at step %s: %r", step, exc)
+        if self.sinks is not None:
+            try:
+                self.sinks.send(step, merged)
+            except Exception as exc:  # noqa: BLE001 - a dashboard must never cost the rows
+                logger.error("monitor_v2: handing step %s to the sinks failed: %r", step, exc)
         failure: Optional[BaseException] = None
         for monitor, rows in merged:
             try:
@@ -393,6 +402,8 @@ class CsvWriter:
         for opened in self._files.values():
             opened.close()
         self._files.clear()
+        if self.sinks is not None:
+            self.sinks.close()
         if self.lost_steps:
             logger.warning(
                 "monitor_v2: %d step(s) of output were lost (%d row(s)) in %s: steps %s. First error: %s.",

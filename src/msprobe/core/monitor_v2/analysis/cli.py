@@ -5,6 +5,7 @@
     msprobe-monitor plot      OUT_DIR          PNG trends + report.html
     msprobe-monitor diff      OUT_A OUT_B      first difference between two runs
     msprobe-monitor export    OUT_DIR DEST     the output as one Parquet dataset (read by all commands)
+    msprobe-monitor export    --tensorboard TB_DIR OUT_DIR   the output as TensorBoard event files
     msprobe-monitor validate  CONFIG           check a monitor_v2 config file
     msprobe-monitor struct    OUT_DIR          module/parameter names; what --targets selects
 
@@ -17,11 +18,12 @@ and progress go to stderr.
 """
 
 import argparse
+import io
 import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
 
-from .command import command_line
+from .command import command_line, tensorboard_command
 from ..errors import ConfigError, UnsafePathError
 from .detect import RankCheckSettings, Report, SpikeSettings, analyse
 from .reader import (OPS, InputError, Layout, Problems, parse_int_list, parse_monitor_list, parse_steps, scan)
@@ -199,13 +201,23 @@ def build_parser() -> argparse.ArgumentParser:
     _common(d)
 
     e = sub.add_parser("export", formatter_class=_Formatter,
-                       help="write the CSV output as one Parquet dataset, partitioned by monitor and rank",
+                       help="write the CSV output as one Parquet dataset (DEST), or as TensorBoard event files "
+                            "(--tensorboard)",
                        description="Write OUT_DIR's CSV files as one Parquet dataset under DEST "
                                    "(DEST/monitor=<m>/rank=<r>/part-<n>.parquet, hive style). Every other "
                                    "command reads DEST like an output directory, faster; so do Polars, DuckDB, "
-                                   "pandas/pyarrow. Malformed lines are skipped with a warning, as everywhere.")
+                                   "pandas/pyarrow. With --tensorboard TB_DIR, write TensorBoard event files "
+                                   "there instead (or as well, when DEST is given too): one run per rank "
+                                   "(TB_DIR/rank_<r>), one scalar series per tensor, scope and statistic, tagged "
+                                   "<monitor>/<scope>/<tensor>/<stat>, over the monitor's steps; OUT_DIR may be an "
+                                   "exported Parquet dataset. Malformed lines are skipped with a warning, as "
+                                   "everywhere.")
     e.add_argument("out_dir", metavar="OUT_DIR")
-    e.add_argument("dest", metavar="DEST")
+    e.add_argument("dest", metavar="DEST", nargs="?", default=None,
+                   help="the Parquet dataset to write (optional with --tensorboard)")
+    e.add_argument("--tensorboard", metavar="TB_DIR", default=None,
+                   help="write TensorBoard event files under TB_DIR (replaces the event files of the ranks it "
+                        "writes); view them with: tensorboard --logdir TB_DIR")
     _common(e)
 
     v = sub.add_parser("validate", formatter_class=_Formatter,
@@ -655,35 +667,81 @@ def cmd_diff(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def cmd_export(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from .columnar import export, polars
     from .text import Progress
 
-    polars()
-    problems = Problems(strict=args.strict, stream=err)
-    if os.path.abspath(args.dest) == os.path.abspath(args.out_dir):
-        raise InputError(f"DEST {args.dest!r}: must differ from OUT_DIR")
-    layout = _load(args, args.out_dir, problems)
-    prog = Progress(layout.n_files, "exporting", enabled=True if args.progress else None, stream=err)
-    def advance(what: str, files: int) -> None:
-        for _ in range(files):
-            prog.advance(what)
+    if args.dest is None and args.tensorboard is None:
+        raise InputError("give DEST (a Parquet dataset to write) or --tensorboard TB_DIR, or both")
+    for flag, target in (("DEST", args.dest), ("--tensorboard", args.tensorboard)):
+        if target is not None and os.path.abspath(target) == os.path.abspath(args.out_dir):
+            raise InputError(f"{flag} {target!r}: must differ from OUT_DIR")
+    if args.tensorboard is not None:
+        from .tensorboard import _writer_class
 
-    res = export(args.out_dir, args.dest, ranks=parse_int_list(args.ranks, "--ranks"),
-                 monitors=parse_monitor_list(args.monitors), steps=parse_steps(args.steps), problems=problems,
-                 progress=advance)
-    prog.close()
+        _writer_class()  # a missing TensorBoard is said before anything is read
+    problems = Problems(strict=args.strict, stream=err)
+    result: Dict[str, Any] = {"command": "export", "out_dir": os.path.abspath(args.out_dir)}
+    lines: List[str] = []
+    if args.dest is not None:
+        from .columnar import export, polars
+
+        polars()
+        layout = _load(args, args.out_dir, problems)
+        prog = Progress(layout.n_files, "exporting", enabled=True if args.progress else None, stream=err)
+
+        def advance(what: str, files: int) -> None:
+            for _ in range(files):
+                prog.advance(what)
+
+        res = export(args.out_dir, args.dest, ranks=parse_int_list(args.ranks, "--ranks"),
+                     monitors=parse_monitor_list(args.monitors), steps=parse_steps(args.steps), problems=problems,
+                     progress=advance)
+        prog.close()
+        result.update(dest=os.path.abspath(args.dest), parquet_files=res["files"], rows=res["rows"])
+        lines += [f"msprobe-monitor export {args.out_dir}: {res['rows']} rows from {layout.n_files} CSV file(s) -> "
+                  f"{res['files']} Parquet file(s) in {args.dest}",
+                  f"  read it with any command, e.g. {command_line('summary', args.dest)}"]
+    if args.tensorboard is not None:
+        from .tensorboard import export_tensorboard
+
+        steps = parse_steps(args.steps)
+        ranks, monitors = parse_int_list(args.ranks, "--ranks"), parse_monitor_list(args.monitors)
+        if os.path.isdir(args.out_dir) and _is_parquet(args.out_dir):
+            from .columnar import open_layout
+
+            layout = open_layout(args.out_dir, ranks=ranks, monitors=monitors, steps=steps)
+        else:  # CSV needs no Polars here
+            layout = scan(args.out_dir, ranks=ranks, monitors=monitors, steps=steps)
+        # the Parquet export above already warned about the same malformed lines
+        tb_problems = Problems(strict=args.strict, stream=io.StringIO()) if args.dest is not None else problems
+        prog = Progress(layout.n_files, "exporting to TensorBoard", enabled=True if args.progress else None,
+                        stream=err)
+
+        def advance_tb(what: str, files: int) -> None:
+            for _ in range(files):
+                prog.advance(what)
+
+        res = export_tensorboard(args.out_dir, args.tensorboard, layout, tb_problems, steps=steps,
+                                 progress=advance_tb)
+        prog.close()
+        result.update(tensorboard=os.path.abspath(args.tensorboard), tensorboard_runs=res["runs"],
+                      scalars=res["scalars"], tags=res["tags"])
+        lines += [f"msprobe-monitor export {args.out_dir}: {res['scalars']} scalars in {res['tags']} series "
+                  f"(tensor, scope, statistic), {res['runs']} run(s) (one per rank) -> {args.tensorboard}",
+                  f"  view them: {tensorboard_command(args.tensorboard)}"]
     if args.json:
-        dump_json({"command": "export", "out_dir": os.path.abspath(args.out_dir), "dest": os.path.abspath(args.dest),
-                   "parquet_files": res["files"], "rows": res["rows"],
-                   "problems": {"count": problems.count, "items": [p.to_json() for p in problems.items]}}, out)
+        result["problems"] = {"count": problems.count, "items": [p.to_json() for p in problems.items]}
+        dump_json(result, out)
         return EXIT_OK
-    lines = [f"msprobe-monitor export {args.out_dir}: {res['rows']} rows from {layout.n_files} CSV file(s) -> "
-             f"{res['files']} Parquet file(s) in {args.dest}",
-             f"  read it with any command, e.g. {command_line('summary', args.dest)}"]
     if problems.count:
         lines.append(f"  malformed input: {problems.summary()} (see the warnings above)")
     print("\n".join(lines), file=out)
     return EXIT_OK
+
+
+def _is_parquet(path: str) -> bool:
+    from .columnar import is_parquet_dataset
+
+    return is_parquet_dataset(path)
 
 
 def cmd_validate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:

@@ -37,26 +37,39 @@ def _pythonpath_prefix(environ: Mapping[str, str]) -> str:
     return ""
 
 
-def cli_command(environ: Optional[Mapping[str, str]] = None) -> str:
-    """The shell words that run ``msprobe-monitor`` here (``summary DIR`` etc. follow)."""
+def script_command(script: str, module: str, environ: Optional[Mapping[str, str]] = None) -> str:
+    """The shell words that run the console script ``script`` of this environment: the
+    bare name where ``PATH`` finds this environment's copy, else its full path, else this
+    interpreter running ``module``."""
     env = os.environ if environ is None else environ
-    prefix = _pythonpath_prefix(env)
     python = sys.executable or "python3"
     # not realpath: a venv's python is a symlink to the base interpreter, and the script
     # sits next to the link
-    tool = os.path.join(os.path.dirname(os.path.abspath(python)), SCRIPT)
+    tool = os.path.join(os.path.dirname(os.path.abspath(python)), script)
     if os.path.isfile(tool) and os.access(tool, os.X_OK):
-        found = shutil.which(SCRIPT, path=env.get("PATH"))
+        found = shutil.which(script, path=env.get("PATH"))
         if found and os.path.realpath(found) == os.path.realpath(tool):
-            return prefix + SCRIPT
-        return prefix + shlex.quote(tool)
-    return prefix + f"{shlex.quote(python)} -m {MODULE}"
+            return script
+        return shlex.quote(tool)
+    return f"{shlex.quote(python)} -m {module}"
+
+
+def cli_command(environ: Optional[Mapping[str, str]] = None) -> str:
+    """The shell words that run ``msprobe-monitor`` here (``summary DIR`` etc. follow)."""
+    env = os.environ if environ is None else environ
+    return _pythonpath_prefix(env) + script_command(SCRIPT, MODULE, env)
 
 
 def command_line(subcommand: str, *args: str) -> str:
     """``msprobe-monitor SUBCOMMAND ARGS...`` as it runs here, each argument quoted for a
     POSIX shell."""
     return " ".join([cli_command(), subcommand, *(shlex.quote(str(a)) for a in args)])
+
+
+def tensorboard_command(logdir: str) -> str:
+    """``tensorboard --logdir LOGDIR`` as it runs here (TensorBoard's own script, or its
+    module with this interpreter)."""
+    return f"{script_command('tensorboard', 'tensorboard.main')} --logdir {shlex.quote(str(logdir))}"
 
 
 def pip_command(*requirements: str) -> str:

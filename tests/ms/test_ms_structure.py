@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("mindspore")
 
-from conftest import rows_of  # noqa: E402
-from ms_helpers import batches, ms, mse, nn, np  # noqa: E402
+from support import rows_of  # noqa: E402
+from support.ms_helpers import batches, ms, mse, nn, np  # noqa: E402
 
 from msprobe.core.monitor_v2.analysis.cli import main  # noqa: E402
 from msprobe.core.monitor_v2.model_structure import read_structure  # noqa: E402

@@ -15,8 +15,8 @@ import pytest
 
 pytest.importorskip("mindspore")
 
-from conftest import assert_row_matches, find_row, rows_of  # noqa: E402
-from ms_helpers import MLP, batches, ms, mse, nn, np, np_stats, ops, weights_of  # noqa: E402
+from support import assert_row_matches, find_row, rows_of  # noqa: E402
+from support.ms_helpers import MLP, batches, ms, mse, nn, np, np_stats, ops, weights_of  # noqa: E402
 from mindspore import mint  # noqa: E402
 
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2  # noqa: E402

@@ -6,7 +6,7 @@ from typing import List
 
 import torch
 
-from conftest import numpy_stats
+from support import numpy_stats
 
 
 def assert_shards_make_up(per_rank: List[List[dict]], full: torch.Tensor, rtol: float, atol: float, what) -> None:

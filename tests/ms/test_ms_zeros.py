@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("mindspore")
 
-from conftest import rows_of  # noqa: E402
-from ms_helpers import MLP, batches, ms, mse, nn, np, set_weights  # noqa: E402
+from support import rows_of  # noqa: E402
+from support.ms_helpers import MLP, batches, ms, mse, nn, np, set_weights  # noqa: E402
 
 from msprobe.core.monitor_v2 import native  # noqa: E402
 from msprobe.core.monitor_v2.frameworks.mindspore.stats import MsStatsEngine  # noqa: E402

@@ -17,8 +17,8 @@ import pytest
 
 pytest.importorskip("mindspore")
 
-from conftest import assert_row_matches, find_row, read_csv  # noqa: E402
-from ms_helpers import np, np_stats  # noqa: E402
+from support import assert_row_matches, find_row, read_csv  # noqa: E402
+from support.ms_helpers import np, np_stats  # noqa: E402
 
 # The document's quick-start config, with "framework" set to mindspore.
 DOC_CONFIG = {

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("mindspore")
 torch = pytest.importorskip("torch")
 
-from ms_helpers import init_arrays, ms, nn, np  # noqa: E402
+from support.ms_helpers import init_arrays, ms, nn, np  # noqa: E402
 
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2  # noqa: E402
 

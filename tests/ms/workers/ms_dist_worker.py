@@ -1,4 +1,4 @@
-"""Worker of tests/mindspore/test_ms_distributed.py, started by ``msrun`` with 2 workers
+"""Worker of tests/ms/test_ms_distributed.py, started by ``msrun`` with 2 workers
 on the CPU: ``python ms_dist_worker.py <out_dir>``.
 
 Step 0: explicit collectives (``mint.distributed`` all_reduce / all_gather / broadcast,
@@ -20,15 +20,13 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/mindspore
-
 import mindspore as ms  # noqa: E402
 import mindspore.communication.comm_func as comm_func  # noqa: E402
 import mindspore.mint.distributed as md  # noqa: E402
 from mindspore import Tensor, nn, ops  # noqa: E402
 from mindspore.communication import get_group_size, get_rank, init  # noqa: E402
 
-from ms_helpers import MLP, batches, grads_np, mse  # noqa: E402  (sets PYNATIVE_MODE and the CPU)
+from support.ms_helpers import MLP, batches, grads_np, mse  # noqa: E402  (sets PYNATIVE_MODE and the CPU)
 
 ms.set_context(mode=ms.PYNATIVE_MODE)
 init()

@@ -25,8 +25,8 @@ import pytest
 
 pytest.importorskip("mindspore")
 
-from conftest import assert_row_matches, find_row, rows_of, run_msrun  # noqa: E402
-from ms_helpers import np, np_stats  # noqa: E402
+from support import assert_row_matches, find_row, rows_of, run_msrun  # noqa: E402
+from support.ms_helpers import np, np_stats  # noqa: E402
 
 WORKER = Path(__file__).parent / "workers" / "ms_dist_worker.py"
 RANKS = (0, 1)

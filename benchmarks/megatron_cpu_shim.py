@@ -1,4 +1,4 @@
-"""Test-only shim: lets Megatron-Core 0.16.1 train on a CPU-only torch build with gloo.
+"""CPU shim for the Megatron-Core benchmark and tests: lets Megatron-Core 0.16.1 train on a CPU-only torch build with gloo.
 
 Megatron-Core hard-codes a few CUDA calls on paths that a GPTModel with TP=PP=1 and its
 DDP/optimizers reach: ``device='cuda'`` factories (optimizer, grad scaler, clip_grads),

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("mindspore")
 
 import numpy as np  # noqa: E402
-from ms_helpers import MLP, batches, grads_np, ms, mse, nn, np_stats  # noqa: E402
+from support.ms_helpers import MLP, batches, grads_np, ms, mse, nn, np_stats  # noqa: E402
 
 from msprobe.core.monitor_v2.analysis.reader import CsvFile, Problems, iter_rows  # noqa: E402
 from msprobe.core.monitor_v2.errors import UnsafePathError  # noqa: E402

@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("mindspore")
 
-from conftest import assert_row_matches, find_row, rows_of  # noqa: E402
-from ms_helpers import MLP, batches, grads_np, ms, mse, nn, np, np_stats, weights_of  # noqa: E402
+from support import assert_row_matches, find_row, rows_of  # noqa: E402
+from support.ms_helpers import MLP, batches, grads_np, ms, mse, nn, np, np_stats, weights_of  # noqa: E402
 
 from msprobe.core.monitor_v2 import native  # noqa: E402
 from msprobe.core.monitor_v2.frameworks.mindspore.stats import MsStatsEngine  # noqa: E402
