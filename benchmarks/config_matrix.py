@@ -28,6 +28,8 @@ def configs(n_layer: int, sinks: bool = False) -> Dict[str, dict]:
     if sinks:
         # against "all monitors": the cost of the dashboards on top of the CSV writer
         matrix["all + tensorboard sink"] = {"monitors": all_on, "sinks": {"tensorboard": True}}
+        matrix["all + wandb sink"] = {"monitors": all_on, "sinks": {"wandb": {"mode": "offline"}}}
+        matrix["all + mlflow sink"] = {"monitors": all_on, "sinks": {"mlflow": True}}
         matrix["all + tensorboard, wandb, mlflow sinks"] = {
             "monitors": all_on, "sinks": {"tensorboard": True, "wandb": {"mode": "offline"}, "mlflow": True}}
     return matrix

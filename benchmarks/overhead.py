@@ -104,6 +104,7 @@ class Bench:
             shutil.rmtree(out, ignore_errors=True)
             mon = TrainerMonitorV2({**cfg, "output_dir": out})
             mon.start(model=self.model, optimizer=self.opt)
+            _wait_for_sinks(mon)
         self.sync()
         if measure_memory:
             if self.device.type == "cuda":
@@ -165,6 +166,16 @@ class Bench:
             "cpu": cpu_per_step,
             "item": items_per_step,
         }
+
+
+def _wait_for_sinks(mon: TrainerMonitorV2, timeout_s: float = 120.0) -> None:
+    """Wait until the live sinks are open: a run opens them once (a W&B run takes seconds
+    on the sink thread), and that start-up is not the cost of a step."""
+    writer = getattr(mon, "_writer", None)
+    writer = getattr(writer, "_writer", writer)  # the async writer wraps the CSV writer
+    hub = getattr(writer, "sinks", None)
+    if hub is not None:
+        hub.opened.wait(timeout_s)
 
 
 def engine_bench(args: argparse.Namespace) -> Tuple[float, float, int, int]:

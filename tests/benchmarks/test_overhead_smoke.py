@@ -38,5 +38,6 @@ def test_overhead_benchmark_smoke_mode_with_sinks():
     assert proc.returncode == 0, proc.stderr[-4000:]
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "config" not in line]
     assert [line.split("|")[1].strip() for line in table] == [
-        "all monitors", "all + tensorboard sink", "all + tensorboard, wandb, mlflow sinks"]
+        "all monitors", "all + tensorboard sink", "all + wandb sink", "all + mlflow sink",
+        "all + tensorboard, wandb, mlflow sinks"]
     assert "sink failed" not in proc.stderr, proc.stderr[-4000:]

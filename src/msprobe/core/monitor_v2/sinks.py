@@ -238,7 +238,8 @@ class WandbSink(Sink):
         o = self.options
         kwargs = {k: o[k] for k in ("project", "entity", "group", "mode") if o.get(k) is not None}
         self._run = wandb.init(name=self.run_name, dir=o.get("dir") or self.output_dir, reinit="create_new",
-                               settings=wandb.Settings(console="off"), **kwargs)
+                               # no system-metrics sampling: the training's own run does that
+                               settings=wandb.Settings(console="off", x_disable_stats=True), **kwargs)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self._run.log(dict(metrics), step=step)
@@ -346,6 +347,9 @@ class SinkHub:
         self.open_cpu_s = self.steps_end_cpu_s = self.cpu_s = 0.0
         self._once = LogOnce()
         self._closed = False
+        # set once every sink has been opened (or has failed to): opening a W&B run takes
+        # seconds on the sink thread, which the overhead benchmark must not time as steps
+        self.opened = threading.Event()
         self._queue: "queue.Queue" = queue.Queue(maxsize=QUEUE_STEPS)
         self._thread = threading.Thread(target=self._run, name="msprobe-monitor-sinks", daemon=True)
         self._thread.start()
@@ -369,9 +373,12 @@ class SinkHub:
     # sink thread
     def _run(self) -> None:
         live = list(self.sinks)
-        for sink in list(live):
-            if not self._call(sink, "open", sink.open):
-                live.remove(sink)
+        try:
+            for sink in list(live):
+                if not self._call(sink, "open", sink.open):
+                    live.remove(sink)
+        finally:
+            self.opened.set()
         self.open_cpu_s = time.thread_time()  # this thread's CPU: what the sinks cost, apart from the training
         while True:
             item = self._queue.get()
