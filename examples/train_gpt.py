@@ -453,7 +453,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             f"reruns do not append; a real job keeps them (the monitor appends to existing files, "
             f"e.g. on resume)"
         )
-        os.makedirs(output_dir, exist_ok=True)
+        os.makedirs(output_dir, mode=0o750, exist_ok=True)  # the monitor refuses a directory others can write
         config_path = write_default_config(output_dir, args)
         print(f"config: {config_path} ({'module, ' if args.inject_nan_step is not None else ''}"
               f"weight_grad per micro-batch, optimizer, param; ops {','.join(OPS)}; "
