@@ -148,49 +148,39 @@ class ModuleMonitor(Monitor):
         roots = {id(r): r for r in self.session.roots}
         for root in roots.values():
             self._track_passes(root)
-            self._skip_internal_passes(root)
         warn_if_already_compiled()
-
-    def _skip_internal_passes(self, root: torch.nn.Module) -> None:
-        """A chunk call the framework makes for itself (pipelining's shape inference, a
-        pass on meta tensors: see passes.py) records nothing, forward or backward: no
-        rows, and no graph hooks on what it builds."""
-
-        def enter(mod: torch.nn.Module, args: Tuple, kwargs: Dict) -> None:
-            if self._pass.internal:
-                self._pass.internal += 1
-                return
-            what = internal_pass(args, kwargs)
-            if what is not None:
-                self._pass.internal = 1
-                self._once.info(("internal", what), "monitor_v2 module: %s is a framework-internal pass, not "
-                                "training: no module rows for it (logged once)", what)
-
-        def leave(mod: torch.nn.Module, args: Tuple, output: Any) -> None:
-            if self._pass.internal:
-                self._pass.internal -= 1
-
-        self._hooks.forward_pre(root, eager_hook(self.errors.wrap("module internal-pass tracking", enter)),
-                                prepend=True, with_kwargs=True)
-        self._hooks.forward(root, eager_hook(self.errors.wrap("module internal-pass tracking", leave)),
-                            always_call=True)
 
     def _track_passes(self, root: torch.nn.Module) -> None:
         """Hooks around each call of a model chunk: the first to run before the call and
-        the last after it, so that the chunk's own rows are classified too."""
+        the last after it, so that the chunk's own rows are classified too. A call the
+        framework makes for itself (pipelining's shape inference, a pass on meta tensors:
+        see passes.py) records nothing, forward or backward: no rows, and no graph hooks on
+        what it builds. It is looked for on written steps only: elsewhere nothing is
+        recorded anyway, and the check reads every input's type."""
 
-        def enter(mod: torch.nn.Module, args: Tuple) -> None:
+        def enter(mod: torch.nn.Module, args: Tuple, kwargs: Dict) -> None:
             state = self._pass
             if state.depth == 0:
                 state.evaluation = _is_evaluation(mod)
             state.depth += 1
+            if state.internal:
+                state.internal += 1
+            elif self.active:
+                what = internal_pass(args, kwargs)
+                if what is not None:
+                    state.internal = 1
+                    self._once.info(("internal", what), "monitor_v2 module: %s is a framework-internal pass, not "
+                                    "training: no module rows for it (logged once)", what)
 
         def leave(mod: torch.nn.Module, args: Tuple, output: Any) -> None:
             state = self._pass
             if state.depth:
                 state.depth -= 1
+            if state.internal:
+                state.internal -= 1
 
-        self._hooks.forward_pre(root, eager_hook(self.errors.wrap("module pass tracking", enter)), prepend=True)
+        self._hooks.forward_pre(root, eager_hook(self.errors.wrap("module pass tracking", enter)), prepend=True,
+                                with_kwargs=True)
         self._hooks.forward(root, eager_hook(self.errors.wrap("module pass tracking", leave)), always_call=True)
 
     def _forward_scope(self, vpp: int) -> str:
