@@ -303,14 +303,20 @@ def _open_append_at(dir_fd: int, path: str, mode: int) -> Tuple[int, bool]:
             os.fchmod(fd, mode)
         else:
             _check_opened(fd, path)
-        if _NONBLOCK:
-            import fcntl
-
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_NONBLOCK)
+        _blocking(fd)
     except BaseException:
         os.close(fd)
         raise
     return fd, created
+
+
+def _blocking(fd: int) -> None:
+    """Clear ``O_NONBLOCK`` (used only so that opening a FIFO cannot block) once ``fd`` is
+    known to be a regular file."""
+    if _NONBLOCK:
+        import fcntl
+
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_NONBLOCK)
 
 
 def read_regular_file(path: str, limit: int, what: str = "file") -> bytes:
@@ -352,10 +358,7 @@ def open_regular(path: str) -> int:
     fd = os.open(path, os.O_RDONLY | _NONBLOCK | _CLOEXEC)
     try:
         _check_opened_regular(fd, path)
-        if _NONBLOCK:
-            import fcntl
-
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_NONBLOCK)
+        _blocking(fd)
     except BaseException:
         os.close(fd)
         raise
