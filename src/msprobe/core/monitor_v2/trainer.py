@@ -161,8 +161,10 @@ class TrainerMonitorV2:
         module = self.config.monitors.get("module")
         enabled = module is not None and module.enabled
         path = write_structure(self.rank_dir, session.structure(), module.get("targets") if enabled else (), enabled)
+        from .analysis.command import command_line  # light: no Polars on the training side
+
         logger.info("monitor_v2: model structure (module and parameter names) written to %s; "
-                    "msprobe-monitor struct %s counts what a targets list selects", path, self.config.output_dir)
+                    "%s counts what a targets list selects", path, command_line("struct", self.config.output_dir))
 
     # ---------------------------------------------------------------- step logic
     def _begin_step(self, step: int) -> None:
