@@ -22,10 +22,11 @@ from analysis_helpers import cli, copy_run, training_runs
 
 pl = pytest.importorskip("polars", reason="the analysis extra (polars) is part of the test profile")
 
-from msprobe.core.monitor_v2.analysis.detect import RankCheckSettings, SpikeSettings, analyse  # noqa: E402
+from msprobe.core.monitor_v2.analysis.reference import analyse  # noqa: E402
+from msprobe.core.monitor_v2.analysis.report import RankCheckSettings, SpikeSettings  # noqa: E402
 from msprobe.core.monitor_v2.analysis.engine import analyse_columnar  # noqa: E402
 from msprobe.core.monitor_v2.analysis.reader import Problems, scan  # noqa: E402
-from msprobe.core.monitor_v2.analysis.cli import report_json  # noqa: E402
+from msprobe.core.monitor_v2.analysis.render import report_json  # noqa: E402
 
 HEADER_WG = "vpp_stage,step,module_name,scope,micro_step"
 

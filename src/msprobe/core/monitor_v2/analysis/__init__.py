@@ -6,9 +6,15 @@ The package reads the CSV files the monitor writes
 (``<output_dir>/rank_<r>/<monitor>_step<a>-<b>.csv``), or a Parquet dataset made from
 them by ``msprobe-monitor export``. The commands run on Polars, an embedded columnar
 engine (:mod:`.engine`, :mod:`.columnar`), batch by batch in bounded memory; the
-previous pure-Python implementation (:func:`.detect.analyse`) stays as the reference
-the tests compare against (``--engine reference``). Polars and matplotlib come with
+previous pure-Python implementation (:mod:`.reference`) stays as the reference the
+tests compare against (``--engine reference``). Polars and matplotlib come with
 ``pip install 'msprobe-monitor[analysis]'``; the training side imports neither.
+
+By role: :mod:`.reader` and :mod:`.columnar` read the files; :mod:`.report` is the
+model the analysis commands produce, and the interface of an engine
+(:class:`.report.AnalysisEngine`); :mod:`.blocks` holds the row-block tools of ``diff``
+and of both engines' rank check; :mod:`.render` writes each command's result as text
+or JSON; :mod:`.cli` parses the command line, chooses the engine once and dispatches.
 
 Notebooks::
 

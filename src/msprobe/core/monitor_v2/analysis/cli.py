@@ -23,15 +23,17 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
 
-from .command import command_line, tensorboard_command
 from ..errors import ConfigError, UnsafePathError
-from .detect import RankCheckSettings, Report, SpikeSettings, analyse
-from .reader import (OPS, InputError, Layout, Problems, parse_int_list, parse_monitor_list, parse_steps, scan)
-from .text import compact_steps, dump_json, fmt_num, table
+from .reader import (OPS, InputError, Layout, Problems, StepRange, parse_int_list, parse_monitor_list, parse_steps,
+                     scan)
+from .reference import ReferenceEngine
+from .render import (ORDER_TEXT, anomalies_json, anomalies_text, anomaly_tables, diff_json, diff_text, export_json,
+                     export_text, plot_json, plot_text, ranks_text, summary_json, summary_text, validate_json,
+                     validate_text)
+from .report import AnalysisEngine, RankCheckSettings, Report, RowVisitor, SpikeSettings
+from .text import dump_json
 
 EXIT_OK, EXIT_FOUND, EXIT_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
-ORDER_TEXT = ("execution order: step, micro-batch, parameters at step start, forward (module call order), "
-              "backward, gradients, then optimizer state and updated parameters")
 
 
 # ----------------------------------------------------------------------- arguments
@@ -250,63 +252,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# ----------------------------------------------------------------------- helpers
-def _rel(path: str, root: str) -> str:
-    try:
-        rel = os.path.relpath(path, root)
-    except ValueError:
-        return path
-    return path if rel.startswith("..") else rel
-
-
-def _where(item: Dict[str, Any], root: str, key: str = "file", line: str = "line") -> str:
-    return f"{_rel(item[key], root)}:{item[line]}"
-
-
-def _vals(values: Dict[str, Any]) -> str:
-    return " ".join(f"{k}={fmt_num(v)}" for k, v in values.items())
-
-
-def _ranks_text(ranks: Sequence[int]) -> str:
-    if not ranks:
-        return "-"
-    rs = sorted(ranks)
-    if rs == list(range(rs[0], rs[-1] + 1)) and len(rs) > 2:
-        return f"{rs[0]}-{rs[-1]}"
-    return ",".join(map(str, rs))
-
-
-def _limit(items: List[Any], n: int) -> List[Any]:
-    return items if n == 0 else items[:n]
-
-
-def _columnar(args: argparse.Namespace) -> bool:
-    """The columnar engine (Polars), unless the reference one is asked for; a missing
-    Polars is an input error naming what to install."""
+# ----------------------------------------------------------------------- the engine
+def choose_engine(args: argparse.Namespace) -> AnalysisEngine:
+    """The one place the engine is chosen: the columnar engine (Polars), unless the
+    reference one is asked for; a missing Polars is an input error naming what to install."""
     if getattr(args, "engine", "columnar") == "reference":
-        return False
-    from .columnar import polars
+        return ReferenceEngine()
+    from .engine import ColumnarEngine
 
-    polars()
-    return True
-
-
-def _load(args: argparse.Namespace, root: str, problems: Problems) -> Layout:
-    ranks, monitors, steps = (parse_int_list(args.ranks, "--ranks"), parse_monitor_list(args.monitors),
-                              parse_steps(args.steps))
-    if _columnar(args):
-        from .columnar import open_layout
-
-        return open_layout(root, ranks=ranks, monitors=monitors, steps=steps)
-    return scan(root, ranks=ranks, monitors=monitors, steps=steps)
+    return ColumnarEngine()
 
 
-def _analyse(args: argparse.Namespace):
-    if _columnar(args):
-        from .engine import analyse_columnar
-
-        return analyse_columnar
-    return analyse
+def _selection(args: argparse.Namespace) -> Tuple[Optional[List[int]], Optional[List[str]], Optional[StepRange]]:
+    """--ranks, --monitors and --steps."""
+    return parse_int_list(args.ranks, "--ranks"), parse_monitor_list(args.monitors), parse_steps(args.steps)
 
 
 def _settings(args: argparse.Namespace) -> Tuple[SpikeSettings, RankCheckSettings]:
@@ -326,179 +285,29 @@ def _settings(args: argparse.Namespace) -> Tuple[SpikeSettings, RankCheckSetting
                                      atol=args.rank_atol)
 
 
-def _run_analysis(args: argparse.Namespace, err: TextIO, visitors=()) -> Report:
-    problems = Problems(strict=args.strict, stream=err)
-    layout = _load(args, args.out_dir, problems)
+def _analyse(args: argparse.Namespace, engine: AnalysisEngine, layout: Layout, problems: Problems, err: TextIO,
+             visitors: Sequence[RowVisitor] = ()) -> Report:
     spikes, rank_check = _settings(args)
-    return _analyse(args)(layout, problems, spikes, rank_check, steps=parse_steps(args.steps),
-                   limit=None if args.limit == 0 else args.limit,
-                   progress=True if args.progress else None, visitors=visitors, progress_stream=err)
+    return engine.analyse(layout, problems, spikes, rank_check, steps=parse_steps(args.steps),
+                          limit=None if args.limit == 0 else args.limit,
+                          progress=True if args.progress else None, visitors=visitors, progress_stream=err)
 
 
-# ----------------------------------------------------------------------- anomaly tables
-NF_HEADERS = ["rank", "step", "micro_step", "monitor", "scope", "tensor", "kind", "values", "file:line"]
-SPIKE_HEADERS = ["rank", "step", "micro_step", "monitor", "scope", "tensor", "stats", "value", "median",
-                 "x median", "file:line"]
-RANK_HEADERS = ["rank", "step", "micro_step", "monitor", "scope", "tensor", "stat", "value", "consensus",
-                "agreeing ranks", "rows differing", "file:line"]
-
-
-def _nf_row(item: Dict[str, Any], root: str) -> List[Any]:
-    return [item["rank"], item["step"], item["micro_step"], item["monitor"], item["scope"], item["tensor"],
-            item["kind"], _vals(item["values"]), _where(item, root)]
-
-
-def anomaly_tables(report: Report, limit: int) -> Dict[str, Tuple[List[str], List[List[Any]], str]]:
-    """title -> (headers, rows, note): shared by the text output and the HTML report."""
-    root = report.layout.root
-    out: Dict[str, Tuple[List[str], List[List[Any]], str]] = {}
-    first = report.first
-    out["First non-finite value (NaN/Inf)"] = (
-        NF_HEADERS, [_nf_row(first, root)] if first else [], ORDER_TEXT + "; over all ranks and monitors")
-    per_rank = [report.first_nonfinite[r][1] for r in sorted(report.first_nonfinite)]
-    by = ", ".join(f"{m} {s} {n}" for (m, s), n in sorted(report.nonfinite_by.items(), key=lambda kv: -kv[1]))
-    out["First non-finite value of each rank"] = (
-        NF_HEADERS, _limit([_nf_row(i, root) for i in per_rank], limit),
-        f"{report.nonfinite_count} non-finite row(s) in total" + (f": {by}" if by else ""))
-    sp = report.spikes
-    spike_rows = [[i["rank"], i["step"], i["micro_step"], i["monitor"], i["scope"], i["tensor"], ",".join(i["stats"]),
-                   i["value"], i["median"], i["ratio"], _where(i, root)] for i in sp.items()]
-    note = (report.spike_settings.describe() if report.spike_settings.enabled else "off (--no-spikes)")
-    if sp.count:
-        steps = sorted(report.spike_steps)
-        shown = ", ".join(f"{st} ({report.spike_steps[st]})" for st in steps[:10]) + (", ..." if len(steps) > 10 else "")
-        note += f"; {sp.count} row(s) with a spike, at steps: {shown}"
-        if sp.count > min(len(spike_rows), limit or len(spike_rows)):
-            note += f"; the first {min(len(spike_rows), limit or len(spike_rows))} in execution order shown"
-    out["Spikes"] = (SPIKE_HEADERS, _limit(spike_rows, limit), note)
-    mm = report.mismatch_list()
-    rank_rows = [[i["rank"], i["step"], i["micro_step"], i["monitor"], i["scope"], i["tensor"], i["stat"],
-                  i["value"], i["consensus"], _ranks_text(i["consensus_ranks"]), i["rows_differing"],
-                  _where(i, root)] for i in mm]
-    out["Ranks that disagree (first difference of each rank)"] = (
-        RANK_HEADERS, _limit(rank_rows, limit), report.rank_check_note or report.mismatch_settings.describe())
-    return out
-
-
-def report_json(report: Report, limit: int) -> Dict[str, Any]:
-    layout = report.layout
-    lim = None if limit == 0 else limit
-    per_rank = [report.first_nonfinite[r][1] for r in sorted(report.first_nonfinite)]
-    return {
-        "out_dir": os.path.abspath(layout.root),
-        "ranks": layout.ranks,
-        "monitors": {m: c.to_json() for m, c in report.collected.items()},
-        "per_rank": {str(r): {"files": report.rank_files.get(r, 0), "rows": report.rank_rows.get(r, 0)}
-                     for r in layout.ranks},
-        "nonfinite": {
-            "count": report.nonfinite_count,
-            "by_monitor_scope": {f"{m} {s}": n for (m, s), n in report.nonfinite_by.items()},
-            "first": report.first,
-            "first_per_rank": per_rank[:lim],
-            "order": ORDER_TEXT,
-        },
-        "spikes": {"enabled": report.spike_settings.enabled, "rule": report.spike_settings.describe(),
-                   "settings": dict(report.spike_settings.__dict__), "count": report.spikes.count,
-                   "per_step": {str(k): v for k, v in sorted(report.spike_steps.items())},
-                   "items": report.spikes.items()[:lim]},
-        "rank_check": {"enabled": report.mismatch_settings.enabled and not report.rank_check_note,
-                       "note": report.rank_check_note or report.mismatch_settings.describe(),
-                       "ranks_differing": len(report.mismatches), "items": report.mismatch_list()[:lim]},
-        "appended": {"files": len(report.appended), "note": APPENDED_NOTE, "items": report.appended[:lim]},
-        "problems": {"count": report.problems.count, "items": [p.to_json() for p in report.problems.items]},
-        "anomalies_found": report.anomalies_found,
-    }
-
-
-APPENDED_NOTE = ("a file whose steps start over holds several runs: a script re-run with the same output_dir "
-                 "appends to the files of the earlier run, so those steps are counted more than once; "
-                 "use a new output_dir per run, or delete the old files")
-
-
-def _appended_text(item: Dict[str, Any], root: str) -> str:
-    runs = item["runs"]
-    return (f"{_rel(item['file'], root)}: {runs} runs (run {2 if runs == 2 else '2..' + str(runs)} starts at line "
-            f"{', '.join(map(str, item['restart_lines'][:5]))}{', ...' if len(item['restart_lines']) > 5 else ''}); "
-            f"repeated step(s): {compact_steps(item['steps_repeated']) if item['steps_repeated'] else 'none'}")
-
-
-def _appended_rows(report: Report, limit: int) -> List[List[Any]]:
-    root = report.layout.root
-    return [[i["rank"], i["monitor"], _rel(i["file"], root), i["runs"], ",".join(map(str, i["restart_lines"][:5])),
-             compact_steps(i["steps_repeated"]) if i["steps_repeated"] else "-"] for i in _limit(report.appended, limit)]
-
-
-def _collected_text(report: Report) -> List[str]:
-    layout = report.layout
-    steps = sorted({s for c in report.collected.values() for s in c.steps})
-    rows = sum(c.rows for c in report.collected.values())
-    lines = [f"  {len(layout.ranks)} rank(s) ({_ranks_text(layout.ranks)}), {layout.n_files} file(s), {rows} rows, "
-             f"steps {compact_steps(steps)}"]
-    trows = []
-    for m, c in report.collected.items():
-        scopes = ", ".join(f"{s}" for s in sorted(c.scopes, key=lambda s: -c.scopes[s])[:6])
-        if len(c.scopes) > 6:
-            scopes += f", ... ({len(c.scopes)})"
-        micro = _ranks_text(sorted(c.micro_steps)) if c.micro_steps else "-"
-        trows.append([m, _ranks_text(sorted(c.ranks)), c.files, c.rows, compact_steps(sorted(c.steps)),
-                      len(c.tensors), ",".join(c.ops), micro, scopes])
-    lines.append(table(["monitor", "ranks", "files", "rows", "steps", "tensors", "ops", "micro_step", "scopes"],
-                       trows, right=[False, False, True, True, False, True, False, False, False]))
-    return lines
+def _run_analysis(args: argparse.Namespace, err: TextIO) -> Report:
+    problems = Problems(strict=args.strict, stream=err)
+    ranks, monitors, steps = _selection(args)
+    engine = choose_engine(args)
+    layout = engine.open_layout(args.out_dir, ranks=ranks, monitors=monitors, steps=steps)
+    return _analyse(args, engine, layout, problems, err)
 
 
 # ----------------------------------------------------------------------- commands
 def cmd_summary(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     report = _run_analysis(args, err)
     if args.json:
-        data = report_json(report, args.limit)
-        data["command"] = "summary"
-        dump_json(data, out)
-        return EXIT_OK
-    root = report.layout.root
-    lines = [f"msprobe-monitor summary {root}", "", "Collected:"]
-    lines += _collected_text(report)
-    if len(report.layout.ranks) > 1:
-        per = [f"rank {r}: {report.rank_files[r]} files, {report.rank_rows[r]} rows" for r in report.layout.ranks]
-        shown = per if len(per) <= 8 else per[:4] + [f"... ({len(per) - 6} more)"] + per[-2:]
-        lines.append("  " + "; ".join(shown))
-    lines += ["", "Headline anomalies:"]
-    first = report.first
-    if first:
-        lines.append(f"  first NaN/Inf:     rank {first['rank']}, step {first['step']}, {first['where']}: "
-                     f"{first['tensor']} ({first['monitor']} {first['scope']}) is {first['kind']} "
-                     f"[{_where(first, root)}]; {report.nonfinite_count} non-finite row(s) in total")
+        dump_json(summary_json(report, args.limit), out)
     else:
-        lines.append("  first NaN/Inf:     none (every value is finite)")
-    if not report.spike_settings.enabled:
-        lines.append("  spikes:            not checked (--no-spikes)")
-    elif report.spikes.count:
-        s0 = report.spikes.items()[0]
-        lines.append(f"  spikes:            {report.spikes.count} row(s); first: rank {s0['rank']}, step {s0['step']}, "
-                     f"{s0['tensor']} ({s0['monitor']} {s0['scope']}) {s0['stat']} {fmt_num(s0['value'])} = "
-                     f"{fmt_num(s0['ratio'], 3)} x its median; steps: "
-                     + compact_steps(sorted(report.spike_steps)))
-    else:
-        lines.append("  spikes:            none")
-    if report.rank_check_note:
-        lines.append(f"  rank disagreement: {report.rank_check_note}")
-    elif report.mismatches:
-        mm = report.mismatch_list()
-        m0 = mm[0]
-        lines.append(f"  rank disagreement: rank(s) {_ranks_text([m['rank'] for m in mm])}; first: rank "
-                     f"{m0['rank']}, step {m0['step']}, {m0['tensor']} ({m0['monitor']} {m0['scope']}) "
-                     f"{m0['stat']} {fmt_num(m0['value'])} vs {fmt_num(m0['consensus'])}")
-    else:
-        lines.append("  rank disagreement: none")
-    if report.appended:
-        repeated = sum(len(i["steps_repeated"]) for i in report.appended)
-        lines.append(f"  appended re-runs:  {len(report.appended)} file(s) hold several runs (a re-run appended to "
-                     f"the same output_dir), {repeated} step(s) written more than once; first: "
-                     f"{_appended_text(report.appended[0], root)}")
-    if report.problems.count:
-        lines.append(f"  malformed input:   {report.problems.summary()} (see the warnings above)")
-    lines += ["", f"Details: {command_line('anomalies', root)}"]
-    print("\n".join(lines), file=out)
+        print(summary_text(report), file=out)
     return EXIT_OK
 
 
@@ -506,52 +315,16 @@ def cmd_anomalies(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     report = _run_analysis(args, err)
     code = EXIT_FOUND if report.anomalies_found else EXIT_OK
     if args.json:
-        data = report_json(report, args.limit)
-        data["command"] = "anomalies"
-        data["exit_code"] = code
-        dump_json(data, out)
-        return code
-    root = report.layout.root
-    lines = [f"msprobe-monitor anomalies {root}"]
-    lines += _collected_text(report)[:1]
-    first = report.first
-    lines += ["", "FIRST NON-FINITE VALUE (in execution order, over all ranks and monitors)"]
-    if first:
-        lines.append(f"  rank {first['rank']}, step {first['step']}, {first['where']}: {first['tensor']} "
-                     f"({first['monitor']}, scope {first['scope']}) is {first['kind']}")
-        lines.append(f"  values: {_vals(first['values'])}")
-        lines.append(f"  at {_where(first, root)}")
+        dump_json(anomalies_json(report, args.limit, code), out)
     else:
-        lines.append("  none: every value is finite")
-    for title, (headers, rows, note) in anomaly_tables(report, args.limit).items():
-        if title.startswith("First non-finite value (NaN"):
-            continue
-        if title.startswith("First non-finite value of each"):
-            if report.nonfinite_count:
-                lines.append(f"  ({note})")
-            if len(report.layout.ranks) < 2 or not rows:
-                continue
-            note = ""
-        lines += ["", title.upper()]
-        if note:
-            lines.append(f"  ({note})")
-        lines.append(table(headers, rows) if rows else "  none")
-    if report.appended:
-        lines += ["", "STEPS WRITTEN MORE THAN ONCE (runs appended to the same files)", f"  ({APPENDED_NOTE})",
-                  table(["rank", "monitor", "file", "runs", "later runs start at line", "steps written again"],
-                        _appended_rows(report, args.limit))]
-    if report.problems.count:
-        lines += ["", f"MALFORMED INPUT: {report.problems.summary()} (see the warnings on stderr)"]
-    verdict = "anomalies found" if report.anomalies_found else "no anomaly"
-    lines += ["", f"Result: {verdict} (exit {code})"]
-    print("\n".join(lines), file=out)
+        print(anomalies_text(report, args.limit, code), file=out)
     return code
 
 
 def cmd_plot(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from .plot import PlotCollector, PlotSettings, _import_matplotlib, render, write_html
+    from .plot import PlotCollector, PlotSettings, import_matplotlib, render, write_html
 
-    _import_matplotlib()  # fail early, before reading anything, when matplotlib is missing
+    import_matplotlib()  # fail early, before reading anything, when matplotlib is missing
     settings = PlotSettings(stat=args.stat, by=args.by, rank=args.rank, match=args.match,
                             max_plots=args.max_plots, lines_per_plot=args.lines_per_plot,
                             layer_depth=args.layer_depth, module_io=args.module_io, out_dir=args.out,
@@ -565,15 +338,14 @@ def cmd_plot(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         except re.error as exc:
             raise InputError(f"--match {args.match!r}: not a regular expression ({exc})") from None
     problems = Problems(strict=args.strict, stream=err)
-    layout = _load(args, args.out_dir, problems)
+    ranks, monitors, steps = _selection(args)
+    engine = choose_engine(args)
+    layout = engine.open_layout(args.out_dir, ranks=ranks, monitors=monitors, steps=steps)
     rank = args.rank if args.rank is not None else layout.ranks[0]
     if rank not in layout.files:
-        raise InputError(f"--rank {rank}: no such rank in {args.out_dir} (ranks: {_ranks_text(layout.ranks)})")
+        raise InputError(f"--rank {rank}: no such rank in {args.out_dir} (ranks: {ranks_text(layout.ranks)})")
     collector = PlotCollector(settings, rank)
-    spikes, rank_check = _settings(args)
-    report = _analyse(args)(layout, problems, spikes, rank_check, steps=parse_steps(args.steps),
-                     limit=None if args.limit == 0 else args.limit,
-                     progress=True if args.progress else None, visitors=[collector], progress_stream=err)
+    report = _analyse(args, engine, layout, problems, err, visitors=[collector])
     out_dir = args.out or os.path.join(layout.root, "analysis_report")
     figures = render(collector, report, out_dir)
     html_path = None
@@ -581,24 +353,11 @@ def cmd_plot(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         html_path = os.path.join(out_dir, "report.html")
         write_html(html_path, report, collector, figures, settings.embed, anomaly_tables(report, args.limit))
     if args.json:
-        data = report_json(report, args.limit)
-        data.update(command="plot", plot_dir=os.path.abspath(out_dir),
-                    images=[os.path.join(os.path.abspath(out_dir), n) for _, _, n in figures],
-                    html=os.path.abspath(html_path) if html_path else None,
-                    lines_not_plotted=collector.omitted_lines)
-        dump_json(data, out)
-        return EXIT_OK
-    lines = [f"msprobe-monitor plot {layout.root}: {args.stat} of rank {rank}",
-             f"  {len(figures)} image(s) in {out_dir}"]
-    if collector.omitted_lines:
-        lines.append(f"  {collector.omitted_lines} tensor line(s) not drawn (--max-plots {args.max_plots}); "
-                     f"choose with --match, --monitors or --steps")
-    if html_path:
-        lines.append(f"  report: {html_path}")
-        lines.append(f"  open:   file://{os.path.abspath(html_path)}")
-    if report.anomalies_found:
-        lines.append("  anomalies found: see the report, or " + command_line("anomalies", layout.root))
-    print("\n".join(lines), file=out)
+        dump_json(plot_json(report, args.limit, out_dir, [n for _, _, n in figures], html_path,
+                            collector.omitted_lines), out)
+    else:
+        print(plot_text(report, args.stat, rank, out_dir, len(figures), html_path, collector.omitted_lines,
+                        args.max_plots), file=out)
     return EXIT_OK
 
 
@@ -606,63 +365,19 @@ def cmd_diff(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from .diff import DiffSettings, diff_runs
 
     problems = Problems(strict=args.strict, stream=err)
-    steps = parse_steps(args.steps)
-    la = _load(args, args.out_a, problems)
-    lb = _load(args, args.out_b, problems)
+    ranks, monitors, steps = _selection(args)
+    engine = choose_engine(args)
+    la = engine.open_layout(args.out_a, ranks=ranks, monitors=monitors, steps=steps)
+    lb = engine.open_layout(args.out_b, ranks=ranks, monitors=monitors, steps=steps)
     settings = DiffSettings(rtol=args.rtol, atol=args.atol, stats=args.stats,
                             top=10 ** 9 if args.limit == 0 else args.limit)
     rep = diff_runs(la, lb, problems, settings, steps=steps, progress=True if args.progress else None,
                     progress_stream=err)
     code = EXIT_FOUND if rep.differs else EXIT_OK
-    only_a, only_b = rep.only_rows
     if args.json:
-        dump_json({
-            "command": "diff", "a": os.path.abspath(la.root), "b": os.path.abspath(lb.root),
-            "rtol": args.rtol, "atol": args.atol, "stats": list(args.stats) if args.stats else "all",
-            "compared_rows": rep.compared_rows, "differing_rows": rep.differing_rows,
-            "rows_only_in_a": only_a, "rows_only_in_b": only_b, "first": rep.first,
-            "first_only_in_one_run": rep.first_only, "per_monitor": {m: d.to_json() for m, d in rep.per_monitor.items()},
-            "largest": rep.top(), "not_compared": rep.not_compared,
-            "problems": {"count": problems.count, "items": [p.to_json() for p in problems.items]},
-            "differ": rep.differs, "exit_code": code,
-        }, out)
-        return code
-    lines = [f"msprobe-monitor diff {la.root} {lb.root}  (|a-b| > {args.atol:g} + {args.rtol:g} * max(|a|,|b|); "
-             f"stats: {','.join(args.stats) if args.stats else 'all'})",
-             f"  compared {rep.compared_rows} rows; {rep.differing_rows} differ; rows only in A: {only_a}, "
-             f"only in B: {only_b}"]
-    for note in rep.not_compared:
-        lines.append(f"  not compared: {note}")
-    lines += ["", "FIRST DIFFERENCE (in execution order, over all ranks and monitors)"]
-    f = rep.first
-    if f:
-        lines.append(f"  rank {f['rank']}, step {f['step']}, {f['where']}: {f['tensor']} ({f['monitor']}, "
-                     f"scope {f['scope']}) {f['stat']}: A={fmt_num(f['a'], 9)} B={fmt_num(f['b'], 9)} "
-                     f"(abs {fmt_num(f['abs_diff'], 3)}, rel {fmt_num(f['rel_diff'], 3)})")
-        lines.append(f"  A: {_where(f, la.root, 'file_a', 'line_a')}   B: {_where(f, lb.root, 'file_b', 'line_b')}")
+        dump_json(diff_json(rep, problems, code), out)
     else:
-        lines.append("  none within the tolerance")
-    if rep.first_only:
-        o = rep.first_only
-        lines.append(f"  first row present only in {o['only_in']}: rank {o['rank']}, step {o['step']}, "
-                     f"{o['tensor']} ({o['monitor']} {o['scope']})")
-    if rep.per_monitor:
-        lines += ["", "PER MONITOR"]
-        lines.append(table(["monitor", "compared rows", "differing rows", "first differing step", "only in A",
-                            "only in B"],
-                           [[m, d.compared_rows, d.differing_rows, d.first_step, d.only_a, d.only_b]
-                            for m, d in rep.per_monitor.items()]))
-    top = rep.top()
-    if top:
-        lines += ["", "LARGEST DIFFERENCES (one row per tensor: its largest relative difference)"]
-        lines.append(table(["rank", "step", "micro_step", "monitor", "scope", "tensor", "stat", "A", "B",
-                            "abs diff", "rel diff"],
-                           [[t["rank"], t["step"], t["micro_step"], t["monitor"], t["scope"], t["tensor"],
-                             t["stat"], t["a"], t["b"], t["abs_diff"], t["rel_diff"]] for t in top]))
-    if problems.count:
-        lines += ["", f"MALFORMED INPUT: {problems.summary()} (see the warnings on stderr)"]
-    lines += ["", f"Result: {'the runs differ' if rep.differs else 'no difference'} (exit {code})"]
-    print("\n".join(lines), file=out)
+        print(diff_text(rep, problems, code), file=out)
     return code
 
 
@@ -675,17 +390,17 @@ def cmd_export(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         if target is not None and os.path.abspath(target) == os.path.abspath(args.out_dir):
             raise InputError(f"{flag} {target!r}: must differ from OUT_DIR")
     if args.tensorboard is not None:
-        from .tensorboard import _writer_class
+        from .tensorboard import tensorboard_writer_class
 
-        _writer_class()  # a missing TensorBoard is said before anything is read
+        tensorboard_writer_class()  # a missing TensorBoard is said before anything is read
     problems = Problems(strict=args.strict, stream=err)
-    result: Dict[str, Any] = {"command": "export", "out_dir": os.path.abspath(args.out_dir)}
-    lines: List[str] = []
+    parquet = tensorboard = None
     if args.dest is not None:
         from .columnar import export, polars
 
         polars()
-        layout = _load(args, args.out_dir, problems)
+        ranks, monitors, steps = _selection(args)
+        layout = choose_engine(args).open_layout(args.out_dir, ranks=ranks, monitors=monitors, steps=steps)
         prog = Progress(layout.n_files, "exporting", enabled=True if args.progress else None, stream=err)
 
         def advance(what: str, files: int) -> None:
@@ -696,46 +411,42 @@ def cmd_export(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                      monitors=parse_monitor_list(args.monitors), steps=parse_steps(args.steps), problems=problems,
                      progress=advance)
         prog.close()
-        result.update(dest=os.path.abspath(args.dest), parquet_files=res["files"], rows=res["rows"])
-        lines += [f"msprobe-monitor export {args.out_dir}: {res['rows']} rows from {layout.n_files} CSV file(s) -> "
-                  f"{res['files']} Parquet file(s) in {args.dest}",
-                  f"  read it with any command, e.g. {command_line('summary', args.dest)}"]
+        parquet = (args.dest, res, layout.n_files)
     if args.tensorboard is not None:
-        from .tensorboard import export_tensorboard
-
-        steps = parse_steps(args.steps)
-        ranks, monitors = parse_int_list(args.ranks, "--ranks"), parse_monitor_list(args.monitors)
-        if os.path.isdir(args.out_dir) and _is_parquet(args.out_dir):
-            from .columnar import open_layout
-
-            layout = open_layout(args.out_dir, ranks=ranks, monitors=monitors, steps=steps)
-        else:  # CSV needs no Polars here
-            layout = scan(args.out_dir, ranks=ranks, monitors=monitors, steps=steps)
-        # the Parquet export above already warned about the same malformed lines
-        tb_problems = Problems(strict=args.strict, stream=io.StringIO()) if args.dest is not None else problems
-        prog = Progress(layout.n_files, "exporting to TensorBoard", enabled=True if args.progress else None,
-                        stream=err)
-
-        def advance_tb(what: str, files: int) -> None:
-            for _ in range(files):
-                prog.advance(what)
-
-        res = export_tensorboard(args.out_dir, args.tensorboard, layout, tb_problems, steps=steps,
-                                 progress=advance_tb)
-        prog.close()
-        result.update(tensorboard=os.path.abspath(args.tensorboard), tensorboard_runs=res["runs"],
-                      scalars=res["scalars"], tags=res["tags"])
-        lines += [f"msprobe-monitor export {args.out_dir}: {res['scalars']} scalars in {res['tags']} series "
-                  f"(tensor, scope, statistic), {res['runs']} run(s) (one per rank) -> {args.tensorboard}",
-                  f"  view them: {tensorboard_command(args.tensorboard)}"]
+        tensorboard = (args.tensorboard, _export_tensorboard(args, problems, err))
     if args.json:
-        result["problems"] = {"count": problems.count, "items": [p.to_json() for p in problems.items]}
-        dump_json(result, out)
-        return EXIT_OK
-    if problems.count:
-        lines.append(f"  malformed input: {problems.summary()} (see the warnings above)")
-    print("\n".join(lines), file=out)
+        dump_json(export_json(args.out_dir, parquet, tensorboard, problems), out)
+    else:
+        print(export_text(args.out_dir, parquet, tensorboard, problems), file=out)
     return EXIT_OK
+
+
+def _export_tensorboard(args: argparse.Namespace, problems: Problems, err: TextIO) -> Dict[str, Any]:
+    from .tensorboard import export_tensorboard
+    from .text import Progress
+
+    steps = parse_steps(args.steps)
+    ranks, monitors = parse_int_list(args.ranks, "--ranks"), parse_monitor_list(args.monitors)
+    # the input's format, not the engine, decides how it is opened: CSV needs no Polars here
+    if os.path.isdir(args.out_dir) and _is_parquet(args.out_dir):
+        from .columnar import open_layout
+
+        layout = open_layout(args.out_dir, ranks=ranks, monitors=monitors, steps=steps)
+    else:
+        layout = scan(args.out_dir, ranks=ranks, monitors=monitors, steps=steps)
+    # the Parquet export above already warned about the same malformed lines
+    tb_problems = Problems(strict=args.strict, stream=io.StringIO()) if args.dest is not None else problems
+    prog = Progress(layout.n_files, "exporting to TensorBoard", enabled=True if args.progress else None,
+                    stream=err)
+
+    def advance_tb(what: str, files: int) -> None:
+        for _ in range(files):
+            prog.advance(what)
+
+    res = export_tensorboard(args.out_dir, args.tensorboard, layout, tb_problems, steps=steps,
+                             progress=advance_tb)
+    prog.close()
+    return res
 
 
 def _is_parquet(path: str) -> bool:
@@ -750,24 +461,12 @@ def cmd_validate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     res = validate(args.config, fr=args.framework, create_output_dir=args.create_output_dir)
     code = EXIT_OK if res.ok else EXIT_INPUT
     if args.json:
-        data = res.to_json()
-        data["exit_code"] = code
-        dump_json(data, out)
+        dump_json(validate_json(res, code), out)
         return code
-    for w in res.warnings:
-        print(f"warning: {w}", file=err)
-    if res.ok:
-        d = res.details
-        where = "exists" if d["output_dir_exists"] else "will be created"
-        # a config that validates but would write nothing is not a plain OK
-        status = ("VALID BUT WRITES NOTHING (no monitor is enabled)" if not d["monitors"]
-                  else f"OK with {len(res.warnings)} warning(s) (above)" if res.warnings else "OK")
-        print(f"{status}: {args.config}: monitors {', '.join(d['monitors']) or '(none enabled)'}; output_dir "
-              f"{d['output_dir']} ({where}); steps from {d['start_step']}"
-              + (f" to {d['stop_step'] - 1}" if d["stop_step"] is not None else "")
-              + f" every {d['step_interval']}, {d['step_count_per_record']} per file", file=out)
-    else:
-        print(f"INVALID: {args.config}: {res.message}", file=err)
+    warnings, verdict = validate_text(res, args.config)
+    for line in warnings:
+        print(line, file=err)
+    print(verdict, file=out if res.ok else err)
     return code
 
 

@@ -12,7 +12,7 @@ entry per tensor (its worst step).
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple
 
-from .detect import Block, merge_steps, step_blocks
+from .blocks import Block, merge_steps, step_blocks
 from .order import OrderKey, order_key, where
 from .reader import MONITORS, CsvFile, Layout, Problems, Row, StepRange
 from .text import Progress

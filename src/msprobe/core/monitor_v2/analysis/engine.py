@@ -1,7 +1,7 @@
-"""The columnar analysis: the findings of :func:`.detect.analyse`, computed on Polars
-frames, batch by batch, in bounded memory.
+"""The columnar analysis engine: the findings of :func:`.reference.analyse`, computed on
+Polars frames, batch by batch, in bounded memory.
 
-:func:`.detect.analyse` (the reference, pure Python, one row at a time) defines the
+:func:`.reference.analyse` (the reference, pure Python, one row at a time) defines the
 answers; this module gives the same ones, much faster:
 
 - **collected** (steps, tensors, scopes, micro-steps, rows, files): group-bys per batch;
@@ -19,7 +19,7 @@ answers; this module gives the same ones, much faster:
   two 40-bit sums of hashes of the checked rows (name, scope, micro_step and values).
   Where every rank of a chunk has the same sums, the rows are bitwise identical and
   nothing can differ; only the other (window, steps) are compared by the reference code
-  (:func:`.detect._compare_step` on re-read files), as are windows where a file repeats
+  (:func:`.blocks.compare_window` on re-read files), as are windows where a file repeats
   a row within a step or goes back in steps (a run appended to its files).
 
 Memory: two batches (about :data:`.columnar.BATCH_ROWS` rows each: the one analysed and
@@ -30,22 +30,43 @@ the next, read meanwhile on a second thread, see :class:`_ReadAhead`) plus, per 
 from collections import Counter
 from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
-from .columnar import Batch, batches, frame_rows, polars, read_batch, row_of
-from .detect import (CHUNK, INF, MAD_SCALE, RANK_CHECKED_MONITORS, Collected, FirstN, RankCheckSettings, Report,
-                     RowVisitor, SpikeSettings, _compare_step, appended_item, relabel, _median, finding, merge_steps, row_is_checked,
-                     step_blocks)
+from .blocks import compare_window, rank_windows
+from .columnar import Batch, batches, frame_rows, open_layout, polars, read_batch, row_of
 from .order import LAST, order_key, phase
 from .reader import MONITORS, OPS, Layout, Problems, StepRange
+from .report import (INF, MAD_SCALE, RANK_CHECKED_MONITORS, Collected, FirstN, RankCheckSettings, Report, RowVisitor,
+                     SpikeSettings, appended_item, files_to_read, finding, median, rank_check_note, relabel)
 from .text import Progress
 
 _HASH_MOD = 1 << 40
+
+
+class ColumnarEngine:
+    """The :class:`.report.AnalysisEngine` of this module; it reads CSV output and
+    exported Parquet datasets. A missing Polars is an :class:`.reader.InputError`
+    naming what to install, raised here, before anything is read."""
+
+    def __init__(self, batch_rows: Optional[int] = None) -> None:
+        polars()
+        self.batch_rows = batch_rows
+
+    def open_layout(self, root: str, ranks: Optional[Sequence[int]] = None,
+                    monitors: Optional[Sequence[str]] = None, steps: Optional[StepRange] = None) -> Layout:
+        return open_layout(root, ranks=ranks, monitors=monitors, steps=steps)
+
+    def analyse(self, layout: Layout, problems: Problems, spikes: SpikeSettings, rank_check: RankCheckSettings,
+                steps: Optional[StepRange] = None, limit: Optional[int] = 50,
+                progress: Optional[bool] = None, visitors: Sequence[RowVisitor] = (),
+                progress_stream: Optional[TextIO] = None) -> Report:
+        return analyse_columnar(layout, problems, spikes, rank_check, steps=steps, limit=limit, progress=progress,
+                                visitors=visitors, progress_stream=progress_stream, batch_rows=self.batch_rows)
 
 
 def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, rank_check: RankCheckSettings,
                      steps: Optional[StepRange] = None, limit: Optional[int] = 50,
                      progress: Optional[bool] = None, visitors: Sequence[RowVisitor] = (),
                      progress_stream: Optional[TextIO] = None, batch_rows: Optional[int] = None) -> Report:
-    """The :class:`.detect.Report` of :func:`.detect.analyse`, computed with Polars."""
+    """The :class:`.report.Report` of :func:`.reference.analyse`, computed with Polars."""
     pl = polars()
     collected: Dict[str, Collected] = {m: Collected() for m in layout.monitors}
     rank_files: Dict[int, int] = {}
@@ -56,9 +77,7 @@ def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, 
     spike_items = FirstN(limit)
     spike_steps: Counter = Counter()
     do_rank_check = rank_check.enabled and len(layout.ranks) > 1
-    checked_files = sum(len(layout.files_of(r, m)) for r in layout.ranks for m in RANK_CHECKED_MONITORS)
-    total = layout.n_files + (checked_files if do_rank_check else 0)
-    prog = Progress(total, "reading", enabled=progress, stream=progress_stream)
+    prog = Progress(files_to_read(layout, rank_check), "reading", enabled=progress, stream=progress_stream)
     hashes: Dict[Tuple[str, Tuple[int, int]], Dict[int, Dict[int, Tuple[int, int, int]]]] = {}
     irregular: Dict[Tuple[str, Tuple[int, int]], set] = {}
     kw = {} if batch_rows is None else {"max_rows": batch_rows}
@@ -122,14 +141,8 @@ def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, 
     finally:
         read_ahead.close()
 
-    mismatches: Dict[int, Dict[str, Any]] = {}
-    note = ""
-    if not rank_check.enabled:
-        note = "off (--no-rank-check)"
-    elif len(layout.ranks) < 2:
-        note = "not applicable (one rank)"
-    else:
-        mismatches = _check_ranks(layout, problems, rank_check, steps, hashes, irregular, prog)
+    note = rank_check_note(rank_check, layout)
+    mismatches = {} if note else _check_ranks(layout, problems, rank_check, steps, hashes, irregular, prog)
     prog.close()
     report = Report(layout, collected, rank_files, rank_rows, first_nonfinite, nonfinite_count, nonfinite_by,
                     spike_items, spike_steps, spikes, mismatches, rank_check, note, problems, appended)
@@ -182,7 +195,7 @@ def _collect(pl, fr, col: Collected, ids) -> None:
 
 def _with_runs(pl, fr):
     """``fr`` with ``_run``: the row's run within its file (0, or k for the k-th run
-    appended to it; see :class:`.detect.FileRuns`), on integer columns."""
+    appended to it; see :class:`.reference.FileRuns`), on integer columns."""
     back = (pl.col("step").diff().over("fidx") < 0).fill_null(False)
     key = [pl.col("step"), pl.col("_gid"), pl.col("micro_step").fill_null(-1)]
     # cheap test first: no step goes back and each file's first row occurs once
@@ -219,7 +232,7 @@ def _appended(pl, fr, rank: int, monitor: str, batch: Batch, out: List[Dict[str,
 
 def _per_run_tensors(pl, fr):
     """``fr`` whose ``_gid`` also names the run: each run appended to a file has its own
-    spike history, as in :func:`.detect.analyse` (ids of run 0 are unchanged)."""
+    spike history, as in :func:`.reference.analyse` (ids of run 0 are unchanged)."""
     if not (fr["_run"] > 0).any():
         return fr
     return fr.with_columns((pl.col("_gid").cast(pl.Int64) + pl.col("_run") * (1 << 32)).alias("_gid"))
@@ -227,7 +240,7 @@ def _per_run_tensors(pl, fr):
 
 # ------------------------------------------------------------------ non-finite
 def _nonfinite_kind(pl, fr):
-    """``"nan"``/``"inf"``/null per row: :func:`.detect.nonfinite_kind` as an expression."""
+    """``"nan"``/``"inf"``/null per row: :func:`.reference.nonfinite_kind` as an expression."""
     empty = (pl.col("norm") == 0.0).fill_null(False)
     nan = (pl.col("nans") > 0).fill_null(False)
     inf = pl.lit(False)
@@ -358,9 +371,9 @@ def _spikes(pl, fr, rank: int, monitor: str, batch: Batch, settings: SpikeSettin
                 xv = float(x[i])
                 if xv > ratio * min(h):  # the reference's rule, on the same values in the same order
                     srt = sorted(h)
-                    med = _median(srt)
+                    med = median(srt)
                     if xv > ratio * med:
-                        mad = _median(sorted(abs(y - med) for y in srt))
+                        mad = median(sorted(abs(y - med) for y in srt))
                         if xv > med + mad_k * MAD_SCALE * mad:
                             label = ("absmax" if absmax[i] else "max") if st == "max" else st
                             hits.setdefault(int(seq[i]), {})[st] = (label, xv, med, mad)
@@ -450,39 +463,23 @@ def _hash_steps(pl, fr, rank: int, monitor: str, batch: Batch, hashes: Dict, irr
 
 def _check_ranks(layout: Layout, problems: Problems, settings: RankCheckSettings, steps: Optional[StepRange],
                  hashes: Dict, irregular: Dict, prog: Progress) -> Dict[int, Dict[str, Any]]:
-    """:func:`.detect.check_ranks`, comparing only what the hashes cannot clear."""
-    groups = settings.groups or [layout.ranks]
+    """:func:`.reference.check_ranks`, comparing only what the hashes cannot clear."""
     result: Dict[int, Dict[str, Any]] = {}
-    for group in groups:
-        ranks = [r for r in group if r in layout.files]
-        if len(ranks) < 2:
+    for w in rank_windows(layout, settings):
+        for _ in range(w.reads):  # the same count as the reference's second read
+            prog.advance(f"rank agreement, {w.monitor}")
+        if len(w.files) < 2:
             continue
-        anchor, others = ranks[0], ranks[1:]
-        for i in range(0, len(others), CHUNK - 1):
-            chunk = [anchor] + others[i:i + CHUNK - 1]
-            cset = set(chunk)
-            for monitor in RANK_CHECKED_MONITORS:
-                windows = sorted({(f.first, f.last) for r in chunk for f in layout.files_of(r, monitor)})
-                for window in windows:
-                    files = {r: f for r in chunk for f in layout.files_of(r, monitor) if (f.first, f.last) == window}
-                    for r in files:  # the same count as the reference's second read
-                        if r != anchor or i == 0:
-                            prog.advance(f"rank agreement, {monitor}")
-                    if len(files) < 2:
-                        continue
-                    todo = _steps_to_compare(hashes.get((monitor, window), {}), cset,
-                                             bool(irregular.get((monitor, window), set()) & cset), window)
-                    if todo is None:
-                        continue
-                    lo, hi = todo
-                    if steps is not None:
-                        lo = lo if steps[0] is None else max(lo, steps[0])
-                        hi = hi if steps[1] is None else min(hi, steps[1])
-                    iters = {r: step_blocks(f, problems, (lo, hi), row_is_checked) for r, f in files.items()}
-                    for step, blocks in merge_steps(iters):
-                        if len(blocks) < 2:
-                            continue
-                        _compare_step(monitor, blocks, files, settings, result)
+        cset = set(w.chunk)
+        todo = _steps_to_compare(hashes.get((w.monitor, w.window), {}), cset,
+                                 bool(irregular.get((w.monitor, w.window), set()) & cset), w.window)
+        if todo is None:
+            continue
+        lo, hi = todo
+        if steps is not None:
+            lo = lo if steps[0] is None else max(lo, steps[0])
+            hi = hi if steps[1] is None else min(hi, steps[1])
+        compare_window(w.monitor, w.files, problems, (lo, hi), settings, result)
     return result
 
 

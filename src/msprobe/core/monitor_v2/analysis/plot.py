@@ -46,7 +46,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from .command import pip_command
 from ..errors import UnsafePathError
 from ..safe_fs import make_dirs, read_own_file, replace_file
-from .detect import Report
+from .report import Report
 from .reader import MONITORS, CsvFile, InputError, Row
 from .text import compact_steps, fmt_num
 
@@ -161,7 +161,7 @@ class _Agg:
 
 
 class PlotCollector:
-    """A row visitor for :func:`analysis.detect.analyse` keeping the plotted series."""
+    """A row visitor for an analysis engine (:class:`.report.AnalysisEngine`) keeping the plotted series."""
 
     def __init__(self, settings: PlotSettings, rank: int) -> None:
         self.s = settings
@@ -261,7 +261,7 @@ def _slug(text: str) -> str:
     return s[:60] or "x"
 
 
-def _import_matplotlib():
+def import_matplotlib():
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -361,7 +361,7 @@ def _draw(path: str, title: str, lines: List[Tuple[str, List[float], List[float]
     """One figure. ``small``: a cell of the report's grid (legend below the axes, labels
     without the ``prefix`` the title already names); else one across the page.
     ``x_range``: the steps every figure of the report shows."""
-    Figure, FigureCanvasAgg, blended = _import_matplotlib()
+    Figure, FigureCanvasAgg, blended = import_matplotlib()
     fig = Figure(figsize=(4.6, 3.2) if small else (8.4, 3.2), dpi=100, layout="constrained" if small else None)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)

@@ -25,7 +25,7 @@ INSTALL_HINT = "pip install tensorboard (or pip install 'msprobe-monitor[analysi
 EVENT_PREFIX = "events.out.tfevents."
 
 
-def _writer_class():
+def tensorboard_writer_class():
     try:
         from tensorboard.summary import Writer
     except ImportError:
@@ -82,7 +82,7 @@ def export_tensorboard(path: str, dest: str, layout: Layout, problems: Problems,
                        progress: Optional[Callable[[str, int], None]] = None) -> Dict[str, int]:
     """Write the rows of ``layout`` (read from ``path``) as event files under ``dest``;
     returns ``{"runs": ..., "scalars": ..., "tags": ...}``."""
-    writer_class = _writer_class()
+    writer_class = tensorboard_writer_class()
     root = _safe_dir(dest)
     runs = scalars = 0
     tags = set()

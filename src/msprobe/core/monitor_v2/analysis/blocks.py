@@ -1,0 +1,194 @@
+"""Row blocks: the rows of one step of one file, keyed by tensor, and the tools that
+walk several files in lockstep by step and compare their blocks.
+
+``diff`` matches the blocks of two runs; the rank check of both engines
+(:mod:`.reference`, :mod:`.engine`) compares the blocks of several ranks with
+:func:`compare_step`.
+"""
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+from .order import order_key
+from .reader import CsvFile, Layout, Problems, Row, StepRange, iter_rows
+from .report import CHUNK, RANK_CHECKED_MONITORS, RankCheckSettings, finding, row_is_checked
+
+BlockKey = Tuple[str, str, Optional[int]]  # (name, scope, micro_step)
+Block = Tuple[int, Dict[BlockKey, Row]]
+
+
+def step_blocks(f: CsvFile, problems: Problems, steps: Optional[StepRange],
+                keep: Callable[[str, str], bool], quiet: bool = True) -> Iterator[Block]:
+    """Consecutive rows of the same step, as ``(step, {(name, scope, micro): row})``.
+    Rows ``keep(monitor, scope)`` rejects are dropped. ``quiet``: problems of this
+    second read were already reported by the first one."""
+    sink = _QuietProblems(problems) if quiet else problems
+    current: Optional[int] = None
+    block: Dict[BlockKey, Row] = {}
+    if f.path.endswith(".parquet"):  # an exported dataset (see .columnar)
+        from .columnar import parquet_rows
+
+        rows: Iterator[Row] = parquet_rows(f, steps)
+    else:
+        rows = iter_rows(f, sink, steps)
+    for row in rows:
+        if not keep(f.monitor, row.scope):
+            continue
+        if row.step != current:
+            if current is not None:
+                yield current, block
+            current, block = row.step, {}
+        block[(row.name, row.scope, row.micro)] = row
+    if current is not None:
+        yield current, block
+
+
+class _QuietProblems(Problems):
+    """Problems of a second read: already reported by the first one (or fatal in strict
+    mode, where the first read already stopped)."""
+
+    def __init__(self, parent: Problems) -> None:
+        super().__init__(strict=False)
+
+    def report(self, path: str, line: Optional[int], message: str, skipped: str = "line") -> None:
+        return None
+
+
+def merge_steps(iters: Dict[Any, Iterator[Block]]) -> Iterator[Tuple[int, Dict[Any, Dict]]]:
+    """Lockstep over several block streams: yields ``(step, {id: block})`` for the
+    smallest pending step (streams in step order; a stream whose steps go back, as in a
+    resumed run appended to its files, is simply merged again from there)."""
+    heads: Dict[Any, Block] = {}
+    for k, it in iters.items():
+        b = next(it, None)
+        if b is not None:
+            heads[k] = b
+    while heads:
+        step = min(b[0] for b in heads.values())
+        ready = {k: b[1] for k, b in heads.items() if b[0] == step}
+        yield step, ready
+        for k in ready:
+            b = next(iters[k], None)
+            if b is None:
+                del heads[k]
+            else:
+                heads[k] = b
+
+
+def values_close(a: float, b: float, rtol: float, atol: float) -> bool:
+    """``|a-b| <= atol + rtol * max(|a|,|b|)``; NaN equals NaN."""
+    if a == b:
+        return True
+    if a != a or b != b:
+        return a != a and b != b
+    return abs(a - b) <= atol + rtol * max(abs(a), abs(b))
+
+
+def consensus(values: List[Tuple[int, float]], rtol: float, atol: float) -> Tuple[List[int], float, List[int]]:
+    """``(outlier ranks, consensus value, consensus ranks)`` for ``[(rank, value)]``."""
+    r0, v0 = values[0]
+    if all(values_close(v, v0, 0.0, 0.0) for _, v in values):
+        return [], v0, [r for r, _ in values]
+    nan_group = [(r, v) for r, v in values if v != v]
+    rest = sorted(((v, r) for r, v in values if v == v))
+    groups: List[List[Tuple[int, float]]] = []
+    for v, r in rest:
+        if groups and values_close(groups[-1][-1][1], v, rtol, atol):
+            groups[-1].append((r, v))
+        else:
+            groups.append([(r, v)])
+    if nan_group:
+        groups.append(nan_group)
+    lowest = min(r for r, _ in values)
+    best = max(groups, key=lambda g: (len(g), any(r == lowest for r, _ in g)))
+    agree = sorted(r for r, _ in best)
+    ref = min(best)[1]
+    return sorted(r for r, _ in values if r not in set(agree)), ref, agree
+
+
+def compare_step(monitor: str, blocks: Dict[int, Dict], files: Dict[int, CsvFile],
+                 settings: RankCheckSettings, result: Dict[int, Dict[str, Any]]) -> None:
+    """Compare one step's blocks of several ranks (``{rank: block}``); each rank off the
+    consensus gets, in ``result[rank]``, a count of differing rows and its first one."""
+    ranks = sorted(blocks)
+    keys: Dict[BlockKey, None] = {}
+    for r in ranks:
+        for k in blocks[r]:
+            keys.setdefault(k, None)
+    for key in keys:
+        rows = [(r, blocks[r][key]) for r in ranks if key in blocks[r]]
+        if len(rows) < 2:
+            continue
+        for r, (op, value, ref, agree) in _differing(rows, settings).items():
+            _record_mismatch(monitor, r, blocks[r][key], files[r].path, op, value, ref, agree, result)
+
+
+def _differing(rows: List[Tuple[int, Row]], settings: RankCheckSettings) -> Dict[int, Tuple[str, float, float, List[int]]]:
+    """Ranks whose row of one tensor is off the consensus: their first differing statistic,
+    value, the consensus value and the agreeing ranks."""
+    differing: Dict[int, Tuple[str, float, float, List[int]]] = {}
+    ops = [op for op in rows[0][1].vals if all(op in row.vals for _, row in rows)]
+    for op in ops:
+        values = [(r, float(row.vals[op])) for r, row in rows]
+        outliers, ref, agree = consensus(values, settings.rtol, settings.atol)
+        for r in outliers:
+            if r not in differing:
+                differing[r] = (op, dict(values)[r], ref, agree)
+    return differing
+
+
+def _record_mismatch(monitor: str, rank: int, row: Row, path: str, op: str, value: float, ref: float,
+                     agree: List[int], result: Dict[int, Dict[str, Any]]) -> None:
+    okey = order_key(row.step, monitor, row.scope, row.micro, row.line, rank)
+    entry = result.get(rank)
+    if entry is None:
+        entry = result[rank] = {"key": okey, "first": None, "rows": 0}
+    entry["rows"] += 1
+    if entry["first"] is None or okey <= entry["key"]:
+        entry["key"] = okey
+        entry["first"] = finding(rank, monitor, row, path, stat=op, value=value, consensus=ref, consensus_ranks=agree)
+
+
+# ------------------------------------------------------------------ the rank check's walk
+@dataclass
+class RankWindow:
+    """The files of one monitor and file window (first, last step) of a chunk of ranks."""
+
+    monitor: str
+    window: Tuple[int, int]
+    files: Dict[int, CsvFile]  # rank -> file
+    chunk: List[int]
+    reads: int  # files of it read for the first time (the anchor's are re-read in every chunk, counted once)
+
+
+def rank_windows(layout: Layout, settings: RankCheckSettings) -> Iterator[RankWindow]:
+    """What the rank check compares, in its order: per group of ranks, chunks of at most
+    :data:`.report.CHUNK` ranks each holding the group's lowest (the anchor), then per
+    checked monitor and file window."""
+    for group in settings.groups or [layout.ranks]:
+        ranks = [r for r in group if r in layout.files]
+        if len(ranks) < 2:
+            continue
+        anchor, others = ranks[0], ranks[1:]
+        for i in range(0, len(others), CHUNK - 1):
+            chunk = [anchor] + others[i:i + CHUNK - 1]
+            yield from _chunk_windows(layout, chunk, first_chunk=i == 0)
+
+
+def _chunk_windows(layout: Layout, chunk: List[int], first_chunk: bool) -> Iterator[RankWindow]:
+    anchor = chunk[0]
+    for monitor in RANK_CHECKED_MONITORS:
+        windows = sorted({(f.first, f.last) for r in chunk for f in layout.files_of(r, monitor)})
+        for window in windows:
+            files = {r: f for r in chunk for f in layout.files_of(r, monitor) if (f.first, f.last) == window}
+            reads = sum(1 for r in files if r != anchor or first_chunk)
+            yield RankWindow(monitor, window, files, chunk, reads)
+
+
+def compare_window(monitor: str, files: Dict[int, CsvFile], problems: Problems, steps: Optional[StepRange],
+                   settings: RankCheckSettings, result: Dict[int, Dict[str, Any]]) -> None:
+    """Re-read the checked rows of ``files`` (one per rank) and compare them step by step."""
+    iters = {r: step_blocks(f, problems, steps, row_is_checked) for r, f in files.items()}
+    for _step, blocks in merge_steps(iters):
+        if len(blocks) >= 2:
+            compare_step(monitor, blocks, files, settings, result)

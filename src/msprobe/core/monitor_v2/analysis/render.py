@@ -1,0 +1,433 @@
+"""Each command's result as the text tables or the JSON object it prints (and the
+anomaly tables the HTML report of ``plot`` shows): what :mod:`.cli` writes to stdout,
+apart from the parsing of its arguments."""
+
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .command import command_line, tensorboard_command
+from .diff import DiffReport
+from .reader import Problems
+from .report import Report
+from .text import compact_steps, fmt_num, table
+from .validate import ValidateResult
+
+ORDER_TEXT = ("execution order: step, micro-batch, parameters at step start, forward (module call order), "
+              "backward, gradients, then optimizer state and updated parameters")
+APPENDED_NOTE = ("a file whose steps start over holds several runs: a script re-run with the same output_dir "
+                 "appends to the files of the earlier run, so those steps are counted more than once; "
+                 "use a new output_dir per run, or delete the old files")
+NF_HEADERS = ["rank", "step", "micro_step", "monitor", "scope", "tensor", "kind", "values", "file:line"]
+SPIKE_HEADERS = ["rank", "step", "micro_step", "monitor", "scope", "tensor", "stats", "value", "median",
+                 "x median", "file:line"]
+RANK_HEADERS = ["rank", "step", "micro_step", "monitor", "scope", "tensor", "stat", "value", "consensus",
+                "agreeing ranks", "rows differing", "file:line"]
+AnomalyTables = Dict[str, Tuple[List[str], List[List[Any]], str]]
+
+
+# ----------------------------------------------------------------------- pieces
+def rel_path(path: str, root: str) -> str:
+    """``path`` relative to ``root`` when it lies under it."""
+    try:
+        rel = os.path.relpath(path, root)
+    except ValueError:
+        return path
+    return path if rel.startswith("..") else rel
+
+
+def where_text(item: Dict[str, Any], root: str, key: str = "file", line: str = "line") -> str:
+    return f"{rel_path(item[key], root)}:{item[line]}"
+
+
+def ranks_text(ranks: Sequence[int]) -> str:
+    """``0-7`` for a range of more than two ranks, else ``0,2,5``."""
+    if not ranks:
+        return "-"
+    rs = sorted(ranks)
+    if rs == list(range(rs[0], rs[-1] + 1)) and len(rs) > 2:
+        return f"{rs[0]}-{rs[-1]}"
+    return ",".join(map(str, rs))
+
+
+def _vals(values: Dict[str, Any]) -> str:
+    return " ".join(f"{k}={fmt_num(v)}" for k, v in values.items())
+
+
+def _limit(items: List[Any], n: int) -> List[Any]:
+    return items if n == 0 else items[:n]
+
+
+def _problems_json(problems: Problems) -> Dict[str, Any]:
+    return {"count": problems.count, "items": [p.to_json() for p in problems.items]}
+
+
+# ----------------------------------------------------------------------- the analysis report
+def _nf_row(item: Dict[str, Any], root: str) -> List[Any]:
+    return [item["rank"], item["step"], item["micro_step"], item["monitor"], item["scope"], item["tensor"],
+            item["kind"], _vals(item["values"]), where_text(item, root)]
+
+
+def anomaly_tables(report: Report, limit: int) -> AnomalyTables:
+    """title -> (headers, rows, note): shared by the text output and the HTML report."""
+    root = report.layout.root
+    out: AnomalyTables = {}
+    first = report.first
+    out["First non-finite value (NaN/Inf)"] = (
+        NF_HEADERS, [_nf_row(first, root)] if first else [], ORDER_TEXT + "; over all ranks and monitors")
+    per_rank = [report.first_nonfinite[r][1] for r in sorted(report.first_nonfinite)]
+    by = ", ".join(f"{m} {s} {n}" for (m, s), n in sorted(report.nonfinite_by.items(), key=lambda kv: -kv[1]))
+    out["First non-finite value of each rank"] = (
+        NF_HEADERS, _limit([_nf_row(i, root) for i in per_rank], limit),
+        f"{report.nonfinite_count} non-finite row(s) in total" + (f": {by}" if by else ""))
+    out["Spikes"] = _spike_table(report, limit)
+    mm = report.mismatch_list()
+    rank_rows = [[i["rank"], i["step"], i["micro_step"], i["monitor"], i["scope"], i["tensor"], i["stat"],
+                  i["value"], i["consensus"], ranks_text(i["consensus_ranks"]), i["rows_differing"],
+                  where_text(i, root)] for i in mm]
+    out["Ranks that disagree (first difference of each rank)"] = (
+        RANK_HEADERS, _limit(rank_rows, limit), report.rank_check_note or report.mismatch_settings.describe())
+    return out
+
+
+def _spike_table(report: Report, limit: int) -> Tuple[List[str], List[List[Any]], str]:
+    root = report.layout.root
+    sp = report.spikes
+    spike_rows = [[i["rank"], i["step"], i["micro_step"], i["monitor"], i["scope"], i["tensor"], ",".join(i["stats"]),
+                   i["value"], i["median"], i["ratio"], where_text(i, root)] for i in sp.items()]
+    note = (report.spike_settings.describe() if report.spike_settings.enabled else "off (--no-spikes)")
+    if sp.count:
+        steps = sorted(report.spike_steps)
+        shown = ", ".join(f"{st} ({report.spike_steps[st]})" for st in steps[:10]) + (", ..." if len(steps) > 10 else "")
+        note += f"; {sp.count} row(s) with a spike, at steps: {shown}"
+        if sp.count > min(len(spike_rows), limit or len(spike_rows)):
+            note += f"; the first {min(len(spike_rows), limit or len(spike_rows))} in execution order shown"
+    return SPIKE_HEADERS, _limit(spike_rows, limit), note
+
+
+def report_json(report: Report, limit: int) -> Dict[str, Any]:
+    """The JSON object of ``summary`` and ``anomalies`` (less ``command``)."""
+    layout = report.layout
+    lim = None if limit == 0 else limit
+    per_rank = [report.first_nonfinite[r][1] for r in sorted(report.first_nonfinite)]
+    return {
+        "out_dir": os.path.abspath(layout.root),
+        "ranks": layout.ranks,
+        "monitors": {m: c.to_json() for m, c in report.collected.items()},
+        "per_rank": {str(r): {"files": report.rank_files.get(r, 0), "rows": report.rank_rows.get(r, 0)}
+                     for r in layout.ranks},
+        "nonfinite": {
+            "count": report.nonfinite_count,
+            "by_monitor_scope": {f"{m} {s}": n for (m, s), n in report.nonfinite_by.items()},
+            "first": report.first,
+            "first_per_rank": per_rank[:lim],
+            "order": ORDER_TEXT,
+        },
+        "spikes": {"enabled": report.spike_settings.enabled, "rule": report.spike_settings.describe(),
+                   "settings": dict(report.spike_settings.__dict__), "count": report.spikes.count,
+                   "per_step": {str(k): v for k, v in sorted(report.spike_steps.items())},
+                   "items": report.spikes.items()[:lim]},
+        "rank_check": {"enabled": report.mismatch_settings.enabled and not report.rank_check_note,
+                       "note": report.rank_check_note or report.mismatch_settings.describe(),
+                       "ranks_differing": len(report.mismatches), "items": report.mismatch_list()[:lim]},
+        "appended": {"files": len(report.appended), "note": APPENDED_NOTE, "items": report.appended[:lim]},
+        "problems": _problems_json(report.problems),
+        "anomalies_found": report.anomalies_found,
+    }
+
+
+def _appended_text(item: Dict[str, Any], root: str) -> str:
+    runs = item["runs"]
+    return (f"{rel_path(item['file'], root)}: {runs} runs (run {2 if runs == 2 else '2..' + str(runs)} starts at line "
+            f"{', '.join(map(str, item['restart_lines'][:5]))}{', ...' if len(item['restart_lines']) > 5 else ''}); "
+            f"repeated step(s): {compact_steps(item['steps_repeated']) if item['steps_repeated'] else 'none'}")
+
+
+def _appended_rows(report: Report, limit: int) -> List[List[Any]]:
+    root = report.layout.root
+    return [[i["rank"], i["monitor"], rel_path(i["file"], root), i["runs"], ",".join(map(str, i["restart_lines"][:5])),
+             compact_steps(i["steps_repeated"]) if i["steps_repeated"] else "-"] for i in _limit(report.appended, limit)]
+
+
+def _collected_text(report: Report) -> List[str]:
+    layout = report.layout
+    steps = sorted({s for c in report.collected.values() for s in c.steps})
+    rows = sum(c.rows for c in report.collected.values())
+    lines = [f"  {len(layout.ranks)} rank(s) ({ranks_text(layout.ranks)}), {layout.n_files} file(s), {rows} rows, "
+             f"steps {compact_steps(steps)}"]
+    trows = []
+    for m, c in report.collected.items():
+        scopes = ", ".join(f"{s}" for s in sorted(c.scopes, key=lambda s: -c.scopes[s])[:6])
+        if len(c.scopes) > 6:
+            scopes += f", ... ({len(c.scopes)})"
+        micro = ranks_text(sorted(c.micro_steps)) if c.micro_steps else "-"
+        trows.append([m, ranks_text(sorted(c.ranks)), c.files, c.rows, compact_steps(sorted(c.steps)),
+                      len(c.tensors), ",".join(c.ops), micro, scopes])
+    lines.append(table(["monitor", "ranks", "files", "rows", "steps", "tensors", "ops", "micro_step", "scopes"],
+                       trows, right=[False, False, True, True, False, True, False, False, False]))
+    return lines
+
+
+# ----------------------------------------------------------------------- summary
+def summary_json(report: Report, limit: int) -> Dict[str, Any]:
+    data = report_json(report, limit)
+    data["command"] = "summary"
+    return data
+
+
+def summary_text(report: Report) -> str:
+    root = report.layout.root
+    lines = [f"msprobe-monitor summary {root}", "", "Collected:"]
+    lines += _collected_text(report)
+    if len(report.layout.ranks) > 1:
+        per = [f"rank {r}: {report.rank_files[r]} files, {report.rank_rows[r]} rows" for r in report.layout.ranks]
+        shown = per if len(per) <= 8 else per[:4] + [f"... ({len(per) - 6} more)"] + per[-2:]
+        lines.append("  " + "; ".join(shown))
+    lines += ["", "Headline anomalies:"]
+    lines += _headline_nonfinite(report) + _headline_spikes(report) + _headline_ranks(report)
+    if report.appended:
+        repeated = sum(len(i["steps_repeated"]) for i in report.appended)
+        lines.append(f"  appended re-runs:  {len(report.appended)} file(s) hold several runs (a re-run appended to "
+                     f"the same output_dir), {repeated} step(s) written more than once; first: "
+                     f"{_appended_text(report.appended[0], root)}")
+    if report.problems.count:
+        lines.append(f"  malformed input:   {report.problems.summary()} (see the warnings above)")
+    lines += ["", f"Details: {command_line('anomalies', root)}"]
+    return "\n".join(lines)
+
+
+def _headline_nonfinite(report: Report) -> List[str]:
+    first = report.first
+    if not first:
+        return ["  first NaN/Inf:     none (every value is finite)"]
+    return [f"  first NaN/Inf:     rank {first['rank']}, step {first['step']}, {first['where']}: "
+            f"{first['tensor']} ({first['monitor']} {first['scope']}) is {first['kind']} "
+            f"[{where_text(first, report.layout.root)}]; {report.nonfinite_count} non-finite row(s) in total"]
+
+
+def _headline_spikes(report: Report) -> List[str]:
+    if not report.spike_settings.enabled:
+        return ["  spikes:            not checked (--no-spikes)"]
+    if not report.spikes.count:
+        return ["  spikes:            none"]
+    s0 = report.spikes.items()[0]
+    return [f"  spikes:            {report.spikes.count} row(s); first: rank {s0['rank']}, step {s0['step']}, "
+            f"{s0['tensor']} ({s0['monitor']} {s0['scope']}) {s0['stat']} {fmt_num(s0['value'])} = "
+            f"{fmt_num(s0['ratio'], 3)} x its median; steps: " + compact_steps(sorted(report.spike_steps))]
+
+
+def _headline_ranks(report: Report) -> List[str]:
+    if report.rank_check_note:
+        return [f"  rank disagreement: {report.rank_check_note}"]
+    if not report.mismatches:
+        return ["  rank disagreement: none"]
+    mm = report.mismatch_list()
+    m0 = mm[0]
+    return [f"  rank disagreement: rank(s) {ranks_text([m['rank'] for m in mm])}; first: rank "
+            f"{m0['rank']}, step {m0['step']}, {m0['tensor']} ({m0['monitor']} {m0['scope']}) "
+            f"{m0['stat']} {fmt_num(m0['value'])} vs {fmt_num(m0['consensus'])}"]
+
+
+# ----------------------------------------------------------------------- anomalies
+def anomalies_json(report: Report, limit: int, code: int) -> Dict[str, Any]:
+    data = report_json(report, limit)
+    data["command"] = "anomalies"
+    data["exit_code"] = code
+    return data
+
+
+def anomalies_text(report: Report, limit: int, code: int) -> str:
+    root = report.layout.root
+    lines = [f"msprobe-monitor anomalies {root}"]
+    lines += _collected_text(report)[:1]
+    first = report.first
+    lines += ["", "FIRST NON-FINITE VALUE (in execution order, over all ranks and monitors)"]
+    if first:
+        lines.append(f"  rank {first['rank']}, step {first['step']}, {first['where']}: {first['tensor']} "
+                     f"({first['monitor']}, scope {first['scope']}) is {first['kind']}")
+        lines.append(f"  values: {_vals(first['values'])}")
+        lines.append(f"  at {where_text(first, root)}")
+    else:
+        lines.append("  none: every value is finite")
+    for title, (headers, rows, note) in anomaly_tables(report, limit).items():
+        lines += _anomaly_section(report, title, headers, rows, note)
+    if report.appended:
+        lines += ["", "STEPS WRITTEN MORE THAN ONCE (runs appended to the same files)", f"  ({APPENDED_NOTE})",
+                  table(["rank", "monitor", "file", "runs", "later runs start at line", "steps written again"],
+                        _appended_rows(report, limit))]
+    if report.problems.count:
+        lines += ["", f"MALFORMED INPUT: {report.problems.summary()} (see the warnings on stderr)"]
+    verdict = "anomalies found" if report.anomalies_found else "no anomaly"
+    lines += ["", f"Result: {verdict} (exit {code})"]
+    return "\n".join(lines)
+
+
+def _anomaly_section(report: Report, title: str, headers: List[str], rows: List[List[Any]], note: str) -> List[str]:
+    """One table of ``anomaly_tables`` in the text of ``anomalies``: the overall first
+    non-finite value is written above, and the per-rank one only with several ranks."""
+    lines: List[str] = []
+    if title.startswith("First non-finite value (NaN"):
+        return lines
+    if title.startswith("First non-finite value of each"):
+        if report.nonfinite_count:
+            lines.append(f"  ({note})")
+        if len(report.layout.ranks) < 2 or not rows:
+            return lines
+        note = ""
+    lines += ["", title.upper()]
+    if note:
+        lines.append(f"  ({note})")
+    lines.append(table(headers, rows) if rows else "  none")
+    return lines
+
+
+# ----------------------------------------------------------------------- plot
+def plot_json(report: Report, limit: int, out_dir: str, image_names: Sequence[str], html_path: Optional[str],
+              omitted_lines: int) -> Dict[str, Any]:
+    data = report_json(report, limit)
+    data.update(command="plot", plot_dir=os.path.abspath(out_dir),
+                images=[os.path.join(os.path.abspath(out_dir), n) for n in image_names],
+                html=os.path.abspath(html_path) if html_path else None,
+                lines_not_plotted=omitted_lines)
+    return data
+
+
+def plot_text(report: Report, stat: str, rank: int, out_dir: str, n_images: int, html_path: Optional[str],
+              omitted_lines: int, max_plots: int) -> str:
+    root = report.layout.root
+    lines = [f"msprobe-monitor plot {root}: {stat} of rank {rank}",
+             f"  {n_images} image(s) in {out_dir}"]
+    if omitted_lines:
+        lines.append(f"  {omitted_lines} tensor line(s) not drawn (--max-plots {max_plots}); "
+                     f"choose with --match, --monitors or --steps")
+    if html_path:
+        lines.append(f"  report: {html_path}")
+        lines.append(f"  open:   file://{os.path.abspath(html_path)}")
+    if report.anomalies_found:
+        lines.append("  anomalies found: see the report, or " + command_line("anomalies", root))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------- diff
+def diff_json(rep: DiffReport, problems: Problems, code: int) -> Dict[str, Any]:
+    s = rep.settings
+    only_a, only_b = rep.only_rows
+    return {
+        "command": "diff", "a": os.path.abspath(rep.a.root), "b": os.path.abspath(rep.b.root),
+        "rtol": s.rtol, "atol": s.atol, "stats": list(s.stats) if s.stats else "all",
+        "compared_rows": rep.compared_rows, "differing_rows": rep.differing_rows,
+        "rows_only_in_a": only_a, "rows_only_in_b": only_b, "first": rep.first,
+        "first_only_in_one_run": rep.first_only, "per_monitor": {m: d.to_json() for m, d in rep.per_monitor.items()},
+        "largest": rep.top(), "not_compared": rep.not_compared,
+        "problems": _problems_json(problems),
+        "differ": rep.differs, "exit_code": code,
+    }
+
+
+def diff_text(rep: DiffReport, problems: Problems, code: int) -> str:
+    s = rep.settings
+    only_a, only_b = rep.only_rows
+    lines = [f"msprobe-monitor diff {rep.a.root} {rep.b.root}  (|a-b| > {s.atol:g} + {s.rtol:g} * max(|a|,|b|); "
+             f"stats: {','.join(s.stats) if s.stats else 'all'})",
+             f"  compared {rep.compared_rows} rows; {rep.differing_rows} differ; rows only in A: {only_a}, "
+             f"only in B: {only_b}"]
+    for note in rep.not_compared:
+        lines.append(f"  not compared: {note}")
+    lines += ["", "FIRST DIFFERENCE (in execution order, over all ranks and monitors)"]
+    lines += _diff_first(rep)
+    if rep.per_monitor:
+        lines += ["", "PER MONITOR"]
+        lines.append(table(["monitor", "compared rows", "differing rows", "first differing step", "only in A",
+                            "only in B"],
+                           [[m, d.compared_rows, d.differing_rows, d.first_step, d.only_a, d.only_b]
+                            for m, d in rep.per_monitor.items()]))
+    top = rep.top()
+    if top:
+        lines += ["", "LARGEST DIFFERENCES (one row per tensor: its largest relative difference)"]
+        lines.append(table(["rank", "step", "micro_step", "monitor", "scope", "tensor", "stat", "A", "B",
+                            "abs diff", "rel diff"],
+                           [[t["rank"], t["step"], t["micro_step"], t["monitor"], t["scope"], t["tensor"],
+                             t["stat"], t["a"], t["b"], t["abs_diff"], t["rel_diff"]] for t in top]))
+    if problems.count:
+        lines += ["", f"MALFORMED INPUT: {problems.summary()} (see the warnings on stderr)"]
+    lines += ["", f"Result: {'the runs differ' if rep.differs else 'no difference'} (exit {code})"]
+    return "\n".join(lines)
+
+
+def _diff_first(rep: DiffReport) -> List[str]:
+    lines = []
+    f = rep.first
+    if f:
+        lines.append(f"  rank {f['rank']}, step {f['step']}, {f['where']}: {f['tensor']} ({f['monitor']}, "
+                     f"scope {f['scope']}) {f['stat']}: A={fmt_num(f['a'], 9)} B={fmt_num(f['b'], 9)} "
+                     f"(abs {fmt_num(f['abs_diff'], 3)}, rel {fmt_num(f['rel_diff'], 3)})")
+        lines.append(f"  A: {where_text(f, rep.a.root, 'file_a', 'line_a')}   "
+                     f"B: {where_text(f, rep.b.root, 'file_b', 'line_b')}")
+    else:
+        lines.append("  none within the tolerance")
+    if rep.first_only:
+        o = rep.first_only
+        lines.append(f"  first row present only in {o['only_in']}: rank {o['rank']}, step {o['step']}, "
+                     f"{o['tensor']} ({o['monitor']} {o['scope']})")
+    return lines
+
+
+# ----------------------------------------------------------------------- export
+ParquetExport = Tuple[str, Dict[str, Any], int]  # DEST, what .columnar.export returned, CSV files read
+TensorBoardExport = Tuple[str, Dict[str, Any]]  # TB_DIR, what .tensorboard.export_tensorboard returned
+
+
+def export_json(out_dir: str, parquet: Optional[ParquetExport], tensorboard: Optional[TensorBoardExport],
+                problems: Problems) -> Dict[str, Any]:
+    """``parquet``, ``tensorboard``: None where that export did not run."""
+    result: Dict[str, Any] = {"command": "export", "out_dir": os.path.abspath(out_dir)}
+    if parquet is not None:
+        dest, res, _n_files = parquet
+        result.update(dest=os.path.abspath(dest), parquet_files=res["files"], rows=res["rows"])
+    if tensorboard is not None:
+        tb_dir, res = tensorboard
+        result.update(tensorboard=os.path.abspath(tb_dir), tensorboard_runs=res["runs"],
+                      scalars=res["scalars"], tags=res["tags"])
+    result["problems"] = _problems_json(problems)
+    return result
+
+
+def export_text(out_dir: str, parquet: Optional[ParquetExport], tensorboard: Optional[TensorBoardExport],
+                problems: Problems) -> str:
+    lines: List[str] = []
+    if parquet is not None:
+        dest, res, n_files = parquet
+        lines += [f"msprobe-monitor export {out_dir}: {res['rows']} rows from {n_files} CSV file(s) -> "
+                  f"{res['files']} Parquet file(s) in {dest}",
+                  f"  read it with any command, e.g. {command_line('summary', dest)}"]
+    if tensorboard is not None:
+        tb_dir, res = tensorboard
+        lines += [f"msprobe-monitor export {out_dir}: {res['scalars']} scalars in {res['tags']} series "
+                  f"(tensor, scope, statistic), {res['runs']} run(s) (one per rank) -> {tb_dir}",
+                  f"  view them: {tensorboard_command(tb_dir)}"]
+    if problems.count:
+        lines.append(f"  malformed input: {problems.summary()} (see the warnings above)")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------- validate
+def validate_json(res: ValidateResult, code: int) -> Dict[str, Any]:
+    data = res.to_json()
+    data["exit_code"] = code
+    return data
+
+
+def validate_text(res: ValidateResult, config: str) -> Tuple[List[str], str]:
+    """``(warnings, verdict)``: the warnings go to stderr, the verdict to stdout when the
+    config is valid (OK), else to stderr (INVALID)."""
+    warnings = [f"warning: {w}" for w in res.warnings]
+    if not res.ok:
+        return warnings, f"INVALID: {config}: {res.message}"
+    d = res.details
+    where = "exists" if d["output_dir_exists"] else "will be created"
+    # a config that validates but would write nothing is not a plain OK
+    status = ("VALID BUT WRITES NOTHING (no monitor is enabled)" if not d["monitors"]
+              else f"OK with {len(res.warnings)} warning(s) (above)" if res.warnings else "OK")
+    return warnings, (f"{status}: {config}: monitors {', '.join(d['monitors']) or '(none enabled)'}; output_dir "
+                      f"{d['output_dir']} ({where}); steps from {d['start_step']}"
+                      + (f" to {d['stop_step'] - 1}" if d["stop_step"] is not None else "")
+                      + f" every {d['step_interval']}, {d['step_count_per_record']} per file")

@@ -1,0 +1,218 @@
+"""The report model: what ``summary``, ``anomalies`` and ``plot`` are computed from.
+
+An analysis engine (:class:`AnalysisEngine`: the reference one in :mod:`.reference`,
+the columnar one in :mod:`.engine`) opens an output directory as a
+:class:`.reader.Layout` and turns it into a :class:`Report`; :mod:`.render` writes
+the report as text, JSON or HTML tables. The settings of the detectors, and the
+few numbers of their rules that both engines must share to give identical findings,
+live here too.
+"""
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Set, TextIO, Tuple
+
+from .order import OrderKey, where
+from .reader import CsvFile, Layout, Problems, Row, StepRange
+
+INF = float("inf")
+MAD_SCALE = 1.4826  # 1.4826 * MAD estimates a standard deviation
+CHUNK = 16  # ranks compared at once by the rank check (each chunk holds the group's lowest rank)
+RANK_CHECKED_MONITORS = ("weight_grad", "param", "optimizer")
+
+
+@dataclass
+class SpikeSettings:
+    enabled: bool = True
+    stats: Tuple[str, ...] = ("norm", "max")
+    monitors: Tuple[str, ...] = ("module", "weight_grad", "param", "cc")
+    window: int = 20
+    min_history: int = 10
+    mad_k: float = 10.0
+    ratio: float = 5.0
+    floor: float = 1e-6
+
+    def describe(self) -> str:
+        names = ", ".join("absmax = max(|min|,|max|)" if s == "max" else f"|{s}|" for s in self.stats)
+        return (f"{names} of {', '.join(self.monitors)} rows: a spike when > median + {self.mad_k:g} * 1.4826 * MAD "
+                f"and > {self.ratio:g} x median of the tensor's previous {self.window} values on its rank and > "
+                f"{self.floor:g} (absolute floor); the first "
+                f"{self.min_history} values of each tensor are never flagged")
+
+
+@dataclass
+class RankCheckSettings:
+    enabled: bool = True
+    groups: Optional[List[List[int]]] = None
+    rtol: float = 1e-5
+    atol: float = 0.0
+
+    def describe(self) -> str:
+        return ("weight_grad reduced, param and optimizer rows compared across ranks "
+                f"(|a-b| <= {self.atol:g} + {self.rtol:g} * max(|a|,|b|))")
+
+
+def row_is_checked(monitor: str, scope: str) -> bool:
+    """Whether the rank check compares rows of ``monitor`` and ``scope``."""
+    if monitor == "weight_grad":
+        return scope == "reduced"
+    return monitor in ("param", "optimizer")
+
+
+def median(s: List[float]) -> float:
+    """The median of the sorted list ``s`` (the spike rule's, in both engines)."""
+    n = len(s)
+    mid = n // 2
+    return s[mid] if n % 2 else 0.5 * (s[mid - 1] + s[mid])
+
+
+@dataclass
+class Collected:
+    """What one monitor wrote (all ranks)."""
+
+    files: int = 0
+    rows: int = 0
+    steps: Set[int] = field(default_factory=set)
+    tensors: Set[Tuple[str, str]] = field(default_factory=set)
+    ops: List[str] = field(default_factory=list)
+    scopes: Counter = field(default_factory=Counter)
+    ranks: Set[int] = field(default_factory=set)
+    micro_steps: Set[int] = field(default_factory=set)
+
+    def to_json(self) -> Dict[str, Any]:
+        steps = sorted(self.steps)
+        return {
+            "files": self.files, "rows": self.rows, "ranks": sorted(self.ranks),
+            "steps": len(steps), "first_step": steps[0] if steps else None,
+            "last_step": steps[-1] if steps else None,
+            "tensors": len(self.tensors), "ops": self.ops, "scopes": dict(self.scopes),
+            "micro_steps": sorted(self.micro_steps),
+        }
+
+
+def finding(rank: int, monitor: str, row: Row, path: str, **extra: Any) -> Dict[str, Any]:
+    """One anomaly of a report: where it is, plus ``extra`` (what was found)."""
+    d = {
+        "rank": rank, "step": row.step, "micro_step": row.micro, "monitor": monitor,
+        "scope": row.scope, "tensor": row.name, "vpp_stage": row.vpp,
+        "where": where(monitor, row.scope, row.micro), "file": path, "line": row.line,
+    }
+    d.update(extra)
+    return d
+
+
+def appended_item(rank: int, monitor: str, path: str, restarts: List[int], repeated: List[int]) -> Dict[str, Any]:
+    """A file that holds several runs: ``restarts``, the line where each appended run starts."""
+    return {"rank": rank, "monitor": monitor, "file": path, "runs": len(restarts) + 1, "restart_lines": restarts,
+            "steps_repeated": repeated, "line": restarts[0]}
+
+
+class FirstN:
+    """The ``n`` smallest items by key (all of them when ``n`` is None), plus a count."""
+
+    def __init__(self, n: Optional[int]) -> None:
+        self.n = n
+        self.count = 0
+        self._items: List[Tuple[Any, int, Dict[str, Any]]] = []
+
+    def add(self, key: Any, item: Dict[str, Any]) -> None:
+        self.count += 1
+        self._items.append((key, self.count, item))
+        if self.n is not None and len(self._items) > 4 * self.n + 64:
+            self._trim()
+
+    def _trim(self) -> None:
+        self._items.sort(key=lambda t: (t[0], t[1]))
+        if self.n is not None:
+            del self._items[self.n:]
+
+    def items(self) -> List[Dict[str, Any]]:
+        self._trim()
+        return [t[2] for t in self._items]
+
+
+@dataclass
+class Report:
+    layout: Layout
+    collected: Dict[str, Collected]
+    rank_files: Dict[int, int]
+    rank_rows: Dict[int, int]
+    first_nonfinite: Dict[int, Tuple[OrderKey, Dict[str, Any]]]
+    nonfinite_count: int
+    nonfinite_by: Counter
+    spikes: FirstN
+    spike_steps: Counter
+    spike_settings: SpikeSettings
+    mismatches: Dict[int, Dict[str, Any]]
+    mismatch_settings: RankCheckSettings
+    rank_check_note: str
+    problems: Problems
+    appended: List[Dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def first(self) -> Optional[Dict[str, Any]]:
+        if not self.first_nonfinite:
+            return None
+        return min(self.first_nonfinite.values(), key=lambda kv: kv[0])[1]
+
+    @property
+    def anomalies_found(self) -> bool:
+        return bool(self.nonfinite_count or self.spikes.count or self.mismatches)
+
+    def mismatch_list(self) -> List[Dict[str, Any]]:
+        out = []
+        for rank in sorted(self.mismatches, key=lambda r: self.mismatches[r]["key"]):
+            m = self.mismatches[rank]
+            item = dict(m["first"])
+            item["rows_differing"] = m["rows"]
+            out.append(item)
+        return out
+
+
+def rank_check_note(settings: RankCheckSettings, layout: Layout) -> str:
+    """Why the rank check did not run (empty when it did)."""
+    if not settings.enabled:
+        return "off (--no-rank-check)"
+    if len(layout.ranks) < 2:
+        return "not applicable (one rank)"
+    return ""
+
+
+def files_to_read(layout: Layout, rank_check: RankCheckSettings) -> int:
+    """Files an analysis reads, for its progress: all of them, plus the rank-checked ones
+    a second time when the rank check runs."""
+    if not (rank_check.enabled and len(layout.ranks) > 1):
+        return layout.n_files
+    return layout.n_files + sum(len(layout.files_of(r, m)) for r in layout.ranks for m in RANK_CHECKED_MONITORS)
+
+
+def relabel(report: Report) -> None:
+    """Say what a gradient row's micro_step means, now that the whole output is known:
+    a micro-batch's own gradient when the run wrote one row per micro-batch (several
+    micro_step values), else the number of micro-batches accumulated (see
+    :func:`.order.where`)."""
+    wg = report.collected.get("weight_grad")
+    per_micro = wg is not None and len(wg.micro_steps) > 1
+    items = [v[1] for v in report.first_nonfinite.values()] + report.spikes.items() + \
+        [m["first"] for m in report.mismatches.values()]
+    for item in items:
+        if item is not None and item.get("monitor") == "weight_grad":
+            item["where"] = where(item["monitor"], item["scope"], item["micro_step"], per_micro)
+
+
+RowVisitor = Callable[[int, str, Row, CsvFile], None]
+
+
+class AnalysisEngine(Protocol):
+    """What the commands ask of an engine: open an output directory (CSV, or an
+    exported Parquet dataset where the engine reads one) and analyse it."""
+
+    def open_layout(self, root: str, ranks: Optional[Sequence[int]] = None,
+                    monitors: Optional[Sequence[str]] = None, steps: Optional[StepRange] = None) -> Layout:
+        ...
+
+    def analyse(self, layout: Layout, problems: Problems, spikes: SpikeSettings, rank_check: RankCheckSettings,
+                steps: Optional[StepRange] = None, limit: Optional[int] = 50,
+                progress: Optional[bool] = None, visitors: Sequence[RowVisitor] = (),
+                progress_stream: Optional[TextIO] = None) -> Report:
+        ...
