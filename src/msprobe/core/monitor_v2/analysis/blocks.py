@@ -123,10 +123,12 @@ def compare_step(monitor: str, blocks: Dict[int, Dict], files: Dict[int, CsvFile
             _record_mismatch(monitor, r, blocks[r][key], files[r].path, op, value, ref, agree, result)
 
 
-def _differing(rows: List[Tuple[int, Row]], settings: RankCheckSettings) -> Dict[int, Tuple[str, float, float, List[int]]]:
-    """Ranks whose row of one tensor is off the consensus: their first differing statistic,
-    value, the consensus value and the agreeing ranks."""
-    differing: Dict[int, Tuple[str, float, float, List[int]]] = {}
+Differing = Tuple[str, float, float, List[int]]  # statistic, value, consensus value, agreeing ranks
+
+
+def _differing(rows: List[Tuple[int, Row]], settings: RankCheckSettings) -> Dict[int, Differing]:
+    """Ranks whose row of one tensor is off the consensus, with their first differing statistic."""
+    differing: Dict[int, Differing] = {}
     ops = [op for op in rows[0][1].vals if all(op in row.vals for _, row in rows)]
     for op in ops:
         values = [(r, float(row.vals[op])) for r, row in rows]

@@ -97,7 +97,8 @@ def _spike_table(report: Report, limit: int) -> Tuple[List[str], List[List[Any]]
     note = (report.spike_settings.describe() if report.spike_settings.enabled else "off (--no-spikes)")
     if sp.count:
         steps = sorted(report.spike_steps)
-        shown = ", ".join(f"{st} ({report.spike_steps[st]})" for st in steps[:10]) + (", ..." if len(steps) > 10 else "")
+        shown = (", ".join(f"{st} ({report.spike_steps[st]})" for st in steps[:10])
+                 + (", ..." if len(steps) > 10 else ""))
         note += f"; {sp.count} row(s) with a spike, at steps: {shown}"
         if sp.count > min(len(spike_rows), limit or len(spike_rows)):
             note += f"; the first {min(len(spike_rows), limit or len(spike_rows))} in execution order shown"
@@ -145,7 +146,8 @@ def _appended_text(item: Dict[str, Any], root: str) -> str:
 def _appended_rows(report: Report, limit: int) -> List[List[Any]]:
     root = report.layout.root
     return [[i["rank"], i["monitor"], rel_path(i["file"], root), i["runs"], ",".join(map(str, i["restart_lines"][:5])),
-             compact_steps(i["steps_repeated"]) if i["steps_repeated"] else "-"] for i in _limit(report.appended, limit)]
+             compact_steps(i["steps_repeated"]) if i["steps_repeated"] else "-"]
+            for i in _limit(report.appended, limit)]
 
 
 def _collected_text(report: Report) -> List[str]:
