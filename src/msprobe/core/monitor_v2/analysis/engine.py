@@ -34,6 +34,7 @@ from .columnar import Batch, batches, frame_rows, polars, read_batch, row_of
 from .detect import (CHUNK, INF, MAD_SCALE, RANK_CHECKED_MONITORS, Collected, FirstN, RankCheckSettings, Report,
                      RowVisitor, SpikeSettings, _compare_step, appended_item, relabel, _median, finding, merge_steps, row_is_checked,
                      step_blocks)
+from ..rows import REDUCED, SCOPE, WEIGHT_GRAD
 from .order import LAST, order_key, phase
 from .reader import MONITORS, OPS, Layout, Problems, StepRange
 from .text import Progress
@@ -423,7 +424,7 @@ def _tensor_ids(pl, fr, carry: Dict[str, Any]):
 
 # ------------------------------------------------------------------ rank agreement
 def _hash_steps(pl, fr, rank: int, monitor: str, batch: Batch, hashes: Dict, irregular: Dict) -> None:
-    checked = fr.filter(pl.col("scope") == "reduced") if monitor == "weight_grad" else fr
+    checked = fr.filter(pl.col(SCOPE) == REDUCED) if monitor == WEIGHT_GRAD else fr
     if not len(checked):
         return
     windows = [(f.first, f.last) for f in batch.files]
