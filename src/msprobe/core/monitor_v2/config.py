@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from . import rows
 from .cc_base import CONFIG_FIELDS as CC_FIELDS
-from .checks import (MAX_INT, Checker, Fields, check_bool, check_int, check_keys, check_positive_number,
+from .checks import (Checker, Fields, check_bool, check_int, check_keys, check_positive_number,
                      check_rank_list, check_str_list, describe, fail)
 from .errors import ConfigError, UnsafePathError
 from .monitor import DEFAULT_EPS, MODULE_CONFIG_FIELDS, WEIGHT_GRAD_CONFIG_FIELDS, MonitorSettings
