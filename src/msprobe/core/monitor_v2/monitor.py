@@ -27,7 +27,9 @@ DEFAULT_EPS = 1e-8
 
 @dataclass(frozen=True)
 class MonitorSettings:
-    """The validated entry ``monitors.<name>`` of the config."""
+    """The validated entry ``monitors.<name>`` of the config. Defined here, not in
+    ``config``: config collects the fields each monitor declares beside its code, so the
+    monitors cannot import config."""
 
     name: str
     enabled: bool

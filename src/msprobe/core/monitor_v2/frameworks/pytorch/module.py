@@ -46,8 +46,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ...logonce import LogOnce
 from ... import rows
+from ...logonce import LogOnce
 from ...monitor import Monitor, select_modules
 from ...stats import Record
 from ...structure import flatten_tensors, named_outputs
