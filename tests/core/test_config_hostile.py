@@ -12,7 +12,8 @@ import torch
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from msprobe.core.monitor_v2.analysis.validate import validate
-from msprobe.core.monitor_v2.config import MAX_INT, load_config
+from msprobe.core.monitor_v2.checks import MAX_INT
+from msprobe.core.monitor_v2.config import load_config
 from msprobe.core.monitor_v2.errors import ConfigError
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 

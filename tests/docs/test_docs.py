@@ -111,7 +111,7 @@ def config_fields() -> Set[str]:
     from msprobe.core.monitor_v2 import config
 
     fields = set(config._TOP_LEVEL) | set(config._COMMON_FIELDS) | set(config._ALERT_FIELDS)
-    for own in config._MONITOR_FIELDS.values():
+    for own in config.MONITOR_FIELDS.values():
         fields |= set(own)
     fields |= set(config._SINK_FIELDS) | set(config._SINK_COMMON) | set(config.SINK_BACKENDS)
     for _module, _package, own in config.SINK_BACKENDS.values():
@@ -120,10 +120,10 @@ def config_fields() -> Set[str]:
 
 
 def monitor_names() -> Set[str]:
-    from msprobe.core.monitor_v2 import config
+    from msprobe.core.monitor_v2 import rows
     from msprobe.core.monitor_v2.frameworks import pytorch
 
-    return set(config.MONITOR_NAMES) | set(pytorch.MONITORS)
+    return set(rows.MONITORS) | set(pytorch.MONITORS)
 
 
 def cli_words() -> Set[str]:

@@ -23,14 +23,14 @@ from collections import deque
 from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 from .config import AlertSettings
-from .monitor import EVAL_SCOPE
+from .rows import EVAL_FORWARD, VALUE_OPS
 from .stats import Row
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
 MAX_NONFINITE_STEPS = 5
 MAX_SPIKES_PER_STEP = 5
-_STATS = ("min", "max", "mean", "norm")
+_STATS = VALUE_OPS
 
 
 def _describe(monitor: str, row: Row) -> str:
@@ -83,7 +83,7 @@ class Alerter:
         for monitor, rows in rows_by_monitor:
             for row in rows:
                 value = row.stat.value("norm")
-                if not math.isfinite(value) or row.scope == EVAL_SCOPE:
+                if not math.isfinite(value) or row.scope == EVAL_FORWARD:
                     continue
                 key = (monitor, row.vpp_stage, row.name, row.scope, row.micro_step)
                 history = self._history.get(key)

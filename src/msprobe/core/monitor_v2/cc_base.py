@@ -21,6 +21,8 @@ import traceback
 from time import perf_counter
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
+from . import rows
+from .checks import Fields, check_bool, check_codelines, check_rank_list
 from .logonce import LogOnce
 from .monitor import Monitor
 from .patching import Patch, remove_all, replace_attribute
@@ -29,6 +31,13 @@ from .stats import Record, StatPlan
 from .structure import flatten_tensors
 
 logger = logging.getLogger("msprobe.monitor_v2")
+
+CONFIG_FIELDS: Fields = {
+    "cc_codeline": (check_codelines, ()),
+    "cc_log_only": (check_bool, False),
+    "cc_pre_hook": (check_bool, False),
+    "module_ranks": (check_rank_list, ()),
+}
 
 # The torch.distributed API (which mindspore.mint.distributed mirrors): op name ->
 # (argument names holding inputs, argument names holding results).
@@ -71,7 +80,7 @@ def call_site(frame: Any, skip_dirs: Sequence[str]) -> str:
     for f in frames(frame):
         fn = f.f_code.co_filename
         if not fn.startswith(_OWN_DIR) and not any(fn.startswith(d) for d in skip_dirs):
-            return f"{os.path.basename(fn)}[{f.f_lineno}]"
+            return rows.call_site(os.path.basename(fn), f.f_lineno)
     return "?"
 
 
@@ -89,7 +98,7 @@ class Call:
 
 
 class CommMonitorBase(Monitor):
-    name = "cc"
+    name = rows.CC
     framework_dirs: Sequence[str] = ()
 
     # ------------------------------------------------------------ framework hooks
@@ -233,7 +242,7 @@ class CommMonitorBase(Monitor):
             site = call_site(frame, self.framework_dirs)
             if self.pre:
                 for i, t in enumerate(inputs):
-                    self._record(t, f"{op}.pre.{i}@{site}")
+                    self._record(t, rows.cc_row(op, rows.PRE, i, site))
             return Call(op, site, results, is_async)
         except Exception as exc:  # noqa: BLE001
             self.errors.report(f"cc {op} (before the call)", exc)
@@ -248,7 +257,7 @@ class CommMonitorBase(Monitor):
 
             def record() -> None:
                 for i, t in enumerate(tensors):
-                    self._record(t, f"{call.op}.post.{i}@{call.site}")
+                    self._record(t, rows.cc_row(call.op, rows.POST, i, call.site))
 
             if not call.is_async or result is None:
                 record()
@@ -271,7 +280,7 @@ class CommMonitorBase(Monitor):
             self.errors.busy += perf_counter() - start
 
     def _record(self, t: Any, tag: str) -> None:
-        rec = self.session.engine.record(t, self.plan, 0, tag, "comm")
+        rec = self.session.engine.record(t, self.plan, 0, tag, rows.COMM)
         with self._lock:
             self._records.append(rec)
 

@@ -17,24 +17,24 @@ import logging
 import math
 import os
 import re
-import reprlib
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
+from . import rows
+from .cc_base import CONFIG_FIELDS as CC_FIELDS
+from .checks import (Checker, Fields, check_bool, check_int, check_keys, check_positive_number,
+                     check_rank_list, check_str_list, describe, fail)
 from .errors import ConfigError, UnsafePathError
+from .monitor import DEFAULT_EPS, MODULE_CONFIG_FIELDS, WEIGHT_GRAD_CONFIG_FIELDS, MonitorSettings
+from .optimizer import CONFIG_FIELDS as OPTIMIZER_FIELDS
+from .param import CONFIG_FIELDS as PARAM_FIELDS
 from .safe_fs import dir_mode, file_mode, make_dirs, missing_dirs, private_dir_problem, read_regular_file
 from .schedule import StepSchedule
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
-OPS: Tuple[str, ...] = ("min", "max", "mean", "norm", "nans")
-# Statistics written only when ``ops`` names them (never part of the default five):
-# ``zeros`` counts the elements exactly equal to zero (-0.0 included, NaN not).
-OPTIONAL_OPS: Tuple[str, ...] = ("zeros",)
-ALL_OPS: Tuple[str, ...] = OPS + OPTIONAL_OPS
-MONITOR_NAMES: Tuple[str, ...] = ("module", "weight_grad", "optimizer", "param", "cc")
 FRAMEWORK_ALIASES: Dict[str, str] = {
     "pytorch": "pytorch",
     "pt": "pytorch",
@@ -42,111 +42,14 @@ FRAMEWORK_ALIASES: Dict[str, str] = {
     "mindspore": "mindspore",
     "ms": "mindspore",
 }
-DEFAULT_EPS = 1e-8
-CODELINE_PATTERN = re.compile(r"^(?P<file>.+)\[(?P<line>[0-9]+)\]$")
-# Step counts, ranks and micro-batch counts are int64 in every framework: a larger value
-# is a typo (and one with thousands of digits cannot even be printed by Python's repr).
-MAX_INT = 2**63 - 1
 # A config is a few hundred bytes; anything above this is not one (and a device such as
 # /dev/zero, refused before, would otherwise fill the memory).
 MAX_CONFIG_BYTES = 1 << 20
 
-_SHORT_REPR = reprlib.Repr()
-_SHORT_REPR.maxstring = 120
-_SHORT_REPR.maxother = 120
-_SHORT_REPR.maxlevel = 3
-
-
-# --------------------------------------------------------------------------- checks
-def _describe(value: Any) -> str:
-    """A short, always printable description of a config value (nested or huge values
-    are cut: a message must never fail, nor fill a screen)."""
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
-        return f"an integer of about {int(abs(value).bit_length() * math.log10(2)) + 1} digits (int)"
-    try:
-        text = _SHORT_REPR.repr(value)
-    except (ValueError, RecursionError):  # e.g. a huge integer deep inside a list
-        text = f"<{type(value).__name__}>"
-    return f"{text} ({type(value).__name__})"
-
-
-def _fail(path: str, value: Any, allowed: str) -> ConfigError:
-    return ConfigError(
-        f"monitor_v2 config: field '{path}' = {_describe(value)}: {allowed}", field=path
-    )
-
-
-def check_int(path: str, value: Any, minimum: int) -> int:
-    # bool is a subclass of int; "true" is never a step count.
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_INT:
-        raise _fail(path, value, f"must be an integer >= {minimum} (at most {MAX_INT})")
-    return value
-
-
-def check_bool(path: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise _fail(path, value, "must be true or false")
-    return value
-
-
-def check_positive_number(path: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _fail(path, value, "must be a number > 0")
-    try:
-        number = float(value)
-    except OverflowError:  # an integer beyond the range of a float
-        number = math.inf
-    if not math.isfinite(number) or number <= 0:
-        raise _fail(path, value, "must be a finite number > 0")
-    return number
-
-
-def check_str_list(path: str, value: Any) -> Tuple[str, ...]:
-    if not isinstance(value, (list, tuple)):
-        raise _fail(path, value, "must be a list of strings")
-    for i, item in enumerate(value):
-        if not isinstance(item, str):
-            raise _fail(f"{path}[{i}]", item, "must be a string")
-    return tuple(value)
-
-
-def check_rank_list(path: str, value: Any) -> Tuple[int, ...]:
-    """An int or a list of ints >= 0."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return (check_int(path, value, 0),)
-    if not isinstance(value, (list, tuple)):
-        raise _fail(path, value, "must be a rank (integer >= 0) or a list of ranks")
-    return tuple(check_int(f"{path}[{i}]", r, 0) for i, r in enumerate(value))
-
-
-def check_codelines(path: str, value: Any) -> Tuple[Tuple[str, int], ...]:
-    lines = check_str_list(path, value)
-    parsed = []
-    for i, entry in enumerate(lines):
-        match = CODELINE_PATTERN.match(entry.strip())
-        if not match:
-            raise _fail(
-                f"{path}[{i}]", entry, "must have the form 'file.py[line]', e.g. 'train.py[23]'"
-            )
-        if len(match.group("line")) > 18:
-            raise _fail(f"{path}[{i}]", entry, "has a line number too large to be a line of a file")
-        parsed.append((match.group("file"), int(match.group("line"))))
-    return tuple(parsed)
-
-
-def check_keys(path: str, raw: Mapping) -> None:
-    """Keys of a config object are strings (a dict config may hold anything)."""
-    for key in raw:
-        if not isinstance(key, str):
-            where = f"'{path}'" if path else "the config"
-            raise ConfigError(
-                f"monitor_v2 config: {where} has the key {_describe(key)}: keys must be strings "
-                f"(field names)", field=path or None)
-
 
 def normalize_framework(value: Any, path: str = "framework") -> str:
     if not isinstance(value, str) or value.strip().lower() not in FRAMEWORK_ALIASES:
-        raise _fail(path, value, "allowed: " + ", ".join(sorted(FRAMEWORK_ALIASES)))
+        raise fail(path, value, "allowed: " + ", ".join(sorted(FRAMEWORK_ALIASES)))
     return FRAMEWORK_ALIASES[value.strip().lower()]
 
 
@@ -170,39 +73,15 @@ def _unknown_monitor_field(path: str, key: str, known: Tuple[str, ...]) -> Confi
 
 
 # ----------------------------------------------------------------- per-monitor fields
-# name -> (checker(path, value) -> parsed value, default)
-Checker = Callable[[str, Any], Any]
-_MONITOR_FIELDS: Dict[str, Dict[str, Tuple[Checker, Any]]] = {
-    "module": {"targets": (check_str_list, ())},
-    "weight_grad": {
-        "monitor_mbs_grad": (check_bool, False),
-        "micro_batch_number": (lambda p, v: check_int(p, v, 1), None),
-        "grad_acc_steps": (lambda p, v: check_int(p, v, 1), None),
-    },
-    "optimizer": {"mv_distribution": (check_bool, True)},
-    "param": {"param_distribution": (check_bool, True)},
-    "cc": {
-        "cc_codeline": (check_codelines, ()),
-        "cc_log_only": (check_bool, False),
-        "cc_pre_hook": (check_bool, False),
-        "module_ranks": (check_rank_list, ()),
-    },
+# Each monitor declares its own fields beside its code: name -> (checker, default).
+MONITOR_FIELDS: Dict[str, Fields] = {
+    rows.MODULE: MODULE_CONFIG_FIELDS,
+    rows.WEIGHT_GRAD: WEIGHT_GRAD_CONFIG_FIELDS,
+    rows.OPTIMIZER: OPTIMIZER_FIELDS,
+    rows.PARAM: PARAM_FIELDS,
+    rows.CC: CC_FIELDS,
 }
 _COMMON_FIELDS = ("enabled", "ops", "eps")
-
-
-@dataclass(frozen=True)
-class MonitorSettings:
-    """The validated entry ``monitors.<name>`` of the config."""
-
-    name: str
-    enabled: bool
-    ops: Tuple[str, ...] = OPS
-    eps: float = DEFAULT_EPS
-    options: Mapping[str, Any] = field(default_factory=dict)
-
-    def get(self, key: str) -> Any:
-        return self.options[key]
 
 
 @dataclass(frozen=True)
@@ -226,7 +105,7 @@ _ALERT_FIELDS = ("enabled", "nonfinite", "spike_factor", "spike_window", "spike_
 # the sink's own fields (checker, default); the fields every sink has come first.
 def _check_str(path: str, value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
-        raise _fail(path, value, "must be a non-empty string")
+        raise fail(path, value, "must be a non-empty string")
     return value
 
 
@@ -234,23 +113,23 @@ def _check_dir(path: str, value: Any) -> str:
     # resolved here, as output_dir is: a relative directory means the one of the constructor's cwd
     problem = output_dir_text_problem(value)
     if problem is not None:
-        raise _fail(path, value, problem)
+        raise fail(path, value, problem)
     return os.path.abspath(value)
 
 
 def _check_choice(*allowed: str) -> Checker:
     def check(path: str, value: Any) -> str:
         if not isinstance(value, str) or value not in allowed:
-            raise _fail(path, value, "allowed: " + ", ".join(allowed))
+            raise fail(path, value, "allowed: " + ", ".join(allowed))
         return value
     return check
 
 
-_SINK_COMMON: Dict[str, Tuple[Checker, Any]] = {
+_SINK_COMMON: Fields = {
     "enabled": (check_bool, True),
     "run_name": (_check_str, "rank_{rank}"),
 }
-SINK_BACKENDS: Dict[str, Tuple[str, str, Dict[str, Tuple[Checker, Any]]]] = {
+SINK_BACKENDS: Dict[str, Tuple[str, str, Fields]] = {
     "tensorboard": ("tensorboard", "tensorboard", {"log_dir": (_check_dir, None)}),
     "wandb": ("wandb", "wandb", {
         "project": (_check_str, "msprobe-monitor"),
@@ -291,7 +170,7 @@ def _check_patterns(path: str, value: Any) -> Tuple[str, ...]:
         try:
             re.compile(pattern)
         except re.error as exc:
-            raise _fail(f"{path}[{i}]", pattern, f"must be a regular expression ({exc})") from None
+            raise fail(f"{path}[{i}]", pattern, f"must be a regular expression ({exc})") from None
     return patterns
 
 
@@ -303,7 +182,7 @@ def _parse_sink(name: str, raw: Any) -> Optional[Dict[str, Any]]:
     if raw is True:
         raw = {}
     if not isinstance(raw, Mapping):
-        raise _fail(path, raw, "must be true/false or an object of the sink's fields "
+        raise fail(path, raw, "must be true/false or an object of the sink's fields "
                                f"({', '.join(list(_SINK_COMMON) + list(own))})")
     check_keys(path, raw)
     fields = {**_SINK_COMMON, **own}
@@ -326,7 +205,7 @@ def _parse_sinks(raw: Any) -> Optional[SinksSettings]:
     if raw is None:
         return None
     if not isinstance(raw, Mapping):
-        raise _fail("sinks", raw, "must be an object such as {\"tensorboard\": true} (sinks: "
+        raise fail("sinks", raw, "must be an object such as {\"tensorboard\": true} (sinks: "
                                   + ", ".join(SINK_BACKENDS) + ")")
     check_keys("sinks", raw)
     known = tuple(SINK_BACKENDS) + _SINK_FIELDS
@@ -344,14 +223,14 @@ def _parse_sinks(raw: Any) -> Optional[SinksSettings]:
     elif ranks_raw == "all":
         ranks = None
     elif isinstance(ranks_raw, str):
-        raise _fail("sinks.ranks", ranks_raw, "must be \"all\", a rank (integer >= 0) or a list of ranks")
+        raise fail("sinks.ranks", ranks_raw, "must be \"all\", a rank (integer >= 0) or a list of ranks")
     else:
         ranks = check_rank_list("sinks.ranks", ranks_raw)
         if not ranks:
-            raise _fail("sinks.ranks", ranks_raw, "must name at least one rank, or be \"all\"")
+            raise fail("sinks.ranks", ranks_raw, "must name at least one rank, or be \"all\"")
     max_keys = 1000 if raw.get("max_keys") is None else check_int("sinks.max_keys", raw["max_keys"], 1)
     if max_keys > MAX_SINK_KEYS:
-        raise _fail("sinks.max_keys", max_keys, f"must be at most {MAX_SINK_KEYS} (dashboards slow down or refuse "
+        raise fail("sinks.max_keys", max_keys, f"must be at most {MAX_SINK_KEYS} (dashboards slow down or refuse "
                                                 f"steps with more keys)")
     if not backends:
         logger.warning("monitor_v2 config: 'sinks' turns on no sink (sinks: %s), so nothing is sent to a dashboard",
@@ -372,7 +251,7 @@ def _parse_alert(raw: Any) -> Optional[AlertSettings]:
     if raw is True:
         return AlertSettings()
     if not isinstance(raw, Mapping):
-        raise _fail("alert", raw, "must be true/false or an object such as {\"spike_factor\": 10}")
+        raise fail("alert", raw, "must be true/false or an object such as {\"spike_factor\": 10}")
     check_keys("alert", raw)
     for key in raw:
         if key not in _ALERT_FIELDS:
@@ -383,7 +262,7 @@ def _parse_alert(raw: Any) -> Optional[AlertSettings]:
     if factor is not None:
         factor = check_positive_number("alert.spike_factor", factor)
         if factor <= 1:
-            raise _fail("alert.spike_factor", raw["spike_factor"], "must be a number > 1, or null for no spike alerts")
+            raise fail("alert.spike_factor", raw["spike_factor"], "must be a number > 1, or null for no spike alerts")
     return AlertSettings(
         nonfinite=True if raw.get("nonfinite") is None else check_bool("alert.nonfinite", raw["nonfinite"]),
         spike_factor=factor,
@@ -395,7 +274,7 @@ def _parse_alert(raw: Any) -> Optional[AlertSettings]:
 
 def _nonneg_floor(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise _fail("alert.spike_floor", value, "must be a finite number >= 0 (0: no floor)")
+        raise fail("alert.spike_floor", value, "must be a finite number >= 0 (0: no floor)")
     return float(value)
 
 
@@ -418,37 +297,37 @@ class MonitorConfig:
     @property
     def enabled_monitors(self) -> List[MonitorSettings]:
         """Enabled monitors in the canonical order of the spec."""
-        return [self.monitors[n] for n in MONITOR_NAMES if n in self.monitors and self.monitors[n].enabled]
+        return [self.monitors[n] for n in rows.MONITORS if n in self.monitors and self.monitors[n].enabled]
 
 
 def _parse_ops(path: str, value: Any) -> Tuple[str, ...]:
     if value is None:
-        return OPS
+        return rows.DEFAULT_OPS
     names = check_str_list(path, value)
-    unknown = [n for n in names if n not in ALL_OPS]
+    unknown = [n for n in names if n not in rows.ALL_OPS]
     if unknown:
         logger.warning(
             "monitor_v2 config: '%s' has unknown ops %s, dropped (allowed: %s)",
-            path, unknown, ", ".join(ALL_OPS),
+            path, unknown, ", ".join(rows.ALL_OPS),
         )
     # Columns always come in the order of ALL_OPS, whatever the order of the list.
-    chosen = tuple(op for op in ALL_OPS if op in names)
-    return chosen or OPS
+    chosen = tuple(op for op in rows.ALL_OPS if op in names)
+    return chosen or rows.DEFAULT_OPS
 
 
 def _parse_monitor(name: str, raw: Any) -> MonitorSettings:
     path = f"monitors.{name}"
     if not isinstance(raw, Mapping):
-        raise _fail(path, raw, "must be an object such as {\"enabled\": true}")
+        raise fail(path, raw, "must be an object such as {\"enabled\": true}")
     check_keys(path, raw)
     raw = dict(raw)
-    if name == "cc" and "cc_distribution" in raw:
+    if name == rows.CC and "cc_distribution" in raw:
         # Older configs nest the cc fields in cc_distribution (with "enable"); direct
         # fields win over nested ones.
         nested = raw.pop("cc_distribution")
         if nested is not None:
             if not isinstance(nested, Mapping):
-                raise _fail(f"{path}.cc_distribution", nested, "must be an object")
+                raise fail(f"{path}.cc_distribution", nested, "must be an object")
             check_keys(f"{path}.cc_distribution", nested)
             nested = dict(nested)
             enable = nested.pop("enable", None)
@@ -456,14 +335,14 @@ def _parse_monitor(name: str, raw: Any) -> MonitorSettings:
                 raw["enabled"] = enable
             raw = {**nested, **raw}
 
-    specific = _MONITOR_FIELDS[name]
+    specific = MONITOR_FIELDS[name]
     known = _COMMON_FIELDS + tuple(specific)
     for key in raw:
         if key not in known and not key.startswith("_"):
             raise _unknown_monitor_field(path, key, known)
 
     enabled_raw = raw.get("enabled")
-    enabled = (name == "module") if enabled_raw is None else check_bool(f"{path}.enabled", enabled_raw)
+    enabled = (name == rows.MODULE) if enabled_raw is None else check_bool(f"{path}.enabled", enabled_raw)
     ops = _parse_ops(f"{path}.ops", raw.get("ops"))
     eps_raw = raw.get("eps")
     eps = DEFAULT_EPS if eps_raw is None else check_positive_number(f"{path}.eps", eps_raw)
@@ -535,7 +414,7 @@ def _read_source(source: Union[str, os.PathLike, Mapping]) -> Dict[str, Any]:
         return dict(source)
     if not isinstance(source, (str, os.PathLike)):
         raise ConfigError(
-            f"monitor_v2 config: expected a path to a JSON file or a dict, got {_describe(source)}"
+            f"monitor_v2 config: expected a path to a JSON file or a dict, got {describe(source)}"
         )
     return read_config_file(os.fspath(source))
 
@@ -568,32 +447,32 @@ def check_output_dir(path: Any, keep: bool = True) -> str:
     system is left as it was; the probe file is always removed."""
     problem = output_dir_text_problem(path)
     if problem is not None:
-        raise _fail("output_dir", path, problem)
+        raise fail("output_dir", path, problem)
     dir_mode()  # a bad MSPROBE_MONITOR_*_MODE fails here, before training
     file_mode()
     path = os.path.abspath(path)
     created, probe = missing_dirs(path)  # directories that did not exist, deepest first
     if os.path.exists(probe) and not os.path.isdir(probe):
-        raise _fail("output_dir", path, f"must be a writable directory ({probe!r} exists and is not a directory)")
+        raise fail("output_dir", path, f"must be a writable directory ({probe!r} exists and is not a directory)")
     try:
         make_dirs(path)
         unsafe = private_dir_problem(path)
         if unsafe is not None:
-            raise _fail("output_dir", path, f"must be a directory that only you can write ({path!r}: {unsafe})")
+            raise fail("output_dir", path, f"must be a directory that only you can write ({path!r}: {unsafe})")
         fd, probe_file = tempfile.mkstemp(prefix=".msprobe_write_check_", dir=path)
         os.close(fd)
         os.remove(probe_file)
     except ConfigError:
         raise
     except UnsafePathError as exc:
-        raise _fail("output_dir", path, f"must not lead through a link another user controls ({exc.why})") from None
+        raise fail("output_dir", path, f"must not lead through a link another user controls ({exc.why})") from None
     except (OSError, ValueError) as exc:
         what = "cannot be created: " if created else ""
         if isinstance(exc, PermissionError):
             why = f"{probe!r} is not writable"
         else:
             why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise _fail("output_dir", path, f"must be a writable directory ({what}{why})") from None
+        raise fail("output_dir", path, f"must be a writable directory ({what}{why})") from None
     finally:
         if not keep:
             for directory in created:
@@ -624,7 +503,7 @@ def load_config(source: Union[str, os.PathLike, Mapping], fr: Optional[str] = No
 
     fmt = get("format")
     if fmt is not None and (not isinstance(fmt, str) or fmt.lower() != "csv"):
-        raise _fail("format", fmt, "only 'csv' is supported")
+        raise fail("format", fmt, "only 'csv' is supported")
 
     async_write = False if get("async_write") is None else check_bool("async_write", get("async_write"))
     ranks = None
@@ -634,7 +513,7 @@ def load_config(source: Union[str, os.PathLike, Mapping], fr: Optional[str] = No
     start_step = 0 if get("start_step") is None else check_int("start_step", get("start_step"), 0)
     stop_step = None if get("stop_step") is None else check_int("stop_step", get("stop_step"), 0)
     if stop_step is not None and stop_step <= start_step:
-        raise _fail("stop_step", stop_step, f"must be greater than start_step ({start_step})")
+        raise fail("stop_step", stop_step, f"must be greater than start_step ({start_step})")
     schedule = StepSchedule(
         start_step=start_step,
         stop_step=stop_step,
@@ -657,13 +536,13 @@ def load_config(source: Union[str, os.PathLike, Mapping], fr: Optional[str] = No
 
     raw_monitors = {} if get("monitors") is None else get("monitors")
     if not isinstance(raw_monitors, Mapping):
-        raise _fail("monitors", raw_monitors, "must be an object {name: {...}} with names " + ", ".join(MONITOR_NAMES))
+        raise fail("monitors", raw_monitors, "must be an object {name: {...}} with names " + ", ".join(rows.MONITORS))
     check_keys("monitors", raw_monitors)
     monitors = {}
     for name, entry in raw_monitors.items():
-        if name not in MONITOR_NAMES:
+        if name not in rows.MONITORS:
             raise ConfigError(
-                _unknown_field(f"monitors.{name}", str(name), MONITOR_NAMES, kind="monitor"),
+                _unknown_field(f"monitors.{name}", str(name), rows.MONITORS, kind="monitor"),
                 field=f"monitors.{name}",
             )
         monitors[name] = _parse_monitor(name, entry)

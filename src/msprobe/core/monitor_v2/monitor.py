@@ -11,19 +11,34 @@ work in its hooks when ``active`` is false.
 import logging
 import os
 import traceback
+from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, Callable, ClassVar, List, Mapping, Sequence, Tuple
 
-from .config import MonitorSettings
+from . import rows
+from .checks import Fields, at_least, check_bool, check_str_list
 from .logonce import LogOnce
 from .stats import Record
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
-# Scope of the module rows of evaluation passes (forward passes without gradients or in
-# eval mode, run between training steps): kept apart from the training step's rows.
-EVAL_SCOPE = "eval_forward"
-TRAIN_SCOPE = "forward"
+DEFAULT_EPS = 1e-8
+
+
+@dataclass(frozen=True)
+class MonitorSettings:
+    """The validated entry ``monitors.<name>`` of the config. Defined here, not in
+    ``config``: config collects the fields each monitor declares beside its code, so the
+    monitors cannot import config."""
+
+    name: str
+    enabled: bool
+    ops: Tuple[str, ...] = rows.DEFAULT_OPS
+    eps: float = DEFAULT_EPS
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def get(self, key: str) -> Any:
+        return self.options[key]
 
 
 def short_error(exc: BaseException, limit: int = 300) -> str:
@@ -119,6 +134,11 @@ class Monitor:
         """Remove everything ``attach()`` installed. Called once by ``stop()``."""
 
 
+# ------------------------------------------------------------------------ module
+# The module monitor's own config fields (config.py collects every monitor's).
+MODULE_CONFIG_FIELDS: Fields = {"targets": (check_str_list, ())}
+
+
 def module_tags(
     named: List[Tuple[int, str, Any]], qualify: Callable[[int, str], str]
 ) -> List[Tuple[int, str, Any]]:
@@ -165,6 +185,14 @@ def select_modules(
                        "Names look like %s (\"structure\": true lists them all in rank_<r>/structure.txt; "
                        "msprobe-monitor struct counts what targets select)", missing, examples)
     return selected
+
+
+# ------------------------------------------------------------------- weight_grad
+WEIGHT_GRAD_CONFIG_FIELDS: Fields = {
+    "monitor_mbs_grad": (check_bool, False),
+    "micro_batch_number": (at_least(1), None),
+    "grad_acc_steps": (at_least(1), None),
+}
 
 
 def weight_grad_rows(unreduced: Mapping[Tuple, Record], reduced: List[Record], passes: Mapping[int, int],

@@ -2,12 +2,16 @@
 Framework-independent: each session lists the state tensors (``optimizer_states``),
 named as PyTorch names them (see the framework's ``optimizer_state.py``)."""
 
+from . import rows
+from .checks import Fields, check_bool
 from .monitor import Monitor
 from .stats import StatPlan
 
+CONFIG_FIELDS: Fields = {"mv_distribution": (check_bool, True)}
+
 
 class OptimizerStateMonitor(Monitor):
-    name = "optimizer"
+    name = rows.OPTIMIZER
     needs_optimizer = True
 
     def attach(self) -> None:
@@ -19,7 +23,7 @@ class OptimizerStateMonitor(Monitor):
             return
         tensors, keys = [], []
         for info, state_name, value in self.session.optimizer_states():
-            t, k = self.session.expand([(info, value)], state_name, suffix=f".{state_name}")
+            t, k = self.session.expand([(info, value)], state_name, suffix=rows.state_suffix(state_name))
             tensors += t
             keys += k
         self._records = self.session.engine.record_many(tensors, self.plan, keys)

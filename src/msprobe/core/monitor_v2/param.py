@@ -3,12 +3,16 @@
 session's ``param_values()`` (the values the optimizer updates: the parameters, or
 the fp32 masters a training stack keeps for them) and the shared engine interface."""
 
+from . import rows
+from .checks import Fields, check_bool
 from .monitor import Monitor
 from .stats import StatPlan
 
+CONFIG_FIELDS: Fields = {"param_distribution": (check_bool, True)}
+
 
 class ParamMonitor(Monitor):
-    name = "param"
+    name = rows.PARAM
     needs_optimizer = True
 
     def attach(self) -> None:
@@ -21,8 +25,8 @@ class ParamMonitor(Monitor):
 
     def before_optimizer_step(self) -> None:
         if self.active and self.enabled:
-            self._read("param_origin")
+            self._read(rows.PARAM_ORIGIN)
 
     def after_optimizer_step(self) -> None:
         if self.active and self.enabled:
-            self._read("param_updated")
+            self._read(rows.PARAM_UPDATED)

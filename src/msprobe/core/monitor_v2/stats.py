@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from .rows import COUNT_OPS
+
 # Index of each statistic in the device vector.
 FIELDS: Tuple[str, ...] = ("min", "max", "sum", "norm")
 MIN, MAX, SUM, NORM = range(len(FIELDS))
@@ -108,8 +110,6 @@ class StatPlan:
         )
 
 
-# Statistics that are integer counts (written without a decimal point).
-COUNT_OPS: Tuple[str, ...] = ("nans", "zeros")
 
 # Empty tensors never reach the device: their statistics are known.
 EMPTY_VECTOR: Tuple[float, ...] = (math.nan, math.nan, 0.0, 0.0)

@@ -31,6 +31,7 @@ from . import safe_fs
 from .alert import Alerter
 from .errors import OutputError, UnsafePathError
 from .logonce import LogOnce
+from .rows import file_name, header
 from .schedule import StepSchedule
 from .stats import Record, Row, format_value, merge_records
 
@@ -42,13 +43,6 @@ logger = logging.getLogger("msprobe.monitor_v2")
 # After this many fail/recover episodes the transitions are no longer logged one by one
 # (a disk that fills and frees every step must not flood the log); close() still counts all.
 _EPISODES_LOGGED = 5
-
-
-def header(ops: Sequence[str], with_micro_step: bool) -> List[str]:
-    cols = ["vpp_stage", "step", "module_name", "scope"]
-    if with_micro_step:
-        cols.append("micro_step")
-    return cols + list(ops)
 
 
 _NAMED_ESCAPES = {"\r": "\\r", "\n": "\\n", "\t": "\\t"}
@@ -205,7 +199,7 @@ class CsvWriter:
 
     def path(self, monitor: str, step: int) -> str:
         a, b = self.schedule.window(step)
-        return os.path.join(self.rank_dir, f"{monitor}_step{a}-{b}.csv")
+        return os.path.join(self.rank_dir, file_name(monitor, a, b))
 
     # ------------------------------------------------------------------ files
     def _current(self, monitor: str, window: Tuple[int, int]) -> Optional[_OpenFile]:

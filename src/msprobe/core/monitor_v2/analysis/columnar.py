@@ -28,9 +28,10 @@ import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .command import pip_command
+from ..rows import (BASE_COLUMNS, COUNT_OPS, DEFAULT_OPS, MICRO_STEP, MICRO_STEP_MONITORS, MODULE_NAME, MONITORS,
+                    SCOPE, STEP, TEXT_COLUMNS, VPP_STAGE, header)
 from ..safe_fs import SafeDir, open_regular
-from .reader import (BASE_COLUMNS, DEFAULT_OPS, MONITORS, OPS, CsvFile, InputError, Layout, Problems, Row,
-                     StepRange, header_ops, iter_rows)
+from .reader import OPS, CsvFile, InputError, Layout, Problems, Row, StepRange, header_ops, iter_rows
 
 INSTALL_HINT = pip_command("polars>=1.20", "matplotlib>=3.5") + " (what the 'analysis' extra of msprobe-monitor installs)"
 PARQUET_GLOB = "part-*.parquet"
@@ -42,7 +43,7 @@ BATCH_ROWS = 1_000_000
 _BYTES_PER_ROW_GUESS = 60
 _PARQUET_ROWS: Dict[Tuple[str, int, int], int] = {}  # (path, first, last) -> rows of that window
 
-COLUMNS: Tuple[str, ...] = ("vpp_stage", "step", "module_name", "scope", "micro_step") + OPS
+COLUMNS: Tuple[str, ...] = BASE_COLUMNS + (MICRO_STEP,) + OPS
 
 
 def polars():
@@ -55,9 +56,8 @@ def polars():
 
 
 def _schema(pl) -> Dict[str, Any]:
-    return {"vpp_stage": pl.Int64, "step": pl.Int64, "module_name": pl.String, "scope": pl.String,
-            "micro_step": pl.Int64, "min": pl.Float64, "max": pl.Float64, "mean": pl.Float64,
-            "norm": pl.Float64, "nans": pl.Int64, "zeros": pl.Int64}
+    return {VPP_STAGE: pl.Int64, STEP: pl.Int64, MODULE_NAME: pl.String, SCOPE: pl.String, MICRO_STEP: pl.Int64,
+            **{op: pl.Int64 if op in COUNT_OPS else pl.Float64 for op in OPS}}
 
 
 def empty_frame(pl):
@@ -183,7 +183,7 @@ def read_batch(files: List[CsvFile], problems: Problems, steps: Optional[StepRan
     if files and files[0].path.endswith(".parquet"):
         frame, ops = _read_parquet_windows(pl, files, steps)
         return Batch(files, frame, [ops])
-    with_micro = files[0].monitor == "weight_grad" if files else False
+    with_micro = files[0].monitor in MICRO_STEP_MONITORS if files else False
     fast: Dict[Tuple[str, ...], List[Tuple[int, memoryview, int]]] = {}  # ops -> [(fidx, body, rows)]
     slow: List[int] = []
     headers: List[Tuple[str, ...]] = []
@@ -224,10 +224,10 @@ def _fast_candidate(f: CsvFile) -> Optional[Tuple[Tuple[str, ...], memoryview, i
         return None
     end = data.index(b"\n")
     try:
-        header = data[:end].decode("utf-8").split(",")
+        columns = data[:end].decode("utf-8").split(",")
     except UnicodeDecodeError:
         return None
-    ops, _why = header_ops(f.monitor, [h.strip() for h in header])
+    ops, _why = header_ops(f.monitor, [h.strip() for h in columns])
     if ops is None:
         return None
     body = memoryview(data)[end + 1:]  # joined into the batch's buffer later: no copy here
@@ -276,7 +276,7 @@ def _parse_bodies(pl, files: List[CsvFile], ops: Tuple[str, ...], items: List[Tu
                   with_micro: bool):
     import numpy as np
 
-    names = list(BASE_COLUMNS) + (["micro_step"] if with_micro else []) + list(ops)
+    names = header(ops, with_micro)
     full = _schema(pl)
     schema = {n: full[n] for n in names}
     total = sum(n for _, _, n in items)
@@ -289,7 +289,7 @@ def _parse_bodies(pl, files: List[CsvFile], ops: Tuple[str, ...], items: List[Tu
         return None
     if len(df) != total:
         return None
-    numeric = [n for n in names if n not in ("module_name", "scope")]
+    numeric = [n for n in names if n not in TEXT_COLUMNS]
     if any(df[n].null_count() for n in numeric):
         return None
     counts = np.array([n for _, _, n in items], dtype=np.int64)
@@ -303,7 +303,7 @@ def _parse_bodies(pl, files: List[CsvFile], ops: Tuple[str, ...], items: List[Tu
         return None  # the reference reader names the line and the file's window
     missing = [pl.lit(None, dtype=full[c]).alias(c) for c in COLUMNS if c not in names]
     # the writer's formula escape (reader.text_cell): one leading quote is not part of the name
-    unquoted = [pl.col(c).str.strip_prefix("'") for c in ("module_name", "scope")]
+    unquoted = [pl.col(c).str.strip_prefix("'") for c in TEXT_COLUMNS]
     return df.with_columns(*unquoted, *missing, pl.Series("line", line), pl.Series("fidx", fidx)).select(
         *COLUMNS, "line", "fidx")
 

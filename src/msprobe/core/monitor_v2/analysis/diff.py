@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple
 
 from .blocks import Block, merge_steps, step_blocks
+from ..rows import WEIGHT_GRAD
 from .order import OrderKey, order_key, where
 from .reader import MONITORS, CsvFile, Layout, Problems, Row, StepRange
 from .text import Progress
@@ -128,7 +129,7 @@ def diff_runs(a: Layout, b: Layout, problems: Problems, settings: DiffSettings,
         streams = {"a": _chain(fa, problems, steps, False, prog), "b": _chain(fb, problems, steps, False, prog)}
         for step, blocks in merge_steps(streams):
             ba, bb = blocks.get("a", {}), blocks.get("b", {})
-            if monitor == "weight_grad":
+            if monitor == WEIGHT_GRAD:
                 report.micro_steps.update(k[2] for k in ba)
             for key, ra in ba.items():
                 rb = bb.get(key)
@@ -145,7 +146,7 @@ def diff_runs(a: Layout, b: Layout, problems: Problems, settings: DiffSettings,
     prog.close()
     per_micro = len(report.micro_steps) > 1
     for item in [report.first] + [t[3] for t in report.largest.values()]:
-        if item is not None and item["monitor"] == "weight_grad":
+        if item is not None and item["monitor"] == WEIGHT_GRAD:
             item["where"] = where(item["monitor"], item["scope"], item["micro_step"], per_micro)
     return report
 

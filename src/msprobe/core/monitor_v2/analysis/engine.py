@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from .blocks import compare_window, rank_windows
 from .columnar import Batch, batches, frame_rows, open_layout, polars, read_batch, row_of
+from ..rows import REDUCED, SCOPE, WEIGHT_GRAD
 from .order import LAST, order_key, phase
 from .reader import MONITORS, OPS, Layout, Problems, StepRange
 from .report import (INF, MAD_SCALE, RANK_CHECKED_MONITORS, Collected, FirstN, RankCheckSettings, Report, RowVisitor,
@@ -436,7 +437,7 @@ def _tensor_ids(pl, fr, carry: Dict[str, Any]):
 
 # ------------------------------------------------------------------ rank agreement
 def _hash_steps(pl, fr, rank: int, monitor: str, batch: Batch, hashes: Dict, irregular: Dict) -> None:
-    checked = fr.filter(pl.col("scope") == "reduced") if monitor == "weight_grad" else fr
+    checked = fr.filter(pl.col(SCOPE) == REDUCED) if monitor == WEIGHT_GRAD else fr
     if not len(checked):
         return
     windows = [(f.first, f.last) for f in batch.files]

@@ -26,16 +26,18 @@ forward pass of micro-batch 2 is reported at its forward row, before the
 
 from typing import Optional, Tuple
 
+from .. import rows
+
 LAST = 1 << 30
 
 _PHASES = {
-    ("param", "param_origin"): 0,
-    ("module", "forward"): 1,
-    ("module", "eval_forward"): 1,  # evaluation passes: forward passes, in file (call) order
-    ("module", "backward"): 2,
-    ("weight_grad", "unreduced"): 3,
-    ("weight_grad", "reduced"): 5,
-    ("param", "param_updated"): 7,
+    (rows.PARAM, rows.PARAM_ORIGIN): 0,
+    (rows.MODULE, rows.FORWARD): 1,
+    (rows.MODULE, rows.EVAL_FORWARD): 1,  # evaluation passes: forward passes, in file (call) order
+    (rows.MODULE, rows.BACKWARD): 2,
+    (rows.WEIGHT_GRAD, rows.UNREDUCED): 3,
+    (rows.WEIGHT_GRAD, rows.REDUCED): 5,
+    (rows.PARAM, rows.PARAM_UPDATED): 7,
 }
 
 PHASE_LABELS = {
@@ -57,9 +59,9 @@ def phase(monitor: str, scope: str) -> int:
     p = _PHASES.get((monitor, scope))
     if p is not None:
         return p
-    if monitor == "optimizer":
+    if monitor == rows.OPTIMIZER:
         return 6
-    if monitor == "cc":
+    if monitor == rows.CC:
         return 4
     return 8
 
@@ -81,7 +83,7 @@ def where(monitor: str, scope: str, micro: Optional[int], per_micro: Optional[bo
     ``local gradient, accumulated over 2 micro-batches`` (one row per step)."""
     p = phase(monitor, scope)
     label = PHASE_LABELS[p]
-    if monitor != "weight_grad" or micro is None or p not in (3, 5):
+    if monitor != rows.WEIGHT_GRAD or micro is None or p not in (3, 5):
         return label
     if p == 3 and per_micro:
         return f"{label} of micro-batch {micro}"

@@ -45,6 +45,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .command import pip_command
 from ..errors import UnsafePathError
+from ..rows import GRAD_OUTPUT, MODULE, OPTIMIZER, OUTPUT, UNREDUCED, WEIGHT_GRAD, state_suffix
 from ..safe_fs import make_dirs, read_own_file, replace_file
 from .report import Report
 from .reader import MONITORS, CsvFile, InputError, Row
@@ -73,12 +74,12 @@ class PlotSettings:
 def tensor_base(monitor: str, name: str, scope: str) -> str:
     """The module or parameter a row belongs to: ``blocks.0.attn.output.0`` ->
     ``blocks.0.attn``; ``fc.weight.exp_avg`` -> ``fc.weight``."""
-    if monitor == "module":
+    if monitor == MODULE:
         parts = name.rsplit(".", 2)
         if len(parts) == 3 and _NUM.match(parts[2]):
             return parts[0]
-    elif monitor == "optimizer" and name.endswith("." + scope):
-        return name[: -len(scope) - 1]
+    elif monitor == OPTIMIZER and name.endswith(state_suffix(scope)):
+        return name[: -len(state_suffix(scope))]
     return name
 
 
@@ -182,7 +183,7 @@ class PlotCollector:
         if v is None:
             return
         v = float(v)
-        micro_label = f" mb{row.micro}" if (monitor == "weight_grad" and row.scope == "unreduced") else ""
+        micro_label = f" mb{row.micro}" if (monitor == WEIGHT_GRAD and row.scope == UNREDUCED) else ""
         # overview
         lines = self.overview.setdefault(monitor, {})
         per_step = lines.setdefault(row.scope + micro_label, {})
@@ -197,8 +198,8 @@ class PlotCollector:
         # detail
         if self.regex is not None and not self.regex.search(row.name):
             return
-        if monitor == "module" and self.s.module_io == "outputs" and \
-                module_io(row.name) not in ("output", "grad_output"):
+        if monitor == MODULE and self.s.module_io == "outputs" and \
+                module_io(row.name) not in (OUTPUT, GRAD_OUTPUT):
             return
         base = tensor_base(monitor, row.name, row.scope)
         if self.s.by == "tensor":
@@ -473,7 +474,7 @@ def render(collector: PlotCollector, report: Report, out_dir: str) -> List[Drawn
     spike_steps: Dict[Tuple[str, str, str, Optional[int]], set] = {}
     for sp in report.spikes.items():
         if sp["rank"] == rank and plotted in sp["stats"]:
-            micro = sp["micro_step"] if (sp["monitor"] == "weight_grad" and sp["scope"] == "unreduced") else None
+            micro = sp["micro_step"] if (sp["monitor"] == WEIGHT_GRAD and sp["scope"] == UNREDUCED) else None
             spike_steps.setdefault((sp["monitor"], sp["scope"], sp["tensor"], micro), set()).add(sp["step"])
     made: List[DrawnFigure] = []
     n = 0

@@ -18,17 +18,15 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, TextIO, Tuple
 
+from .. import rows
 from ..errors import UnsafePathError
+from ..rows import BASE_COLUMNS, COUNT_OPS, FILE_RE, MICRO_STEP_MONITORS, MONITORS
 from ..safe_fs import open_regular
 
-MONITORS: Tuple[str, ...] = ("module", "weight_grad", "optimizer", "param", "cc")
-# The five statistics of the user document, then the optional ``zeros`` (written only
-# when a monitor's ``ops`` ask for it): the order of the columns in every file.
-OPS: Tuple[str, ...] = ("min", "max", "mean", "norm", "nans", "zeros")
-COUNT_OPS: Tuple[str, ...] = ("nans", "zeros")  # integer columns
-DEFAULT_OPS: Tuple[str, ...] = OPS[:5]  # what a monitor writes when its ops are not given
-BASE_COLUMNS: Tuple[str, ...] = ("vpp_stage", "step", "module_name", "scope")
-FILE_RE = re.compile(r"^(?P<monitor>[a-z_]+)_step(?P<a>\d+)-(?P<b>\d+)\.csv$")
+# Every statistic a file can have, in the order of the columns in every file: the five
+# of the user document (``rows.DEFAULT_OPS``, what a monitor writes when its ops are not
+# given), then the optional ``zeros``.
+OPS: Tuple[str, ...] = rows.ALL_OPS
 RANK_RE = re.compile(r"^rank_(?P<rank>\d+)$")
 
 
@@ -270,13 +268,14 @@ class Row:
 
 def header_ops(monitor: str, header: List[str]) -> Tuple[Optional[Tuple[str, ...]], str]:
     """``(ops, "")`` for a header this version writes, else ``(None, why)``."""
-    with_micro = monitor == "weight_grad"
-    expected = list(BASE_COLUMNS) + (["micro_step"] if with_micro else [])
+    with_micro = monitor in MICRO_STEP_MONITORS
+    expected = rows.header((), with_micro)
     want = ",".join(expected) + ",<ops>"
     if header[:len(expected)] != expected:
-        if not with_micro and header[:5] == list(BASE_COLUMNS) + ["micro_step"]:
+        with_micro_columns = rows.header((), True)
+        if not with_micro and header[:len(with_micro_columns)] == with_micro_columns:
             why = f"a micro_step column, which only weight_grad files have (expected {want})"
-        elif with_micro and header[:4] == list(BASE_COLUMNS):
+        elif with_micro and header[:len(BASE_COLUMNS)] == list(BASE_COLUMNS):
             why = f"no micro_step column (written by another version?); expected {want}"
         else:
             why = f"expected {want}"
@@ -342,7 +341,7 @@ def iter_rows(f: CsvFile, problems: Problems, steps: Optional[StepRange] = None,
             return
         if on_header is not None:
             on_header(ops)
-        with_micro = f.monitor == "weight_grad"
+        with_micro = f.monitor in MICRO_STEP_MONITORS
         ncol = len(header)
         first_op = 5 if with_micro else 4
         op_cols = [(op, first_op + i) for i, op in enumerate(ops)]
@@ -369,7 +368,7 @@ def iter_rows(f: CsvFile, problems: Problems, steps: Optional[StepRange] = None,
                 micro = int(cells[4]) if with_micro else None
                 vals = {op: (int(cells[i]) if op in COUNT_OPS else float(cells[i])) for op, i in op_cols}
             except ValueError:
-                if [c.strip() for c in cells[:4]] == list(BASE_COLUMNS):
+                if [c.strip() for c in cells[:len(BASE_COLUMNS)]] == list(BASE_COLUMNS):
                     problems.report(path, line, _second_header(cells))
                 else:
                     problems.report(path, line, _value_message(cells, header, with_micro, op_cols))
@@ -386,7 +385,7 @@ def iter_rows(f: CsvFile, problems: Problems, steps: Optional[StepRange] = None,
 def _column_count_message(cells: List[str], header: List[str], ncol: int) -> str:
     if not cells or cells == [""]:
         return "empty line"
-    if [c.strip() for c in cells[:4]] == list(BASE_COLUMNS):
+    if [c.strip() for c in cells[:len(BASE_COLUMNS)]] == list(BASE_COLUMNS):
         return _second_header(cells)
     return (f"{len(cells)} fields where the header ({','.join(header)}) has {ncol} (mixed versions: a run "
             f"with other ops or another version appended to this file?)")

@@ -12,20 +12,21 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Set, TextIO, Tuple
 
+from ..rows import CC, MODULE, OPTIMIZER, PARAM, REDUCED, WEIGHT_GRAD
 from .order import OrderKey, where
 from .reader import CsvFile, Layout, Problems, Row, StepRange
 
 INF = float("inf")
 MAD_SCALE = 1.4826  # 1.4826 * MAD estimates a standard deviation
 CHUNK = 16  # ranks compared at once by the rank check (each chunk holds the group's lowest rank)
-RANK_CHECKED_MONITORS = ("weight_grad", "param", "optimizer")
+RANK_CHECKED_MONITORS = (WEIGHT_GRAD, PARAM, OPTIMIZER)
 
 
 @dataclass
 class SpikeSettings:
     enabled: bool = True
     stats: Tuple[str, ...] = ("norm", "max")
-    monitors: Tuple[str, ...] = ("module", "weight_grad", "param", "cc")
+    monitors: Tuple[str, ...] = (MODULE, WEIGHT_GRAD, PARAM, CC)
     window: int = 20
     min_history: int = 10
     mad_k: float = 10.0
@@ -54,9 +55,9 @@ class RankCheckSettings:
 
 def row_is_checked(monitor: str, scope: str) -> bool:
     """Whether the rank check compares rows of ``monitor`` and ``scope``."""
-    if monitor == "weight_grad":
-        return scope == "reduced"
-    return monitor in ("param", "optimizer")
+    if monitor == WEIGHT_GRAD:
+        return scope == REDUCED
+    return monitor in (PARAM, OPTIMIZER)
 
 
 def median(s: List[float]) -> float:
@@ -191,12 +192,12 @@ def relabel(report: Report) -> None:
     a micro-batch's own gradient when the run wrote one row per micro-batch (several
     micro_step values), else the number of micro-batches accumulated (see
     :func:`.order.where`)."""
-    wg = report.collected.get("weight_grad")
+    wg = report.collected.get(WEIGHT_GRAD)
     per_micro = wg is not None and len(wg.micro_steps) > 1
     items = [v[1] for v in report.first_nonfinite.values()] + report.spikes.items() + \
         [m["first"] for m in report.mismatches.values()]
     for item in items:
-        if item is not None and item.get("monitor") == "weight_grad":
+        if item is not None and item.get("monitor") == WEIGHT_GRAD:
             item["where"] = where(item["monitor"], item["scope"], item["micro_step"], per_micro)
 
 

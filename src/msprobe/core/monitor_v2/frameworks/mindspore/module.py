@@ -37,7 +37,8 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 import mindspore as ms
 from mindspore import nn
 
-from ...monitor import EVAL_SCOPE, TRAIN_SCOPE, Monitor, select_modules
+from ... import rows
+from ...monitor import Monitor, select_modules
 from ...patching import remove_all
 from ...stats import StatPlan
 from ...structure import flatten_tensors, named_outputs
@@ -76,7 +77,7 @@ class _Pass(threading.local):
 
 
 class MsModuleMonitor(Monitor):
-    name = "module"
+    name = rows.MODULE
 
     def attach(self) -> None:
         self.plan = StatPlan.from_ops(self.settings.ops)
@@ -145,7 +146,7 @@ class MsModuleMonitor(Monitor):
 
     def _settle_pass(self) -> None:
         state = self._pass
-        scope = TRAIN_SCOPE if state.trains else EVAL_SCOPE
+        scope = rows.FORWARD if state.trains else rows.EVAL_FORWARD
         for rec in state.records:
             rec.scope = scope
         self._records += state.records
@@ -157,35 +158,35 @@ class MsModuleMonitor(Monitor):
     def _emit_forward(self, values: Any, vpp: int, tag: str, kind: str) -> None:
         state = self._pass
         if state.depth == 0:  # outside a chunk's call: this call decides
-            scope = TRAIN_SCOPE if self._records_gradient() else EVAL_SCOPE
+            scope = rows.FORWARD if self._records_gradient() else rows.EVAL_FORWARD
             self._emit(values, vpp, tag, kind, scope, self._records)
         else:  # the scope is settled with the pass
             state.trains = state.trains or self._records_gradient()
-            self._emit(values, vpp, tag, kind, TRAIN_SCOPE, state.records)
+            self._emit(values, vpp, tag, kind, rows.FORWARD, state.records)
 
     def _emit(self, values: Any, vpp: int, tag: str, kind: str, scope: str, into: List[Any]) -> None:
         engine = self.session.engine
-        if kind == "output":  # a dict output by key (structure.py)
-            named = named_outputs(values, _is_tensor, f"{tag}.output")
+        if kind == rows.OUTPUT:  # a dict output by key (structure.py)
+            named = named_outputs(values, _is_tensor, rows.module_prefix(tag, rows.OUTPUT))
         else:
-            named = [(f"{tag}.{kind}.{i}", t)
-                     for i, t in enumerate(flatten_tensors(values, _is_tensor, f"{tag}.{kind}"))]
+            named = [(rows.module_row(tag, kind, i), t)
+                     for i, t in enumerate(flatten_tensors(values, _is_tensor, rows.module_prefix(tag, kind)))]
         for name, t in named:
             into.append(engine.record(t, self.plan, vpp, name, scope))
 
     def _hook(self, cell: Any, vpp: int, tag: str) -> List[Any]:
         def pre(c: Any, inputs: Tuple, kwargs: Dict = None) -> None:
             if self.active:
-                self._emit_forward((inputs, kwargs or {}), vpp, tag, "input")
+                self._emit_forward((inputs, kwargs or {}), vpp, tag, rows.INPUT)
 
         def post(c: Any, inputs: Tuple, *rest: Any) -> None:
             if self.active:  # (kwargs, output) with with_kwargs, else (output,)
-                self._emit_forward(rest[-1], vpp, tag, "output")
+                self._emit_forward(rest[-1], vpp, tag, rows.OUTPUT)
 
         def backward(c: Any, grad_input: Tuple, grad_output: Tuple) -> None:
             if self.active:
-                self._emit_indexed(grad_input, vpp, tag, "grad_input")
-                self._emit_indexed(grad_output, vpp, tag, "grad_output")
+                self._emit_indexed(grad_input, vpp, tag, rows.GRAD_INPUT)
+                self._emit_indexed(grad_output, vpp, tag, rows.GRAD_OUTPUT)
 
         wrap = self.errors.wrap
         extra = {"with_kwargs": True} if _KWARGS else {}
@@ -199,7 +200,7 @@ class MsModuleMonitor(Monitor):
         items = grads if isinstance(grads, (tuple, list)) else (grads,)
         for i, g in enumerate(items):
             if _is_tensor(g):
-                self._records.append(engine.record(g, self.plan, vpp, f"{tag}.{kind}.{i}", "backward"))
+                self._records.append(engine.record(g, self.plan, vpp, rows.module_row(tag, kind, i), rows.BACKWARD))
 
     def detach(self) -> None:
         remove_all(self._handles)

@@ -14,9 +14,11 @@ from typing import Any, List
 
 from mindspore import ParameterTuple
 
+from ... import rows
 
-_ALIASES = {"moment1": "exp_avg", "moments1": "exp_avg", "moment2": "exp_avg_sq", "moments2": "exp_avg_sq",
-            "moments": "momentum_buffer", "accum": "momentum_buffer"}
+
+_ALIASES = {"moment1": rows.EXP_AVG, "moments1": rows.EXP_AVG, "moment2": rows.EXP_AVG_SQ,
+            "moments2": rows.EXP_AVG_SQ, "moments": rows.MOMENTUM_BUFFER, "accum": rows.MOMENTUM_BUFFER}
 _NOT_STATE = {"parameters", "_parameters", "params", "param_groups", "stat"}
 
 
@@ -27,5 +29,5 @@ def optimizer_states(optimizer: Any, n_params: int) -> List[tuple]:
         if attr in _NOT_STATE or not isinstance(value, ParameterTuple) or len(value) != n_params:
             continue
         out.append((_ALIASES.get(attr, attr), value))
-    order = {"exp_avg": 0, "exp_avg_sq": 1}
+    order = {rows.EXP_AVG: 0, rows.EXP_AVG_SQ: 1}
     return sorted(out, key=lambda kv: order.get(kv[0], 2))

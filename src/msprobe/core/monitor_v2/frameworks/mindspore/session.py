@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import mindspore as ms
 from mindspore import nn
 
+from ... import rows
 from ...errors import ConfigError, MonitorError
 from ...model_structure import ParamEntry, Structure, module_entries
 from ...monitor import module_tags
@@ -106,7 +107,7 @@ class MsSession:
         self._by_id[id(p)] = info
 
     def qualify(self, vpp_stage: int, name: str) -> str:
-        return f"{vpp_stage}:{name}" if self.is_chunk_list else name
+        return rows.chunk_name(vpp_stage, name) if self.is_chunk_list else name
 
     def info(self, p: Any) -> ParamInfo:
         return self._by_id[id(p)]

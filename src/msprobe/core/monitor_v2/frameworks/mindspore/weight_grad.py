@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Tuple
 
 import logging
 
+from ... import rows
 from ...config import resolve_micro_batches
 from ...monitor import Monitor, weight_grad_rows
 from ...logonce import LogOnce
@@ -36,7 +37,7 @@ logger = logging.getLogger("msprobe.monitor_v2")
 
 
 class MsWeightGradMonitor(Monitor):
-    name = "weight_grad"
+    name = rows.WEIGHT_GRAD
     with_micro_step = True
     needs_optimizer = True
 
@@ -76,7 +77,7 @@ class MsWeightGradMonitor(Monitor):
         self._passes[info.index] = n
         engine = self.session.engine
         if self.per_micro_batch:
-            self._unreduced[(info.index, n)] = engine.record(grad, self.plan, info.vpp_stage, info.name, "unreduced", n)
+            self._unreduced[(info.index, n)] = engine.record(grad, self.plan, info.vpp_stage, info.name, rows.UNREDUCED, n)
             return
         if self.micro_batches == 1:
             if n > 1:
@@ -91,7 +92,7 @@ class MsWeightGradMonitor(Monitor):
             prev = self._sums.get(info.index)
             total = self._sums[info.index] = grad.copy() if prev is None else prev + grad
         if n >= self.micro_batches:
-            self._unreduced[(info.index, 0)] = engine.record(total, self.plan, info.vpp_stage, info.name, "unreduced")
+            self._unreduced[(info.index, 0)] = engine.record(total, self.plan, info.vpp_stage, info.name, rows.UNREDUCED)
 
     def before_optimizer_step(self) -> None:
         if not self.active:
@@ -102,7 +103,7 @@ class MsWeightGradMonitor(Monitor):
             return
         infos = self.session.optimizer_params()
         items = [(i, g) for i, g in zip(infos, grads) if g is not None]
-        tensors, keys = self.session.expand(items, "reduced")
+        tensors, keys = self.session.expand(items, rows.REDUCED)
         self._reduced = self.session.engine.record_many(tensors, self.plan, keys)
 
     def _read_short_sums(self) -> None:
@@ -111,7 +112,7 @@ class MsWeightGradMonitor(Monitor):
             if (index, 0) not in self._unreduced:
                 info = self.session.params[index]
                 self._unreduced[(index, 0)] = self.session.engine.record(
-                    total, self.plan, info.vpp_stage, info.name, "unreduced")
+                    total, self.plan, info.vpp_stage, info.name, rows.UNREDUCED)
 
     def collect(self) -> List[Record]:
         self._read_short_sums()

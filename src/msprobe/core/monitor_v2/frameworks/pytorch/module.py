@@ -46,8 +46,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ... import rows
 from ...logonce import LogOnce
-from ...monitor import EVAL_SCOPE, TRAIN_SCOPE, Monitor, select_modules
+from ...monitor import Monitor, select_modules
 from ...stats import Record
 from ...structure import flatten_tensors, named_outputs
 from .compile import eager_hook, warn_if_already_compiled
@@ -132,7 +133,7 @@ class _GradInputSum:
 
 
 class ModuleMonitor(Monitor):
-    name = "module"
+    name = rows.MODULE
 
     def attach(self) -> None:
         self.plan = StatPlan.from_ops(self.settings.ops)
@@ -192,7 +193,7 @@ class ModuleMonitor(Monitor):
             # training_step calls its submodules): the model's mode decides, or inference
             # mode. Plain no_grad does not: reentrant checkpointing trains under it.
             evaluation = not self.session.roots[vpp].training or torch.is_inference_mode_enabled()
-        return EVAL_SCOPE if evaluation else TRAIN_SCOPE
+        return rows.EVAL_FORWARD if evaluation else rows.FORWARD
 
     def _hook(self, module: torch.nn.Module, vpp: int, tag: str) -> None:
         def pre_hook(mod: torch.nn.Module, args: Tuple, kwargs: Dict) -> None:
@@ -212,13 +213,13 @@ class ModuleMonitor(Monitor):
 
     # ------------------------------------------------------------------ forward
     def _before_forward(self, module: torch.nn.Module, vpp: int, tag: str, args: Tuple, kwargs: Dict) -> None:
-        inputs = flatten_tensors((args, kwargs), _is_tensor, f"{tag}.input")
+        inputs = flatten_tensors((args, kwargs), _is_tensor, rows.module_prefix(tag, rows.INPUT))
         recompute = _in_backward()
         scope = self._forward_scope(vpp)
         if not recompute:
             engine = self.session.engine
             for i, t in enumerate(inputs):
-                self._records.append(engine.record(t, self.plan, vpp, f"{tag}.input.{i}", scope, cache=True))
+                self._records.append(engine.record(t, self.plan, vpp, rows.module_row(tag, rows.INPUT, i), scope, cache=True))
         # Nodes created from here on belong to this call; grad_input needs the inputs'
         # producers as they are now, before any in-place op inside the module.
         boundary = _get_sequence_nr() if _get_sequence_nr is not None else -1
@@ -228,7 +229,8 @@ class ModuleMonitor(Monitor):
     def _after_forward(self, module: torch.nn.Module, vpp: int, tag: str, output: Any) -> None:
         stack = self._calls.get((threading.get_ident(), id(module)))
         call = stack.pop() if stack else None
-        named = named_outputs(output, _is_tensor, f"{tag}.output")  # a dict output by key: structure.py
+        output_prefix = rows.module_prefix(tag, rows.OUTPUT)
+        named = named_outputs(output, _is_tensor, output_prefix)  # a dict output by key: structure.py
         outputs = [t for _, t in named]
         if not _in_backward():
             engine = self.session.engine
@@ -236,7 +238,7 @@ class ModuleMonitor(Monitor):
             for name, t in named:
                 self._records.append(engine.record(t, self.plan, vpp, name, scope, cache=True))
         if torch.is_grad_enabled() and any(t.requires_grad for t in outputs):
-            suffixes = [name[len(tag) + len(".output."):] for name, _ in named]
+            suffixes = [name[len(output_prefix) + 1:] for name, _ in named]  # after "<prefix>."
             self._hook_grad_outputs(vpp, tag, outputs, call, suffixes)
             if call is not None:
                 self._hook_grad_inputs(vpp, tag, call, outputs)
@@ -268,7 +270,7 @@ class ModuleMonitor(Monitor):
                     g = grad_outputs[nr]
                     if g is not None:
                         self._records.append(self.session.engine.record(
-                            g, self.plan, vpp, f"{tag}.grad_output.{suffixes[j]}", "backward", cache=True))
+                            g, self.plan, vpp, rows.module_row(tag, rows.GRAD_OUTPUT, suffixes[j]), rows.BACKWARD, cache=True))
             node.register_prehook(self.errors.wrap(f"module grad_output hook of {tag}", prehook))
 
     def _hook_grad_inputs(self, vpp: int, tag: str, call: _Call, outputs: List[torch.Tensor]) -> None:
@@ -317,10 +319,10 @@ class ModuleMonitor(Monitor):
                     g = grad_inputs[e]
                     if g is None:
                         continue
-                    name = f"{tag}.grad_input.{i}"
+                    name = rows.module_row(tag, rows.GRAD_INPUT, i)
                     acc = sums.get(i)
                     if acc is None:
-                        self._records.append(self.session.engine.record(g, self.plan, vpp, name, "backward", cache=True))
+                        self._records.append(self.session.engine.record(g, self.plan, vpp, name, rows.BACKWARD, cache=True))
                         continue
                     acc.parts.append(g)
                     self._pending[id(acc)] = (acc, (vpp, name))
@@ -335,7 +337,7 @@ class ModuleMonitor(Monitor):
         if parts:
             # Parts through a view's node and through its base's node differ only in shape.
             total = parts[0] if len(parts) == 1 else sum((p.reshape(parts[0].shape) for p in parts[1:]), parts[0])
-            self._records.append(self.session.engine.record(total, self.plan, vpp, name, "backward"))
+            self._records.append(self.session.engine.record(total, self.plan, vpp, name, rows.BACKWARD))
 
     def _warn_once(self, key: str, message: str) -> None:
         self._once.warning(key, "monitor_v2 module: %s (logged once)", message)

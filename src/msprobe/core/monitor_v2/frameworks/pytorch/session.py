@@ -6,6 +6,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 import torch
 
+from ... import rows
 from ...errors import ConfigError
 from ...model_structure import ParamEntry, Structure, module_entries
 from ...monitor import module_tags
@@ -18,8 +19,6 @@ from .stacks import TrainingStack, UnreducedCapture, detect_stack
 from .stats import TorchStatsEngine
 
 logger = logging.getLogger("msprobe.monitor_v2")
-
-NAME_SEP = ":"
 
 
 def global_rank() -> int:
@@ -93,7 +92,7 @@ class TorchSession:
                 for g, group in enumerate(optimizer.param_groups):
                     for i, p in enumerate(group["params"]):
                         if id(p) not in self._by_id:  # not part of the model given to start()
-                            self._add(0, f"param_groups.{g}.params.{i}", p)
+                            self._add(0, rows.unlisted_param_name(g, i), p)
                         self._optimizer_params.append(self._by_id[id(p)])
                 self._optimizer_params = _unique(self._optimizer_params)
 
@@ -169,7 +168,7 @@ class TorchSession:
 
     def qualify(self, vpp_stage: int, name: str) -> str:
         """Name as written in the CSV: chunk prefix for a list of chunks."""
-        return f"{vpp_stage}{NAME_SEP}{name}" if self.is_chunk_list else name
+        return rows.chunk_name(vpp_stage, name) if self.is_chunk_list else name
 
     def info(self, p: torch.Tensor) -> ParamInfo:
         return self._by_id[id(p)]

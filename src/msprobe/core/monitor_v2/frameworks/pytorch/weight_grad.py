@@ -31,6 +31,7 @@ from ...config import resolve_micro_batches
 from ...monitor import Monitor, weight_grad_rows
 from ...logonce import LogOnce
 from ...patching import remove_all
+from ...rows import REDUCED, UNREDUCED, WEIGHT_GRAD
 from ...stats import Record
 from .stacks.fsdp import FlatSegment, fsdp2_params
 from .session import ParamInfo
@@ -58,7 +59,7 @@ class GradSource:
 
 
 class WeightGradMonitor(Monitor):
-    name = "weight_grad"
+    name = WEIGHT_GRAD
     with_micro_step = True
     needs_optimizer = True
 
@@ -152,7 +153,7 @@ class WeightGradMonitor(Monitor):
         for k, (vpp, name, seg) in enumerate(source.rows):
             t = grad if seg is None else seg.view(grad)
             self._unreduced[(source.index, micro_step, k)] = engine.record(
-                t, self.plan, vpp, name, "unreduced", micro_step or None)
+                t, self.plan, vpp, name, UNREDUCED, micro_step or None)
 
     def _on_micro_batch_grad(self, source: GradSource, grad: torch.Tensor) -> None:
         if self.active:
@@ -194,7 +195,7 @@ class WeightGradMonitor(Monitor):
             self._read_short_sources()
         # Read again, never reused from 'unreduced': code that edits gradients through
         # ``.data`` or from C++ (clipping, unscaling) does not move the version counter.
-        tensors, keys = self.session.expand(self.session.reduced_grads(), "reduced")
+        tensors, keys = self.session.expand(self.session.reduced_grads(), REDUCED)
         self._reduced = self.session.engine.record_many(tensors, self.plan, keys)
 
     def _read_short_sources(self) -> None:

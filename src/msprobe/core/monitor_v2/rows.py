@@ -1,0 +1,149 @@
+"""What a row of the monitor's output is: the one place that says it.
+
+Every CSV file is ``<output_dir>/rank_<r>/<monitor>_step<a>-<b>.csv``; every row is
+``vpp_stage, step, module_name, scope[, micro_step], <ops>``. This module holds the
+monitor names in their fixed order, each monitor's scopes, the statistics (ops), the
+header and the way each ``module_name`` is composed. The monitors, the config, the
+writer, the alerter and the analysis reader all take them from here, so that what is
+written and what is read back can never drift apart.
+
+Framework-neutral and standard library only: the analysis tools import it without
+torch or MindSpore.
+"""
+
+import re
+from typing import Dict, List, Sequence, Tuple, Union
+
+# ---------------------------------------------------------------------- monitors
+MODULE = "module"
+WEIGHT_GRAD = "weight_grad"
+OPTIMIZER = "optimizer"
+PARAM = "param"
+CC = "cc"
+# The fixed order: of the config's monitors, of the files of a step, of alerts and of
+# every analysis listing.
+MONITORS: Tuple[str, ...] = (MODULE, WEIGHT_GRAD, OPTIMIZER, PARAM, CC)
+
+# ------------------------------------------------------------------------ scopes
+# module: the training step's forward pass, evaluation passes (kept apart from the
+# step's rows), and the backward pass.
+FORWARD = "forward"
+EVAL_FORWARD = "eval_forward"
+BACKWARD = "backward"
+# weight_grad: the local gradient during backward, and the gradient at the optimizer step.
+UNREDUCED = "unreduced"
+REDUCED = "reduced"
+# param: the values right before and right after the optimizer's update.
+PARAM_ORIGIN = "param_origin"
+PARAM_UPDATED = "param_updated"
+# optimizer: the scope is the state's name, as PyTorch names it. These are Adam's
+# moments and SGD's momentum; any other per-parameter state keeps its own name.
+EXP_AVG = "exp_avg"
+EXP_AVG_SQ = "exp_avg_sq"
+MOMENTUM_BUFFER = "momentum_buffer"
+# cc: every communication call.
+COMM = "comm"
+
+SCOPES: Dict[str, Tuple[str, ...]] = {
+    MODULE: (FORWARD, EVAL_FORWARD, BACKWARD),
+    WEIGHT_GRAD: (UNREDUCED, REDUCED),
+    OPTIMIZER: (EXP_AVG, EXP_AVG_SQ, MOMENTUM_BUFFER),
+    PARAM: (PARAM_ORIGIN, PARAM_UPDATED),
+    CC: (COMM,),
+}
+
+# --------------------------------------------------------------------------- ops
+# The statistics that are values, then the NaN count: the five written by default.
+VALUE_OPS: Tuple[str, ...] = ("min", "max", "mean", "norm")
+DEFAULT_OPS: Tuple[str, ...] = VALUE_OPS + ("nans",)
+# Written only when ``ops`` names them: ``zeros`` counts the elements exactly equal to
+# zero (-0.0 included, NaN not).
+OPTIONAL_OPS: Tuple[str, ...] = ("zeros",)
+# The order of the statistic columns in every file, whatever the order of ``ops``.
+ALL_OPS: Tuple[str, ...] = DEFAULT_OPS + OPTIONAL_OPS
+COUNT_OPS: Tuple[str, ...] = ("nans", "zeros")  # integer counts, written without a decimal point
+
+# ------------------------------------------------------------------- the header
+VPP_STAGE = "vpp_stage"
+STEP = "step"
+MODULE_NAME = "module_name"
+SCOPE = "scope"
+MICRO_STEP = "micro_step"  # weight_grad files only
+BASE_COLUMNS: Tuple[str, ...] = (VPP_STAGE, STEP, MODULE_NAME, SCOPE)
+MICRO_STEP_MONITORS: Tuple[str, ...] = (WEIGHT_GRAD,)  # the monitors whose files have micro_step
+TEXT_COLUMNS: Tuple[str, ...] = (MODULE_NAME, SCOPE)
+
+
+def header(ops: Sequence[str], with_micro_step: bool) -> List[str]:
+    """The header of a monitor's file: the base columns, ``micro_step`` where the monitor
+    has one, then its ops."""
+    cols = list(BASE_COLUMNS)
+    if with_micro_step:
+        cols.append(MICRO_STEP)
+    return cols + list(ops)
+
+
+# -------------------------------------------------------------------- file names
+FILE_RE = re.compile(r"^(?P<monitor>[a-z_]+)_step(?P<a>\d+)-(?P<b>\d+)\.csv$")
+
+
+def file_name(monitor: str, first_step: int, last_step: int) -> str:
+    """The file of the window of steps ``first_step``..``last_step`` (``FILE_RE`` reads it)."""
+    return f"{monitor}_step{first_step}-{last_step}.csv"
+
+
+# --------------------------------------------------------------------- row names
+# A parameter or module of model chunk N (a list of chunks given to start()) is ``N:name``.
+CHUNK_SEP = ":"
+
+
+def chunk_name(vpp_stage: int, name: str) -> str:
+    """``name`` qualified by its model chunk."""
+    return f"{vpp_stage}{CHUNK_SEP}{name}"
+
+
+def unlisted_param_name(group: int, index: int) -> str:
+    """A parameter the optimizer updates that is not part of the model given to start()."""
+    return f"param_groups.{group}.params.{index}"
+
+
+# weight_grad and param rows carry the parameter's (qualified) name as it is; an
+# optimizer row adds the state's name.
+def state_suffix(state: str) -> str:
+    return f".{state}"
+
+
+def optimizer_row(param_name: str, state: str) -> str:
+    return param_name + state_suffix(state)
+
+
+# module rows: ``<module>.<kind>.<index>``; outputs of a dict are indexed by key
+# (structure.named_outputs), everything else is numbered.
+INPUT = "input"
+OUTPUT = "output"
+GRAD_INPUT = "grad_input"
+GRAD_OUTPUT = "grad_output"
+MODULE_KINDS: Tuple[str, ...] = (INPUT, OUTPUT, GRAD_INPUT, GRAD_OUTPUT)
+
+
+def module_prefix(tag: str, kind: str) -> str:
+    """What every row of ``kind`` of the module ``tag`` starts with (before ``.<index>``)."""
+    return f"{tag}.{kind}"
+
+
+def module_row(tag: str, kind: str, index: Union[int, str]) -> str:
+    return f"{module_prefix(tag, kind)}.{index}"
+
+
+# cc rows: ``<op>.<pre|post>.<index>@<file.py>[<line>]``.
+PRE = "pre"
+POST = "post"
+
+
+def call_site(file: str, line: int) -> str:
+    """A line of code as ``cc`` names it and ``cc_codeline`` selects it: ``train.py[23]``."""
+    return f"{file}[{line}]"
+
+
+def cc_row(op: str, when: str, index: int, site: str) -> str:
+    return f"{op}.{when}.{index}@{site}"
