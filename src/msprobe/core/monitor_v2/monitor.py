@@ -15,7 +15,11 @@ from time import perf_counter
 from typing import Any, Callable, ClassVar, List, Mapping, Sequence, Tuple
 
 from .config import MonitorSettings
+from .backend import Session
 from .logonce import LogOnce
+# target_hits lives with the structure listing, which must not import the monitors
+# (the back-end protocols name its Structure); both select modules with it.
+from .model_structure import target_hits
 from .stats import Record
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -85,7 +89,7 @@ class Monitor:
     with_micro_step: ClassVar[bool] = False
     needs_optimizer: ClassVar[bool] = False
 
-    def __init__(self, settings: MonitorSettings, session: Any, errors: ContainedErrors) -> None:
+    def __init__(self, settings: MonitorSettings, session: Session, errors: ContainedErrors) -> None:
         self.settings = settings
         self.session = session
         self.errors = errors
@@ -136,11 +140,6 @@ def module_tags(
         seen.add(id(module))
         tags.append((vpp, qualify(vpp, name or type(module).__name__), module))
     return tags
-
-
-def target_hits(tag: str, targets: Sequence[str]) -> List[str]:
-    """The targets that select the module named ``tag``: plain substring match."""
-    return [t for t in targets if t in tag]
 
 
 def select_modules(
