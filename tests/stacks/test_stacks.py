@@ -15,8 +15,8 @@ def test_plain_model_gets_the_plain_torch_stack_and_its_own_names():
     stack = detect_stack([model], opt)
     assert type(stack) is TrainingStack
     session = TorchSession(model, opt, {}, "unused")
-    assert [i.name for i in session.optimizer_params()] == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
-    assert session.unreduced_capture(False, 1) is None  # the default hooks on the parameters
+    assert [i.name for i in session.table.optimizer_params()] == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    assert session.stack.unreduced_capture(session.table, False, 1) is None  # the default hooks on the parameters
     assert session.reduced_grads() == []  # no gradients yet
     assert [t is i.param for i, t in session.param_values()] == [True] * 4
 

@@ -24,13 +24,17 @@ from dataclasses import dataclass, field
 from typing import List, Sequence, Tuple
 
 from .errors import OutputError
-from .monitor import target_hits
 
 FILE_NAME = "structure.txt"
 _TITLE = re.compile(r"^# msprobe-monitor model structure: rank (?P<rank>\d+), framework (?P<fr>\w+),")
 CONTAINER_NOTE = "container: never called itself, no rows of its own (its children have them)"
 FROZEN = "frozen"
 TRAINABLE = "trainable"
+
+
+def target_hits(tag: str, targets: Sequence[str]) -> List[str]:
+    """The targets that select the module named ``tag``: plain substring match."""
+    return [t for t in targets if t in tag]
 
 
 @dataclass

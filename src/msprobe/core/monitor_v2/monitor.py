@@ -17,7 +17,11 @@ from typing import Any, Callable, ClassVar, List, Mapping, Sequence, Tuple
 
 from . import rows
 from .checks import Fields, at_least, check_bool, check_str_list
+from .backend import Session
 from .logonce import LogOnce
+# target_hits lives with the structure listing, which must not import the monitors
+# (the back-end protocols name its Structure); both select modules with it.
+from .model_structure import target_hits
 from .stats import Record
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -100,7 +104,7 @@ class Monitor:
     with_micro_step: ClassVar[bool] = False
     needs_optimizer: ClassVar[bool] = False
 
-    def __init__(self, settings: MonitorSettings, session: Any, errors: ContainedErrors) -> None:
+    def __init__(self, settings: MonitorSettings, session: Session, errors: ContainedErrors) -> None:
         self.settings = settings
         self.session = session
         self.errors = errors
@@ -156,11 +160,6 @@ def module_tags(
         seen.add(id(module))
         tags.append((vpp, qualify(vpp, name or type(module).__name__), module))
     return tags
-
-
-def target_hits(tag: str, targets: Sequence[str]) -> List[str]:
-    """The targets that select the module named ``tag``: plain substring match."""
-    return [t for t in targets if t in tag]
 
 
 def select_modules(

@@ -21,6 +21,7 @@ import weakref
 from typing import Any, Dict, List, Mapping, Optional, Union
 
 from .alert import make_alerter
+from .backend import Session
 from .config import MonitorConfig, load_config
 from .errors import ConfigError, MonitorStateError
 from .frameworks import load_backend
@@ -53,6 +54,7 @@ class TrainerMonitorV2:
         self._active = False
         self._state = "new"  # new -> running | idle (rank not monitored) -> stopped
         self._writer: Any = None
+        self._session: Optional[Session] = None  # from start() to stop()
         self._step_hooks = Patch()
         self._patched = False
         self._written_steps = 0
@@ -115,7 +117,7 @@ class TrainerMonitorV2:
                     f"start(): monitor '{settings.name}' needs the optimizer: call start(model=..., optimizer=...)",
                     field="optimizer",
                 )
-        session = backend.Session(model, optimizer, context, self.rank_dir)
+        session: Session = backend.Session(model, optimizer, context, self.rank_dir)
         self.monitors = [backend.MONITORS[s.name](s, session, self.errors) for s in enabled]
 
         outputs = [MonitorOutput(m.name, m.settings.ops, m.with_micro_step) for m in self.monitors]
@@ -156,7 +158,7 @@ class TrainerMonitorV2:
         _RUNNING.add(self)
         self._begin_step(first_step)
 
-    def _write_structure(self, session: Any) -> None:
+    def _write_structure(self, session: Session) -> None:
         """``rank_<r>/structure.txt`` (``"structure": true``): the names ``targets`` and rows use."""
         module = self.config.monitors.get("module")
         enabled = module is not None and module.enabled

@@ -1,7 +1,9 @@
 """Framework back ends. Each exposes the same small interface:
 
-- ``Session(model, optimizer, context, rank_dir)``: model chunks, parameter names, the optimizer,
-  the statistics engine (``session.engine``) and ``install_step_hooks(before, after)``;
+- ``Session(model, optimizer, context, rank_dir)``: a class whose instances satisfy
+  ``backend.Session`` (the protocol: model chunks, the ``ParamTable`` of parameter names,
+  the optimizer, the statistics engine ``session.engine``, a ``backend.StatsEngine``, and
+  ``install_step_hooks(before, after)``);
 - ``MONITORS``: monitor name -> monitor class;
 - ``global_rank()``: the rank used for the output directory.
 """

@@ -97,7 +97,7 @@ class MsModuleMonitor(Monitor):
         # hook after them (hooks run in the order they were registered).
         installs = [(root, functools.partial(self._track_enter, root)) for root in roots]
         installs += [(cell, functools.partial(self._hook, cell, vpp, tag))
-                     for vpp, tag, cell in select_modules(named, targets, self.session.qualify)]
+                     for vpp, tag, cell in select_modules(named, targets, self.session.table.qualify)]
         installs += [(root, functools.partial(self._track_leave, root)) for root in roots]
         for cell, install in installs:
             if optimizer is not None and any(c is optimizer for _, c in cell.cells_and_names()):

@@ -4,11 +4,12 @@ parameter names, the optimizer, the statistics engine and the optimizer-step hoo
 MindSpore optimizers are Cells called with the gradients (``optimizer(grads)``, also
 inside ``nn.TrainOneStepCell``). A forward pre-hook on the optimizer sees those
 gradients (after any ``DistributedGradReducer``) right before the update, and a forward
-hook runs right after it: they play the role of PyTorch's optimizer step hooks.
+hook runs right after it: they play the role of PyTorch's optimizer step hooks; the
+pre-hook keeps those gradients for the step, and ``reduced_grads()`` names them.
 """
 
 import logging
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import mindspore as ms
 from mindspore import nn
@@ -17,6 +18,7 @@ from ... import rows
 from ...errors import ConfigError, MonitorError
 from ...model_structure import ParamEntry, Structure, module_entries
 from ...monitor import module_tags
+from ...param_table import ParamInfo, ParamTable
 from ...patching import Patch, hooks
 from .. import rank_from_environment
 from .optimizer_state import optimizer_states
@@ -46,13 +48,6 @@ def check_pynative() -> None:
         )
 
 
-class ParamInfo:
-    __slots__ = ("index", "vpp_stage", "name", "param")
-
-    def __init__(self, index: int, vpp_stage: int, name: str, param: Any) -> None:
-        self.index, self.vpp_stage, self.name, self.param = index, vpp_stage, name, param
-
-
 class MsSession:
     def __init__(self, model: Any, optimizer: Any, context: Mapping[str, Any], rank_dir: str) -> None:
         check_pynative()
@@ -75,17 +70,11 @@ class MsSession:
             raise ConfigError(f"start(): optimizer must be a MindSpore optimizer (an nn.Cell), got "
                               f"{type(optimizer).__name__}", field="optimizer")
         self.chunks = self.roots = chunks
-        self.params: List[ParamInfo] = []
-        self._by_id: Dict[int, ParamInfo] = {}
-        for vpp, chunk in enumerate(chunks):
-            for name, p in chunk.parameters_and_names():
-                if id(p) not in self._by_id:
-                    self._add(vpp, self.qualify(vpp, name), p)
-        self.n_model_params = len(self.params)
-        for p in self.optimizer_parameters():
-            if id(p) not in self._by_id:
-                self._add(0, p.name, p)
-        self.current_grads: Optional[Sequence[Any]] = None
+        self.table = ParamTable([chunk.parameters_and_names() for chunk in chunks], self.is_chunk_list)
+        # a tensor only the optimizer holds is named by MindSpore's own parameter name
+        self.table.set_optimizer_params(self.table.adopt((p.name, p) for p in self.optimizer_parameters()))
+        # the gradients the optimizer was called with, from its pre-hook until its update ends
+        self._step_grads: Optional[Sequence[Any]] = None
 
     def named_modules(self) -> List[Tuple[int, str, Any]]:
         """``(vpp_stage, name, cell)`` of every Cell of every chunk: what the module monitor
@@ -96,24 +85,10 @@ class MsSession:
         """Cell names as ``targets`` matches them and parameter names as rows carry them.
         ``CellList``/``CellDict`` are never called: they are marked, having no rows."""
         containers = tuple(c for c in (getattr(nn, "CellList", None), getattr(nn, "CellDict", None)) if c)
-        modules = module_entries(module_tags(self.named_modules(), self.qualify), self.roots, containers)
+        modules = module_entries(module_tags(self.named_modules(), self.table.qualify), self.roots, containers)
         params = [ParamEntry(i.name, str(i.param.dtype), tuple(i.param.shape), bool(i.param.requires_grad))
-                  for i in self.params]
+                  for i in self.table.params]
         return Structure(framework="mindspore", rank=global_rank(), modules=modules, params=params)
-
-    def _add(self, vpp: int, name: str, p: Any) -> None:
-        info = ParamInfo(len(self.params), vpp, name, p)
-        self.params.append(info)
-        self._by_id[id(p)] = info
-
-    def qualify(self, vpp_stage: int, name: str) -> str:
-        return rows.chunk_name(vpp_stage, name) if self.is_chunk_list else name
-
-    def info(self, p: Any) -> ParamInfo:
-        return self._by_id[id(p)]
-
-    def model_params(self) -> List[ParamInfo]:
-        return [i for i in self.params[: self.n_model_params] if i.param.requires_grad]
 
     def optimizer_parameters(self) -> List[Any]:
         if self.optimizer is None:
@@ -123,21 +98,28 @@ class MsSession:
             params = [p for g in getattr(self.optimizer, "param_groups", []) for p in g["params"]]
         return list(params)
 
-    def optimizer_params(self) -> List[ParamInfo]:
-        return [self._by_id[id(p)] for p in self.optimizer_parameters()]
+    def reduced_grads(self) -> List[Tuple[ParamInfo, Any]]:
+        """The gradients the optimizer is applying (those it was called with, after any
+        ``DistributedGradReducer``), per parameter; empty outside its step hooks."""
+        grads = self._step_grads
+        if grads is None:
+            return []
+        return [(i, g) for i, g in zip(self.table.optimizer_params(), grads) if g is not None]
 
     def param_values(self) -> List[Tuple[ParamInfo, Any]]:
         """The values the optimizer updates, per parameter: the parameters themselves."""
-        return [(i, i.param) for i in self.optimizer_params()]
+        return [(i, i.param) for i in self.table.optimizer_params()]
 
-    def expand(self, items: Sequence[Tuple[ParamInfo, Any]], scope: str, suffix: str = ""):
+    def expand(self, items: Sequence[Tuple[ParamInfo, Any]], scope: str,
+               suffix: str = "") -> Tuple[List[Any], List[Tuple[int, str, str, None]]]:
+        """Tensors and row keys for ``(param, tensor)`` pairs (no flat parameters here)."""
         tensors = [t for _, t in items]
         keys = [(i.vpp_stage, i.name + suffix, scope, None) for i, _ in items]
         return tensors, keys
 
-    def optimizer_states(self):
+    def optimizer_states(self) -> Iterator[Tuple[ParamInfo, str, Any]]:
         """``(param info, state name, tensor)`` for each per-parameter state tensor."""
-        infos = self.optimizer_params()
+        infos = self.table.optimizer_params()
         for i, info in enumerate(infos):
             for state_name, values in optimizer_states(self.optimizer, len(infos)):
                 yield info, state_name, values[i]
@@ -149,11 +131,11 @@ class MsSession:
 
         def pre(cell: Any, inputs: Tuple) -> None:
             grads = inputs[0] if inputs else None
-            self.current_grads = grads if isinstance(grads, (tuple, list)) else None
+            self._step_grads = grads if isinstance(grads, (tuple, list)) else None
             before()
 
         def post(cell: Any, inputs: Tuple, output: Any) -> None:
             after()
-            self.current_grads = None
+            self._step_grads = None
 
         return hooks([opt.register_forward_pre_hook(pre), opt.register_forward_hook(post)])

@@ -30,6 +30,7 @@ from ... import rows
 from ...config import resolve_micro_batches
 from ...monitor import Monitor, weight_grad_rows
 from ...logonce import LogOnce
+from ...param_table import ParamInfo
 from ...patching import remove_all
 from ...stats import Record, StatPlan
 
@@ -45,8 +46,8 @@ class MsWeightGradMonitor(Monitor):
         self.plan = StatPlan.from_ops(self.settings.ops)
         self.micro_batches = resolve_micro_batches(self.settings, self.context)
         self.per_micro_batch = self.settings.get("monitor_mbs_grad")
-        self.params = self.session.model_params() or [
-            i for i in self.session.optimizer_params() if i.param.requires_grad]
+        table = self.session.table
+        self.params = table.model_params() or [i for i in table.optimizer_params() if i.param.requires_grad]
         self._handles: List[Any] = []
         self._once = LogOnce()
         self._reset()
@@ -70,7 +71,7 @@ class MsWeightGradMonitor(Monitor):
         elif not active:
             remove_all(self._handles)
 
-    def _on_grad(self, info: Any, grad: Any) -> None:
+    def _on_grad(self, info: ParamInfo, grad: Any) -> None:
         if not self.active:
             return
         n = self._passes.get(info.index, 0) + 1
@@ -98,19 +99,14 @@ class MsWeightGradMonitor(Monitor):
         if not self.active:
             return
         self._read_short_sums()
-        grads = self.session.current_grads
-        if grads is None:
-            return
-        infos = self.session.optimizer_params()
-        items = [(i, g) for i, g in zip(infos, grads) if g is not None]
-        tensors, keys = self.session.expand(items, rows.REDUCED)
+        tensors, keys = self.session.expand(self.session.reduced_grads(), rows.REDUCED)
         self._reduced = self.session.engine.record_many(tensors, self.plan, keys)
 
     def _read_short_sums(self) -> None:
         """Parameters that got fewer passes than announced: their sum so far."""
         for index, total in self._sums.items():
             if (index, 0) not in self._unreduced:
-                info = self.session.params[index]
+                info = self.session.table.params[index]
                 self._unreduced[(index, 0)] = self.session.engine.record(
                     total, self.plan, info.vpp_stage, info.name, rows.UNREDUCED)
 

@@ -144,7 +144,7 @@ class ModuleMonitor(Monitor):
         self._once = LogOnce()
         self._pass = _Pass()  # per thread: a background evaluation never joins the training pass
         self.attached = True
-        for vpp, tag, module in select_modules(self.session.named_modules(), targets, self.session.qualify):
+        for vpp, tag, module in select_modules(self.session.named_modules(), targets, self.session.table.qualify):
             self._hook(module, vpp, tag)
         roots = {id(r): r for r in self.session.roots}
         for root in roots.values():

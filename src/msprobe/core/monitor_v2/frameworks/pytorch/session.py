@@ -1,8 +1,10 @@
 """What the PyTorch monitors share during one ``start()``/``stop()``: the model chunks,
-parameter names, the optimizer, the statistics engine, and the optimizer-step hooks."""
+parameter names, the optimizer, the statistics engine, and the optimizer-step hooks
+(``backend.Session``). Parameter names are a ``ParamTable``, which the training stack
+reads at each hook point; the stack never sees the session."""
 
 import logging
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Sequence, Tuple
 
 import torch
 
@@ -10,12 +12,13 @@ from ... import rows
 from ...errors import ConfigError
 from ...model_structure import ParamEntry, Structure, module_entries
 from ...monitor import module_tags
+from ...param_table import ParamInfo, ParamTable, unique
 from ...patching import Patch
 from .. import rank_from_environment
 from .stacks.fsdp import FlatParamLayout, fsdp1_layouts, fsdp2_modules, fsdp2_sharded_params
 from . import naming
 from .naming import class_name, named_parameters, unwrap
-from .stacks import TrainingStack, UnreducedCapture, detect_stack
+from .stacks import TrainingStack, detect_stack
 from .stats import TorchStatsEngine
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -50,16 +53,6 @@ def _as_chunks(model: Any) -> Tuple[List[torch.nn.Module], bool]:
     return chunks, is_list
 
 
-class ParamInfo:
-    __slots__ = ("index", "vpp_stage", "name", "param")
-
-    def __init__(self, index: int, vpp_stage: int, name: str, param: torch.nn.Parameter) -> None:
-        self.index = index
-        self.vpp_stage = vpp_stage
-        self.name = name
-        self.param = param
-
-
 class TorchSession:
     def __init__(self, model: Any, optimizer: Any, context: Mapping[str, Any], rank_dir: str) -> None:
         self.rank_dir = rank_dir
@@ -75,26 +68,18 @@ class TorchSession:
         if self.context.get("micro_batch_number") is None and self.context.get("grad_acc_steps") is None:
             self.context.update(self.stack.context_defaults())
         self.engine = TorchStatsEngine()
-        self.params: List[ParamInfo] = []
-        self._by_id: Dict[int, ParamInfo] = {}
-        for vpp, chunk in enumerate(self.roots):
-            for name, p in named_parameters(chunk):
-                if id(p) not in self._by_id:
-                    self._add(vpp, self.qualify(vpp, name), p)
-        self.n_model_params = len(self.params)
+        self.table = ParamTable([named_parameters(chunk) for chunk in self.roots], self.is_chunk_list)
         self._find_fsdp()
-        self._optimizer_params: List[ParamInfo] = []
         if optimizer is not None:
+            table = self.table
             model_params = self.stack.optimizer_model_params()
             if model_params is not None:
-                self._optimizer_params = _unique([self._by_id[id(p)] for p in model_params if id(p) in self._by_id])
+                table.set_optimizer_params(unique(table.info(p) for p in model_params if p in table))
             else:
-                for g, group in enumerate(optimizer.param_groups):
-                    for i, p in enumerate(group["params"]):
-                        if id(p) not in self._by_id:  # not part of the model given to start()
-                            self._add(0, rows.unlisted_param_name(g, i), p)
-                        self._optimizer_params.append(self._by_id[id(p)])
-                self._optimizer_params = _unique(self._optimizer_params)
+                # a tensor not part of the model given to start() is named by its place
+                table.set_optimizer_params(unique(table.adopt(
+                    (rows.unlisted_param_name(g, i), p)
+                    for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"]))))
 
     def _find_fsdp(self) -> None:
         """FSDP1 flat parameters (by id) and the FSDP2 modules of the model chunks; the
@@ -107,7 +92,7 @@ class TorchSession:
         for vpp, chunk in enumerate(self.chunks):
             for layout in fsdp1_layouts(chunk):
                 for seg in layout.unsharded + layout.shard:
-                    seg.name = self.qualify(vpp, seg.name)
+                    seg.name = self.table.qualify(vpp, seg.name)
                 self.flat_layouts[id(layout.flat_param)] = (vpp, layout)
                 self.fsdp_managed.add(id(layout.flat_param))
                 self.fsdp_managed.update(id(p) for p in getattr(layout.flat_param, "_params", None) or ())
@@ -149,9 +134,9 @@ class TorchSession:
         ``ModuleList``/``ModuleDict`` (and parameter containers) are never called: they
         are marked, having no rows of their own."""
         containers = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.ParameterList, torch.nn.ParameterDict)
-        modules = module_entries(module_tags(self.named_modules(), self.qualify), self.roots, containers)
+        modules = module_entries(module_tags(self.named_modules(), self.table.qualify), self.roots, containers)
         params = []
-        for info in self.params:
+        for info in self.table.params:
             p = info.param
             dtype = str(p.dtype).replace("torch.", "")
             flat = self.flat_layouts.get(id(p))
@@ -161,53 +146,21 @@ class TorchSession:
             params.append(ParamEntry(info.name, dtype, tuple(p.shape), p.requires_grad))
         return Structure(framework="pytorch", rank=global_rank(), modules=modules, params=params)
 
-    def _add(self, vpp: int, name: str, p: torch.nn.Parameter) -> None:
-        info = ParamInfo(len(self.params), vpp, name, p)
-        self.params.append(info)
-        self._by_id[id(p)] = info
-
-    def qualify(self, vpp_stage: int, name: str) -> str:
-        """Name as written in the CSV: chunk prefix for a list of chunks."""
-        return rows.chunk_name(vpp_stage, name) if self.is_chunk_list else name
-
-    def info(self, p: torch.Tensor) -> ParamInfo:
-        return self._by_id[id(p)]
-
-    def model_params(self) -> List[ParamInfo]:
-        """Parameters of the model chunks that train (``requires_grad``)."""
-        return [i for i in self.params[: self.n_model_params] if i.param.requires_grad]
-
-    def optimizer_params(self) -> List[ParamInfo]:
-        """The model parameters the optimizer updates (for flat or master tensors: the
-        parameters they stand for), each once, in the optimizer's order."""
-        return list(self._optimizer_params)
-
     def reduced_grads(self) -> List[Tuple[ParamInfo, torch.Tensor]]:
         """Gradients as they stand at the optimizer step (local shards allowed)."""
-        return self.stack.reduced_grads(self)
+        return self.stack.reduced_grads(self.table)
 
     def param_values(self) -> List[Tuple[ParamInfo, torch.Tensor]]:
         """The values the optimizer updates, per parameter (fp32 masters where the stack
         keeps them; local shards allowed)."""
-        return self.stack.param_values(self)
+        return self.stack.param_values(self.table)
 
     def optimizer_states(self) -> Iterator[Tuple[ParamInfo, str, torch.Tensor]]:
         """Every per-parameter tensor the optimizer keeps, under its own name (see
         ``TrainingStack.optimizer_states``)."""
-        return self.stack.optimizer_states(self)
-
-    def unreduced_capture(self, per_micro_batch: bool, micro_batches: int) -> Optional[UnreducedCapture]:
-        return self.stack.unreduced_capture(self, per_micro_batch, micro_batches)
+        return self.stack.optimizer_states(self.table)
 
     def install_step_hooks(self, before: Callable[[], None], after: Callable[[], None]) -> Patch:
         """Call ``before``/``after`` around every real optimizer step; returns the patch."""
         return self.stack.install_step_hooks(before, after)
 
-
-def _unique(infos: List[ParamInfo]) -> List[ParamInfo]:
-    seen, out = set(), []
-    for info in infos:
-        if info.index not in seen:
-            seen.add(info.index)
-            out.append(info)
-    return out

@@ -33,8 +33,9 @@ from ...logonce import LogOnce
 from ...patching import remove_all
 from ...rows import REDUCED, UNREDUCED, WEIGHT_GRAD
 from ...stats import Record
+from ...param_table import ParamInfo
+from .session import TorchSession
 from .stacks.fsdp import FlatSegment, fsdp2_params
-from .session import ParamInfo
 from .stacks import UnreducedCapture
 from .stats import StatPlan
 
@@ -62,6 +63,7 @@ class WeightGradMonitor(Monitor):
     name = WEIGHT_GRAD
     with_micro_step = True
     needs_optimizer = True
+    session: TorchSession  # reads the training stack and FSDP's layouts, beyond backend.Session
 
     def attach(self) -> None:
         self.plan = StatPlan.from_ops(self.settings.ops)
@@ -74,18 +76,19 @@ class WeightGradMonitor(Monitor):
         self._reset()
         self.sources: List[GradSource] = []
         self._adapter_sources: Dict[int, GradSource] = {}
-        capture = session.unreduced_capture(self.per_micro_batch, self.micro_batches)
+        table = session.table
+        capture = session.stack.unreduced_capture(table, self.per_micro_batch, self.micro_batches)
         if capture is not None:
             self._attach_capture(capture)
             return
-        infos = session.model_params() or [i for i in session.optimizer_params() if i.param.requires_grad]
+        infos = table.model_params() or [i for i in table.optimizer_params() if i.param.requires_grad]
         for info in infos:
             if id(info.param) in session.fsdp_managed:
                 continue
             self._hook_tensor(info.param, GradSource(info.index, [(info.vpp_stage, info.name, None)], info.param))
         for vpp, layout in session.flat_layouts.values():
             rows = [(vpp, seg.name, seg) for seg in layout.unsharded]
-            self._hook_tensor(layout.flat_param, GradSource(len(session.params) + len(self.sources), rows))
+            self._hook_tensor(layout.flat_param, GradSource(len(table.params) + len(self.sources), rows))
         for vpp, module in session.fsdp2_modules:
             hook = functools.partial(self._hook_fsdp2_unsharded, module)
             self._handles.append(module.register_forward_hook(
@@ -128,7 +131,7 @@ class WeightGradMonitor(Monitor):
         for sharded, unsharded in fsdp2_params(module):
             if unsharded is None or id(unsharded) in self._hooked:
                 continue
-            info = self.session.info(sharded)
+            info = self.session.table.info(sharded)
             self._hook_tensor(unsharded, GradSource(info.index, [(info.vpp_stage, info.name, None)],
                                                     reduces=reduces))
 

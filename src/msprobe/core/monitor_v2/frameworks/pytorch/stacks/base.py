@@ -5,21 +5,22 @@
 one adapter. ``TrainingStack`` itself is the adapter of plain torch, DDP and FSDP (what
 the monitors did before adapters existed); a framework adapter subclasses it, overrides
 ``detect`` and only the hook points that differ, and is listed in ``_ADAPTERS``. The
-session and the monitors call only these hook points:
+hook points (``backend.TrainingStack``, the protocol) take the session's ``ParamTable``
+(``table``) for parameter names, never the session itself:
 
 - ``optimizer_model_params()``: the *model* parameters the optimizer updates, in order
   (None: the tensors in ``optimizer.param_groups``). Flat or fp32-master tensors in the
   param groups are thus named after the parameters they belong to.
 - ``install_step_hooks(before, after)``: hook the call that is the real optimizer step,
   once per step (not a wrapper's per-micro-batch ``step()``); returns a ``patching.Patch``.
-- ``reduced_grads(session)``: ``(ParamInfo, tensor)`` of the gradients as they stand at
+- ``reduced_grads(table)``: ``(ParamInfo, tensor)`` of the gradients as they stand at
   the step, after the data-parallel reduction; local shards allowed (a tensor without
   elements is left out).
-- ``unreduced_capture(session, per_micro_batch, micro_batches)``: None for the default hooks on
+- ``unreduced_capture(table, per_micro_batch, micro_batches)``: None for the default hooks on
   the model parameters, or an ``UnreducedCapture``: the adapter's own hooks, which call
   back ``on_micro_batch(info, grad)`` / ``on_accumulated(info, grad)``, or a reason why
   the value cannot be captured exactly (logged once; no such rows are written).
-- ``param_values(session)`` / ``optimizer_states(session)``: ``(ParamInfo, tensor)`` and
+- ``param_values(table)`` / ``optimizer_states(table)``: ``(ParamInfo, tensor)`` and
   ``(ParamInfo, state_name, tensor)`` of what the optimizer updates, flat partitions and
   fp32 masters mapped back to parameter names (local shards allowed).
 - ``context_defaults()``: values the framework knows (e.g. ``grad_acc_steps``), used
@@ -33,20 +34,20 @@ once, naming what is not observed, and never raises into the training loop.
 import importlib
 import logging
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from ....backend import GradCallback, UnreducedCapture
 from ....errors import ConfigError
 from ....logonce import LogOnce
+from ....param_table import ParamInfo, ParamTable
 from ....patching import Patch, hooks, wrap_method
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ..session import ParamInfo, TorchSession
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
-GradCallback = Callable[["ParamInfo", torch.Tensor], None]
+__all__ = ["GradCallback", "TrainingStack", "UnreducedCapture", "detect_stack", "hookable_optimizer",
+           "optimizer_step_hooks", "tensor_states"]
 
 # (module that must already be imported by the user, adapter module in this package).
 # An adapter module defines ``STACK``, a TrainingStack subclass.
@@ -54,28 +55,6 @@ _ADAPTERS: Sequence[Tuple[str, str]] = (
     ("deepspeed", "deepspeed"),
     ("megatron.core", "megatron"),
 )
-
-
-class UnreducedCapture:
-    """How ``weight_grad`` captures ``unreduced`` gradients under a stack.
-
-    ``install(on_micro_batch, on_accumulated)`` installs the adapter's hooks and returns
-    their removable handles (framework hook handles or ``patching.Patch``es). A hook
-    calls ``on_micro_batch(info, grad)`` once per backward pass with that pass's own
-    gradient (``monitor_mbs_grad=true``), or
-    ``on_accumulated(info, grad)`` once per backward pass with the local gradient
-    accumulated so far (the monitor counts the passes and records after the announced
-    last micro-batch); ``grad`` may be a zero-argument callable returning it, for a value
-    that costs work to build (called only when the row is recorded). ``not_observable``
-    instead is the reason why the value cannot be captured exactly: it is logged once and
-    no ``unreduced`` rows are written."""
-
-    def __init__(self, install: Optional[Callable[[GradCallback, GradCallback], List[Any]]] = None,
-                 not_observable: Optional[str] = None) -> None:
-        if (install is None) == (not_observable is None):
-            raise ValueError("UnreducedCapture needs exactly one of install / not_observable")
-        self.install = install
-        self.not_observable = not_observable
 
 
 class TrainingStack:
@@ -127,28 +106,28 @@ class TrainingStack:
         return wrap_method(opt, "step", before, after)
 
     # ------------------------------------------------------------- gradients
-    def unreduced_capture(self, session: "TorchSession", per_micro_batch: bool,
+    def unreduced_capture(self, table: ParamTable, per_micro_batch: bool,
                           micro_batches: int) -> Optional[UnreducedCapture]:
         return None
 
-    def reduced_grads(self, session: "TorchSession") -> List[Tuple["ParamInfo", torch.Tensor]]:
-        return [(i, i.param.grad) for i in session.optimizer_params() if i.param.grad is not None]
+    def reduced_grads(self, table: ParamTable) -> List[Tuple[ParamInfo, torch.Tensor]]:
+        return [(i, i.param.grad) for i in table.optimizer_params() if i.param.grad is not None]
 
     # ------------------------------------------------------ optimizer, params
-    def param_values(self, session: "TorchSession") -> List[Tuple["ParamInfo", torch.Tensor]]:
-        return [(i, i.param) for i in session.optimizer_params()]
+    def param_values(self, table: ParamTable) -> List[Tuple[ParamInfo, torch.Tensor]]:
+        return [(i, i.param) for i in table.optimizer_params()]
 
-    def optimizer_states(self, session: "TorchSession") -> Iterator[Tuple["ParamInfo", str, torch.Tensor]]:
+    def optimizer_states(self, table: ParamTable) -> Iterator[Tuple[ParamInfo, str, torch.Tensor]]:
         """Every per-parameter tensor the optimizer keeps, under its own name: Adam/AdamW
         ``exp_avg``/``exp_avg_sq`` (and ``max_exp_avg_sq``), SGD ``momentum_buffer``,
         Adagrad ``sum``, RMSprop ``square_avg``... The scalar ``step`` is not state of the
         parameter's values."""
         state = self.optimizer.state
-        for info in session.optimizer_params():
+        for info in table.optimizer_params():
             yield from tensor_states(info, state.get(info.param, {}))
 
 
-def tensor_states(info: "ParamInfo", state: Any) -> Iterator[Tuple["ParamInfo", str, torch.Tensor]]:
+def tensor_states(info: ParamInfo, state: Any) -> Iterator[Tuple[ParamInfo, str, torch.Tensor]]:
     """The non-scalar tensors of one parameter's optimizer state, by state name."""
     for key, value in state.items():
         if key != "step" and isinstance(value, torch.Tensor) and value.dim() > 0:

@@ -48,6 +48,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from ....param_table import ParamInfo, ParamTable
 from ....patching import Patch, wrap_method
 from .base import TrainingStack, UnreducedCapture
 
@@ -186,24 +187,24 @@ class DeepSpeedStack(TrainingStack):
         return wrap_method(engine, "step", before, after, when=engine.is_gradient_accumulation_boundary)
 
     # ------------------------------------------------------------- gradients
-    def unreduced_capture(self, session: Any, per_micro_batch: bool, micro_batches: int) -> Optional[UnreducedCapture]:
+    def unreduced_capture(self, table: ParamTable, per_micro_batch: bool, micro_batches: int) -> Optional[UnreducedCapture]:
         if per_micro_batch:
             return None  # the gradient of each pass
-        return self.reader.unreduced_capture(session, micro_batches)
+        return self.reader.unreduced_capture(table, micro_batches)
 
-    def tensor_hook_capture(self, session: Any, prior: Callable[[torch.Tensor], Optional[torch.Tensor]]
+    def tensor_hook_capture(self, table: ParamTable, prior: Callable[[torch.Tensor], Optional[torch.Tensor]]
                             ) -> UnreducedCapture:
         """Accumulated local gradient = what the stack accumulated before this pass +
         this pass's gradient, read in a tensor hook (before autograd accumulates it and
         before DeepSpeed's own hooks move it). The sum is built, in the accumulation
         dtype, only for the pass whose row is recorded: the same addition DeepSpeed
         makes, so the value is exact; the temporary is freed once its statistics exist."""
-        infos = [i for i in session.model_params()]
+        infos = [i for i in table.model_params()]
 
         def install(on_micro_batch: Callable, on_accumulated: Callable) -> List[Any]:
             handles = []
             for info in infos:
-                def hook(grad: torch.Tensor, info: Any = info) -> None:
+                def hook(grad: torch.Tensor, info: ParamInfo = info) -> None:
                     on_accumulated(info, lambda: _accumulate(prior(info.param), grad))
                 handles.append(info.param.register_hook(hook))
             return handles
@@ -214,25 +215,25 @@ class DeepSpeedStack(TrainingStack):
     # shape in another DeepSpeed version ends that reading with one log line, not an error.
     _MOVED = (AttributeError, KeyError, IndexError, TypeError, RuntimeError)
 
-    def reduced_grads(self, session: Any) -> List[Tuple[Any, torch.Tensor]]:
+    def reduced_grads(self, table: ParamTable) -> List[Tuple[ParamInfo, torch.Tensor]]:
         try:
-            return self.reader.reduced_grads(session)
+            return self.reader.reduced_grads(table)
         except self._MOVED as exc:
             self.log_once("read:reduced", "cannot read the reduced gradients of %s (%r); 'reduced' rows are not "
                           "written", type(self.ds_optimizer).__name__, exc)
             return []
 
-    def param_values(self, session: Any) -> List[Tuple[Any, torch.Tensor]]:
+    def param_values(self, table: ParamTable) -> List[Tuple[ParamInfo, torch.Tensor]]:
         try:
-            return self.reader.param_values(session)
+            return self.reader.param_values(table)
         except self._MOVED as exc:
             self.log_once("read:param", "cannot read the weights %s updates (%r); 'param' rows are not written",
                           type(self.ds_optimizer).__name__, exc)
             return []
 
-    def optimizer_states(self, session: Any) -> Iterator[Tuple[Any, str, torch.Tensor]]:
+    def optimizer_states(self, table: ParamTable) -> Iterator[Tuple[ParamInfo, str, torch.Tensor]]:
         try:
-            states = list(self.reader.optimizer_states(session))
+            states = list(self.reader.optimizer_states(table))
         except self._MOVED as exc:
             self.log_once("read:state", "cannot read the optimizer state of %s (%r); 'optimizer' rows are not "
                           "written", type(self.ds_optimizer).__name__, exc)
@@ -240,14 +241,14 @@ class DeepSpeedStack(TrainingStack):
         return iter(states)
 
     # the plain-torch readings, for the readers of a torch optimizer
-    def torch_reduced_grads(self, session: Any) -> List[Tuple[Any, torch.Tensor]]:
-        return super().reduced_grads(session)
+    def torch_reduced_grads(self, table: ParamTable) -> List[Tuple[ParamInfo, torch.Tensor]]:
+        return super().reduced_grads(table)
 
-    def torch_param_values(self, session: Any) -> List[Tuple[Any, torch.Tensor]]:
-        return super().param_values(session)
+    def torch_param_values(self, table: ParamTable) -> List[Tuple[ParamInfo, torch.Tensor]]:
+        return super().param_values(table)
 
-    def torch_optimizer_states(self, session: Any) -> Iterator[Tuple[Any, str, torch.Tensor]]:
-        return super().optimizer_states(session)
+    def torch_optimizer_states(self, table: ParamTable) -> Iterator[Tuple[ParamInfo, str, torch.Tensor]]:
+        return super().optimizer_states(table)
 
 
 class _Reader:
@@ -271,17 +272,17 @@ class _Reader:
             return []
         return _flat(groups)
 
-    def unreduced_capture(self, session: Any, micro_batches: int) -> Optional[UnreducedCapture]:
+    def unreduced_capture(self, table: ParamTable, micro_batches: int) -> Optional[UnreducedCapture]:
         return None  # .grad accumulating until the boundary: the default hooks
 
-    def reduced_grads(self, session: Any) -> List[Tuple[Any, torch.Tensor]]:
-        return self.stack.torch_reduced_grads(session)
+    def reduced_grads(self, table: ParamTable) -> List[Tuple[ParamInfo, torch.Tensor]]:
+        return self.stack.torch_reduced_grads(table)
 
-    def param_values(self, session: Any) -> List[Tuple[Any, torch.Tensor]]:
-        return self.stack.torch_param_values(session)
+    def param_values(self, table: ParamTable) -> List[Tuple[ParamInfo, torch.Tensor]]:
+        return self.stack.torch_param_values(table)
 
-    def optimizer_states(self, session: Any) -> Iterator[Tuple[Any, str, torch.Tensor]]:
-        return self.stack.torch_optimizer_states(session)
+    def optimizer_states(self, table: ParamTable) -> Iterator[Tuple[ParamInfo, str, torch.Tensor]]:
+        return self.stack.torch_optimizer_states(table)
 
     def inner_state(self) -> Optional[Any]:
         """The state of the torch optimizer inside ``engine.optimizer`` (None: said once)."""
@@ -322,16 +323,16 @@ class _MastersReader(_Reader):
             return {}
         return {id(p): m for p, m in zip(_flat(lows), _flat(masters))}
 
-    def param_values(self, session: Any) -> List[Tuple[Any, torch.Tensor]]:
+    def param_values(self, table: ParamTable) -> List[Tuple[ParamInfo, torch.Tensor]]:
         masters = self.masters()
-        return [(i, masters[id(i.param)]) for i in session.optimizer_params() if id(i.param) in masters]
+        return [(i, masters[id(i.param)]) for i in table.optimizer_params() if id(i.param) in masters]
 
-    def optimizer_states(self, session: Any) -> Iterator[Tuple[Any, str, torch.Tensor]]:
+    def optimizer_states(self, table: ParamTable) -> Iterator[Tuple[ParamInfo, str, torch.Tensor]]:
         state = self.inner_state()
         if state is None:
             return
         masters = self.masters()
-        for info in session.optimizer_params():
+        for info in table.optimizer_params():
             master = masters.get(id(info.param))
             if master is not None:
                 for key, value in _moments(state, master):
@@ -344,13 +345,13 @@ class _FragmentReader(_Reader):
 
     flats_attr = ""  # this rank's flat fp32 partition of each group, where the moments are kept
 
-    def reduced_grads(self, session: Any) -> List[Tuple[Any, torch.Tensor]]:
-        return self.fragments(session, _hp_grad_fragment, "reduced gradients")
+    def reduced_grads(self, table: ParamTable) -> List[Tuple[ParamInfo, torch.Tensor]]:
+        return self.fragments(table, _hp_grad_fragment, "reduced gradients")
 
-    def param_values(self, session: Any) -> List[Tuple[Any, torch.Tensor]]:
-        return self.fragments(session, lambda p, m: m.hp_fragment, "fp32 master weights")
+    def param_values(self, table: ParamTable) -> List[Tuple[ParamInfo, torch.Tensor]]:
+        return self.fragments(table, lambda p, m: m.hp_fragment, "fp32 master weights")
 
-    def optimizer_states(self, session: Any) -> Iterator[Tuple[Any, str, torch.Tensor]]:
+    def optimizer_states(self, table: ParamTable) -> Iterator[Tuple[ParamInfo, str, torch.Tensor]]:
         state = self.inner_state()
         if state is None:
             return
@@ -359,7 +360,7 @@ class _FragmentReader(_Reader):
             self.stack.log_once("flats", "%s has no '%s'; no optimizer rows", type(self.opt).__name__,
                                 self.flats_attr)
             return
-        for info in session.optimizer_params():
+        for info in table.optimizer_params():
             mapping = getattr(info.param, "_hp_mapping", None)
             if mapping is None:
                 continue  # no fragment of this parameter on this rank
@@ -368,10 +369,10 @@ class _FragmentReader(_Reader):
             for key, value in _moments(state, flat):
                 yield info, key, value.narrow(0, addr.start, addr.numel)
 
-    def fragments(self, session: Any, read: Callable[[torch.Tensor, Any], Optional[torch.Tensor]],
-                  what: str) -> List[Tuple[Any, torch.Tensor]]:
+    def fragments(self, table: ParamTable, read: Callable[[torch.Tensor, Any], Optional[torch.Tensor]],
+                  what: str) -> List[Tuple[ParamInfo, torch.Tensor]]:
         out = []
-        for info in session.optimizer_params():
+        for info in table.optimizer_params():
             if not hasattr(info.param, "_hp_mapping"):
                 self.stack.log_once("hp_mapping", "parameters carry no _hp_mapping; %s are not observed", what)
                 return []
@@ -390,12 +391,12 @@ class _Zero12Reader(_FragmentReader):
     groups_attr = "bit16_groups"
     flats_attr = "single_partition_of_fp32_groups"
 
-    def unreduced_capture(self, session: Any, micro_batches: int) -> Optional[UnreducedCapture]:
+    def unreduced_capture(self, table: ParamTable, micro_batches: int) -> Optional[UnreducedCapture]:
         if getattr(self.opt, "partition_gradients", True):  # ZeRO-2
-            return _partitioned_unreduced(self.stack, session, micro_batches, 2)
+            return _partitioned_unreduced(self.stack, table, micro_batches, 2)
         if getattr(self.opt, "use_grad_accum_attribute", False):
-            return self.stack.tensor_hook_capture(session, lambda p: getattr(p, "grad_accum", None))
-        return self.stack.tensor_hook_capture(session, lambda p: p.grad)
+            return self.stack.tensor_hook_capture(table, lambda p: getattr(p, "grad_accum", None))
+        return self.stack.tensor_hook_capture(table, lambda p: p.grad)
 
 
 class _Bf16Reader(_FragmentReader):
@@ -404,13 +405,13 @@ class _Bf16Reader(_FragmentReader):
     groups_attr = "bf16_groups"
     flats_attr = "fp32_groups_flat_partition"
 
-    def unreduced_capture(self, session: Any, micro_batches: int) -> Optional[UnreducedCapture]:
+    def unreduced_capture(self, table: ParamTable, micro_batches: int) -> Optional[UnreducedCapture]:
         groups, grads = getattr(self.opt, "bf16_groups", None), getattr(self.opt, "fp32_groups_gradients", None)
         if groups is None or grads is None:
             return UnreducedCapture(not_observable=(
                 "BF16_Optimizer has no readable fp32_groups_gradients, where it accumulates local gradients"))
         prior = {id(p): g for group, ggroup in zip(groups, grads) for p, g in zip(group, ggroup)}
-        return self.stack.tensor_hook_capture(session, lambda p: prior.get(id(p)))
+        return self.stack.tensor_hook_capture(table, lambda p: prior.get(id(p)))
 
 
 class _Zero3Reader(_Reader):
@@ -419,10 +420,10 @@ class _Zero3Reader(_Reader):
 
     groups_attr = "fp16_groups"
 
-    def unreduced_capture(self, session: Any, micro_batches: int) -> Optional[UnreducedCapture]:
-        return _partitioned_unreduced(self.stack, session, micro_batches, 3)
+    def unreduced_capture(self, table: ParamTable, micro_batches: int) -> Optional[UnreducedCapture]:
+        return _partitioned_unreduced(self.stack, table, micro_batches, 3)
 
-    def reduced_grads(self, session: Any) -> List[Tuple[Any, torch.Tensor]]:
+    def reduced_grads(self, table: ParamTable) -> List[Tuple[ParamInfo, torch.Tensor]]:
         out = []
         opt = self.opt
         groups, grads = getattr(opt, "fp16_groups", None), getattr(opt, "averaged_gradients", None)
@@ -430,7 +431,7 @@ class _Zero3Reader(_Reader):
             self.stack.log_once("z3grads", "DeepSpeedZeroOptimizer_Stage3 has no averaged_gradients; 'reduced' "
                                 "rows are not written")
             return out
-        wanted = {id(i.param): i for i in session.optimizer_params()}
+        wanted = {id(i.param): i for i in table.optimizer_params()}
         for g, group in enumerate(groups):
             pieces = grads.get(g)
             if pieces is None:
@@ -444,18 +445,18 @@ class _Zero3Reader(_Reader):
                     out.append((info, grad.reshape(-1).narrow(0, 0, _zero3_valid(opt, p, grad.numel()))))
         return out
 
-    def param_values(self, session: Any) -> List[Tuple[Any, torch.Tensor]]:
-        return [(info, flat.narrow(0, offset, numel)) for info, flat, offset, numel in self.positions(session)]
+    def param_values(self, table: ParamTable) -> List[Tuple[ParamInfo, torch.Tensor]]:
+        return [(info, flat.narrow(0, offset, numel)) for info, flat, offset, numel in self.positions(table)]
 
-    def optimizer_states(self, session: Any) -> Iterator[Tuple[Any, str, torch.Tensor]]:
+    def optimizer_states(self, table: ParamTable) -> Iterator[Tuple[ParamInfo, str, torch.Tensor]]:
         state = self.inner_state()
         if state is None:
             return
-        for info, flat, offset, numel in self.positions(session):
+        for info, flat, offset, numel in self.positions(table):
             for key, value in _moments(state, flat):
                 yield info, key, value.narrow(0, offset, numel)
 
-    def positions(self, session: Any) -> Iterator[Tuple[Any, torch.Tensor, int, int]]:
+    def positions(self, table: ParamTable) -> Iterator[Tuple[ParamInfo, torch.Tensor, int, int]]:
         """``(info, flat master partition, offset, elements)`` of this rank's partition of
         each ZeRO-3 parameter, without the padding of the last partition."""
         opt = self.opt
@@ -465,7 +466,7 @@ class _Zero3Reader(_Reader):
             self.stack.log_once("z3", "DeepSpeedZeroOptimizer_Stage3 has no fp32_partitioned_groups_flat/"
                                 "grad_position; parameters and moments are not observed")
             return
-        for info in session.optimizer_params():
+        for info in table.optimizer_params():
             p = info.param
             pos = positions.get(opt.get_param_id(p))
             if pos is None:
@@ -484,7 +485,7 @@ _READERS: Dict[str, type] = {
 }
 
 
-def _partitioned_unreduced(stack: DeepSpeedStack, session: Any, micro_batches: int,
+def _partitioned_unreduced(stack: DeepSpeedStack, table: ParamTable, micro_batches: int,
                            stage: int) -> UnreducedCapture:
     """ZeRO-2/3 reduce-scatter each pass's gradient during backward: the accumulated
     local gradient exists only when there is one pass per step."""
@@ -495,7 +496,7 @@ def _partitioned_unreduced(stack: DeepSpeedStack, session: Any, micro_batches: i
             f"holds the accumulated local gradient of a step ({passes} micro-batches per step); set "
             f"monitor_mbs_grad=true for one exact row per micro-batch"))
     # one micro-batch per step: the gradient of the only pass is the accumulated one
-    return stack.tensor_hook_capture(session, lambda p: None)
+    return stack.tensor_hook_capture(table, lambda p: None)
 
 
 def _hp_grad_fragment(param: torch.Tensor, mapping: Any) -> Optional[torch.Tensor]:
@@ -559,7 +560,7 @@ class DeepSpeedWithoutEngine(TrainingStack):
     def optimizer_model_params(self) -> Optional[List[torch.Tensor]]:
         return []
 
-    def unreduced_capture(self, session: Any, per_micro_batch: bool, micro_batches: int) -> Optional[UnreducedCapture]:
+    def unreduced_capture(self, table: ParamTable, per_micro_batch: bool, micro_batches: int) -> Optional[UnreducedCapture]:
         return UnreducedCapture(not_observable=(
             f"DeepSpeed's {type(self.ds_optimizer).__name__} was given without its DeepSpeedEngine (see the "
             "warning above)"))

@@ -34,14 +34,12 @@ logged once, naming what is not observable, and never raises into training.
 """
 
 import functools
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from ....param_table import ParamInfo, ParamTable
 from .base import GradCallback, TrainingStack, UnreducedCapture, tensor_states
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ..session import ParamInfo, TorchSession
 
 # Megatron's wrappers whose ``.module`` is the user's model (how the stack is detected;
 # naming.py strips them from names with every other pure wrapper).
@@ -189,26 +187,26 @@ class MegatronStack(TrainingStack):
             entries.append(MasterEntry(p, shard, opt.optimizer, (rng.start, rng.end)))
         return entries
 
-    def _pairs_for(self, session: "TorchSession") -> Iterator[Tuple["ParamInfo", MasterEntry]]:
+    def _pairs_for(self, table: ParamTable) -> Iterator[Tuple[ParamInfo, MasterEntry]]:
         for e in self.entries:
             try:
-                info = session.info(e.model_param)
+                info = table.info(e.model_param)
             except KeyError:  # a parameter of a model chunk not given to start()
                 continue
             yield info, e
 
     # ------------------------------------------------------------- gradients
-    def reduced_grads(self, session: "TorchSession") -> List[Tuple["ParamInfo", torch.Tensor]]:
+    def reduced_grads(self, table: ParamTable) -> List[Tuple[ParamInfo, torch.Tensor]]:
         if not self.megatron_optimizer:
-            return super().reduced_grads(session)
+            return super().reduced_grads(table)
         out = []
-        for info, e in self._pairs_for(session):
+        for info, e in self._pairs_for(table):
             grad = e.reduced_grad()
             if grad is not None:
                 out.append((info, grad))
         return out
 
-    def unreduced_capture(self, session: "TorchSession", per_micro_batch: bool,
+    def unreduced_capture(self, table: ParamTable, per_micro_batch: bool,
                           micro_batches: int) -> Optional[UnreducedCapture]:
         if self.fsdp:
             return UnreducedCapture(not_observable="Megatron FSDP (use_megatron_fsdp) is not supported")
@@ -220,16 +218,16 @@ class MegatronStack(TrainingStack):
                 "Megatron-Core's DistributedDataParallel with overlap_grad_reduce=True starts reducing "
                 "main_grad inside the last backward pass, so the accumulated local gradient is never whole "
                 "and unreduced at one point (monitor_mbs_grad=true gives each micro-batch's own gradient)"))
-        return UnreducedCapture(install=functools.partial(self._install_unreduced, per_micro_batch, session))
+        return UnreducedCapture(install=functools.partial(self._install_unreduced, per_micro_batch, table))
 
-    def _install_unreduced(self, per_micro_batch: bool, session: "TorchSession", on_micro_batch: GradCallback,
+    def _install_unreduced(self, per_micro_batch: bool, table: ParamTable, on_micro_batch: GradCallback,
                            on_accumulated: GradCallback) -> List[Any]:
         handles: List[Any] = []
         for chunk in self.ddp_chunks:
             for p in chunk.module.parameters():
                 if not (p.requires_grad and hasattr(p, "main_grad")):
                     continue
-                info = session.info(p)
+                info = table.info(p)
                 if per_micro_batch:
                     handles.append(p.register_hook(functools.partial(self._micro_batch_grad, on_micro_batch, info, p)))
                     continue
@@ -243,7 +241,7 @@ class MegatronStack(TrainingStack):
                 handles.append(node.register_hook(functools.partial(self._accumulated, on_accumulated, info, p)))
         return handles
 
-    def _micro_batch_grad(self, callback: GradCallback, info: "ParamInfo", p: torch.Tensor,
+    def _micro_batch_grad(self, callback: GradCallback, info: ParamInfo, p: torch.Tensor,
                           grad: torch.Tensor) -> None:
         if getattr(p, "grad_added_to_main_grad", False):
             # Fused weight-gradient accumulation (Transformer Engine / APEX) already wrote the
@@ -255,22 +253,22 @@ class MegatronStack(TrainingStack):
         callback(info, grad)
 
     @staticmethod
-    def _accumulated(callback: GradCallback, info: "ParamInfo", p: torch.Tensor, *_: Any) -> None:
+    def _accumulated(callback: GradCallback, info: ParamInfo, p: torch.Tensor, *_: Any) -> None:
         # main_grad is read inside the contained callback (and only for a recorded pass):
         # a Megatron that dropped the attribute gets a logged error, not one in autograd.
         callback(info, functools.partial(getattr, p, "main_grad"))
 
     # ------------------------------------------------------ optimizer, params
-    def param_values(self, session: "TorchSession") -> List[Tuple["ParamInfo", torch.Tensor]]:
+    def param_values(self, table: ParamTable) -> List[Tuple[ParamInfo, torch.Tensor]]:
         if not self.megatron_optimizer:
-            return super().param_values(session)
-        return [(info, e.value) for info, e in self._pairs_for(session)]
+            return super().param_values(table)
+        return [(info, e.value) for info, e in self._pairs_for(table)]
 
-    def optimizer_states(self, session: "TorchSession") -> Iterator[Tuple["ParamInfo", str, torch.Tensor]]:
+    def optimizer_states(self, table: ParamTable) -> Iterator[Tuple[ParamInfo, str, torch.Tensor]]:
         if not self.megatron_optimizer:
-            yield from super().optimizer_states(session)
+            yield from super().optimizer_states(table)
             return
-        for info, e in self._pairs_for(session):
+        for info, e in self._pairs_for(table):
             yield from tensor_states(info, e.state())
 
 
