@@ -101,7 +101,6 @@ class Monitor:
     """Base of all monitors; subclasses set ``name`` and override the hooks they need."""
 
     name: ClassVar[str] = ""
-    with_micro_step: ClassVar[bool] = False
     needs_optimizer: ClassVar[bool] = False
 
     def __init__(self, settings: MonitorSettings, session: Session, errors: ContainedErrors) -> None:

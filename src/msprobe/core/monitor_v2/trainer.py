@@ -20,6 +20,7 @@ import time
 import weakref
 from typing import Any, Dict, List, Mapping, Optional, Union
 
+from . import rows
 from .alert import make_alerter
 from .backend import Session
 from .config import MonitorConfig, load_config
@@ -120,7 +121,7 @@ class TrainerMonitorV2:
         session: Session = backend.Session(model, optimizer, context, self.rank_dir)
         self.monitors = [backend.MONITORS[s.name](s, session, self.errors) for s in enabled]
 
-        outputs = [MonitorOutput(m.name, m.settings.ops, m.with_micro_step) for m in self.monitors]
+        outputs = [MonitorOutput(m.name, m.settings.ops, m.name in rows.MICRO_STEP_MONITORS) for m in self.monitors]
         writer = CsvWriter(
             self.rank_dir,
             self.schedule,
@@ -160,7 +161,7 @@ class TrainerMonitorV2:
 
     def _write_structure(self, session: Session) -> None:
         """``rank_<r>/structure.txt`` (``"structure": true``): the names ``targets`` and rows use."""
-        module = self.config.monitors.get("module")
+        module = self.config.monitors.get(rows.MODULE)
         enabled = module is not None and module.enabled
         path = write_structure(self.rank_dir, session.structure(), module.get("targets") if enabled else (), enabled)
         from .analysis.command import command_line  # light: no Polars on the training side

@@ -39,7 +39,6 @@ logger = logging.getLogger("msprobe.monitor_v2")
 
 class MsWeightGradMonitor(Monitor):
     name = rows.WEIGHT_GRAD
-    with_micro_step = True
     needs_optimizer = True
 
     def attach(self) -> None:

@@ -61,7 +61,6 @@ class GradSource:
 
 class WeightGradMonitor(Monitor):
     name = WEIGHT_GRAD
-    with_micro_step = True
     needs_optimizer = True
     session: TorchSession  # reads the training stack and FSDP's layouts, beyond backend.Session
 
