@@ -46,6 +46,8 @@ _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stats_kernel
 _BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-pthread"]
 # Retried without CPU-specific clones where the compiler or libc lacks them.
 _FLAG_SETS = [_BASE_FLAGS, _BASE_FLAGS + ["-DMSPROBE_NO_CLONES"]]
+# Made once: building the array type per call costs ~0.2 us of a small tensor's ~3 us call.
+_FOUR_DOUBLES = ctypes.c_double * 4
 
 
 class NativeStats:
@@ -74,7 +76,7 @@ class NativeStats:
         """``([min, max, sum, norm], nan_count)`` of ``count`` elements at ``pointer``
         (contiguous, ``count`` > 0). Min and max are NaN when the count is not zero.
         ctypes releases the GIL for the duration of the call."""
-        out = (ctypes.c_double * 4)()
+        out = _FOUR_DOUBLES()
         nans = self._fn(pointer, count, dtype_code, threads, out)
         mn, mx, total, sumsq = out
         if nans:
@@ -85,7 +87,7 @@ class NativeStats:
                     threads: int = 1) -> Tuple[List[float], int, int]:
         """``stats`` and the number of elements equal to zero (``-0.0`` counts, NaN does
         not), from the same read: ``([min, max, sum, norm], nan_count, zero_count)``."""
-        out = (ctypes.c_double * 4)()
+        out = _FOUR_DOUBLES()
         zeros = ctypes.c_int64(0)
         nans = self._fn_zeros(pointer, count, dtype_code, threads, out, ctypes.byref(zeros))
         mn, mx, total, sumsq = out
