@@ -15,7 +15,8 @@ statistic).
 As in overhead.py, the same model and optimizer alternate timed windows of training
 steps without and with the monitor in one process, the order flipped every round
 (benchmarks/alternating.py). For each tensor count and config the table gives the
-median ratio (with / without) and its spread over rounds, the plain step time, the
+median ratio (with / without) and its spread over rounds, the median ratio of the
+process's CPU time (steadier on a shared machine), the plain step time, the
 monitor's own time per written step (timed inside it) and that time divided by the
 number of parameter tensors, and the machine's load average at the end of the row
 (the numbers are only comparable at the same load).
@@ -26,6 +27,7 @@ import json
 import logging
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -115,7 +117,10 @@ class DeepBench:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
 
-    def window(self, cfg: Optional[dict]) -> float:
+    def window(self, cfg: Optional[dict]) -> Tuple[float, float]:
+        """(wall seconds, this process's CPU seconds) of ``steps_per_window`` steps: on a
+        shared machine the CPU time is the steadier of the two (a core taken by another
+        process stretches the wall time, not this process's CPU time)."""
         mon = None
         if cfg is not None:
             out = os.path.join(self.out, "run")
@@ -123,14 +128,14 @@ class DeepBench:
             mon = TrainerMonitorV2({**cfg, "output_dir": out})
             mon.start(model=self.model, optimizer=self.opt)
         self.sync()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         self.train_steps(self.args.steps_per_window)
         self.sync()
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         if mon is not None:
             self.busy = mon.busy_seconds
             mon.stop()
-        return elapsed
+        return elapsed, cpu
 
     def run_config(self, name: str, cfg: dict) -> dict:
         timed = alternate(lambda monitored: self.window(cfg if monitored else None), lambda: self.busy,
@@ -142,6 +147,7 @@ class DeepBench:
             "median": timed.median,
             "min": timed.min,
             "max": timed.max,
+            "cpu_median": statistics.median(timed.more_ratios[0]),
             "plain_ms": timed.plain_median * 1e3,
             "own_ms": own_ms,
             "own_us_per_tensor": own_ms * 1e3 / self.tensors,
@@ -209,12 +215,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         finally:
             bench.close()
     print()
-    print("| tensors | config | median ratio (with / without) | spread (min..max) | plain step | "
+    print("| tensors | config | median ratio (with / without) | spread (min..max) | CPU-time ratio | plain step | "
           "monitor per step | monitor per tensor | load |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(f"| {row['tensors']} | {row['config']} | {row['median']:.3f} | {row['min']:.3f}..{row['max']:.3f} | "
-              f"{row['plain_ms']:.1f} ms | {row['own_ms']:.2f} ms | {row['own_us_per_tensor']:.1f} us | "
+              f"{row['cpu_median']:.3f} | {row['plain_ms']:.1f} ms | {row['own_ms']:.2f} ms | {row['own_us_per_tensor']:.1f} us | "
               f"{row['load']:.2f} |")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
