@@ -239,23 +239,34 @@ class TorchStatsEngine:
         zeros = torch.stack(zero_counts).sum() if plan.zeros else None
         return torch.stack((p[:, 0].min(), p[:, 1].max(), total, norm)), norm, zeros
 
-    def _native_vector(self, t: torch.Tensor, plan: StatPlan) -> Optional[Tuple[List[float], Optional[int],
-                                                                                 Optional[int]]]:
-        """Host statistics of a raw (unprepared) tensor from the one-pass kernel, or None
-        where it does not apply. It runs first and touches nothing but the tensor's
-        metadata: hooks run between large kernels, with the CPU caches cold, where every
-        skipped Python call (detach, no_grad) is worth several microseconds."""
+    def _native_buffer(self, t: torch.Tensor) -> Optional[Tuple[int, int, int]]:
+        """``(data pointer, element count, dtype code)`` of a raw (unprepared) tensor the
+        one-pass kernel reads, or None where it does not apply. It touches nothing but the
+        tensor's metadata: hooks run between large kernels, with the CPU caches cold,
+        where every skipped Python call (detach, no_grad) is worth several microseconds."""
         kernel = self._native
-        if kernel is None or not t.is_cpu or _NATIVE_CODES.get(t.dtype) not in kernel.dtype_codes:
+        if kernel is None or not t.is_cpu:
+            return None
+        code = _NATIVE_CODES.get(t.dtype)
+        if code not in kernel.dtype_codes:
             return None
         numel = t.numel()
         pointer = _data_pointer(t) if numel else None
-        if pointer is None:
+        return None if pointer is None else (pointer, numel, code)
+
+    def _native_vector(self, t: torch.Tensor, plan: StatPlan) -> Optional[Tuple[List[float], Optional[int],
+                                                                                 Optional[int]]]:
+        """Host statistics of a raw tensor from the one-pass kernel, or None where it
+        does not apply (see ``_native_buffer``)."""
+        buffer = self._native_buffer(t)
+        if buffer is None:
             return None
+        kernel = self._native
+        pointer, numel, code = buffer
         if plan.zeros:
-            vector, nans, zeros = kernel.stats_zeros(pointer, numel, _NATIVE_CODES[t.dtype], torch.get_num_threads())
+            vector, nans, zeros = kernel.stats_zeros(pointer, numel, code, torch.get_num_threads())
             return vector, nans if plan.nans else None, zeros
-        vector, nans = kernel.stats(pointer, numel, _NATIVE_CODES[t.dtype], torch.get_num_threads())
+        vector, nans = kernel.stats(pointer, numel, code, torch.get_num_threads())
         return vector, nans if plan.nans else None, None
 
     def _vector(self, t: torch.Tensor, plan: StatPlan) -> Tuple[Any, Any, Any]:
@@ -370,6 +381,10 @@ class TorchStatsEngine:
         host = self._native_vector(t, plan)
         if host is not None:
             return host[0], host[1], t.numel(), host[2]
+        return self._compute_aten(t, plan, name)
+
+    def _compute_aten(self, t: torch.Tensor, plan: StatPlan, name: str) -> Tuple[Any, Any, int, Any]:
+        """``_compute`` of a tensor the one-pass kernel does not read."""
         why = unobservable(t)
         if why is not None:
             self.warn_unobserved(name, why)
@@ -423,8 +438,39 @@ class TorchStatsEngine:
         plan: StatPlan,
         keys: Sequence[Tuple[int, str, str, Optional[int]]],
     ) -> List[Record]:
-        """Statistics of many tensors at once (parameters, gradients, optimizer states)."""
-        return [Record(*key, *self._compute(t, plan, key[1])) for t, key in zip(tensors, keys)]
+        """Statistics of many tensors at once (parameters, gradients, optimizer states).
+
+        The CPU tensors the one-pass kernel reads go to it in one call for all of them:
+        for a small tensor the fixed cost of a call from Python (ctypes, its argument and
+        result objects) is most of the cost, and a model with thousands of small tensors
+        paid it for each. The kernel reduces each buffer as a call of its own would, with
+        the same thread count, so the numbers are the same to the bit. The other tensors
+        take ``_compute``'s ATen path one by one, in their place in the result."""
+        if self._native is None:
+            return [Record(*key, *self._compute_aten(t, plan, key[1])) for t, key in zip(tensors, keys)]
+        records: List[Any] = []
+        batched: List[int] = []  # indices in ``records`` of the kernel's buffers
+        pointers: List[int] = []
+        counts: List[int] = []
+        codes: List[int] = []
+        for t, key in zip(tensors, keys):
+            buffer = self._native_buffer(t)
+            if buffer is None:
+                records.append(Record(*key, *self._compute_aten(t, plan, key[1])))
+                continue
+            batched.append(len(records))
+            records.append(key)  # replaced below
+            pointers.append(buffer[0])
+            counts.append(buffer[1])
+            codes.append(buffer[2])
+        if batched:
+            vectors, nans, zeros = self._native.stats_many(pointers, counts, codes, torch.get_num_threads(),
+                                                           plan.zeros)
+            keep_nans = plan.nans
+            for j, i in enumerate(batched):
+                records[i] = Record(*records[i], vectors[j], nans[j] if keep_nans else None, counts[j],
+                                    None if zeros is None else zeros[j])
+        return records
 
     def warn_unobserved(self, name: str, why: str) -> None:
         """Say once per kind of tensor that its rows are left out."""

@@ -1,0 +1,27 @@
+"""The per-tensor-cost benchmark (benchmarks/deep_overhead.py) runs end to end in its
+smoke mode (a 40-tensor model, one round), so that it cannot rot; its numbers are not
+asserted (ratios are measured, not tested)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "deep_overhead.py"
+
+
+def test_deep_overhead_benchmark_smoke_mode_prints_every_config_and_writes_json(tmp_path):
+    out = tmp_path / "deep.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--smoke", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    table = [line.split("|") for line in proc.stdout.splitlines() if line.startswith("| ") and "config" not in line]
+    assert [(cells[1].strip(), cells[2].strip()) for cells in table] == [
+        ("40", "weight_grad"), ("40", "all"), ("40", "all, step outside window")]
+    for cells in table:
+        assert float(cells[3]) > 0
+        assert float(cells[5]) > 0  # the CPU-time ratio
+        assert cells[8].strip().endswith(" us")
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["config"] for row in rows] == ["weight_grad", "all", "all, step outside window"]
+    assert all(row["tensors"] == 40 and row["own_us_per_tensor"] >= 0 for row in rows)
