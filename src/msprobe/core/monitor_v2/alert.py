@@ -19,7 +19,9 @@ written, from the statistics already on the host (no synchronisation of its own)
 import logging
 import math
 import statistics
+import threading
 from collections import deque
+from dataclasses import dataclass
 from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 from .config import AlertSettings
@@ -44,6 +46,16 @@ def _nonfinite(row: Row) -> bool:
     return any(not math.isfinite(row.stat.value(op)) for op in _STATS if row.stat.numel or op == "norm")
 
 
+@dataclass(frozen=True)
+class Anomaly:
+    """One anomalous row, as the alerter saw it: what incident mode reacts to."""
+
+    kind: str  # "nonfinite" or "spike"
+    step: int
+    monitor: str
+    row: Row
+
+
 class Alerter:
     def __init__(self, settings: AlertSettings, rank: int) -> None:
         self.settings = settings
@@ -51,6 +63,15 @@ class Alerter:
         self._history: Dict[Tuple, Deque[float]] = {}
         self._nonfinite_steps = 0
         self.alerts: List[str] = []  # every message logged, for callers and tests
+        # The first anomaly of the run. The writer may check on its own thread (async_write):
+        # the training thread reads this at a step boundary, so it is set under a lock, once.
+        self._first_lock = threading.Lock()
+        self.first_anomaly: Optional[Anomaly] = None
+
+    def _seen(self, anomaly: Anomaly) -> None:
+        with self._first_lock:
+            if self.first_anomaly is None:
+                self.first_anomaly = anomaly
 
     def _log(self, message: str) -> None:
         self.alerts.append(message)
@@ -68,6 +89,7 @@ class Alerter:
             return
         self._nonfinite_steps += 1
         monitor, first = bad[0]
+        self._seen(Anomaly("nonfinite", step, monitor, first))
         stat = first.stat
         values = ", ".join(f"{op}={stat.value(op)}" for op in _STATS) + f", nans={stat.nans}"
         if self._nonfinite_steps == 1:
@@ -94,6 +116,9 @@ class Alerter:
                     if median > 0 and value > s.spike_factor * median:
                         spikes.append((value / median, monitor, row, median, len(history)))
                 history.append(value)
+        if spikes:
+            _, monitor, row, _, _ = spikes[0]
+            self._seen(Anomaly("spike", step, monitor, row))
         for ratio, monitor, row, median, n in spikes[:MAX_SPIKES_PER_STEP]:
             self._log(f"rank {self.rank} step {step}: norm spike in {_describe(monitor, row)}: "
                       f"{row.stat.value('norm'):.6g} is {ratio:.1f}x the median {median:.6g} of its last {n} norms")
