@@ -9,7 +9,9 @@ import sys
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings, strategies as st
+
+pytest.importorskip("hypothesis", reason="hypothesis is installed by the test profile (scripts/setup_env.sh)")
+from hypothesis import HealthCheck, event, given, settings, strategies as st  # noqa: E402
 
 from msprobe.core.monitor_v2.analysis.validate import validate
 from msprobe.core.monitor_v2.checks import MAX_INT

@@ -17,7 +17,8 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
 BLOCKED = ["mindspore", "deepspeed", "megatron", "transformers", "lightning", "pytorch_lightning",
-           "lightning_fabric", "accelerate", "tensorboard", "tensorboardX", "wandb", "mlflow", "swanlab"]
+           "lightning_fabric", "accelerate", "tensorboard", "tensorboardX", "wandb", "mlflow", "swanlab",
+           "hypothesis"]
 
 BLOCKER = """
 import importlib.abc, importlib.machinery, importlib.util, os, sys
