@@ -229,7 +229,7 @@ def test_a_dump_manifest_is_shown(with_evidence):
     out = both("summary", run).out
     dump_line = next(line for line in out.splitlines() if line.startswith("  dump:"))
     assert dump_line == (f"  dump:              rank 0 step {NAN_STEP}: rank_0/dump_step{NAN_STEP}, 3 tensor(s), "
-                         "2176 bytes of a 268435456-byte budget, 1 skipped (nonfinite)")
+                         "2.12 KiB of a 256 MiB budget, 1 skipped (nonfinite)")
     assert f"  rank 0 step {NAN_STEP}: rank_0/dump_step{NAN_STEP}, 3 tensor(s)" in both("anomalies", run).out
     d = both("anomalies", run, "--json").json()["dumps"][0]
     assert (d["step"], d["tensors"], d["bytes"], d["skipped"], d["max_bytes"], d["reason"]) == \

@@ -254,10 +254,21 @@ def _alert_step(alert: Dict[str, Any]) -> int:
     return step if isinstance(step, int) else 1 << 62
 
 
+def byte_size(n: Any) -> str:
+    """``2.1 KiB``, ``256 MiB``: a size to read, not to compute with (JSON keeps the bytes)."""
+    if not isinstance(n, (int, float)):
+        return "? bytes"
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:g} {unit}" if unit == "bytes" else f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n:.3g} GiB"
+
+
 def _dump_text(d: Dict[str, Any], root: str) -> str:
-    budget = f" of a {fmt_num(d['max_bytes'])}-byte budget" if isinstance(d.get("max_bytes"), int) else ""
+    budget = f" of a {byte_size(d['max_bytes'])} budget" if isinstance(d.get("max_bytes"), int) else ""
     return (f"rank {d['rank']} step {d['step']}: {rel_path(d['dir'], root)}, {d['tensors']} tensor(s), "
-            f"{fmt_num(d['bytes'])} bytes{budget}, {d['skipped']} skipped"
+            f"{byte_size(d['bytes'])}{budget}, {d['skipped']} skipped"
             + (f" ({d['reason']})" if d.get("reason") else ""))
 
 
