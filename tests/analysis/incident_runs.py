@@ -1,7 +1,9 @@
 """The new-user scenario of the incident page (docs/incident.md): a 6-layer model whose
 ``blocks.2.fc.weight`` gets a NaN written into it before step ``NAN_STEP``, trained with
 the always-on config (``weight_grad`` only), with ``step_interval`` 5, and with
-``module`` (every layer), ``param`` and ``alert`` on.
+``module`` (every layer), ``param`` and ``alert`` on; and ``transient``: ``step_interval``
+5 with ``param`` on, where the NaN comes from ``blocks.2.fc``'s output in step
+``TRANSIENT_STEP`` alone (a forward hook), so that the parameters of that step are clean.
 
 Run as a script (``python tests/analysis/incident_runs.py OUT``) it writes the three
 runs under ``OUT/`` (``always_on``, ``interval``, ``module``), as the page shows them.
@@ -17,6 +19,7 @@ from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
 STEPS = 25
 NAN_STEP = 17
+TRANSIENT_STEP = 20
 BAD_LAYER = "blocks.2.fc"
 N_BLOCKS = 6
 D = 16
@@ -50,6 +53,9 @@ def config(name: str, out: Path) -> Dict[str, Any]:
     cfg: Dict[str, Any] = {"output_dir": str(out), "monitors": {"weight_grad": {"enabled": True}}}
     if name == "interval":
         cfg["step_interval"] = 5
+    elif name == "transient":
+        cfg["step_interval"] = 5
+        cfg["monitors"]["param"] = {"enabled": True}
     elif name == "module":
         cfg["monitors"].update(module={"enabled": True}, param={"enabled": True})
         cfg["alert"] = True
@@ -63,8 +69,15 @@ def train(name: str, out: Path) -> Path:
     mon = TrainerMonitorV2(config(name, out))
     mon.start(model=model, optimizer=opt)
     g = torch.Generator().manual_seed(1)
+    current = [0]
+    if name == "transient":
+        def poison(_module, _inputs, output):
+            return output * float("nan") if current[0] == TRANSIENT_STEP else output
+
+        model.blocks[2].fc.register_forward_hook(poison)
     for step in range(STEPS):
-        if step == NAN_STEP:  # a corrupted weight, as a bad checkpoint shard or a faulty kernel would leave
+        current[0] = step
+        if step == NAN_STEP and name != "transient":  # a corrupted weight, as a bad checkpoint shard or a faulty kernel would leave
             with torch.no_grad():
                 model.blocks[2].fc.weight[0, 0] = float("nan")
         x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
@@ -75,7 +88,7 @@ def train(name: str, out: Path) -> Path:
     return out
 
 
-RUNS = ("always_on", "interval", "module")
+RUNS = ("always_on", "interval", "module", "transient")
 
 if __name__ == "__main__":
     root = Path(sys.argv[1])

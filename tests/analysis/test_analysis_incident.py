@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Tuple
 import pytest
 
 from analysis_helpers import cli
-from incident_runs import BAD_LAYER, NAN_STEP, RUNS, train
+from incident_runs import BAD_LAYER, NAN_STEP, RUNS, TRANSIENT_STEP, train
 
 pytest.importorskip("polars", reason="the analysis extra (polars) is part of the test profile")
 
@@ -71,6 +71,7 @@ def expected_message(rows: List[Dict[str, Any]], evidence: str) -> Tuple[str, Di
     for r in in_step:
         phases.setdefault((r["monitor"], r["scope"]), []).append(r)
     full = sorted((k for k, rs in phases.items() if all(r["bad"] for r in rs)), key=ORDER.__getitem__)
+    full = [k for k in full if ORDER[k] <= 5] or full  # what follows from the gradients is not named
     groups: Dict[Tuple[str, str], List[str]] = {}
     for m, s in full:
         groups.setdefault((m, s if m == "module" else ""), []).append(s)
@@ -132,11 +133,25 @@ def test_a_sampled_run_gives_the_bracket(runs):
         (last, bad, [last + 1, bad], bracket)
 
 
+def test_clean_parameters_at_the_first_bad_step_close_the_bracket(runs):
+    run = runs[0] / "transient"
+    rows = csv_rows(run)
+    bad = first_bad_step(rows)
+    last = max(r["step"] for r in rows if r["step"] < bad)
+    origin = [r for r in rows if r["step"] == bad and r["monitor"] == "param" and r["scope"] == "param_origin"]
+    assert (last, bad) == (15, TRANSIENT_STEP) and origin and not any(r["bad"] for r in origin)
+    bracket = (f"last clean written step {last}, first bad written step {bad}; the parameters step {bad} started "
+               f"from are finite (param param_origin): it began in step {bad}")
+    assert f"  began:             {bracket}\n" in both("summary", run).out
+    loc = both("anomalies", run, "--json").json()["localisation"]["per_rank"][0]
+    assert (loc["clean_start"], loc["began_in"], loc["bracket"]) == (True, [bad, bad], bracket)
+
+
 def test_a_selection_of_steps_brackets_with_the_steps_it_reads(runs):
     out = both("summary", runs[0] / "interval", "--steps", "16:", "--json").json()
     loc = out["localisation"]["per_rank"][0]
-    assert loc["last_clean_step"] is None
-    assert loc["bracket"] == "no step was written before step 20 on rank 0: it began in step 20 or earlier"
+    assert loc["last_clean_step"] is None and loc["began_in"] == [None, 20]
+    assert loc["bracket"] == "no step before step 20 is in this output for rank 0: it began in step 20 or earlier"
 
 
 def test_module_rows_give_the_earliest_evidence(runs):

@@ -42,6 +42,7 @@ DUMP_RE = re.compile(r"^dump_step(?P<step>\d+)$")
 MAX_ALERT_LINES = 1000  # the trainer writes at most 101; more is not its file
 MAX_JSON_BYTES = 4 << 20
 INCIDENT_PAGE = "docs/incident.md"
+GRADIENTS_PHASE = phase(rows.WEIGHT_GRAD, rows.REDUCED)
 
 # what a phase's tensors are called in a sentence
 _NOUNS = {rows.WEIGHT_GRAD: "gradients", rows.PARAM: "parameters", rows.OPTIMIZER: "optimizer states",
@@ -114,6 +115,11 @@ def _rank_localisation(layout: Layout, rank: int, step: int, first: Dict[str, An
                     _count(phases, rank, monitor, row, f.path)
     full = sorted((p for p in phases.values() if p.bad == p.rows and len(p.tensors) >= 2),
                   key=lambda p: phase(p.monitor, p.scope))
+    # the optimizer state and the updated parameters follow from the gradients: named
+    # only when nothing up to the gradients went non-finite at once
+    full = [p for p in full if phase(p.monitor, p.scope) <= GRADIENTS_PHASE] or full
+    origin = phases.get((rows.PARAM, rows.PARAM_ORIGIN))
+    clean_start = origin is not None and origin.rows > 0 and origin.bad == 0
     evidence = None
     if full:
         limit = phase(full[0].monitor, full[0].scope)
@@ -126,8 +132,8 @@ def _rank_localisation(layout: Layout, rank: int, step: int, first: Dict[str, An
     loc = {
         "rank": rank, "step": step, "tensor": first["tensor"], "monitor": first["monitor"], "scope": first["scope"],
         "all_nonfinite": groups, "localised": not groups, "evidence": evidence,
-        "last_clean_step": previous, "first_bad_step": step,
-        "began_in": [step if previous is None else previous + 1, step],
+        "last_clean_step": previous, "first_bad_step": step, "clean_start": clean_start,
+        "began_in": [step if clean_start else None if previous is None else previous + 1, step],
         "phases": [{"monitor": p.monitor, "scope": p.scope, "where": where(p.monitor, p.scope, None),
                     "rows": p.rows, "nonfinite": p.bad, "tensors": len(p.tensors)}
                    for p in sorted(phases.values(), key=lambda p: phase(p.monitor, p.scope))],
@@ -197,10 +203,14 @@ def bracket_text(loc: Dict[str, Any]) -> str:
     """Where the problem began, when the written steps leave a gap before the first bad
     one (empty when the step before it was written)."""
     last, bad = loc["last_clean_step"], loc["first_bad_step"]
+    if loc["clean_start"] and (last is None or last + 1 < bad):
+        seen = "" if last is None else f"last clean written step {last}, first bad written step {bad}; "
+        return (f"{seen}the parameters step {bad} started from are finite (param param_origin): it began in step "
+                f"{bad}")
     if last is None:
         if bad == 0:
             return ""
-        return f"no step was written before step {bad} on rank {loc['rank']}: it began in step {bad} or earlier"
+        return f"no step before step {bad} is in this output for rank {loc['rank']}: it began in step {bad} or earlier"
     if last + 1 == bad:
         return ""
     return f"last clean written step {last}, first bad written step {bad}: it began in {last + 1}..{bad}"
