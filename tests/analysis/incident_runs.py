@@ -77,7 +77,8 @@ def train(name: str, out: Path) -> Path:
         model.blocks[2].fc.register_forward_hook(poison)
     for step in range(STEPS):
         current[0] = step
-        if step == NAN_STEP and name != "transient":  # a corrupted weight, as a bad checkpoint shard or a faulty kernel would leave
+        # a corrupted weight, as a bad checkpoint shard or a faulty kernel would leave it
+        if step == NAN_STEP and name != "transient":
             with torch.no_grad():
                 model.blocks[2].fc.weight[0, 0] = float("nan")
         x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)

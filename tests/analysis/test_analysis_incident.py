@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 
-from analysis_helpers import cli
+from analysis_helpers import cli, training_runs
 from incident_runs import BAD_LAYER, NAN_STEP, RUNS, TRANSIENT_STEP, train
 
 pytest.importorskip("polars", reason="the analysis extra (polars) is part of the test profile")
@@ -272,3 +272,26 @@ def test_an_exported_dataset_localises_the_same(runs, tmp_path):
     got = cli("summary", tmp_path / "pq", "--json").json()["localisation"]["per_rank"][0]
     for key in ("message", "bracket", "last_clean_step", "first_bad_step", "all_nonfinite"):
         assert got[key] == want[key]
+
+
+def test_two_ranks_each_localise_their_own_first_bad_step(tmp_path_factory):
+    """The 2-rank DDP run whose rank 1 alone got a NaN in fc2's output: each rank's first
+    bad step and phases, from its own CSV files."""
+    root = training_runs(tmp_path_factory) / "nan"
+    data = both("anomalies", root, "--json").json()
+    per_rank = {loc["rank"]: loc for loc in data["localisation"]["per_rank"]}
+    for rank in (0, 1):
+        rows = []
+        for f in sorted((root / f"rank_{rank}").glob("*.csv")):
+            with open(f, newline="") as fh:
+                for row in csv.DictReader(fh):
+                    vals = [float(row[k]) for k in ("min", "max", "mean", "norm")]
+                    if int(row["nans"]) > 0 or any(not math.isfinite(v) for v in vals):
+                        rows.append(int(row["step"]))
+        if not rows:
+            assert rank not in per_rank
+            continue
+        loc = per_rank[rank]
+        assert loc["first_bad_step"] == min(rows) and loc["last_clean_step"] == min(rows) - 1
+        assert sum(p["nonfinite"] for p in loc["phases"]) == sum(1 for s in rows if s == min(rows))
+    assert 1 in per_rank

@@ -230,7 +230,8 @@ def _headline_localisation(report: Report) -> List[str]:
         lines.append(f"  began:             {loc['bracket']}")
     others = [r for r, o in report.localisation.items() if o is not loc and (o["message"] or o["bracket"])]
     if others:
-        lines.append(f"  (rank(s) {ranks_text(sorted(others))} too: see {command_line('anomalies', report.layout.root)})")
+        details = command_line("anomalies", report.layout.root)
+        lines.append(f"  (rank(s) {ranks_text(sorted(others))} too: see {details})")
     return lines
 
 
