@@ -128,6 +128,8 @@ def _rank_localisation(layout: Layout, rank: int, step: int, first: Dict[str, An
         if earlier:
             (_order, row, path), monitor = min(earlier, key=lambda t: t[0][0])
             evidence = finding(rank, monitor, row, path, kind=nonfinite_kind(row.vals), values=dict(row.vals))
+            # where the row is depends on the input's form (CSV or an exported dataset), what it is does not
+            del evidence["file"], evidence["line"]
     groups = _groups(full)
     loc = {
         "rank": rank, "step": step, "tensor": first["tensor"], "monitor": first["monitor"], "scope": first["scope"],
