@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from .blocks import compare_window, rank_windows
 from .columnar import Batch, batches, frame_rows, open_layout, polars, read_batch, row_of
+from .localise import localise
 from ..rows import REDUCED, SCOPE, WEIGHT_GRAD
 from .order import LAST, order_key, phase
 from .reader import MONITORS, OPS, Layout, Problems, StepRange
@@ -148,6 +149,7 @@ def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, 
     report = Report(layout, collected, rank_files, rank_rows, first_nonfinite, nonfinite_count, nonfinite_by,
                     spike_items, spike_steps, spikes, mismatches, rank_check, note, problems, appended)
     relabel(report)
+    localise(report, steps)
     return report
 
 

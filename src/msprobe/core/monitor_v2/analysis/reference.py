@@ -41,10 +41,12 @@ from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, List, Optional, Sequence, Set, TextIO, Tuple
 
 from .blocks import compare_window, rank_windows
+from .localise import localise
 from .order import OrderKey, order_key
 from .reader import MONITORS, OPS, CsvFile, Layout, Problems, Row, StepRange, iter_rows, scan
 from .report import (INF, MAD_SCALE, Collected, FirstN, RankCheckSettings, Report, RowVisitor, SpikeSettings,
-                     appended_item, files_to_read, finding, median, rank_check_note, relabel)
+                     appended_item, files_to_read, finding, median, nonfinite_kind, rank_check_note,
+                     relabel)
 from .text import Progress
 
 
@@ -82,6 +84,7 @@ def analyse(layout: Layout, problems: Problems, spikes: SpikeSettings, rank_chec
                     tally.nonfinite_count, tally.nonfinite_by, tally.spike_items, tally.spike_steps, spikes,
                     mismatches, rank_check, note, problems, tally.appended)
     relabel(report)
+    localise(report, steps)
     return report
 
 
@@ -178,27 +181,6 @@ def collect_row(col: Collected, row: Row) -> None:
     col.scopes[row.scope] += 1
     if row.micro is not None:
         col.micro_steps.add(row.micro)
-
-
-def nonfinite_kind(vals: Dict[str, float]) -> Optional[str]:
-    """``"nan"``, ``"inf"`` or None (finite, or an empty tensor)."""
-    nans = vals.get("nans")
-    if nans is not None and nans > 0:
-        return "nan"
-    norm = vals.get("norm")
-    empty = norm is not None and norm == 0.0
-    kind = None
-    for op in ("norm", "min", "max", "mean"):
-        v = vals.get(op)
-        if v is None:
-            continue
-        if v != v:
-            if empty:
-                continue
-            return "nan"
-        if v == INF or v == -INF:
-            kind = "inf"
-    return kind
 
 
 # ------------------------------------------------------------------ spikes

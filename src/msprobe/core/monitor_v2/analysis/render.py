@@ -22,6 +22,9 @@ SPIKE_HEADERS = ["rank", "step", "micro_step", "monitor", "scope", "tensor", "st
                  "x median", "file:line"]
 RANK_HEADERS = ["rank", "step", "micro_step", "monitor", "scope", "tensor", "stat", "value", "consensus",
                 "agreeing ranks", "rows differing", "file:line"]
+LOCALISATION_NOTE = ("per rank, in its first bad step: the phases whose every row went non-finite at once (they "
+                     "cannot say which layer started it), the earliest evidence in execution order, and the last "
+                     "clean step written before it")
 AnomalyTables = Dict[str, Tuple[List[str], List[List[Any]], str]]
 
 
@@ -131,6 +134,10 @@ def report_json(report: Report, limit: int) -> Dict[str, Any]:
                        "note": report.rank_check_note or report.mismatch_settings.describe(),
                        "ranks_differing": len(report.mismatches), "items": report.mismatch_list()[:lim]},
         "appended": {"files": len(report.appended), "note": APPENDED_NOTE, "items": report.appended[:lim]},
+        "localisation": {"note": LOCALISATION_NOTE,
+                         "per_rank": [report.localisation[r] for r in sorted(report.localisation)][:lim]},
+        "alerts": {"per_rank": [report.alerts[r] for r in sorted(report.alerts)][:lim]},
+        "dumps": report.dumps[:lim],
         "problems": _problems_json(report.problems),
         "anomalies_found": report.anomalies_found,
     }
@@ -185,7 +192,8 @@ def summary_text(report: Report) -> str:
         shown = per if len(per) <= 8 else per[:4] + [f"... ({len(per) - 6} more)"] + per[-2:]
         lines.append("  " + "; ".join(shown))
     lines += ["", "Headline anomalies:"]
-    lines += _headline_nonfinite(report) + _headline_spikes(report) + _headline_ranks(report)
+    lines += _headline_nonfinite(report) + _headline_localisation(report) + _headline_spikes(report)
+    lines += _headline_ranks(report) + _headline_evidence(report)
     if report.appended:
         repeated = sum(len(i["steps_repeated"]) for i in report.appended)
         lines.append(f"  appended re-runs:  {len(report.appended)} file(s) hold several runs (a re-run appended to "
@@ -204,6 +212,65 @@ def _headline_nonfinite(report: Report) -> List[str]:
     return [f"  first NaN/Inf:     rank {first['rank']}, step {first['step']}, {first['where']}: "
             f"{first['tensor']} ({first['monitor']} {first['scope']}) is {first['kind']} "
             f"[{where_text(first, report.layout.root)}]; {report.nonfinite_count} non-finite row(s) in total"]
+
+
+def _first_localisation(report: Report) -> Optional[Dict[str, Any]]:
+    first = report.first
+    return None if first is None else report.localisation.get(first["rank"])
+
+
+def _headline_localisation(report: Report) -> List[str]:
+    loc = _first_localisation(report)
+    if loc is None:
+        return []
+    lines = []
+    if loc["message"]:
+        lines.append(f"  localisation:      {loc['message']}")
+    if loc["bracket"]:
+        lines.append(f"  began:             {loc['bracket']}")
+    others = [r for r, o in report.localisation.items() if o is not loc and (o["message"] or o["bracket"])]
+    if others:
+        details = command_line("anomalies", report.layout.root)
+        lines.append(f"  (rank(s) {ranks_text(sorted(others))} too: see {details})")
+    return lines
+
+
+def _headline_evidence(report: Report) -> List[str]:
+    lines = []
+    if report.alerts:
+        rank = min(report.alerts, key=lambda r: (_alert_step(report.alerts[r]), r))
+        alert = report.alerts[rank]
+        lines.append(f"  online alert:      rank {rank}: {alert['explanation']} "
+                     f"[{rel_path(alert['file'], report.layout.root)}:{alert['first']['line']}]"
+                     + (f"; {len(report.alerts)} rank(s) wrote one" if len(report.alerts) > 1 else ""))
+    if report.dumps:
+        d = report.dumps[0]
+        lines.append(f"  dump:              {_dump_text(d, report.layout.root)}"
+                     + (f"; {len(report.dumps)} dump(s) in all" if len(report.dumps) > 1 else ""))
+    return lines
+
+
+def _alert_step(alert: Dict[str, Any]) -> int:
+    step = alert["first"].get("step")
+    return step if isinstance(step, int) else 1 << 62
+
+
+def byte_size(n: Any) -> str:
+    """``2.1 KiB``, ``256 MiB``: a size to read, not to compute with (JSON keeps the bytes)."""
+    if not isinstance(n, (int, float)):
+        return "? bytes"
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:g} {unit}" if unit == "bytes" else f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n:.3g} GiB"
+
+
+def _dump_text(d: Dict[str, Any], root: str) -> str:
+    budget = f" of a {byte_size(d['max_bytes'])} budget" if isinstance(d.get("max_bytes"), int) else ""
+    return (f"rank {d['rank']} step {d['step']}: {rel_path(d['dir'], root)}, {d['tensors']} tensor(s), "
+            f"{byte_size(d['bytes'])}{budget}, {d['skipped']} skipped"
+            + (f" ({d['reason']})" if d.get("reason") else ""))
 
 
 def _headline_spikes(report: Report) -> List[str]:
@@ -252,6 +319,8 @@ def anomalies_text(report: Report, limit: int, code: int) -> str:
         lines.append("  none: every value is finite")
     for title, (headers, rows, note) in anomaly_tables(report, limit).items():
         lines += _anomaly_section(report, title, headers, rows, note)
+        if title.startswith("First non-finite value of each"):
+            lines += _localisation_section(report, limit) + _evidence_section(report, limit)
     if report.appended:
         lines += ["", "STEPS WRITTEN MORE THAN ONCE (runs appended to the same files)", f"  ({APPENDED_NOTE})",
                   table(["rank", "monitor", "file", "runs", "later runs start at line", "steps written again"],
@@ -261,6 +330,43 @@ def anomalies_text(report: Report, limit: int, code: int) -> str:
     verdict = "anomalies found" if report.anomalies_found else "no anomaly"
     lines += ["", f"Result: {verdict} (exit {code})"]
     return "\n".join(lines)
+
+
+def _localisation_section(report: Report, limit: int) -> List[str]:
+    locs = [report.localisation[r] for r in sorted(report.localisation)]
+    said = [o for o in locs if o["message"] or o["bracket"]]
+    if not said:
+        return []
+    lines = ["", "WHAT THE FIRST NON-FINITE VALUE CAN SAY (per rank, its first bad step)"]
+    for loc in _limit(said, limit):
+        who = f"  rank {loc['rank']}: " if len(report.layout.ranks) > 1 else "  "
+        for text in (loc["message"], loc["bracket"]):
+            if text:
+                lines.append(who + text)
+    if len(said) > len(_limit(said, limit)):
+        lines.append(f"  ... {len(said) - len(_limit(said, limit))} more rank(s) (--limit)")
+    return lines
+
+
+def _evidence_section(report: Report, limit: int) -> List[str]:
+    root = report.layout.root
+    lines: List[str] = []
+    if report.alerts:
+        lines += ["", "ONLINE ALERT (rank_<r>/anomalies.jsonl: the first anomaly the trainer recorded)"]
+        rows = []
+        for r in sorted(report.alerts):
+            a = report.alerts[r]
+            f = a["first"]
+            rows.append([r, f.get("step"), f.get("micro_step"), f.get("monitor"), f.get("scope"), f.get("module_name"),
+                         f.get("kind"), a["records"] + a["truncated"], f"{rel_path(a['file'], root)}:{f['line']}"])
+        lines.append(table(["rank", "step", "micro_step", "monitor", "scope", "tensor", "kind", "records", "file:line"],
+                           _limit(rows, limit)))
+        for r in _limit(sorted(report.alerts), limit):
+            lines.append(f"  rank {r}: {report.alerts[r]['explanation']}")
+    if report.dumps:
+        lines += ["", "DUMPS (tensors kept to replay a step offline: see docs/output-format.md)"]
+        lines += [f"  {_dump_text(d, root)}" for d in _limit(report.dumps, limit)]
+    return lines
 
 
 def _anomaly_section(report: Report, title: str, headers: List[str], rows: List[List[Any]], note: str) -> List[str]:

@@ -67,6 +67,27 @@ def median(s: List[float]) -> float:
     return s[mid] if n % 2 else 0.5 * (s[mid - 1] + s[mid])
 
 
+def nonfinite_kind(vals: Dict[str, float]) -> Optional[str]:
+    """``"nan"``, ``"inf"`` or None (finite, or an empty tensor)."""
+    nans = vals.get("nans")
+    if nans is not None and nans > 0:
+        return "nan"
+    norm = vals.get("norm")
+    empty = norm is not None and norm == 0.0
+    kind = None
+    for op in ("norm", "min", "max", "mean"):
+        v = vals.get(op)
+        if v is None:
+            continue
+        if v != v:
+            if empty:
+                continue
+            return "nan"
+        if v == INF or v == -INF:
+            kind = "inf"
+    return kind
+
+
 @dataclass
 class Collected:
     """What one monitor wrote (all ranks)."""
@@ -149,6 +170,10 @@ class Report:
     rank_check_note: str
     problems: Problems
     appended: List[Dict[str, Any]] = field(default_factory=list)
+    # filled by .localise.localise after the pass (the same code for both engines)
+    localisation: Dict[int, Dict[str, Any]] = field(default_factory=dict)
+    alerts: Dict[int, Dict[str, Any]] = field(default_factory=dict)
+    dumps: List[Dict[str, Any]] = field(default_factory=list)
 
     @property
     def first(self) -> Optional[Dict[str, Any]]:
