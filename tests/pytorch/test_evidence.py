@@ -32,10 +32,10 @@ def poison(model):
         model.fc2.weight[0, 0] = float("nan")
 
 
-def train(write_config, alert, steps=5, nan_step=K, monitors=None, keep_inputs=True, on_step=None):
+def train(write_config, alert, steps=5, nan_step=K, monitors=None, keep_inputs=True, on_step=None, **extra):
     model = TinyMLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    cfg = {"alert": alert, "monitors": monitors or {"weight_grad": {"enabled": True}}}
+    cfg = {"alert": alert, "monitors": monitors or {"weight_grad": {"enabled": True}}, **extra}
     mon = TrainerMonitorV2(write_config(cfg))
     mon.start(model=model, optimizer=opt)
     seen = {}
@@ -174,9 +174,10 @@ def test_byte_budget_and_dead_inputs(write_config, tmp_path):
     assert sum(t.numel() * t.element_size() for t in on_disk.values()) == man["bytes"]
 
 
-def test_anomalies_jsonl_matches_the_csv_rows(write_config, tmp_path):
+@pytest.mark.parametrize("async_write", [False, True])
+def test_anomalies_jsonl_matches_the_csv_rows(write_config, tmp_path, async_write):
     monitors = {"module": {"enabled": True, "targets": ["fc2"]}, "weight_grad": {"enabled": True}}
-    train(write_config, {"spike_factor": None}, monitors=monitors)
+    train(write_config, {"spike_factor": None}, monitors=monitors, async_write=async_write)
     path = tmp_path / "out" / "rank_0" / "anomalies.jsonl"
     assert os.stat(path).st_mode & 0o777 == 0o640
     lines = [json.loads(line) for line in path.read_text().splitlines()]

@@ -67,5 +67,5 @@ class NonFiniteGradientError(MonitorError, FloatingPointError):
         where = f"; the tensors of this step before the update are in {dump}" if dump else \
             "; set \"alert\": {\"dump\": true} to keep the tensors of this step"
         super().__init__(
-            f"monitor_v2: step {step}: {nonfinite} of {total} gradient(s) are non-finite before optimizer.step() "
+            f"monitor_v2: step {step}: {nonfinite} of {total} gradient(s) are non-finite before the optimizer step "
             f"(first: {shown}); the update was not applied (alert.stop_on_nonfinite){where}")

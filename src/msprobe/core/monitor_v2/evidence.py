@@ -15,13 +15,19 @@ Framework-neutral: torch/numpy are imported by ``load_dump`` only, when it reads
 """
 
 import json
+import logging
 import math
 import os
+import threading
+import weakref
 from typing import Any, Callable, Dict, IO, List, Mapping, Optional, Sequence, Tuple
 
 from . import rows
+from .errors import NonFiniteGradientError
 from .safe_fs import SafeDir, open_append
 from .stats import Row
+
+logger = logging.getLogger("msprobe.monitor_v2")
 
 ANOMALIES_FILE = "anomalies.jsonl"
 MANIFEST = "manifest.json"
@@ -109,6 +115,156 @@ def write_dump(rank_dir: str, step: int, manifest: Dict[str, Any], payload: Any,
 
 def payload_key(kind: str, name: str) -> str:
     return f"{kind}:{name}"
+
+
+MAX_INPUTS_PER_STEP = 256  # weak references kept per step (long accumulation loops)
+
+
+class GradientGuardBase:
+    """The framework-neutral part of the pre-update check (``alert.dump`` /
+    ``alert.stop_on_nonfinite``): what is dumped in which order within the budget, the
+    manifest, the writing thread, the exception. A framework's ``GradientGuard`` says how
+    to find the non-finite gradients, measure, copy and save a tensor, and hooks the
+    root modules' inputs (``_on_forward``). ``session``, ``errors``: the back end's."""
+
+    TENSOR_FILE = ""
+
+    def __init__(self, session: Any, settings: Any, rank: int, rank_dir: str, errors: Any) -> None:
+        self.session = session
+        self.settings = settings
+        self.rank = rank
+        self.rank_dir = rank_dir
+        self.errors = errors
+        self.dumped: Optional[str] = None  # the dump directory, once taken
+        self._inputs: List[Tuple[int, int, Any, Any]] = []  # vpp, call, arg index or kwarg name, weakref
+        self._calls = 0
+        self._handles: List[Any] = []
+        self._thread: Optional[threading.Thread] = None
+
+    # ------------------------------------------------ what a framework provides
+    def attach(self) -> None:
+        """Hook the root modules' forward calls (only with ``dump``) to ``_on_forward``."""
+        raise NotImplementedError
+
+    def _training_forward(self) -> bool:
+        return True
+
+    def _is_tensor(self, value: Any) -> bool:
+        raise NotImplementedError
+
+    def _nonfinite_positions(self, items: List[Tuple[Any, Any]]) -> List[int]:
+        raise NotImplementedError
+
+    def _describe(self, t: Any) -> Tuple[Any, int, List[int], str]:
+        """``(local tensor, bytes, shape, dtype name)``."""
+        raise NotImplementedError
+
+    def _copy(self, t: Any) -> Any:
+        """A host copy of ``t``, taken now."""
+        raise NotImplementedError
+
+    def _save(self, payload: Dict[str, Any], fh: IO[bytes]) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------- shared
+    def _on_forward(self, vpp: int, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        if self.dumped is not None or not self._training_forward():  # evaluation passes are not the step's
+            return
+        call = self._calls
+        self._calls += 1
+        for where, value in [(i, a) for i, a in enumerate(args)] + list(kwargs.items()):
+            if self._is_tensor(value) and len(self._inputs) < MAX_INPUTS_PER_STEP:
+                self._inputs.append((vpp, call, where, weakref.ref(value)))
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def close(self) -> None:
+        """Wait for the dump's files (``stop()``)."""
+        if self._thread is not None:
+            self._thread.join()
+
+    def check(self, step: int) -> None:
+        """In the optimizer pre-step hook. Raises ``NonFiniteGradientError`` (with
+        ``stop_on_nonfinite``) so that the update is not applied."""
+        try:
+            if self.dumped is not None and not self.settings.stop_on_nonfinite:
+                return  # dumped once; nothing more to do, no more syncs
+            items = [(info, g) for info, g in self.session.reduced_grads() if g is not None]
+            bad = self._nonfinite_positions(items) if items else []
+            if not bad:
+                return
+            where = self.dumped
+            if where is None and self.settings.dump_max_bytes is not None:
+                where = self._dump(step, items, bad)
+            if self.settings.stop_on_nonfinite:
+                self.close()
+                raise NonFiniteGradientError(step, len(bad), len(items), [items[i][0].name for i in bad], where)
+        finally:
+            self._inputs = []
+            self._calls = 0
+
+    def _dump(self, step: int, items: List[Tuple[Any, Any]], bad: List[int]) -> str:
+        """Parameters with a non-finite gradient (each, then its gradient), the root
+        inputs, then the other parameters, copied to the host while they fit the budget."""
+        budget = self.settings.dump_max_bytes
+        used = 0
+        entries: List[Dict[str, Any]] = []
+        skipped: List[Dict[str, Any]] = []
+        payload: Dict[str, Any] = {}
+
+        def take(name: str, kind: str, t: Any, extra: Dict[str, Any]) -> None:
+            nonlocal used
+            if t is None:
+                skipped.append({"name": name, "kind": kind, "bytes": 0, "why": "no longer alive", **extra})
+                return
+            t, size, shape, dtype = self._describe(t)
+            if used + size > budget:
+                skipped.append({"name": name, "kind": kind, "bytes": size, **extra,
+                                "why": f"over the byte budget (max_bytes {budget}, {used} used)"})
+                return
+            used += size
+            payload[payload_key(kind, name)] = self._copy(t)
+            entries.append({"name": name, "kind": kind, "file": self.TENSOR_FILE, "shape": shape,
+                            "dtype": dtype, "bytes": size, **extra})
+
+        def take_param(info: Any, grad: Any) -> None:
+            take(info.name, PARAM, info.param, {})
+            take(info.name, GRAD, grad, {})
+
+        for i in bad:
+            take_param(*items[i])
+        multi = len(self.session.roots) > 1
+        for vpp, call, arg, ref in self._inputs:
+            label = f"args.{arg}" if isinstance(arg, int) else f"kwargs.{arg}"
+            pos = {"arg": arg} if isinstance(arg, int) else {"kwarg": arg}
+            take((f"{vpp}:" if multi else "") + f"call{call}.{label}", INPUT, ref(),
+                 {"call": {"vpp_stage": vpp, "call": call, **pos}})
+        bad_set = set(bad)
+        for i, item in enumerate(items):
+            if i not in bad_set:
+                take_param(*item)
+        manifest = {"step": step, "rank": self.rank,
+                    "reason": f"{len(bad)} of {len(items)} gradient(s) non-finite before the optimizer step",
+                    "max_bytes": budget, "bytes": used, "tensors": entries, "skipped": skipped}
+        self.dumped = os.path.join(self.rank_dir, dump_dir_name(step))
+        # the files on a thread of their own: a slow file system never holds the step
+        self._thread = threading.Thread(target=self._write, args=(step, manifest, payload),
+                                        name="msprobe-monitor-dump")
+        self._thread.start()
+        return self.dumped
+
+    def _write(self, step: int, manifest: Dict[str, Any], payload: Dict[str, Any]) -> None:
+        try:
+            path = write_dump(self.rank_dir, step, manifest, payload, self.TENSOR_FILE, self._save)
+        except Exception as exc:  # noqa: BLE001 - evidence must never break training
+            logger.error("monitor_v2: rank %d could not write the dump of step %d: %r", self.rank, step, exc)
+            return
+        logger.warning("monitor_v2 alert: rank %d step %d: gradients non-finite before the update; "
+                       "%d tensor(s) (%d bytes, %d skipped) dumped to %s", self.rank, step,
+                       len(manifest["tensors"]), manifest["bytes"], len(manifest["skipped"]), path)
 
 
 def load_dump(path: str) -> Dict[str, Any]:
