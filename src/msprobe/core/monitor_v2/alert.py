@@ -107,7 +107,8 @@ class Alerter:
         logger.warning("monitor_v2 alert: rank %d step %d: the anomalous rows of this step are in %s",
                        self.rank, step, path)
 
-    def _check_nonfinite(self, step: int, rows_by_monitor: Sequence[Tuple[str, Sequence[Row]]]) -> List[Tuple[str, Row]]:
+    def _check_nonfinite(self, step: int,
+                         rows_by_monitor: Sequence[Tuple[str, Sequence[Row]]]) -> List[Tuple[str, Row]]:
         bad = [(monitor, row) for monitor, rows in rows_by_monitor for row in rows if _nonfinite(row)]
         if not bad or self._nonfinite_steps >= MAX_NONFINITE_STEPS:
             return bad
