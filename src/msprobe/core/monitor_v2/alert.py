@@ -14,6 +14,10 @@ written, from the statistics already on the host (no synchronisation of its own)
   lines per step. Rows of evaluation passes (scope ``eval_forward``) are not checked
   for spikes: they sum over however many batches the evaluation ran, which changes their
   norm from one evaluation to the next (they are checked for non-finite values).
+- Evidence: given the rank directory, the first step with a non-finite row or a spike
+  is also written to ``rank_<r>/anomalies.jsonl`` (``evidence.py``), once per run. The
+  alerter runs inside the writer's step flush (on its thread with ``async_write``), so
+  that file never costs the training step.
 """
 
 import logging
@@ -24,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
+from . import evidence
 from .config import AlertSettings
 from .rows import EVAL_FORWARD, VALUE_OPS
 from .stats import Row
@@ -57,9 +62,11 @@ class Anomaly:
 
 
 class Alerter:
-    def __init__(self, settings: AlertSettings, rank: int) -> None:
+    def __init__(self, settings: AlertSettings, rank: int, rank_dir: Optional[str] = None) -> None:
         self.settings = settings
         self.rank = rank
+        self.rank_dir = rank_dir  # None: no anomalies.jsonl
+        self.anomalies_written = False
         self._history: Dict[Tuple, Deque[float]] = {}
         self._nonfinite_steps = 0
         self.alerts: List[str] = []  # every message logged, for callers and tests
@@ -78,15 +85,33 @@ class Alerter:
         logger.warning("monitor_v2 alert: %s", message)
 
     def check_step(self, step: int, rows_by_monitor: Sequence[Tuple[str, Sequence[Row]]]) -> None:
+        kinds: Dict[int, str] = {}  # id(row) -> kind, for anomalies.jsonl
         if self.settings.nonfinite:
-            self._check_nonfinite(step, rows_by_monitor)
+            kinds.update((id(row), "nonfinite") for _, row in self._check_nonfinite(step, rows_by_monitor))
         if self.settings.spike_factor is not None:
-            self._check_spikes(step, rows_by_monitor)
+            for _, _, row, _, _ in self._check_spikes(step, rows_by_monitor):
+                kinds.setdefault(id(row), "spike")
+        if kinds and self.rank_dir is not None and not self.anomalies_written:
+            self._write_evidence(step, rows_by_monitor, kinds)
 
-    def _check_nonfinite(self, step: int, rows_by_monitor: Sequence[Tuple[str, Sequence[Row]]]) -> None:
+    def _write_evidence(self, step: int, rows_by_monitor: Sequence[Tuple[str, Sequence[Row]]],
+                        kinds: Dict[int, str]) -> None:
+        self.anomalies_written = True  # once, even when the write fails: the CSVs keep the rows
+        try:
+            path = evidence.append_anomalies(
+                self.rank_dir, evidence.anomaly_lines(self.rank, step, rows_by_monitor, kinds, _nonfinite))
+        except OSError as exc:
+            logger.error("monitor_v2: rank %d could not write %s at step %d: %r (the CSV rows are unaffected)",
+                         self.rank, evidence.ANOMALIES_FILE, step, exc)
+            return
+        logger.warning("monitor_v2 alert: rank %d step %d: the anomalous rows of this step are in %s",
+                       self.rank, step, path)
+
+    def _check_nonfinite(self, step: int,
+                         rows_by_monitor: Sequence[Tuple[str, Sequence[Row]]]) -> List[Tuple[str, Row]]:
         bad = [(monitor, row) for monitor, rows in rows_by_monitor for row in rows if _nonfinite(row)]
         if not bad or self._nonfinite_steps >= MAX_NONFINITE_STEPS:
-            return
+            return bad
         self._nonfinite_steps += 1
         monitor, first = bad[0]
         self._seen(Anomaly("nonfinite", step, monitor, first))
@@ -98,8 +123,9 @@ class Alerter:
         else:
             more = " (further steps are not reported)" if self._nonfinite_steps == MAX_NONFINITE_STEPS else ""
             self._log(f"rank {self.rank} step {step}: {len(bad)} non-finite row(s), first {_describe(monitor, first)}{more}")
+        return bad
 
-    def _check_spikes(self, step: int, rows_by_monitor: Sequence[Tuple[str, Sequence[Row]]]) -> None:
+    def _check_spikes(self, step: int, rows_by_monitor: Sequence[Tuple[str, Sequence[Row]]]) -> List[Tuple]:
         s = self.settings
         spikes = []
         for monitor, rows in rows_by_monitor:
@@ -124,7 +150,8 @@ class Alerter:
                       f"{row.stat.value('norm'):.6g} is {ratio:.1f}x the median {median:.6g} of its last {n} norms")
         if len(spikes) > MAX_SPIKES_PER_STEP:
             self._log(f"rank {self.rank} step {step}: {len(spikes) - MAX_SPIKES_PER_STEP} more spike(s) not listed")
+        return spikes
 
 
-def make_alerter(settings: Optional[AlertSettings], rank: int) -> Optional[Alerter]:
-    return Alerter(settings, rank) if settings is not None else None
+def make_alerter(settings: Optional[AlertSettings], rank: int, rank_dir: Optional[str] = None) -> Optional[Alerter]:
+    return Alerter(settings, rank, rank_dir) if settings is not None else None

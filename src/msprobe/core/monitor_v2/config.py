@@ -95,9 +95,20 @@ class AlertSettings:
     # A norm at or below this is never a spike: a tensor that converged to 0 and then reads
     # 1e-8 is rounding noise, not "inf x the median".
     spike_floor: float = 1e-6
+    # Incident evidence (evidence.py): the byte budget of the pre-update dump (None: no
+    # dump), and whether a non-finite gradient stops the job before the update.
+    dump_max_bytes: Optional[int] = None
+    stop_on_nonfinite: bool = False
+
+    @property
+    def checks_gradients(self) -> bool:
+        """Whether the optimizer pre-step hook checks the gradients (one host sync a step)."""
+        return self.dump_max_bytes is not None or self.stop_on_nonfinite
 
 
-_ALERT_FIELDS = ("enabled", "nonfinite", "spike_factor", "spike_window", "spike_warmup", "spike_floor")
+DEFAULT_DUMP_BYTES = 256 << 20
+_ALERT_FIELDS = ("enabled", "nonfinite", "spike_factor", "spike_window", "spike_warmup", "spike_floor",
+                 "dump", "stop_on_nonfinite")
 
 
 # ------------------------------------------------------------------------- sinks
@@ -269,7 +280,27 @@ def _parse_alert(raw: Any) -> Optional[AlertSettings]:
         spike_window=20 if raw.get("spike_window") is None else check_int("alert.spike_window", raw["spike_window"], 3),
         spike_warmup=10 if raw.get("spike_warmup") is None else check_int("alert.spike_warmup", raw["spike_warmup"], 1),
         spike_floor=1e-6 if raw.get("spike_floor") is None else _nonneg_floor(raw["spike_floor"]),
+        dump_max_bytes=_parse_dump(raw.get("dump")),
+        stop_on_nonfinite=(False if raw.get("stop_on_nonfinite") is None
+                           else check_bool("alert.stop_on_nonfinite", raw["stop_on_nonfinite"])),
     )
+
+
+def _parse_dump(raw: Any) -> Optional[int]:
+    """``alert.dump``: true (the default budget), false/absent, or {"max_bytes": N}."""
+    if raw is None or raw is False:
+        return None
+    if raw is True:
+        return DEFAULT_DUMP_BYTES
+    if not isinstance(raw, Mapping):
+        raise fail("alert.dump", raw, 'must be true/false or an object such as {"max_bytes": 268435456}')
+    check_keys("alert.dump", raw)
+    for key in raw:
+        if key != "max_bytes":
+            raise ConfigError(_unknown_field(f"alert.dump.{key}", key, ("max_bytes",)), field=f"alert.dump.{key}")
+    if raw.get("max_bytes") is None:
+        return DEFAULT_DUMP_BYTES
+    return check_int("alert.dump.max_bytes", raw["max_bytes"], 1)
 
 
 def _nonneg_floor(value: Any) -> float:

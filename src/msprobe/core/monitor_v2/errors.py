@@ -51,3 +51,21 @@ class UnsafePathError(OutputError):
 
     def __str__(self) -> str:
         return self.strerror
+
+
+class NonFiniteGradientError(MonitorError, FloatingPointError):
+    """Raised from the optimizer pre-step hook with ``"alert": {"stop_on_nonfinite": true}``
+    when a gradient the optimizer is about to apply holds a NaN or Inf: the update is not
+    applied. ``step``, ``names`` (the non-finite gradients, in parameter order) and
+    ``dump`` (the dump directory, or None) say what happened and where the evidence is."""
+
+    def __init__(self, step: int, nonfinite: int, total: int, names: "list[str]", dump: "str | None") -> None:
+        self.step = step
+        self.names = list(names)
+        self.dump = dump
+        shown = ", ".join(self.names[:5]) + (f" and {len(self.names) - 5} more" if len(self.names) > 5 else "")
+        where = f"; the tensors of this step before the update are in {dump}" if dump else \
+            "; set \"alert\": {\"dump\": true} to keep the tensors of this step"
+        super().__init__(
+            f"monitor_v2: step {step}: {nonfinite} of {total} gradient(s) are non-finite before the optimizer step "
+            f"(first: {shown}); the update was not applied (alert.stop_on_nonfinite){where}")

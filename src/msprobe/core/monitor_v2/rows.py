@@ -147,3 +147,48 @@ def call_site(file: str, line: int) -> str:
 
 def cc_row(op: str, when: str, index: int, site: str) -> str:
     return f"{op}.{when}.{index}@{site}"
+
+
+# ------------------------------------------------------------ execution order
+# Where in a training step a (monitor, scope) was computed: the phase of the order key
+# (analysis/order.py documents the table). It lives here, not in the analysis, because the
+# training side writes the same key into ``anomalies.jsonl`` and the core never imports
+# the analysis package.
+LAST_MICRO = 1 << 30  # micro key of the rows read once per step, after every micro-batch
+
+_PHASES: Dict[Tuple[str, str], int] = {
+    (PARAM, PARAM_ORIGIN): 0,
+    (MODULE, FORWARD): 1,
+    (MODULE, EVAL_FORWARD): 1,  # evaluation passes: forward passes, in file (call) order
+    (MODULE, BACKWARD): 2,
+    (WEIGHT_GRAD, UNREDUCED): 3,
+    (WEIGHT_GRAD, REDUCED): 5,
+    (PARAM, PARAM_UPDATED): 7,
+}
+
+OrderKey = Tuple[int, int, int, int, int]
+
+
+def execution_phase(monitor: str, scope: str) -> int:
+    """0 (parameters at step start) .. 8 (an unknown scope); see analysis/order.py."""
+    p = _PHASES.get((monitor, scope))
+    if p is not None:
+        return p
+    if monitor == OPTIMIZER:
+        return 6
+    if monitor == CC:
+        return 4
+    return 8
+
+
+def execution_order(step: int, monitor: str, scope: str, micro: "int | None", line: int, rank: int) -> OrderKey:
+    """``(step, micro key, phase, line, rank)``: sorting by it puts rows in the order the
+    step computed them (``line``: the row's place in its file)."""
+    p = execution_phase(monitor, scope)
+    if p <= 2:
+        mk = 0
+    elif p == 3:
+        mk = micro if micro is not None else LAST_MICRO
+    else:
+        mk = LAST_MICRO
+    return (step, mk, p, line, rank)

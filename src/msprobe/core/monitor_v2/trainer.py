@@ -24,7 +24,7 @@ from . import rows
 from .alert import make_alerter
 from .backend import Session
 from .config import MonitorConfig, load_config
-from .errors import ConfigError, MonitorStateError
+from .errors import ConfigError, MonitorStateError, NonFiniteGradientError
 from .frameworks import load_backend
 from .model_structure import write_structure
 from .monitor import ContainedErrors, Monitor
@@ -63,6 +63,7 @@ class TrainerMonitorV2:
         self._optimizer_steps = 0  # optimizer.step() calls seen (patched or not)
         self._pid = os.getpid()
         self._once = LogOnce()
+        self._guard: Any = None  # alert.dump / stop_on_nonfinite: the pre-update gradient check
 
     # ------------------------------------------------------------------ properties
     @property
@@ -126,7 +127,7 @@ class TrainerMonitorV2:
             self.rank_dir,
             self.schedule,
             outputs,
-            make_alerter(self.config.alert, self.rank),
+            make_alerter(self.config.alert, self.rank, self.rank_dir),
         )
         writer.sinks = make_sink_hub(self.config.sinks, self.rank, self.config.output_dir,
                                      {o.name: o.ops for o in outputs})
@@ -142,11 +143,14 @@ class TrainerMonitorV2:
                 m.attach()
             patch = self.config.patch_optimizer_step
             self._patched = optimizer is not None and (patch is None or patch)
+            self._guard = self._make_guard(backend, session)
             self._step_hooks = session.install_step_hooks(
-                self.errors.wrap("optimizer pre-step hook", self._before_optimizer_step),
+                self._then_check_gradients(self.errors.wrap("optimizer pre-step hook", self._before_optimizer_step)),
                 self.errors.wrap("optimizer post-step hook", self._after_optimizer_step),
             )
         except BaseException:
+            if self._guard is not None:
+                self._guard.detach()
             for m in reversed(attached):
                 try:
                     m.detach()
@@ -168,6 +172,46 @@ class TrainerMonitorV2:
 
         logger.info("monitor_v2: model structure (module and parameter names) written to %s; "
                     "%s counts what a targets list selects", path, command_line("struct", self.config.output_dir))
+
+    # ------------------------------------------ alert.dump / stop_on_nonfinite
+    def _make_guard(self, backend: Any, session: Session) -> Any:
+        alert = self.config.alert
+        if alert is None or not alert.checks_gradients or session.optimizer is None:
+            return None
+        guard_class = getattr(backend, "GradientGuard", None)
+        if guard_class is None:
+            logger.warning("monitor_v2: alert.dump and alert.stop_on_nonfinite are not available for framework "
+                           "'%s' in this version; anomalies.jsonl is still written", self.config.framework)
+            return None
+        guard = guard_class(session, alert, self.rank, self.rank_dir, self.errors)
+        guard.attach()
+        return guard
+
+    def _then_check_gradients(self, before: Any) -> Any:
+        """The pre-step hook, then (only with a guard) the gradient check, which alone may
+        raise into the training code: ``NonFiniteGradientError`` stops the update."""
+        if self._guard is None:
+            return before
+
+        def hook() -> None:
+            before()
+            if self._state != "running":
+                return
+            start = time.perf_counter()
+            try:
+                self._guard.check(self._step)
+            except NonFiniteGradientError:
+                try:  # the step ends here, without its update: its rows so far are written
+                    self._advance()
+                except Exception as exc:  # noqa: BLE001
+                    self.errors.report("ending the step stopped by alert.stop_on_nonfinite", exc)
+                raise
+            except Exception as exc:  # noqa: BLE001
+                self.errors.report("alert.dump gradient check", exc)
+            finally:
+                self.errors.busy += time.perf_counter() - start
+
+        return hook
 
     # ---------------------------------------------------------------- step logic
     def _begin_step(self, step: int) -> None:
@@ -276,6 +320,8 @@ class TrainerMonitorV2:
         if state in ("running", "forked"):
             self._state = "stopping" if state == "running" else "stopped"
             self._step_hooks.remove()
+            if self._guard is not None:
+                self._guard.detach()
             for m in reversed(self.monitors):
                 try:
                     m.detach()
@@ -285,6 +331,8 @@ class TrainerMonitorV2:
             if state == "forked":
                 return
         # "stopping": hooks are gone; an earlier stop() may have been interrupted in the drain
+        if self._guard is not None:
+            self._guard.close()  # the dump's files
         try:
             self._writer.close()  # logs what was lost; never raises for output problems
         except Exception as exc:  # noqa: BLE001 - stop() must not mask the training's own error

@@ -24,21 +24,11 @@ forward pass of micro-batch 2 is reported at its forward row, before the
 ``unreduced`` gradient of micro-batch 2 and before any later phase.
 """
 
-from typing import Optional, Tuple
+from typing import Optional
 
 from .. import rows
 
-LAST = 1 << 30
-
-_PHASES = {
-    (rows.PARAM, rows.PARAM_ORIGIN): 0,
-    (rows.MODULE, rows.FORWARD): 1,
-    (rows.MODULE, rows.EVAL_FORWARD): 1,  # evaluation passes: forward passes, in file (call) order
-    (rows.MODULE, rows.BACKWARD): 2,
-    (rows.WEIGHT_GRAD, rows.UNREDUCED): 3,
-    (rows.WEIGHT_GRAD, rows.REDUCED): 5,
-    (rows.PARAM, rows.PARAM_UPDATED): 7,
-}
+LAST = rows.LAST_MICRO
 
 PHASE_LABELS = {
     0: "parameters at step start",
@@ -52,29 +42,10 @@ PHASE_LABELS = {
     8: "other",
 }
 
-OrderKey = Tuple[int, int, int, int, int]
-
-
-def phase(monitor: str, scope: str) -> int:
-    p = _PHASES.get((monitor, scope))
-    if p is not None:
-        return p
-    if monitor == rows.OPTIMIZER:
-        return 6
-    if monitor == rows.CC:
-        return 4
-    return 8
-
-
-def order_key(step: int, monitor: str, scope: str, micro: Optional[int], line: int, rank: int) -> OrderKey:
-    p = phase(monitor, scope)
-    if p <= 2:
-        mk = 0
-    elif p == 3:
-        mk = micro if micro is not None else LAST
-    else:
-        mk = LAST
-    return (step, mk, p, line, rank)
+# The key itself lives in rows.py: the training side writes it into anomalies.jsonl.
+OrderKey = rows.OrderKey
+phase = rows.execution_phase
+order_key = rows.execution_order
 
 
 def where(monitor: str, scope: str, micro: Optional[int], per_micro: Optional[bool] = None) -> str:

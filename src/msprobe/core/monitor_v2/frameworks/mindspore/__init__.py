@@ -3,6 +3,7 @@
 from ...optimizer import OptimizerStateMonitor
 from ...param import ParamMonitor
 from .cc import MsCommMonitor
+from .evidence import GradientGuard
 from .module import MsModuleMonitor
 from .session import MsSession as Session
 from .session import global_rank
@@ -12,4 +13,4 @@ MONITORS = {
     m.name: m for m in (MsModuleMonitor, MsWeightGradMonitor, OptimizerStateMonitor, ParamMonitor, MsCommMonitor)
 }
 
-__all__ = ["MONITORS", "Session", "global_rank"]
+__all__ = ["MONITORS", "GradientGuard", "Session", "global_rank"]

@@ -3,6 +3,7 @@
 from ...optimizer import OptimizerStateMonitor
 from ...param import ParamMonitor
 from .cc import CommMonitor, enable_ddp_comm_visibility
+from .evidence import GradientGuard
 from .module import ModuleMonitor
 from .session import TorchSession as Session
 from .session import global_rank
@@ -12,4 +13,4 @@ MONITORS = {
     m.name: m for m in (ModuleMonitor, WeightGradMonitor, OptimizerStateMonitor, ParamMonitor, CommMonitor)
 }
 
-__all__ = ["MONITORS", "Session", "enable_ddp_comm_visibility", "global_rank"]
+__all__ = ["MONITORS", "GradientGuard", "Session", "enable_ddp_comm_visibility", "global_rank"]
