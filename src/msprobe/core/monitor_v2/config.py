@@ -81,7 +81,9 @@ MONITOR_FIELDS: Dict[str, Fields] = {
     rows.PARAM: PARAM_FIELDS,
     rows.CC: CC_FIELDS,
 }
-_COMMON_FIELDS = ("enabled", "ops", "eps", "steps")
+_COMMON_FIELDS = ("enabled", "ops", "eps")
+# listed after each monitor's own fields (messages name the long-standing ones first)
+_LATE_COMMON_FIELDS = ("steps",)
 
 
 @dataclass(frozen=True)
@@ -375,7 +377,7 @@ def _parse_monitor(name: str, raw: Any, base: str = "monitors") -> MonitorSettin
             raw = {**nested, **raw}
 
     specific = MONITOR_FIELDS[name]
-    known = _COMMON_FIELDS + tuple(specific)
+    known = _COMMON_FIELDS + tuple(specific) + _LATE_COMMON_FIELDS
     for key in raw:
         if key not in known and not key.startswith("_"):
             raise _unknown_monitor_field(path, key, known)
