@@ -192,3 +192,40 @@ def test_on_anomaly_turns_module_on_for_the_subtree_of_the_offending_tensor(tmp_
     assert {r["module_name"].split(".")[0] for r in module} == {"fc2"}
     line = [r.getMessage() for r in caplog.records if "on_anomaly turns on" in r.getMessage()]
     assert len(line) == 1 and "steps 5..7" in line[0] and "'fc2'" in line[0] and "fc2.weight" in line[0]
+
+
+def test_async_writer_takes_the_new_outputs_in_order(tmp_path):
+    cfg, model, opt = setup(tmp_path, async_write=True, step_count_per_record=5)
+    mon = TrainerMonitorV2(str(cfg))
+    mon.start(model, opt)
+    train(mon, model, opt, 12, lambda s: s == 1 and control(
+        str(cfg), ControlEdit(enable="module", ops=["norm", "nans"], steps=4)))
+    out = tmp_path / "out"
+    names = sorted(p.name for p in (out / "rank_0").glob("module_*.csv"))
+    assert names == ["module_step2-4.csv", "module_step5-9.csv"]  # the first file named from the reload step
+    module = rows_of(out, "module")
+    assert steps_of(module) == [2, 3, 4, 5]
+    assert set(module[0]) == {"vpp_stage", "step", "module_name", "scope", "norm", "nans"}
+    assert steps_of(rows_of(out, "weight_grad")) == list(range(12))
+
+
+def test_on_anomaly_with_async_write_escalates_once(tmp_path, caplog):
+    out = tmp_path / "out"
+    mon = TrainerMonitorV2({"output_dir": str(out), "async_write": True, "monitors": {"param": {"enabled": True}},
+                            "alert": {"on_anomaly": {"steps": 2, "monitors": {"module": {"targets": "auto"}}}}})
+    model = TinyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    mon.start(model, opt)
+
+    def inject(step):
+        if step == 3:
+            with torch.no_grad():
+                model.fc1.bias[0] = float("inf")
+
+    with caplog.at_level(logging.WARNING, logger="msprobe.monitor_v2"):
+        train(mon, model, opt, 12, inject)
+    module = rows_of(out, "module")
+    steps = steps_of(module)
+    assert len(steps) == 2 and steps[0] >= 4 and steps[1] == steps[0] + 1  # after the writer thread saw it
+    assert {r["module_name"].split(".")[0] for r in module} == {"fc1"}
+    assert len([r for r in caplog.records if "on_anomaly turns on" in r.getMessage()]) == 1

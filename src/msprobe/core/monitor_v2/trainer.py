@@ -327,6 +327,10 @@ class TrainerMonitorV2:
             # each written one while an escalation is armed (written steps agree everywhere)
             if self._agree and (self._watch is not None or (self._escalation_armed and written)):
                 flags = self._session.agree_max(flags)
+            elif self._agree:
+                # seen between written steps (the async writer's thread): acted on at the next
+                # written step, with the other ranks, never by this rank alone
+                flags[1] = 0
             replan = self._next_change is not None and next_step >= self._next_change
             if flags[0] and self._watch is not None:
                 replan = self._reload(next_step) or replan

@@ -522,10 +522,6 @@ class AsyncCsvWriter:
     def update_outputs(self, step: int, outputs: Sequence[MonitorOutput], schedule: StepSchedule) -> None:
         self._queue.put(_Call(functools.partial(self._writer.update_outputs, step, list(outputs), schedule)))
 
-    @property
-    def alerter(self) -> Optional[Alerter]:
-        return self._writer.alerter
-
     def pending(self) -> Tuple[int, int]:
         """``(steps, rows)`` handed over and not written yet (queued or being written)."""
         with self._queue.mutex:
