@@ -30,7 +30,7 @@ from .dynamic import (ConfigWatch, MonitorPlan, auto_target, describe_planned, r
 from .errors import ConfigError, MonitorStateError
 from .frameworks import load_backend
 from .model_structure import write_structure
-from .monitor import ContainedErrors, Monitor
+from .monitor import ContainedErrors, Monitor, module_tags
 from .logonce import LogOnce
 from .patching import Patch
 from .sinks import make_sink_hub
@@ -287,8 +287,6 @@ class TrainerMonitorV2:
                                   field="dynamic")
             self._watch = ConfigWatch(os.fspath(config_path), fr)
             self._raw_monitors = self._watch.raw.get("monitors")
-        elif not isinstance(config_path, Mapping):
-            self._raw_monitors = None
         self._escalation_armed = False
         self._next_change: Optional[int] = None
         self._timed: Set[str] = set()
@@ -413,8 +411,6 @@ class TrainerMonitorV2:
                        describe_planned({s.name: self._plan.escalation[s.name] for s in monitors}), why, narrowed)
 
     def _module_tags(self) -> List[Any]:
-        from .monitor import module_tags
-
         return module_tags(self._session.named_modules(), self._session.table.qualify)
 
     def _apply_plan(self, step: int) -> None:
@@ -436,22 +432,32 @@ class TrainerMonitorV2:
         for name, planned in wanted.items():
             m = kept.get(name)
             if m is None:
-                try:
-                    m = self._backend.MONITORS[name](planned.settings, self._session, self.errors)
-                    m.attach()
-                except Exception as exc:  # noqa: BLE001
-                    self.errors.report(f"{name} attach", exc)
-                    try:
-                        m.detach()
-                    except Exception:  # noqa: BLE001 - the attach error is the one reported
-                        pass
-                    continue
-            monitors.append(m)
+                m = self._attach_monitor(planned.settings)
+            if m is not None:
+                monitors.append(m)
         self.monitors = monitors
         self._timed = timed_names(wanted)
         self._next_change = self._plan.next_change(step)
         outputs = [MonitorOutput(m.name, m.settings.ops, m.name in rows.MICRO_STEP_MONITORS) for m in monitors]
         self._writer.update_outputs(step, outputs, self.schedule)
+
+    def _attach_monitor(self, settings: Any) -> Optional[Monitor]:
+        """A monitor built and attached mid-run as start() does; None (error contained) if that fails."""
+        try:
+            m = self._backend.MONITORS[settings.name](settings, self._session, self.errors)
+        except Exception as exc:  # noqa: BLE001
+            self.errors.report(f"{settings.name} attach", exc)
+            return None
+        try:
+            m.attach()
+        except Exception as exc:  # noqa: BLE001
+            self.errors.report(f"{settings.name} attach", exc)
+            try:
+                m.detach()  # a failing attach may have installed part
+            except Exception:  # noqa: BLE001 - the attach error is the one reported
+                pass
+            return None
+        return m
 
     # ---------------------------------------------------------------------- stop
     def stop(self) -> None:
