@@ -231,3 +231,21 @@ def test_on_anomaly_with_async_write_escalates_once(tmp_path, caplog):
     assert len(steps) == 2 and steps[0] in (4, 5, 6) and steps[1] == steps[0] + 1  # after the writer thread saw it
     assert {r["module_name"].split(".")[0] for r in module} == {"fc1"}
     assert len([r for r in caplog.records if "on_anomaly turns on" in r.getMessage()]) == 1
+
+
+def test_on_anomaly_added_by_an_edit_is_armed(tmp_path):
+    cfg, model, opt = setup(tmp_path, alert=True)
+    mon = TrainerMonitorV2(str(cfg))
+    mon.start(model, opt)
+
+    def step_hook(step):
+        if step == 1:
+            control(str(cfg), ControlEdit(sets=[("alert", {"on_anomaly": {"steps": 2, "monitors": {
+                "module": {"targets": "auto"}}}})]))
+        if step == 5:
+            with torch.no_grad():
+                model.fc2.bias[0] = float("nan")
+
+    train(mon, model, opt, 10, step_hook)
+    module = rows_of(tmp_path / "out", "module")
+    assert steps_of(module) == [6, 7]

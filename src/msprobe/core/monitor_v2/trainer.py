@@ -288,6 +288,7 @@ class TrainerMonitorV2:
             self._watch = ConfigWatch(os.fspath(config_path), fr)
             self._raw_monitors = self._watch.raw.get("monitors")
         self._escalation_armed = False
+        self._escalated = False  # on_anomaly fires once per run
         self._next_change: Optional[int] = None
         self._timed: Set[str] = set()
         self._plan: Optional[MonitorPlan] = None
@@ -342,7 +343,9 @@ class TrainerMonitorV2:
 
     def _check_edit(self, config: MonitorConfig) -> None:
         """What start() checks beyond load_config, for an edited config."""
-        for settings in config.enabled_monitors:
+        on_anomaly = config.alert.on_anomaly if config.alert is not None else None
+        escalated = [s for s in on_anomaly.monitors.values() if s.enabled] if on_anomaly is not None else []
+        for settings in config.enabled_monitors + escalated:
             if settings.name not in self._backend.MONITORS:
                 raise ConfigError(f"monitor_v2: monitor '{settings.name}' is not available for framework "
                                   f"'{self.config.framework}' in this version", field=f"monitors.{settings.name}")
@@ -372,7 +375,7 @@ class TrainerMonitorV2:
         self.schedule = new.schedule
         self._raw_monitors = self._watch.raw.get("monitors")
         self._plan.replace_base(new.enabled_monitors, next_step, self._raw_monitors)
-        self._escalation_armed = self._escalation_armed and self._on_anomaly() is not None
+        self._escalation_armed = not self._escalated and self._on_anomaly() is not None
         if not new.dynamic:
             logger.warning("monitor_v2: the edit of %s sets \"dynamic\" to false: later edits are not read "
                            "until a restart", self._watch.path)
@@ -385,6 +388,7 @@ class TrainerMonitorV2:
         """``alert.on_anomaly``: its monitors on for its steps from ``next_step``, once per run."""
         assert self._plan is not None and self._session is not None
         self._escalation_armed = False
+        self._escalated = True
         on = self._on_anomaly()
         if on is None:
             return
