@@ -215,6 +215,8 @@ def describe_planned(planned: Mapping[str, PlannedMonitor]) -> str:
     for name, p in planned.items():
         targets = p.settings.options.get("targets") if name == rows.MODULE else None
         what = name + (f" (targets {list(targets)})" if targets else "")
+        if p.settings.ops != rows.DEFAULT_OPS:
+            what += f" (ops {','.join(p.settings.ops)})"
         when = f"steps {p.since}..{p.until - 1}" if p.until is not None else f"from step {p.since}"
         parts.append(f"{what} {when}")
     return ", ".join(parts) or "no monitor"

@@ -306,9 +306,9 @@ class TrainerMonitorV2:
         self._next_change = self._plan.next_change(first_step)
         if self.config.ranks is not None and (self._watch is not None or self._escalation_armed):
             self._agree = False
-            logger.warning("monitor_v2: 'rank' leaves some ranks unmonitored, so the monitored ranks cannot agree "
-                           "on a step with a collective: each applies a config edit or an escalation at the step "
-                           "it sees it, which may differ between ranks")
+            logger.warning("monitor_v2: with 'rank' set, the ranks it leaves out take no part in a collective, so "
+                           "the monitored ranks do not agree on a step: each applies a config edit or an escalation "
+                           "at the step it sees it, which may differ between ranks")
 
     def _on_anomaly(self) -> Any:
         alert = self.config.alert
