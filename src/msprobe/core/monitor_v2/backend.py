@@ -115,6 +115,18 @@ class Session(Protocol):
         """Call ``before``/``after`` around every real optimizer step; returns the patch."""
         ...
 
+    def agree_max(self, values: Sequence[int]) -> List[int]:
+        """The element-wise maximum of ``values`` over all ranks (one small all-reduce; the
+        values themselves when the job is not distributed). Every rank calls it at the
+        same step boundary: what makes a config edit or an escalation start at the same
+        step everywhere (``dynamic.py``)."""
+        ...
+
+    def gather(self, value: Optional[str]) -> List[Optional[str]]:
+        """Every rank's ``value``, in rank order (``[value]`` when not distributed). Called
+        only on the rare step an escalation needs one name agreed by all ranks."""
+        ...
+
 
 @runtime_checkable
 class TrainingStack(Protocol):

@@ -82,6 +82,8 @@ MONITOR_FIELDS: Dict[str, Fields] = {
     rows.CC: CC_FIELDS,
 }
 _COMMON_FIELDS = ("enabled", "ops", "eps")
+# listed after each monitor's own fields (messages name the long-standing ones first)
+_LATE_COMMON_FIELDS = ("steps",)
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,7 @@ class AlertSettings:
     # dump), and whether a non-finite gradient stops the job before the update.
     dump_max_bytes: Optional[int] = None
     stop_on_nonfinite: bool = False
+    on_anomaly: Optional["OnAnomaly"] = None  # None: an anomaly turns nothing on
 
     @property
     def checks_gradients(self) -> bool:
@@ -108,7 +111,42 @@ class AlertSettings:
 
 DEFAULT_DUMP_BYTES = 256 << 20
 _ALERT_FIELDS = ("enabled", "nonfinite", "spike_factor", "spike_window", "spike_warmup", "spike_floor",
-                 "dump", "stop_on_nonfinite")
+                 "dump", "stop_on_nonfinite", "on_anomaly")
+
+
+@dataclass(frozen=True)
+class OnAnomaly:
+    """``alert.on_anomaly``: monitors turned on for ``steps`` steps after the first anomaly
+    (see ``dynamic.py``). ``auto_targets``: ``module`` narrowed to the offending tensor's
+    module subtree (``"targets": "auto"``)."""
+
+    steps: int
+    monitors: Mapping[str, MonitorSettings]
+    auto_targets: bool = False
+
+
+_ON_ANOMALY_FIELDS = ("steps", "monitors")
+
+
+def _parse_on_anomaly(raw: Any) -> Optional[OnAnomaly]:
+    path = "alert.on_anomaly"
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise fail(path, raw, "must be an object such as {\"steps\": 20, \"monitors\": "
+                              "{\"module\": {\"targets\": \"auto\"}}}")
+    check_keys(path, raw)
+    for key in raw:
+        if key not in _ON_ANOMALY_FIELDS:
+            raise ConfigError(_unknown_field(f"{path}.{key}", key, _ON_ANOMALY_FIELDS), field=f"{path}.{key}")
+    if raw.get("steps") is None:
+        raise fail(f"{path}.steps", None, "is required: how many steps the monitors stay on (an integer >= 1)")
+    steps = check_int(f"{path}.steps", raw["steps"], 1)
+    monitors, auto = _parse_monitors(raw.get("monitors"), f"{path}.monitors", allow_auto=True)
+    if not any(m.enabled for m in monitors.values()):
+        raise fail(f"{path}.monitors", raw.get("monitors"),
+                   "must turn on at least one monitor, e.g. {\"module\": {\"targets\": \"auto\"}}")
+    return OnAnomaly(steps=steps, monitors=monitors, auto_targets=auto)
 
 
 # ------------------------------------------------------------------------- sinks
@@ -283,6 +321,7 @@ def _parse_alert(raw: Any) -> Optional[AlertSettings]:
         dump_max_bytes=_parse_dump(raw.get("dump")),
         stop_on_nonfinite=(False if raw.get("stop_on_nonfinite") is None
                            else check_bool("alert.stop_on_nonfinite", raw["stop_on_nonfinite"])),
+        on_anomaly=_parse_on_anomaly(raw.get("on_anomaly")),
     )
 
 
@@ -324,6 +363,7 @@ class MonitorConfig:
     alert: Optional["AlertSettings"] = None  # None: no online alerts
     structure: bool = False  # start() writes rank_<r>/structure.txt (module and parameter names)
     sinks: Optional["SinksSettings"] = None  # None: no live dashboard
+    dynamic: bool = False  # edits of the config file apply while training (dynamic.py)
 
     @property
     def enabled_monitors(self) -> List[MonitorSettings]:
@@ -346,8 +386,8 @@ def _parse_ops(path: str, value: Any) -> Tuple[str, ...]:
     return chosen or rows.DEFAULT_OPS
 
 
-def _parse_monitor(name: str, raw: Any) -> MonitorSettings:
-    path = f"monitors.{name}"
+def _parse_monitor(name: str, raw: Any, base: str = "monitors") -> MonitorSettings:
+    path = f"{base}.{name}"
     if not isinstance(raw, Mapping):
         raise fail(path, raw, "must be an object such as {\"enabled\": true}")
     check_keys(path, raw)
@@ -367,7 +407,7 @@ def _parse_monitor(name: str, raw: Any) -> MonitorSettings:
             raw = {**nested, **raw}
 
     specific = MONITOR_FIELDS[name]
-    known = _COMMON_FIELDS + tuple(specific)
+    known = _COMMON_FIELDS + tuple(specific) + _LATE_COMMON_FIELDS
     for key in raw:
         if key not in known and not key.startswith("_"):
             raise _unknown_monitor_field(path, key, known)
@@ -377,11 +417,41 @@ def _parse_monitor(name: str, raw: Any) -> MonitorSettings:
     ops = _parse_ops(f"{path}.ops", raw.get("ops"))
     eps_raw = raw.get("eps")
     eps = DEFAULT_EPS if eps_raw is None else check_positive_number(f"{path}.eps", eps_raw)
+    steps = None if raw.get("steps") is None else check_int(f"{path}.steps", raw["steps"], 1)
+    if name == rows.MODULE and raw.get("targets") == AUTO_TARGETS:
+        raise fail(f"{path}.targets", AUTO_TARGETS, "\"auto\" is allowed only in alert.on_anomaly.monitors.module; "
+                                                    "here: a list of module-name substrings ([] = every module)")
     options = {}
     for key, (checker, default) in specific.items():
         value = raw.get(key)
         options[key] = default if value is None else checker(f"{path}.{key}", value)
-    return MonitorSettings(name=name, enabled=enabled, ops=ops, eps=eps, options=options)
+    return MonitorSettings(name=name, enabled=enabled, ops=ops, eps=eps, options=options, steps=steps)
+
+
+AUTO_TARGETS = "auto"
+
+
+def _parse_monitors(raw_monitors: Any, path: str = "monitors",
+                    allow_auto: bool = False) -> Tuple[Dict[str, MonitorSettings], bool]:
+    """The ``monitors`` object (top level, or ``alert.on_anomaly.monitors``), and whether
+    its ``module`` entry asks for ``"targets": "auto"`` (allowed only there)."""
+    raw_monitors = {} if raw_monitors is None else raw_monitors
+    if not isinstance(raw_monitors, Mapping):
+        raise fail(path, raw_monitors, "must be an object {name: {...}} with names " + ", ".join(rows.MONITORS))
+    check_keys(path, raw_monitors)
+    monitors = {}
+    auto = False
+    for name, entry in raw_monitors.items():
+        if name not in rows.MONITORS:
+            raise ConfigError(
+                _unknown_field(f"{path}.{name}", str(name), rows.MONITORS, kind="monitor"),
+                field=f"{path}.{name}",
+            )
+        if allow_auto and name == rows.MODULE and isinstance(entry, Mapping) and entry.get("targets") == AUTO_TARGETS:
+            entry = {k: v for k, v in entry.items() if k != "targets"}
+            auto = True
+        monitors[name] = _parse_monitor(name, entry, path)
+    return monitors, auto
 
 
 _TOP_LEVEL = (
@@ -389,6 +459,7 @@ _TOP_LEVEL = (
     "step_interval", "step_count_per_record", "collect_times", "patch_optimizer_step", "monitors", "alert",
     "structure",
     "sinks",
+    "dynamic",
 )
 
 
@@ -415,13 +486,22 @@ def _decode(path: str, data: bytes) -> str:
 
 def read_config_file(path: str) -> Dict[str, Any]:
     """The JSON object in the file ``path``; every way it can be unreadable is a ``ConfigError``."""
+    return parse_config_bytes(path, read_config_bytes(path))
+
+
+def read_config_bytes(path: str) -> bytes:
+    """The bytes of the config file ``path``; every way it can be unreadable is a ``ConfigError``."""
     try:
-        data = read_regular_file(path, MAX_CONFIG_BYTES, "config")
+        return read_regular_file(path, MAX_CONFIG_BYTES, "config")
     except UnsafePathError as exc:  # a FIFO, a device, a directory, or too large: never read
         raise ConfigError(f"monitor_v2 config: cannot read '{path}': {exc.why}") from None
     except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise ConfigError(f"monitor_v2 config: cannot read '{path}': {reason}") from None
+
+
+def parse_config_bytes(path: str, data: bytes) -> Dict[str, Any]:
+    """The JSON object in ``data``, read from ``path`` (named in the errors)."""
     text = _decode(path, data)
     try:
         parsed = json.loads(text)
@@ -565,18 +645,8 @@ def load_config(source: Union[str, os.PathLike, Mapping], fr: Optional[str] = No
     patch = None if patch is None else check_bool("patch_optimizer_step", patch)
     structure = False if get("structure") is None else check_bool("structure", get("structure"))
 
-    raw_monitors = {} if get("monitors") is None else get("monitors")
-    if not isinstance(raw_monitors, Mapping):
-        raise fail("monitors", raw_monitors, "must be an object {name: {...}} with names " + ", ".join(rows.MONITORS))
-    check_keys("monitors", raw_monitors)
-    monitors = {}
-    for name, entry in raw_monitors.items():
-        if name not in rows.MONITORS:
-            raise ConfigError(
-                _unknown_field(f"monitors.{name}", str(name), rows.MONITORS, kind="monitor"),
-                field=f"monitors.{name}",
-            )
-        monitors[name] = _parse_monitor(name, entry)
+    monitors, _ = _parse_monitors(get("monitors"))
+    dynamic = False if get("dynamic") is None else check_bool("dynamic", get("dynamic"))
 
     if not any(m.enabled for m in monitors.values()) and not structure:  # a structure listing is output too
         logger.warning(
@@ -598,6 +668,7 @@ def load_config(source: Union[str, os.PathLike, Mapping], fr: Optional[str] = No
         alert=alert,
         structure=structure,
         sinks=sinks,
+        dynamic=dynamic,
     )
 
 

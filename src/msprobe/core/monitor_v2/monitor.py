@@ -13,7 +13,7 @@ import os
 import traceback
 from dataclasses import dataclass, field
 from time import perf_counter
-from typing import Any, Callable, ClassVar, List, Mapping, Sequence, Tuple
+from typing import Any, Callable, ClassVar, List, Mapping, Optional, Sequence, Tuple
 
 from . import rows
 from .checks import Fields, at_least, check_bool, check_str_list
@@ -40,6 +40,8 @@ class MonitorSettings:
     ops: Tuple[str, ...] = rows.DEFAULT_OPS
     eps: float = DEFAULT_EPS
     options: Mapping[str, Any] = field(default_factory=dict)
+    # on for this many steps from the step the entry takes effect, then off (None: no end)
+    steps: Optional[int] = None
 
     def get(self, key: str) -> Any:
         return self.options[key]

@@ -18,16 +18,19 @@ import os
 import sys
 import time
 import weakref
-from typing import Any, Dict, List, Mapping, Optional, Union
+from dataclasses import replace
+from typing import Any, Dict, List, Mapping, Optional, Set, Union
 
 from . import rows
 from .alert import make_alerter
 from .backend import Session
 from .config import MonitorConfig, load_config
+from .dynamic import (ConfigWatch, MonitorPlan, auto_target, describe_planned, restart_fields, same_monitor,
+                      schedule_text, timed_names)
 from .errors import ConfigError, MonitorStateError, NonFiniteGradientError
 from .frameworks import load_backend
 from .model_structure import write_structure
-from .monitor import ContainedErrors, Monitor
+from .monitor import ContainedErrors, Monitor, module_tags
 from .logonce import LogOnce
 from .patching import Patch
 from .sinks import make_sink_hub
@@ -64,6 +67,7 @@ class TrainerMonitorV2:
         self._pid = os.getpid()
         self._once = LogOnce()
         self._guard: Any = None  # alert.dump / stop_on_nonfinite: the pre-update gradient check
+        self._init_incident(config_path, fr)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -107,7 +111,9 @@ class TrainerMonitorV2:
             return
 
         enabled = self.config.enabled_monitors
-        for settings in enabled:
+        on_anomaly = self.config.alert.on_anomaly if self.config.alert is not None else None
+        escalated = [s for s in on_anomaly.monitors.values() if s.enabled] if on_anomaly is not None else []
+        for settings in enabled + escalated:
             if settings.name not in backend.MONITORS:
                 raise ConfigError(
                     f"monitor_v2: monitor '{settings.name}' is not available for framework "
@@ -123,11 +129,12 @@ class TrainerMonitorV2:
         self.monitors = [backend.MONITORS[s.name](s, session, self.errors) for s in enabled]
 
         outputs = [MonitorOutput(m.name, m.settings.ops, m.name in rows.MICRO_STEP_MONITORS) for m in self.monitors]
+        self._alerter = make_alerter(self.config.alert, self.rank, self.rank_dir)
         writer = CsvWriter(
             self.rank_dir,
             self.schedule,
             outputs,
-            make_alerter(self.config.alert, self.rank, self.rank_dir),
+            self._alerter,
         )
         writer.sinks = make_sink_hub(self.config.sinks, self.rank, self.config.output_dir,
                                      {o.name: o.ops for o in outputs})
@@ -161,6 +168,7 @@ class TrainerMonitorV2:
         self._state = "running"
         self._pid = os.getpid()
         _RUNNING.add(self)
+        self._start_incident(backend, optimizer, first_step)
         self._begin_step(first_step)
 
     def _write_structure(self, session: Session) -> None:
@@ -216,9 +224,11 @@ class TrainerMonitorV2:
     # ---------------------------------------------------------------- step logic
     def _begin_step(self, step: int) -> None:
         self._step = step
-        self._active = self.schedule.is_written(step)
+        written = self.schedule.is_written(step)
+        timed = self._timed  # monitors on for a number of steps are written on each of them
+        self._active = written or bool(timed)
         for m in self.monitors:
-            m.begin_step(step, self._active)
+            m.begin_step(step, written or m.name in timed)
 
     def _in_child(self) -> None:
         """After ``os.fork()``, in the child: record nothing, write nothing."""
@@ -302,7 +312,200 @@ class TrainerMonitorV2:
                 self._writer.report_lost(step, exc, count_rows(records))
         self._session.engine.forget()
         self._written_steps += self._active
+        if self._watch is not None or self._escalation_armed or self._next_change is not None:
+            self._between_steps(step + 1, self._active)
         self._begin_step(step + 1)
+
+    # ------------------------------------------------- incident mode (dynamic.py)
+    def _init_incident(self, config_path: Any, fr: Optional[str]) -> None:
+        """``dynamic``, per-monitor ``steps`` and ``alert.on_anomaly``: what each step
+        boundary checks. All None/False/empty when none is configured: no cost then."""
+        self._fr = fr
+        self._alerter: Any = None
+        self._watch: Optional[ConfigWatch] = None
+        self._raw_monitors: Any = config_path.get("monitors") if isinstance(config_path, Mapping) else None
+        if self.config.dynamic:
+            if isinstance(config_path, Mapping):
+                raise ConfigError("monitor_v2 config: field 'dynamic' is true, but the config was given as a dict: "
+                                  "\"dynamic\" watches the config file, so pass its path to TrainerMonitorV2",
+                                  field="dynamic")
+            self._watch = ConfigWatch(os.fspath(config_path), fr)
+            self._raw_monitors = self._watch.raw.get("monitors")
+        self._escalation_armed = False
+        self._escalated = False  # on_anomaly fires once per run
+        self._next_change: Optional[int] = None
+        self._timed: Set[str] = set()
+        self._plan: Optional[MonitorPlan] = None
+        self._backend: Any = None
+        self._optimizer: Any = None
+        self._agree = True  # False: ranks decide alone ('rank' leaves ranks out of the collective)
+
+    def _start_incident(self, backend: Any, optimizer: Any, first_step: int) -> None:
+        self._backend = backend
+        self._optimizer = optimizer
+        self._plan = MonitorPlan(self.config.enabled_monitors, first_step, self._raw_monitors)
+        self._escalation_armed = self._on_anomaly() is not None
+        wanted = self._plan.wanted(first_step)
+        self._timed = timed_names(wanted)
+        self._next_change = self._plan.next_change(first_step)
+        if self.config.ranks is not None and (self._watch is not None or self._escalation_armed):
+            self._agree = False
+            logger.warning("monitor_v2: with 'rank' set, the ranks it leaves out take no part in a collective, so "
+                           "the monitored ranks do not agree on a step: each applies a config edit or an escalation "
+                           "at the step it sees it, which may differ between ranks")
+
+    def _on_anomaly(self) -> Any:
+        alert = self.config.alert
+        return alert.on_anomaly if alert is not None else None
+
+    def _between_steps(self, next_step: int, written: bool) -> None:
+        """At the boundary before ``next_step``: agree with the other ranks on a config
+        edit and an anomaly (one small all-reduce), then apply what changed."""
+        try:
+            changed = self._watch is not None and self._watch.changed()
+            anomaly = (self._escalation_armed and self._alerter is not None
+                       and self._alerter.first_anomaly is not None)
+            flags = [int(changed), int(anomaly)]
+            # every rank calls the collective on the same steps: each one with dynamic on,
+            # each written one while an escalation is armed (written steps agree everywhere)
+            if self._agree and (self._watch is not None or (self._escalation_armed and written)):
+                flags = self._session.agree_max(flags)
+            elif self._agree:
+                # seen between written steps (the async writer's thread): acted on at the next
+                # written step, with the other ranks, never by this rank alone
+                flags[1] = 0
+            replan = self._next_change is not None and next_step >= self._next_change
+            if flags[0] and self._watch is not None:
+                replan = self._reload(next_step) or replan
+            if flags[1] and self._escalation_armed:
+                self._escalate(next_step)
+                replan = True
+            if replan:
+                self._apply_plan(next_step)
+        except Exception as exc:  # noqa: BLE001 - the monitor never breaks training
+            self.errors.report("applying a config edit or an escalation", exc)
+
+    def _check_edit(self, config: MonitorConfig) -> None:
+        """What start() checks beyond load_config, for an edited config."""
+        on_anomaly = config.alert.on_anomaly if config.alert is not None else None
+        escalated = [s for s in on_anomaly.monitors.values() if s.enabled] if on_anomaly is not None else []
+        for settings in config.enabled_monitors + escalated:
+            if settings.name not in self._backend.MONITORS:
+                raise ConfigError(f"monitor_v2: monitor '{settings.name}' is not available for framework "
+                                  f"'{self.config.framework}' in this version", field=f"monitors.{settings.name}")
+            if self._backend.MONITORS[settings.name].needs_optimizer and self._optimizer is None:
+                raise ConfigError(f"monitor_v2: monitor '{settings.name}' needs the optimizer, which start() "
+                                  f"was not given", field=f"monitors.{settings.name}")
+
+    def _reload(self, next_step: int) -> bool:
+        """Read the edited config; True when it applies (from ``next_step``)."""
+        assert self._watch is not None and self._plan is not None
+        new = self._watch.read(self._check_edit)
+        if new is None:
+            return False
+        old = self.config
+        restart = restart_fields(old, new)
+        if restart:
+            logger.warning("monitor_v2: the edit of %s changes %s, which only a restart applies; the rest of the "
+                           "edit applies from step %d", self._watch.path, ", ".join(restart), next_step)
+        alert = old.alert
+        if old.alert is not None and new.alert is not None:
+            alert = new.alert
+            if self._alerter is not None:
+                self._alerter.settings = new.alert  # thresholds; the norms' history stays
+        self.config = replace(old, monitors=new.monitors, schedule=new.schedule, alert=alert, dynamic=new.dynamic)
+        if self.schedule != new.schedule:
+            logger.warning("monitor_v2: rank %s: schedule from step %d: %s", self.rank, next_step, schedule_text(new))
+        self.schedule = new.schedule
+        self._raw_monitors = self._watch.raw.get("monitors")
+        self._plan.replace_base(new.enabled_monitors, next_step, self._raw_monitors)
+        self._escalation_armed = not self._escalated and self._on_anomaly() is not None
+        if not new.dynamic:
+            logger.warning("monitor_v2: the edit of %s sets \"dynamic\" to false: later edits are not read "
+                           "until a restart", self._watch.path)
+            self._watch = None
+        logger.warning("monitor_v2: rank %s: config edit applied from step %d: %s", self.rank, next_step,
+                       describe_planned(self._plan.wanted(next_step)))
+        return True
+
+    def _escalate(self, next_step: int) -> None:
+        """``alert.on_anomaly``: its monitors on for its steps from ``next_step``, once per run."""
+        assert self._plan is not None and self._session is not None
+        self._escalation_armed = False
+        self._escalated = True
+        on = self._on_anomaly()
+        if on is None:
+            return
+        anomaly = self._alerter.first_anomaly if self._alerter is not None else None
+        monitors = [s for s in on.monitors.values() if s.enabled]
+        target = None
+        if on.auto_targets and rows.MODULE in on.monitors:
+            roots = [t for _, t, m in self._module_tags() if any(m is r for r in self._session.roots)]
+            mine = auto_target(anomaly.monitor, anomaly.row.name, roots) if anomaly is not None else None
+            # the same name on every rank: the lowest rank that saw an anomaly decides
+            names = self._session.gather(mine) if self._agree else [mine]
+            target = next((n for n in names if n is not None), None)
+            monitors = [replace(s, options={**s.options, "targets": (target,) if target else ()})
+                        if s.name == rows.MODULE else s for s in monitors]
+        self._plan.escalate(monitors, next_step, on.steps)
+        why = (f"the first {anomaly.kind} value of the run at step {anomaly.step} in {anomaly.monitor} "
+               f"{anomaly.row.name}" if anomaly is not None else "an anomaly seen on another rank")
+        narrowed = ""
+        if on.auto_targets:
+            narrowed = (f"; module targets \"auto\": {target!r}, the module of the offending tensor" if target else
+                        "; module targets \"auto\": every module (the offending tensor belongs to no narrower one)")
+        logger.warning("monitor_v2: rank %s: alert.on_anomaly turns on %s, then back to the running config, "
+                       "because of %s%s", self.rank,
+                       describe_planned({s.name: self._plan.escalation[s.name] for s in monitors}), why, narrowed)
+
+    def _module_tags(self) -> List[Any]:
+        return module_tags(self._session.named_modules(), self._session.table.qualify)
+
+    def _apply_plan(self, step: int) -> None:
+        """Stop, start or restart monitors so that the running ones are the plan's at ``step``."""
+        assert self._plan is not None
+        wanted = self._plan.wanted(step)
+        running = {m.name: m for m in self.monitors}
+        kept: Dict[str, Monitor] = {}
+        for name, m in running.items():
+            planned = wanted.get(name)
+            if planned is not None and same_monitor(planned.settings, m.settings):
+                kept[name] = m
+                continue
+            try:
+                m.detach()
+            except Exception as exc:  # noqa: BLE001
+                self.errors.report(f"{name} detach", exc)
+        monitors: List[Monitor] = []
+        for name, planned in wanted.items():
+            m = kept.get(name)
+            if m is None:
+                m = self._attach_monitor(planned.settings)
+            if m is not None:
+                monitors.append(m)
+        self.monitors = monitors
+        self._timed = timed_names(wanted)
+        self._next_change = self._plan.next_change(step)
+        outputs = [MonitorOutput(m.name, m.settings.ops, m.name in rows.MICRO_STEP_MONITORS) for m in monitors]
+        self._writer.update_outputs(step, outputs, self.schedule)
+
+    def _attach_monitor(self, settings: Any) -> Optional[Monitor]:
+        """A monitor built and attached mid-run as start() does; None (error contained) if that fails."""
+        try:
+            m = self._backend.MONITORS[settings.name](settings, self._session, self.errors)
+        except Exception as exc:  # noqa: BLE001
+            self.errors.report(f"{settings.name} attach", exc)
+            return None
+        try:
+            m.attach()
+        except Exception as exc:  # noqa: BLE001
+            self.errors.report(f"{settings.name} attach", exc)
+            try:
+                m.detach()  # a failing attach may have installed part
+            except Exception:  # noqa: BLE001 - the attach error is the one reported
+                pass
+            return None
+        return m
 
     # ---------------------------------------------------------------------- stop
     def stop(self) -> None:

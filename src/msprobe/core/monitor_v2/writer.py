@@ -157,6 +157,9 @@ class CsvWriter:
         self.sinks = sinks  # live dashboards: handed the merged rows, they work on their own thread
         self.schedule = schedule
         self.outputs = {o.name: o for o in outputs}
+        # monitor -> the step its output was (re)started mid-run: that window's file is named
+        # from there (a file never holds two headers, nor rows of two settings)
+        self._since: Dict[str, int] = {}
         self._files: Dict[str, _OpenFile] = {}
         self._once = LogOnce()
         # losses: steps with rows that never reached the disk, how many rows, the first error
@@ -170,6 +173,7 @@ class CsvWriter:
         self._episodes = 0
         self._lost_in_episode: Set[int] = set()
         self._refused: Set[str] = set()
+        self._running: Set[str] = set(self.outputs)  # monitors whose rows come now
         # read once at start(): a later change of the environment cannot fail a write
         self._dir_mode = safe_fs.dir_mode()
         self._file_mode = safe_fs.file_mode()
@@ -197,9 +201,34 @@ class CsvWriter:
                 f"Check that output_dir is a writable directory, or choose another output_dir."
             ) from None
 
-    def path(self, monitor: str, step: int) -> str:
+    def _window(self, monitor: str, step: int) -> Tuple[int, int]:
         a, b = self.schedule.window(step)
+        since = self._since.get(monitor)
+        if since is not None and a < since <= step:
+            a = since
+        return a, b
+
+    def path(self, monitor: str, step: int) -> str:
+        a, b = self._window(monitor, step)
         return os.path.join(self.rank_dir, file_name(monitor, a, b))
+
+    def update_outputs(self, step: int, outputs: Sequence[MonitorOutput], schedule: StepSchedule) -> None:
+        """Monitors turned on, off or changed mid-run (``dynamic.py``), from ``step`` on:
+        the file of a stopped monitor is closed (its rows so far are on disk); a new or
+        changed monitor writes new files, the first named from ``step``."""
+        self.schedule = schedule
+        wanted = {o.name: o for o in outputs}
+        for name in list(self._files):
+            if name not in wanted or wanted[name].header != self.outputs[name].header:
+                self._files.pop(name).close()
+        for name, out in wanted.items():
+            old = self.outputs.get(name)
+            if old is None or old.header != out.header or name not in self._running:
+                self._since[name] = step
+            self.outputs[name] = out
+            if self.sinks is not None and hasattr(getattr(self.sinks, "aggregates", None), "ops"):
+                self.sinks.aggregates.ops[name] = out.ops
+        self._running = set(wanted)
 
     # ------------------------------------------------------------------ files
     def _current(self, monitor: str, window: Tuple[int, int]) -> Optional[_OpenFile]:
@@ -238,7 +267,7 @@ class CsvWriter:
 
     def _open(self, monitor: str, step: int) -> Tuple[_OpenFile, bool]:
         """The file of the step's window and whether it still needs its header."""
-        window = self.schedule.window(step)
+        window = self._window(monitor, step)
         current = self._current(monitor, window)
         if current is not None:
             return current, False
@@ -458,6 +487,13 @@ class AsyncCsvWriter:
             if item is self._STOP:
                 self._queue.task_done()
                 return
+            if isinstance(item, _Call):  # an output change, in order with the steps queued before it
+                try:
+                    item.fn()
+                except Exception as exc:  # noqa: BLE001
+                    logger.error("monitor_v2: changing the outputs failed: %r", exc)
+                self._queue.task_done()
+                continue
             self._current = item
             try:
                 if self._give_up:
@@ -483,10 +519,13 @@ class AsyncCsvWriter:
     def report_lost(self, step: int, exc: BaseException, rows: int = 0) -> None:
         self._writer.report_lost(step, exc, rows)
 
+    def update_outputs(self, step: int, outputs: Sequence[MonitorOutput], schedule: StepSchedule) -> None:
+        self._queue.put(_Call(functools.partial(self._writer.update_outputs, step, list(outputs), schedule)))
+
     def pending(self) -> Tuple[int, int]:
         """``(steps, rows)`` handed over and not written yet (queued or being written)."""
         with self._queue.mutex:
-            items = [i for i in self._queue.queue if i is not self._STOP]
+            items = [i for i in self._queue.queue if i is not self._STOP and not isinstance(i, _Call)]
         current = self._current
         if current is not None:
             items.append(current)
@@ -535,3 +574,12 @@ class AsyncCsvWriter:
 
 class _Interrupted(Exception):
     pass
+
+
+class _Call:
+    """A function the writer thread runs between two steps."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn) -> None:  # type: ignore[no-untyped-def]
+        self.fn = fn

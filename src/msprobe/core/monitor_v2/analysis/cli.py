@@ -8,6 +8,7 @@
     msprobe-monitor export    --tensorboard TB_DIR OUT_DIR   the output as TensorBoard event files
     msprobe-monitor validate  CONFIG           check a monitor_v2 config file
     msprobe-monitor struct    OUT_DIR          module/parameter names; what --targets selects
+    msprobe-monitor control   CONFIG ...       edit a running job's config ("dynamic": true) safely
 
 Exit codes: 0 = ok (no anomaly / no difference / valid config), 1 = anomalies found
 (``anomalies``) or the runs differ (``diff``), 2 = usage or input error (bad flag, missing
@@ -249,6 +250,26 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a targets list to count (each a substring of module names, as in the config)")
     st.add_argument("--json", action="store_true", help="print one JSON object")
     st.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+
+    c = sub.add_parser("control", formatter_class=_Formatter,
+                       help="edit the config of a running job (\"dynamic\": true) safely",
+                       description="Apply an edit to CONFIG, validate it with the library's load_config (exit 2 "
+                                   "with its message when invalid; the file is then left as it was), and replace "
+                                   "the file atomically. A job running with \"dynamic\": true applies it from its "
+                                   "next step boundary, on every rank at the same step. Example: turn module on for "
+                                   "blocks.3 for the next 20 steps: msprobe-monitor control monitor_config.json "
+                                   "--enable module --targets blocks.3 --steps 20")
+    c.add_argument("config", metavar="CONFIG")
+    c.add_argument("--enable", metavar="MONITOR", default=None, help="turn this monitor on")
+    c.add_argument("--disable", metavar="MONITOR", action="append", default=[], help="turn this monitor off")
+    c.add_argument("--targets", nargs="+", metavar="T", default=None, help="the targets of the --enable monitor")
+    c.add_argument("--ops", nargs="+", metavar="OP", default=None, help="the ops of the --enable monitor")
+    c.add_argument("--steps", type=_nonneg_int, default=None, metavar="N",
+                   help="the --enable monitor is on for N steps from the step the job reads the edit")
+    c.add_argument("--set", action="append", default=[], metavar="FIELD=JSON", dest="sets",
+                   help="set a top-level field, e.g. step_interval=5")
+    c.add_argument("--framework", default=None, help="the fr argument of TrainerMonitorV2 (overrides 'framework')")
+    c.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -476,8 +497,15 @@ def cmd_struct(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return run_struct(args.out_dir, args.rank, args.targets, args.json, out)
 
 
+def cmd_control(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from .control import run_control
+
+    return run_control(args.config, args.enable, args.disable, args.targets, args.ops, args.steps, args.sets,
+                       args.framework, out)
+
+
 COMMANDS = {"summary": cmd_summary, "anomalies": cmd_anomalies, "plot": cmd_plot, "diff": cmd_diff,
-            "export": cmd_export, "validate": cmd_validate, "struct": cmd_struct}
+            "export": cmd_export, "validate": cmd_validate, "struct": cmd_struct, "control": cmd_control}
 
 
 def main(argv: Optional[Sequence[str]] = None, out: Optional[TextIO] = None, err: Optional[TextIO] = None) -> int:

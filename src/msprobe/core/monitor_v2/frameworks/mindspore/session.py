@@ -139,3 +139,62 @@ class MsSession:
             self._step_grads = None
 
         return hooks([opt.register_forward_pre_hook(pre), opt.register_forward_hook(post)])
+
+    def agree_max(self, values: Sequence[int]) -> List[int]:
+        """All-reduce MAX over the world group when MindSpore's communication is
+        initialized and has more than one rank; the values themselves otherwise."""
+        local = [int(v) for v in values]
+        if _world_size() <= 1:
+            return local
+        try:
+            from mindspore.communication import comm_func
+
+            out = comm_func.all_reduce(ms.Tensor(local, ms.int32), op=comm_func.ReduceOp.MAX)
+            out = out[0] if isinstance(out, tuple) else out  # newer versions return (tensor, handle)
+            return [int(v) for v in out.asnumpy().tolist()]
+        except Exception as exc:  # noqa: BLE001 - the ranks then decide alone, said once
+            _say_no_collective(exc)
+            return local
+
+    def gather(self, value: Optional[str]) -> List[Optional[str]]:
+        """Every rank's ``value``: UTF-8 bytes padded to the longest, one all-gather."""
+        size = _world_size()
+        if size <= 1:
+            return [value]
+        try:
+            import numpy as np
+            from mindspore.communication import comm_func
+
+            data = b"" if value is None else value.encode("utf-8", "backslashreplace")
+            width = self.agree_max([len(data) + 1])[0]
+            buf = np.zeros(width, np.int32)
+            if value is not None:
+                buf[0] = 1
+                buf[1:len(data) + 1] = np.frombuffer(data, np.uint8)
+            out = comm_func.all_gather_into_tensor(ms.Tensor(buf))
+            out = out[0] if isinstance(out, tuple) else out
+            rows_ = out.asnumpy().reshape(size, width)
+            return [bytes(r[1:].astype(np.uint8)).rstrip(b"\0").decode("utf-8") if r[0] else None for r in rows_]
+        except Exception as exc:  # noqa: BLE001
+            _say_no_collective(exc)
+            return [value]
+
+
+def _world_size() -> int:
+    try:
+        from mindspore.communication import GlobalComm, get_group_size
+
+        return get_group_size() if GlobalComm.INITED else 1
+    except Exception:  # noqa: BLE001
+        return 1
+
+
+_NO_COLLECTIVE_SAID: List[bool] = []
+
+
+def _say_no_collective(exc: BaseException) -> None:
+    if not _NO_COLLECTIVE_SAID:
+        _NO_COLLECTIVE_SAID.append(True)
+        logger.warning("monitor_v2: MindSpore could not run the small collective that makes every rank apply a "
+                       "config edit or an escalation at the same step (%r); each rank decides alone, so ranks may "
+                       "start at different steps. Logged once.", exc)

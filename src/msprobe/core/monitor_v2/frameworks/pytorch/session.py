@@ -4,7 +4,7 @@ parameter names, the optimizer, the statistics engine, and the optimizer-step ho
 reads at each hook point; the stack never sees the session."""
 
 import logging
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -164,3 +164,28 @@ class TorchSession:
         """Call ``before``/``after`` around every real optimizer step; returns the patch."""
         return self.stack.install_step_hooks(before, after)
 
+    def agree_max(self, values: Sequence[int]) -> List[int]:
+        """All-reduce MAX over the default group: a CPU tensor under gloo, one on the
+        current CUDA device under nccl (which cannot reduce host tensors)."""
+        group_size = _world_size()
+        if group_size <= 1:
+            return [int(v) for v in values]
+        dist = torch.distributed
+        device = "cpu"
+        if dist.get_backend() == "nccl":
+            device = f"cuda:{torch.cuda.current_device()}"
+        tensor = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return [int(v) for v in tensor.tolist()]
+
+    def gather(self, value: Optional[str]) -> List[Optional[str]]:
+        if _world_size() <= 1:
+            return [value]
+        gathered: List[Optional[str]] = [None] * _world_size()
+        torch.distributed.all_gather_object(gathered, value)
+        return gathered
+
+
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -1,0 +1,251 @@
+"""Incident mode with a real model in one process: a config edited mid-run
+(``"dynamic": true``, written with ``msprobe-monitor control``'s function), per-monitor
+``steps``, an invalid edit, a monitor turned off, and ``alert.on_anomaly``."""
+
+import json
+import logging
+
+import torch
+
+from support import loss_fn, make_batches, rows_of
+from support.models import TinyMLP
+
+from msprobe.core.monitor_v2.analysis.control import ControlEdit, control
+from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
+
+HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
+              "_backward_hooks", "_backward_pre_hooks")
+
+
+def write(path, config):
+    path.write_text(json.dumps(config))
+
+
+def train(mon, model, opt, steps, before_step=None):
+    batches = make_batches(steps)
+    for step, (x, y) in enumerate(batches):
+        if before_step is not None:
+            before_step(step)
+        loss_fn(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    mon.stop()
+
+
+def steps_of(rows):
+    return sorted({int(r["step"]) for r in rows})
+
+
+def hooks_of(model):
+    return {name: tuple(len(getattr(m, d) or {}) for d in HOOK_DICTS) for name, m in model.named_modules()}
+
+
+def setup(tmp_path, **extra):
+    cfg = tmp_path / "monitor_config.json"
+    write(cfg, {"output_dir": str(tmp_path / "out"), "dynamic": True,
+                "monitors": {"weight_grad": {"enabled": True}, "module": {"enabled": False}}, **extra})
+    model = TinyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    return cfg, model, opt
+
+
+def test_edit_mid_run_writes_module_rows_for_exactly_the_requested_steps(tmp_path):
+    cfg, model, opt = setup(tmp_path)
+    mon = TrainerMonitorV2(str(cfg))
+    mon.start(model, opt)
+
+    def edit(step):
+        if step in (3, 10):  # read at the end of this step, applied from the next
+            control(str(cfg), ControlEdit(enable="module", targets=["fc2"], steps=3))
+
+    train(mon, model, opt, 16, edit)
+    out = tmp_path / "out"
+    module = rows_of(out, "module")
+    # the same command again re-arms the entry (control writes "_armed")
+    assert steps_of(module) == [4, 5, 6, 11, 12, 13]
+    assert {r["module_name"].split(".")[0] for r in module} == {"fc2"}
+    assert steps_of(rows_of(out, "weight_grad")) == list(range(16))
+
+
+def test_invalid_edit_is_refused_once_and_the_running_config_stays(tmp_path, caplog):
+    cfg, model, opt = setup(tmp_path)
+    mon = TrainerMonitorV2(str(cfg))
+    mon.start(model, opt)
+    bad = {"output_dir": str(tmp_path / "out"), "dynamic": True,
+           "monitors": {"weight_grad": {"enabled": True}, "module": {"enabled": True, "steps": 0}}}
+
+    def edit(step):
+        if step in (2, 4):  # the same bad content twice (a new inode and mtime the second time)
+            write(cfg, bad)
+        if step == 6:
+            control(str(cfg), ControlEdit(enable="module", steps=2, disable=[]))
+
+    with caplog.at_level(logging.WARNING, logger="msprobe.monitor_v2"):
+        train(mon, model, opt, 10, edit)
+    refused = [r.getMessage() for r in caplog.records if "is refused" in r.getMessage()]
+    assert len(refused) == 1, refused
+    assert "monitors.module.steps" in refused[0] and "0" in refused[0]
+    out = tmp_path / "out"
+    assert steps_of(rows_of(out, "weight_grad")) == list(range(10))
+    assert steps_of(rows_of(out, "module")) == [7, 8]  # a later valid edit still applies
+
+
+def test_monitor_turned_off_removes_its_hooks_and_flushes_its_rows(tmp_path):
+    cfg, model, opt = setup(tmp_path)
+    write(cfg, {"output_dir": str(tmp_path / "out"), "dynamic": True, "step_count_per_record": 4,
+                "monitors": {"weight_grad": {"enabled": True}, "module": {"enabled": True}}})
+    before = hooks_of(model)
+    mon = TrainerMonitorV2(str(cfg))
+    mon.start(model, opt)
+    during = hooks_of(model)
+    assert during != before
+    seen = {}
+
+    def edit(step):
+        if step == 2:
+            control(str(cfg), ControlEdit(disable=["module"]))
+        seen[step] = hooks_of(model)
+
+    batches = make_batches(6)
+    for step, (x, y) in enumerate(batches):
+        edit(step)
+        loss_fn(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 3:
+            # off from step 3: its rows of steps 0..2 are on disk before stop()
+            assert steps_of(rows_of(tmp_path / "out", "module")) == [0, 1, 2]
+    assert seen[3] == before  # hooks gone from the step the edit applied
+    assert [m.name for m in mon.monitors] == ["weight_grad"]
+    mon.stop()
+    assert hooks_of(model) == before
+
+
+def test_turned_on_mid_run_attaches_as_start_would(tmp_path):
+    """The rows of a monitor turned on at step 3 are those of a run that had it from the start."""
+    cfg, model, opt = setup(tmp_path)
+    ref_model = TinyMLP()
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.05)
+    ref = TrainerMonitorV2({"output_dir": str(tmp_path / "ref"), "monitors": {"module": {"enabled": True}}})
+    ref.start(ref_model, ref_opt)
+    train(ref, ref_model, ref_opt, 6)
+    mon = TrainerMonitorV2(str(cfg))
+    mon.start(model, opt)
+    train(mon, model, opt, 6, lambda s: s == 2 and control(str(cfg), ControlEdit(enable="module")))
+    got = [r for r in rows_of(tmp_path / "out", "module")]
+    want = [r for r in rows_of(tmp_path / "ref", "module") if int(r["step"]) >= 3]
+    assert got == want
+    assert torch.equal(model.fc1.weight, ref_model.fc1.weight)  # training unchanged
+
+
+def test_schedule_edit_applies_from_the_next_step(tmp_path):
+    cfg, model, opt = setup(tmp_path)
+    mon = TrainerMonitorV2(str(cfg))
+    mon.start(model, opt)
+    train(mon, model, opt, 12, lambda s: s == 3 and control(
+        str(cfg), ControlEdit(sets=[("step_interval", 4), ("start_step", 4)])))
+    assert steps_of(rows_of(tmp_path / "out", "weight_grad")) == [0, 1, 2, 3, 4, 8]
+
+
+def test_restart_only_field_is_said_and_the_rest_applies(tmp_path, caplog):
+    cfg, model, opt = setup(tmp_path)
+    mon = TrainerMonitorV2(str(cfg))
+    mon.start(model, opt)
+    with caplog.at_level(logging.WARNING, logger="msprobe.monitor_v2"):
+        train(mon, model, opt, 6, lambda s: s == 1 and control(
+            str(cfg), ControlEdit(enable="module", sets=[("async_write", True)])))
+    assert any("async_write, which only a restart applies" in r.getMessage() for r in caplog.records)
+    assert steps_of(rows_of(tmp_path / "out", "module")) == [2, 3, 4, 5]
+
+
+def test_per_monitor_steps_at_start(tmp_path):
+    mon = TrainerMonitorV2({"output_dir": str(tmp_path / "out"), "step_interval": 3,
+                            "monitors": {"weight_grad": {"enabled": True}, "module": {"steps": 2}}})
+    model = TinyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    before = hooks_of(model)
+    mon.start(model, opt, first_step=5)
+    train(mon, model, opt, 8)
+    # a timed monitor is written on every step of its window; the others follow the schedule
+    assert steps_of(rows_of(tmp_path / "out", "module")) == [5, 6]
+    assert steps_of(rows_of(tmp_path / "out", "weight_grad")) == [6, 9, 12]
+    assert hooks_of(model) == before
+
+
+def test_on_anomaly_turns_module_on_for_the_subtree_of_the_offending_tensor(tmp_path, caplog):
+    out = tmp_path / "out"
+    mon = TrainerMonitorV2({"output_dir": str(out), "monitors": {"param": {"enabled": True}},
+                            "alert": {"on_anomaly": {"steps": 3, "monitors": {"module": {"targets": "auto"}}}}})
+    model = TinyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    mon.start(model, opt)
+
+    def inject(step):
+        if step == 4:
+            with torch.no_grad():
+                model.fc2.weight[0, 0] = float("nan")
+
+    with caplog.at_level(logging.WARNING, logger="msprobe.monitor_v2"):
+        train(mon, model, opt, 10, inject)
+    module = rows_of(out, "module")
+    assert steps_of(module) == [5, 6, 7]
+    assert {r["module_name"].split(".")[0] for r in module} == {"fc2"}
+    line = [r.getMessage() for r in caplog.records if "on_anomaly turns on" in r.getMessage()]
+    assert len(line) == 1 and "steps 5..7" in line[0] and "'fc2'" in line[0] and "fc2.weight" in line[0]
+
+
+def test_async_writer_takes_the_new_outputs_in_order(tmp_path):
+    cfg, model, opt = setup(tmp_path, async_write=True, step_count_per_record=5)
+    mon = TrainerMonitorV2(str(cfg))
+    mon.start(model, opt)
+    train(mon, model, opt, 12, lambda s: s == 1 and control(
+        str(cfg), ControlEdit(enable="module", ops=["norm", "nans"], steps=4)))
+    out = tmp_path / "out"
+    names = sorted(p.name for p in (out / "rank_0").glob("module_*.csv"))
+    assert names == ["module_step2-4.csv", "module_step5-9.csv"]  # the first file named from the reload step
+    module = rows_of(out, "module")
+    assert steps_of(module) == [2, 3, 4, 5]
+    assert set(module[0]) == {"vpp_stage", "step", "module_name", "scope", "norm", "nans"}
+    assert steps_of(rows_of(out, "weight_grad")) == list(range(12))
+
+
+def test_on_anomaly_with_async_write_escalates_once(tmp_path, caplog):
+    out = tmp_path / "out"
+    mon = TrainerMonitorV2({"output_dir": str(out), "async_write": True, "monitors": {"param": {"enabled": True}},
+                            "alert": {"on_anomaly": {"steps": 2, "monitors": {"module": {"targets": "auto"}}}}})
+    model = TinyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    mon.start(model, opt)
+
+    def inject(step):
+        if step == 3:
+            with torch.no_grad():
+                model.fc1.bias[0] = float("inf")
+        if step == 5:
+            mon._writer.drain()  # the writer thread has checked step 3's rows by the end of step 5
+
+    with caplog.at_level(logging.WARNING, logger="msprobe.monitor_v2"):
+        train(mon, model, opt, 12, inject)
+    module = rows_of(out, "module")
+    steps = steps_of(module)
+    assert len(steps) == 2 and steps[0] in (4, 5, 6) and steps[1] == steps[0] + 1  # after the writer thread saw it
+    assert {r["module_name"].split(".")[0] for r in module} == {"fc1"}
+    assert len([r for r in caplog.records if "on_anomaly turns on" in r.getMessage()]) == 1
+
+
+def test_on_anomaly_added_by_an_edit_is_armed(tmp_path):
+    cfg, model, opt = setup(tmp_path, alert=True)
+    mon = TrainerMonitorV2(str(cfg))
+    mon.start(model, opt)
+
+    def step_hook(step):
+        if step == 1:
+            control(str(cfg), ControlEdit(sets=[("alert", {"on_anomaly": {"steps": 2, "monitors": {
+                "module": {"targets": "auto"}}}})]))
+        if step == 5:
+            with torch.no_grad():
+                model.fc2.bias[0] = float("nan")
+
+    train(mon, model, opt, 10, step_hook)
+    module = rows_of(tmp_path / "out", "module")
+    assert steps_of(module) == [6, 7]
