@@ -194,6 +194,35 @@ def test_on_anomaly_turns_module_on_for_the_subtree_of_the_offending_tensor(tmp_
     assert len(line) == 1 and "steps 5..7" in line[0] and "'fc2'" in line[0] and "fc2.weight" in line[0]
 
 
+def test_on_anomaly_auto_watches_every_module_when_every_gradient_went_nan_at_once(tmp_path, caplog):
+    # weight_grad alone: the NaN in fc2.weight makes every gradient NaN in the same step, so
+    # the first row in file order (fc1.weight) names no suspect and "auto" must not narrow to it
+    out = tmp_path / "out"
+    mon = TrainerMonitorV2({"output_dir": str(out), "monitors": {"weight_grad": {"enabled": True}},
+                            "alert": {"on_anomaly": {"steps": 2, "monitors": {"module": {"targets": "auto"}}}}})
+    model = TinyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    mon.start(model, opt)
+
+    def inject(step):
+        if step == 4:
+            with torch.no_grad():
+                model.fc2.weight[0, 0] = float("nan")
+
+    with caplog.at_level(logging.WARNING, logger="msprobe.monitor_v2"):
+        train(mon, model, opt, 8, inject)
+    grads = [r for r in rows_of(out, "weight_grad") if int(r["step"]) == 4 and r["scope"] == "unreduced"]
+    assert len(grads) > 1 and all(r["norm"] == "nan" for r in grads)  # the premise: all at once
+    module = rows_of(out, "module")
+    assert steps_of(module) == [5, 6]
+    children = {name for name, _ in model.named_children()}
+    assert {r["module_name"].split(".")[0] for r in module} >= children  # not narrowed to fc1
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("cannot tell where it began" in m for m in messages if "first non-finite value" in m)
+    line = [m for m in messages if "on_anomaly turns on" in m]
+    assert len(line) == 1 and "every module" in line[0] and "none of them names the layer" in line[0]
+
+
 def test_async_writer_takes_the_new_outputs_in_order(tmp_path):
     cfg, model, opt = setup(tmp_path, async_write=True, step_count_per_record=5)
     mon = TrainerMonitorV2(str(cfg))

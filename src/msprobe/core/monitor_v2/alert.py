@@ -59,6 +59,10 @@ class Anomaly:
     step: int
     monitor: str
     row: Row
+    # False when every row of its monitor and scope in that step (two or more) went
+    # non-finite at once: the first in file order then names no suspect (a NaN anywhere in
+    # the forward pass makes every gradient NaN), so "targets": "auto" must not narrow to it.
+    localised: bool = True
 
 
 class Alerter:
@@ -114,12 +118,16 @@ class Alerter:
             return bad
         self._nonfinite_steps += 1
         monitor, first = bad[0]
-        self._seen(Anomaly("nonfinite", step, monitor, first))
+        same = [row for m, rows in rows_by_monitor if m == monitor for row in rows if row.scope == first.scope]
+        whole = len(same) > 1 and all(_nonfinite(row) for row in same)
+        self._seen(Anomaly("nonfinite", step, monitor, first, localised=not whole))
         stat = first.stat
         values = ", ".join(f"{op}={stat.value(op)}" for op in _STATS) + f", nans={stat.nans}"
         if self._nonfinite_steps == 1:
             self._log(f"rank {self.rank} step {step}: first non-finite value of the run in {_describe(monitor, first)}: "
-                      f"{values}; {len(bad)} row(s) of this step are non-finite")
+                      f"{values}; {len(bad)} row(s) of this step are non-finite"
+                      + (f"; all {len(same)} {monitor} {first.scope} rows are, so they cannot tell where it began"
+                         if whole else ""))
         else:
             more = " (further steps are not reported)" if self._nonfinite_steps == MAX_NONFINITE_STEPS else ""
             self._log(f"rank {self.rank} step {step}: {len(bad)} non-finite row(s), first {_describe(monitor, first)}{more}")

@@ -441,7 +441,9 @@ class TrainerMonitorV2:
         target = None
         if on.auto_targets and rows.MODULE in on.monitors:
             roots = [t for _, t, m in self._module_tags() if any(m is r for r in self._session.roots)]
-            mine = auto_target(anomaly.monitor, anomaly.row.name, roots) if anomaly is not None else None
+            # an anomaly that every row of its phase shares names no layer: watch every module
+            mine = (auto_target(anomaly.monitor, anomaly.row.name, roots)
+                    if anomaly is not None and anomaly.localised else None)
             # the same name on every rank: the lowest rank that saw an anomaly decides
             names = self._session.gather(mine) if self._agree else [mine]
             target = next((n for n in names if n is not None), None)
@@ -452,8 +454,13 @@ class TrainerMonitorV2:
                f"{anomaly.row.name}" if anomaly is not None else "an anomaly seen on another rank")
         narrowed = ""
         if on.auto_targets:
-            narrowed = (f"; module targets \"auto\": {target!r}, the module of the offending tensor" if target else
-                        "; module targets \"auto\": every module (the offending tensor belongs to no narrower one)")
+            if target:
+                narrowed = f"; module targets \"auto\": {target!r}, the module of the offending tensor"
+            elif anomaly is not None and not anomaly.localised:
+                narrowed = (f"; module targets \"auto\": every module (every {anomaly.monitor} "
+                            f"{anomaly.row.scope} row went non-finite at once: none of them names the layer)")
+            else:
+                narrowed = "; module targets \"auto\": every module (the offending tensor belongs to no narrower one)"
         logger.warning("monitor_v2: rank %s: alert.on_anomaly turns on %s, then back to the running config, "
                        "because of %s%s", self.rank,
                        describe_planned({s.name: self._plan.escalation[s.name] for s in monitors}), why, narrowed)
