@@ -223,6 +223,31 @@ def test_on_anomaly_auto_watches_every_module_when_every_gradient_went_nan_at_on
     assert len(line) == 1 and "every module" in line[0] and "none of them names the layer" in line[0]
 
 
+def test_on_anomaly_auto_narrows_to_the_one_nan_parameter_among_all_nan_gradients(tmp_path, caplog):
+    # weight_grad and param: every gradient is NaN (no suspect), but param_origin, earlier in
+    # the step, has one non-finite row: fc2.weight, which names the layer
+    out = tmp_path / "out"
+    mon = TrainerMonitorV2({"output_dir": str(out),
+                            "monitors": {"weight_grad": {"enabled": True}, "param": {"enabled": True}},
+                            "alert": {"on_anomaly": {"steps": 2, "monitors": {"module": {"targets": "auto"}}}}})
+    model = TinyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    mon.start(model, opt)
+
+    def inject(step):
+        if step == 4:
+            with torch.no_grad():
+                model.fc2.weight[0, 0] = float("nan")
+
+    with caplog.at_level(logging.WARNING, logger="msprobe.monitor_v2"):
+        train(mon, model, opt, 8, inject)
+    origin = [r for r in rows_of(out, "param") if int(r["step"]) == 4 and r["scope"] == "param_origin"]
+    assert [r["module_name"] for r in origin if r["nans"] != "0"] == ["fc2.weight"]
+    module = rows_of(out, "module")
+    assert steps_of(module) == [5, 6]
+    assert {r["module_name"].split(".")[0] for r in module} == {"fc2"}
+
+
 def test_async_writer_takes_the_new_outputs_in_order(tmp_path):
     cfg, model, opt = setup(tmp_path, async_write=True, step_count_per_record=5)
     mon = TrainerMonitorV2(str(cfg))

@@ -30,7 +30,7 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 from . import evidence
 from .config import AlertSettings
-from .rows import EVAL_FORWARD, VALUE_OPS
+from .rows import EVAL_FORWARD, VALUE_OPS, execution_order
 from .stats import Row
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -118,20 +118,51 @@ class Alerter:
             return bad
         self._nonfinite_steps += 1
         monitor, first = bad[0]
-        same = [row for m, rows in rows_by_monitor if m == monitor for row in rows if row.scope == first.scope]
-        whole = len(same) > 1 and all(_nonfinite(row) for row in same)
-        self._seen(Anomaly("nonfinite", step, monitor, first, localised=not whole))
+        phases = self._wholly_bad_phases(bad, rows_by_monitor)
+        whole = phases.get((monitor, first.scope), 0)
+        if self.first_anomaly is None:
+            self._seen(self._suspect(step, bad, rows_by_monitor, phases))
         stat = first.stat
         values = ", ".join(f"{op}={stat.value(op)}" for op in _STATS) + f", nans={stat.nans}"
         if self._nonfinite_steps == 1:
             self._log(f"rank {self.rank} step {step}: first non-finite value of the run in {_describe(monitor, first)}: "
                       f"{values}; {len(bad)} row(s) of this step are non-finite"
-                      + (f"; all {len(same)} {monitor} {first.scope} rows are, so they cannot tell where it began"
+                      + (f"; all {whole} {monitor} {first.scope} rows are, so they cannot tell where it began"
                          if whole else ""))
         else:
             more = " (further steps are not reported)" if self._nonfinite_steps == MAX_NONFINITE_STEPS else ""
             self._log(f"rank {self.rank} step {step}: {len(bad)} non-finite row(s), first {_describe(monitor, first)}{more}")
         return bad
+
+    @staticmethod
+    def _wholly_bad_phases(bad: Sequence[Tuple[str, Row]],
+                           rows_by_monitor: Sequence[Tuple[str, Sequence[Row]]]) -> Dict[Tuple[str, str], int]:
+        """``(monitor, scope)`` -> row count, for the phases whose rows (two or more) all
+        went non-finite: the first of those in file order names no suspect."""
+        total: Dict[Tuple[str, str], int] = {}
+        for monitor, rows in rows_by_monitor:
+            for row in rows:
+                total[(monitor, row.scope)] = total.get((monitor, row.scope), 0) + 1
+        nonfinite: Dict[Tuple[str, str], int] = {}
+        for monitor, row in bad:
+            nonfinite[(monitor, row.scope)] = nonfinite.get((monitor, row.scope), 0) + 1
+        return {k: n for k, n in nonfinite.items() if n > 1 and n == total[k]}
+
+    def _suspect(self, step: int, bad: Sequence[Tuple[str, Row]],
+                 rows_by_monitor: Sequence[Tuple[str, Sequence[Row]]], whole: Dict[Tuple[str, str], int]) -> Anomaly:
+        """What incident mode reacts to: the earliest non-finite row, in the order the step
+        computed them, of a phase where not every row went non-finite (that row names a
+        layer); else the earliest non-finite row, marked not localised."""
+        lines: Dict[int, int] = {}
+        for _, rows in rows_by_monitor:
+            lines.update((id(row), i) for i, row in enumerate(rows))
+        ordered = sorted(bad, key=lambda mr: execution_order(step, mr[0], mr[1].scope, mr[1].micro_step,
+                                                             lines[id(mr[1])], self.rank))
+        for monitor, row in ordered:
+            if (monitor, row.scope) not in whole:
+                return Anomaly("nonfinite", step, monitor, row)
+        monitor, row = ordered[0]
+        return Anomaly("nonfinite", step, monitor, row, localised=False)
 
     def _check_spikes(self, step: int, rows_by_monitor: Sequence[Tuple[str, Sequence[Row]]]) -> List[Tuple]:
         s = self.settings
