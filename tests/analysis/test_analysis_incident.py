@@ -185,14 +185,15 @@ def alert_record(step: int, monitor: str, name: str, scope: str, first: bool) ->
 
 @pytest.fixture
 def with_evidence(runs, tmp_path):
-    """The module run plus the evidence files the trainer keeps (written here in their
-    documented format): the alert's first anomaly (the tensor the real alert log named)
-    and a dump of the failing step."""
+    """The module run plus evidence files in their documented format: an alert record that
+    names the forward output (what the alert of a run without ``param`` rows names) and a
+    dump of the failing step. The real alert of this run names, like the report, the
+    earliest non-finite row in execution order: the parameter itself."""
     run = tmp_path / "module"
     shutil.copytree(runs[0] / "module", run)
     logged = runs[1][0]
     assert logged.startswith(f"monitor_v2 alert: rank 0 step {NAN_STEP}: first non-finite value of the run in "
-                             f"module {BAD_LAYER}.output.0 (scope forward")
+                             f"param {BAD_LAYER}.weight (scope param_origin")
     lines = [alert_record(NAN_STEP, "module", f"{BAD_LAYER}.output.0", "forward", True),
              alert_record(NAN_STEP, "module", "blocks.3.fc.output.0", "forward", False), {"truncated": 92}]
     (run / "rank_0" / "anomalies.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -230,8 +231,8 @@ def test_the_alert_names_the_forward_output_where_the_gradients_cannot_localise(
                 key=lambda r: (r["step"], ORDER[(r["monitor"], r["scope"])], r["line"]))
     out = both("summary", run, "--monitors", "weight_grad").out
     assert (f"the alert named {BAD_LAYER}.output.0 (module, forward) and this report names {first['module_name']} "
-            f"(weight_grad, local gradient): the alert names the first non-finite row of a step as the trainer met "
-            f"it, this report the first in execution order over every file; {BAD_LAYER}.output.0 (forward) comes "
+            f"(weight_grad, local gradient): both name the first non-finite row in execution order, the alert over "
+            f"every monitor its rank wrote in that step, this report over the monitors, steps and ranks it reads; {BAD_LAYER}.output.0 (forward) comes "
             f"first in execution order; this report's rows of step {NAN_STEP} cannot localise it (see above): start "
             f"from the alert's tensor") in out
     same = both("summary", run, "--monitors", "module,weight_grad").out

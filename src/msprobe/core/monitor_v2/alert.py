@@ -1,8 +1,9 @@
 """Online alerts (the ``alert`` config section): anomalies logged the step they are
 written, from the statistics already on the host (no synchronisation of its own).
 
-- Non-finite values: the first row of the step, in file order (monitors in the order
-  module, weight_grad, optimizer, param, cc; module forward rows before backward rows),
+- Non-finite values: the first row of the step in the order the step computed them
+  (``rows.execution_order``: parameters at step start, forward, gradients, the update;
+  within a phase, file order), the order the reading tools report in,
   whose min/max/mean/norm is NaN or Inf or whose NaN count is not 0. The first step of
   the run with such a row is logged in full; later ones in one line each, up to
   ``MAX_NONFINITE_STEPS`` steps, then no more.
@@ -117,11 +118,14 @@ class Alerter:
         if not bad or self._nonfinite_steps >= MAX_NONFINITE_STEPS:
             return bad
         self._nonfinite_steps += 1
-        monitor, first = bad[0]
+        # named in the order the step computed them (the order the reading tools report in),
+        # not in file order: parameters at step start, forward, gradients, update
+        ordered = self._in_execution_order(step, bad, rows_by_monitor)
+        monitor, first = ordered[0]
         phases = self._wholly_bad_phases(bad, rows_by_monitor)
         whole = phases.get((monitor, first.scope), 0)
         if self.first_anomaly is None:
-            self._seen(self._suspect(step, bad, rows_by_monitor, phases))
+            self._seen(self._suspect(step, ordered, phases))
         stat = first.stat
         values = ", ".join(f"{op}={stat.value(op)}" for op in _STATS) + f", nans={stat.nans}"
         if self._nonfinite_steps == 1:
@@ -148,16 +152,19 @@ class Alerter:
             nonfinite[(monitor, row.scope)] = nonfinite.get((monitor, row.scope), 0) + 1
         return {k: n for k, n in nonfinite.items() if n > 1 and n == total[k]}
 
-    def _suspect(self, step: int, bad: Sequence[Tuple[str, Row]],
-                 rows_by_monitor: Sequence[Tuple[str, Sequence[Row]]], whole: Dict[Tuple[str, str], int]) -> Anomaly:
-        """What incident mode reacts to: the earliest non-finite row, in the order the step
-        computed them, of a phase where not every row went non-finite (that row names a
-        layer); else the earliest non-finite row, marked not localised."""
+    def _in_execution_order(self, step: int, bad: Sequence[Tuple[str, Row]],
+                            rows_by_monitor: Sequence[Tuple[str, Sequence[Row]]]) -> List[Tuple[str, Row]]:
         lines: Dict[int, int] = {}
         for _, rows in rows_by_monitor:
             lines.update((id(row), i) for i, row in enumerate(rows))
-        ordered = sorted(bad, key=lambda mr: execution_order(step, mr[0], mr[1].scope, mr[1].micro_step,
-                                                             lines[id(mr[1])], self.rank))
+        return sorted(bad, key=lambda mr: execution_order(step, mr[0], mr[1].scope, mr[1].micro_step,
+                                                          lines[id(mr[1])], self.rank))
+
+    @staticmethod
+    def _suspect(step: int, ordered: Sequence[Tuple[str, Row]], whole: Dict[Tuple[str, str], int]) -> Anomaly:
+        """What incident mode reacts to: the earliest non-finite row (``ordered``: in the
+        order the step computed them) of a phase where not every row went non-finite (that
+        row names a layer); else the earliest non-finite row, marked not localised."""
         for monitor, row in ordered:
             if (monitor, row.scope) not in whole:
                 return Anomaly("nonfinite", step, monitor, row)

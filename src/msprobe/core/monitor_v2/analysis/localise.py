@@ -361,8 +361,8 @@ def explain_alert(rec: Dict[str, Any], first: Optional[Dict[str, Any]], loc: Opt
     if la is not None and la == lr:
         text += f": the same layer {la or '(the root module)'}"
     else:
-        text += (": the alert names the first non-finite row of a step as the trainer met it, this report the "
-                 "first in execution order over every file")
+        text += (": both name the first non-finite row in execution order, the alert over every monitor its "
+                 "rank wrote in that step, this report over the monitors, steps and ranks it reads")
     if a_key < r_key:
         text += f"; {a_name} ({_alert_where(rec)}) comes first in execution order"
     elif r_key < a_key:
