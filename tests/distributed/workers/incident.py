@@ -1,4 +1,4 @@
-"""Worker for tests/distributed/test_incident.py, run by torchrun with 2 gloo ranks:
+"""Worker for tests/distributed/test_incident_ranks.py, run by torchrun with 2 gloo ranks:
 
     incident.py edit OUT     a DDP model; rank 0 alone edits the shared config (with
                              ``control``) late in step 3, after rank 1 has already looked
