@@ -19,6 +19,7 @@ tensors, which reads the data once: the floor for any statistic.
 """
 
 import argparse
+import json
 import logging
 import os
 import shutil
@@ -102,7 +103,7 @@ class Bench:
         if cfg is not None:
             out = os.path.join(self.out, "run")
             shutil.rmtree(out, ignore_errors=True)
-            mon = TrainerMonitorV2({**cfg, "output_dir": out})
+            mon = self.monitor(cfg, out)
             mon.start(model=self.model, optimizer=self.opt)
             _wait_for_sinks(mon)
         self.sync()
@@ -123,6 +124,16 @@ class Bench:
             mon.stop()
         return result
 
+    def monitor(self, cfg: dict, out: str) -> TrainerMonitorV2:
+        """``"dynamic": true`` watches a config file: such a config is written to one."""
+        cfg = {**cfg, "output_dir": out}
+        if not cfg.get("dynamic"):
+            return TrainerMonitorV2(cfg)
+        path = os.path.join(self.out, "dynamic_config.json")
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(cfg, fh)
+        return TrainerMonitorV2(path)
+
     def transfers(self, cfg: dict) -> Tuple[float, float]:
         """Calls per step made by the monitor: counted with it, minus those without it
         (AdamW itself reads its step counter with .item())."""
@@ -133,7 +144,7 @@ class Bench:
             if which is not None:
                 out = os.path.join(self.out, "count")
                 shutil.rmtree(out, ignore_errors=True)
-                mon = TrainerMonitorV2({**which, "output_dir": out})
+                mon = self.monitor(which, out)
                 mon.start(model=self.model, optimizer=self.opt)
             counts: Dict[str, int] = {}
             with count_calls(counts):
@@ -235,6 +246,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--engine-repeats", type=int, default=7)
     p.add_argument("--only", action="append", help="run only configs whose name contains this (repeatable)")
     p.add_argument("--skip-engine", action="store_true", help="skip the statistics-engine micro-benchmark")
+    p.add_argument("--incident", action="store_true",
+                   help="also weight_grad with each incident-mode field (dynamic, alert.on_anomaly, alert, alert.dump)")
     p.add_argument("--sinks", action="store_true",
                    help="also the live-sink configs (tensorboard, wandb, mlflow; offline, in a temporary directory)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one round: checks that the benchmark runs")
@@ -269,7 +282,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         # the dashboards offline, in the benchmark's temporary directory: nothing reaches the network
         os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DISABLE_GIT="true",
                           MLFLOW_ALLOW_FILE_STORE="true", MLFLOW_TRACKING_URI=f"file:{bench.out}/mlruns")
-    for name, cfg in configs(args.layers, sinks=args.sinks).items():
+    for name, cfg in configs(args.layers, sinks=args.sinks, incident=args.incident).items():
         if args.only and not any(o in name for o in args.only):
             continue
         row = bench.run_config(name, cfg)
