@@ -67,3 +67,11 @@ def test_the_ranks_agreed_through_a_collective(job):
     _, warnings = job
     for r in RANKS:
         assert not [w for w in warnings[r] if "could not run the small collective" in w], warnings[r]
+
+
+def test_the_agreement_is_no_cc_row(job):
+    """The anomaly run has ``cc`` on and no collective of its own: the monitor's
+    per-step agreement and its gather are not recorded as the training's."""
+    out, _ = job
+    for r in RANKS:
+        assert rows_of(out / "anomaly", "cc", rank=r) == [], r

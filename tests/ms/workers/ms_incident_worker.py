@@ -7,7 +7,7 @@ step 3, after rank 1 has already checked the file at that boundary.
 ``<out_dir>/seen_rank<r>.json``: what each rank's own check saw at each boundary.
 
 ``anomaly`` (``<out_dir>/anomaly``): one model per rank (no gradient reduction, so rank 0
-stays clean), ``param`` on, ``alert.on_anomaly`` turning ``module`` on with
+stays clean, and no collective of the training), ``param`` and ``cc`` on, ``alert.on_anomaly`` turning ``module`` on with
 ``"targets": "auto"``; a NaN is written into rank 1's ``fc2.weight`` before step 4.
 
 ``<out_dir>/warnings_rank<r>.json``: the monitor's WARNING lines of the whole run.
