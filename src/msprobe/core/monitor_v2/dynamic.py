@@ -5,8 +5,10 @@ step boundary and the back end's session supplies the one small collective.
 
 At a step boundary the trainer asks ``ConfigWatch.changed()`` (one ``os.stat``; the file
 is read only when its modification time, size or inode moved) and whether its alerter
-has seen an anomaly, and agrees with the other ranks on both with one all-reduce MAX of
-two integers (``Session.agree_max``): every rank then reads the file, or escalates, at
+has seen an anomaly, and agrees with the other ranks on both with one small collective
+over two integers (``Session.agree_max``: an all-reduce MAX in PyTorch; in MindSpore an
+all-gather and the maximum taken on each rank, its CPU back end having no MAX
+all-reduce): every rank then reads the file, or escalates, at
 the same boundary, so that the change starts at the same step everywhere. A step where
 neither ``dynamic`` nor ``on_anomaly`` is configured does none of this.
 
