@@ -7,7 +7,7 @@ from typing import Any, Dict
 
 import pytest
 
-from support.extras import MARK, require
+from support.extras import MARK, check_marks
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -17,8 +17,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before the fixtures: a skipped test launches no training run
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    for mark in item.iter_markers(name=MARK):
-        require(mark.args[0], mark.kwargs["why"], load=False)
+    check_marks(item)
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import torch
 from analysis_helpers import cli
 
 from support import TinyMLP, loss_fn, make_batches
-from support.extras import MATPLOTLIB_PLOT, POLARS_ENGINE, require
+from support.extras import MATPLOTLIB_PLOT, POLARS_ENGINE, needs_polars, require
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
 OTHER_UID = 65534
@@ -156,6 +156,7 @@ def _cli_subprocess(*argv, timeout=120):
         pytest.fail(f"msprobe-monitor {argv[0]} blocked for {timeout} s")
 
 
+@needs_polars  # summary and anomalies on the default engine, then export
 def test_readers_skip_a_fifo_and_another_users_link_without_blocking_or_showing_it(run, tmp_path):
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
@@ -173,7 +174,6 @@ def test_readers_skip_a_fifo_and_another_users_link_without_blocking_or_showing_
         if os.geteuid() == 0:  # the link belongs to another user: not read
             assert "param_step8-8.csv" in res.stderr and "owned by uid 65534" in res.stderr, res.stderr
     # the columnar engine takes the same way (export reads through it)
-    require("polars", POLARS_ENGINE)
     res = _cli_subprocess("export", copy, tmp_path / "dest")
     assert res.returncode == 0 and "FIFO" in res.stderr, res.stderr
     assert "root:" not in res.stdout + res.stderr

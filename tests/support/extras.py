@@ -34,7 +34,7 @@ def full_profile() -> bool:
 def _absent(what: str, why: str, state: str = "is not installed") -> None:
     __tracebackhide__ = True  # the skip is reported at the test's line, not here
     if full_profile():
-        pytest.fail(f"{what} {state}, but {PROFILE_VARIABLE}=full says every optional library is: {why} "
+        pytest.fail(f"{what} {state}, and under {PROFILE_VARIABLE}=full every optional library must be: {why} "
                     f"({HOW_TO_GET})", pytrace=False)
     pytest.skip(f"{what} {state}: {why} ({HOW_TO_GET})", allow_module_level=True)
 
@@ -58,16 +58,27 @@ def require(module: str, why: str, *, load: bool = True) -> Optional[ModuleType]
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        if exc.name is not None and (module == exc.name or module.startswith(exc.name + ".")):
-            _absent(module, why)
-        else:  # there, but it cannot be imported: said as such, not as "not installed"
-            _absent(module, why, f"cannot be imported ({type(exc).__name__}: {exc})")
+        failed = exc  # said below, outside the handler: the skip or failure is not chained to it
+    if failed.name is not None and (module == failed.name or module.startswith(failed.name + ".")):
+        _absent(module, why)
+    else:  # there, but it cannot be imported: said as such, not as "not installed"
+        _absent(module, why, f"cannot be imported ({type(failed).__name__}: {failed})")
     return None
 
 
 def needs(module: str, why: str) -> pytest.MarkDecorator:
     """``require(module, why, load=False)`` as a mark, checked when the test is set up."""
     return getattr(pytest.mark, MARK)(module, why=why)
+
+
+def check_marks(item: pytest.Item) -> None:
+    """The ``needs`` marks of a test being set up (``tests/conftest.py`` calls it)."""
+    for mark in item.iter_markers(name=MARK):
+        try:
+            require(mark.args[0], mark.kwargs["why"], load=False)
+        except pytest.skip.Exception as exc:
+            # reported at the test's own line, as pytest's skip marks are, not at this hook
+            raise pytest.skip.Exception(exc.msg, _use_item_location=True) from None
 
 
 def require_command(name: str, why: str, path: Optional[str] = None) -> str:
