@@ -267,7 +267,7 @@ def test_real_lightning_trainer_validation_loops(write_config, caplog):
     assert not spikes, spikes
 
 
-@needs("transformers", "this test runs a real transformers.Trainer (a tiny GPT-2 from a config) evaluating")
+@needs("transformers", "this test runs a real transformers.Trainer evaluating a tiny GPT-2 built from a config")
 def test_real_huggingface_trainer_evaluation(write_config):
     """A real ``transformers.Trainer`` (tiny GPT-2 from a config) evaluating every 2
     steps (``model.eval()`` + ``torch.no_grad()``); the monitor driven by a callback."""

@@ -86,7 +86,7 @@ def require_command(name: str, why: str, path: Optional[str] = None) -> str:
     __tracebackhide__ = True
     found = shutil.which(name, path=path)
     if found is None:
-        _absent(f"the {name} command (this package, installed)", why)
+        _absent(f"the {name} command", why, "is not installed (the console script of this package, pip-installed)")
     return found or name
 
 
