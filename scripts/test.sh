@@ -9,5 +9,8 @@ bash scripts/setup_env.sh test
 echo "test.sh: running pytest $* on $(nproc 2>/dev/null || echo '?') core(s): about 6 min for the whole suite on a" \
      "quiet 2-core machine (much longer on a loaded one); -v names each test as it starts, and the 15 slowest" \
      "are listed at the end"
+# every optional library is installed above: a test that needs one which is missing fails
+# instead of skipping (tests/support/extras.py), so that nothing goes quiet in CI
+export MSPROBE_TEST_PROFILE=full
 # --durations: where the time goes, so that a slow test is seen, not guessed
 exec .venv/bin/python -m pytest --durations=15 "$@"

@@ -1,10 +1,23 @@
-"""Fixtures only; the shared helpers are in the ``support`` package (``tests/support/``)."""
+"""Fixtures, and the ``requires_library`` mark of ``support.extras.needs``; the shared
+helpers are in the ``support`` package (``tests/support/``)."""
 
 import json
 from pathlib import Path
 from typing import Any, Dict
 
 import pytest
+
+from support.extras import MARK, check_marks
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{MARK}(module, why): the test needs this optional library "
+                                       "(support.extras.needs)")
+
+
+@pytest.hookimpl(tryfirst=True)  # before the fixtures: a skipped test launches no training run
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    check_marks(item)
 
 
 @pytest.fixture

@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 
 from analysis_helpers import DESYNC_STEP, NAN_STEP, PARAMS, SPIKE_STEP, STEPS, cli, training_runs
+from support.extras import needs_polars, require_command
+
+pytestmark = needs_polars  # every test runs msprobe-monitor on its default engine
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +153,7 @@ def test_input_errors_exit_2(runs, tmp_path):
 
 
 def test_installed_console_script(runs):
+    require_command("msprobe-monitor", "this test runs the installed console script", os.path.dirname(sys.executable))
     script = Path(sys.executable).with_name("msprobe-monitor")
     assert script.exists(), f"{script} missing: run `pip install -e .` (pyproject.toml [project.scripts])"
     proc = subprocess.run([str(script), "anomalies", str(runs / "nan"), "--json"], capture_output=True, text=True,

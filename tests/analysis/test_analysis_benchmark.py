@@ -6,9 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from support.extras import POLARS_ENGINE, require
 
-pytest.importorskip("polars", reason="the analysis extra (polars) is part of the test profile")
+require("polars", POLARS_ENGINE)
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "analysis_throughput.py"
 

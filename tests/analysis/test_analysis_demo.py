@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from analysis_helpers import cli
+from support.extras import needs_polars
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
 TINY = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--vocab", "64", "--context", "16", "--batch", "4",
@@ -17,6 +18,7 @@ def run_demo(*args):
                           timeout=180, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
 
 
+@needs_polars
 def test_demo_injected_nan_is_found(tmp_path):
     out = tmp_path / "demo"
     proc = run_demo("--out", out, "--inject-nan-step", 3, "--inject-nan-layer", "blocks.1.mlp.fc",

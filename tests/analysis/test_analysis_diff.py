@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 
 from analysis_helpers import DESYNC_STEP, LR_STEP, PARAMS, STEPS, cli, training_runs
+from support.extras import needs_polars
+
+pytestmark = needs_polars  # every test runs msprobe-monitor on its default engine
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,9 @@ import pytest
 
 from analysis_helpers import cli, copy_run, training_runs
 
-pl = pytest.importorskip("polars", reason="the analysis extra (polars) is part of the test profile")
+from support.extras import POLARS_ENGINE, require
+
+pl = require("polars", POLARS_ENGINE)
 
 from msprobe.core.monitor_v2.analysis.reference import analyse  # noqa: E402
 from msprobe.core.monitor_v2.analysis.report import RankCheckSettings, SpikeSettings  # noqa: E402

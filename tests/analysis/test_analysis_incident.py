@@ -18,7 +18,9 @@ import pytest
 from analysis_helpers import cli, training_runs
 from incident_runs import BAD_LAYER, NAN_STEP, RUNS, TRANSIENT_STEP, train
 
-pytest.importorskip("polars", reason="the analysis extra (polars) is part of the test profile")
+from support.extras import POLARS_ENGINE, require
+
+require("polars", POLARS_ENGINE)
 
 ENGINES = ((), ("--engine", "reference"))
 ORDER = {("param", "param_origin"): 0, ("module", "forward"): 1, ("module", "backward"): 2,

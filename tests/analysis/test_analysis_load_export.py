@@ -9,7 +9,9 @@ import pytest
 
 from analysis_helpers import NAN_STEP, STEPS, cli, training_runs
 
-pl = pytest.importorskip("polars", reason="the analysis extra (polars) is part of the test profile")
+from support.extras import POLARS_ENGINE, require
+
+pl = require("polars", POLARS_ENGINE)
 
 from msprobe.core.monitor_v2.analysis import load  # noqa: E402
 

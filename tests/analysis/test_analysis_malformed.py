@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 
 from analysis_helpers import cli, training_runs
+from support.extras import needs_polars
+
+pytestmark = needs_polars  # every test runs msprobe-monitor on its default engine
 
 HEADER_WG = "vpp_stage,step,module_name,scope,micro_step,min,max,mean,norm,nans"
 

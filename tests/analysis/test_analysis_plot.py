@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from analysis_helpers import NAN_STEP, cli, training_runs
+from support.extras import needs_matplotlib, needs_polars
 
 CHROMIUM_HELP = ("headless Chromium is needed for this test: as root, `apt-get update && apt-get install -y "
                  "chromium` (Debian package 'chromium', binary /usr/bin/chromium); scripts/setup_env.sh does "
@@ -58,6 +59,8 @@ def screenshot(url: str, out_png: Path) -> None:
         shutil.rmtree(profile, ignore_errors=True)
 
 
+@needs_polars
+@needs_matplotlib
 def test_plot_writes_images_and_report(runs, tmp_path):
     out = tmp_path / "report"
     res = cli("plot", runs / "nan", "--out", out, "--json")
@@ -87,6 +90,8 @@ def test_plot_writes_images_and_report(runs, tmp_path):
     assert data["html"] == str(out / "report.html")
 
 
+@needs_polars
+@needs_matplotlib
 def test_plot_options(runs, tmp_path):
     out = tmp_path / "by_tensor"
     res = cli("plot", runs / "clean", "--out", out, "--by", "tensor", "--match", r"^fc1\.", "--stat", "max",
@@ -130,6 +135,8 @@ def test_plot_without_matplotlib_is_a_clear_error(runs, tmp_path, monkeypatch):
     assert res.code == 2 and f"{sys.executable} -m pip install 'matplotlib>=3.5'" in res.err
 
 
+@needs_polars
+@needs_matplotlib
 def test_html_report_renders_in_headless_chromium(runs, tmp_path):
     from PIL import Image
 

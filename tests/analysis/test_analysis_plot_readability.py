@@ -9,6 +9,7 @@ import torch
 
 from analysis_helpers import cli
 from support import make_batches
+from support.extras import needs_matplotlib, needs_polars
 from msprobe.core.monitor_v2 import TrainerMonitorV2
 from msprobe.core.monitor_v2.analysis.plot import layer_of, line_style, use_log_scale
 
@@ -35,6 +36,8 @@ def test_log_axis_when_levels_differ_by_orders_of_magnitude():
     assert use_log_scale([fwd], "log") and not use_log_scale([fwd, bwd], "linear")
 
 
+@needs_polars
+@needs_matplotlib
 def test_plot_of_a_sequential_model(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))

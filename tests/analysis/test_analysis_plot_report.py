@@ -28,9 +28,12 @@ import torch
 
 from analysis_helpers import cli, training_runs
 from support import TinyMLP, loss_fn, make_batches
+from support.extras import needs_matplotlib, needs_polars
 from msprobe.core.monitor_v2 import TrainerMonitorV2
 from msprobe.core.monitor_v2.analysis.plot import LINE_COLOURS, NAN_COLOUR, RUNAWAY, SPIKE_COLOUR, y_view
 from test_analysis_plot import find_chromium
+
+pytestmark = [needs_polars, needs_matplotlib]  # every test runs msprobe-monitor plot on its default engine
 
 WIDTH = 1400
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from analysis_helpers import LR_STEP, SPIKE_STEP, STEPS, cli, copy_run, training_runs
+from support.extras import needs_polars
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def _rerun(root: Path, monitor: str = "weight_grad") -> int:
     return n
 
 
-@pytest.mark.parametrize("engine", ["columnar", "reference"])
+@pytest.mark.parametrize("engine", [pytest.param("columnar", marks=needs_polars), "reference"])
 def test_rerun_into_the_same_output_dir_is_flagged(runs, tmp_path, engine):
     root = copy_run(runs / "clean", tmp_path / "rerun")
     rows = _rerun(root)
@@ -66,6 +67,7 @@ def _accumulated(src: Path, dst: Path) -> Path:
     return root
 
 
+@needs_polars
 def test_diff_says_which_micro_batch_or_how_many_were_accumulated(runs, tmp_path):
     res = cli("diff", runs / "clean", runs / "lr", "--monitors", "weight_grad", "--json")
     first = res.json()["first"]
@@ -117,7 +119,7 @@ def quick_start_runs(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("engine", ["columnar", "reference"])
+@pytest.mark.parametrize("engine", [pytest.param("columnar", marks=needs_polars), "reference"])
 def test_re_runs_appended_to_the_output_find_no_spikes_a_single_run_does_not(quick_start_runs, engine):
     single = cli("anomalies", quick_start_runs / "single" / "out", "--json", "--limit", "0", "--engine", engine).json()
     four = cli("anomalies", quick_start_runs / "four" / "out", "--json", "--limit", "0", "--engine", engine).json()
@@ -127,6 +129,7 @@ def test_re_runs_appended_to_the_output_find_no_spikes_a_single_run_does_not(qui
     assert four["spikes"]["count"] == 0
 
 
+@needs_polars
 def test_both_engines_agree_on_re_runs(quick_start_runs, runs, tmp_path):
     """The same findings from the reference and the columnar engine on appended runs,
     spikes included (a run with a real spike, appended to itself, has it twice)."""

@@ -14,6 +14,7 @@ import torch
 from analysis_helpers import cli
 
 from support import TinyMLP, loss_fn, make_batches
+from support.extras import MATPLOTLIB_PLOT, POLARS_ENGINE, needs_polars, require
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
 OTHER_UID = 65534
@@ -55,7 +56,7 @@ def _plant(link: Path, target: Path) -> None:
 
 
 def test_plot_replaces_planted_links_and_never_writes_through_them(run, tmp_path):
-    pytest.importorskip("matplotlib", reason="plot needs matplotlib (part of the test profile)")
+    require("matplotlib", MATPLOTLIB_PLOT)
     names = cli("plot", run, "--out", tmp_path / "probe", "--json").json()
     png = os.path.basename(names["images"][0])
     copy = tmp_path / "run"
@@ -84,7 +85,7 @@ def test_plot_replaces_planted_links_and_never_writes_through_them(run, tmp_path
 
 
 def test_plot_refuses_a_linked_report_directory(run, tmp_path):
-    pytest.importorskip("matplotlib", reason="plot needs matplotlib (part of the test profile)")
+    require("matplotlib", MATPLOTLIB_PLOT)
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
     target = tmp_path / "somewhere_else"
@@ -97,7 +98,7 @@ def test_plot_refuses_a_linked_report_directory(run, tmp_path):
 
 
 def test_plot_creates_its_directory_0750_whatever_the_umask(run, tmp_path):
-    pytest.importorskip("matplotlib", reason="plot needs matplotlib (part of the test profile)")
+    require("matplotlib", MATPLOTLIB_PLOT)
     out = tmp_path / "reports" / "r1"
     old = os.umask(0)
     try:
@@ -112,7 +113,7 @@ def test_plot_creates_its_directory_0750_whatever_the_umask(run, tmp_path):
 
 
 def test_export_replaces_a_planted_part_and_refuses_a_linked_partition(run, tmp_path):
-    pytest.importorskip("polars", reason="the analysis extra (polars) is part of the test profile")
+    require("polars", POLARS_ENGINE)
     dest = tmp_path / "dest"
     part_dir = dest / "monitor=param" / "rank=0"
     part_dir.mkdir(parents=True)
@@ -155,6 +156,7 @@ def _cli_subprocess(*argv, timeout=120):
         pytest.fail(f"msprobe-monitor {argv[0]} blocked for {timeout} s")
 
 
+@needs_polars  # summary and anomalies on the default engine, then export
 def test_readers_skip_a_fifo_and_another_users_link_without_blocking_or_showing_it(run, tmp_path):
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
@@ -172,7 +174,6 @@ def test_readers_skip_a_fifo_and_another_users_link_without_blocking_or_showing_
         if os.geteuid() == 0:  # the link belongs to another user: not read
             assert "param_step8-8.csv" in res.stderr and "owned by uid 65534" in res.stderr, res.stderr
     # the columnar engine takes the same way (export reads through it)
-    pytest.importorskip("polars", reason="the analysis extra (polars) is part of the test profile")
     res = _cli_subprocess("export", copy, tmp_path / "dest")
     assert res.returncode == 0 and "FIFO" in res.stderr, res.stderr
     assert "root:" not in res.stdout + res.stderr

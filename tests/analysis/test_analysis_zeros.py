@@ -13,7 +13,9 @@ from analysis_helpers import cli
 from support import TinyMLP, make_batches
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
-pl = pytest.importorskip("polars", reason="the analysis extra (polars) is part of the test profile")
+from support.extras import POLARS_ENGINE, require
+
+pl = require("polars", POLARS_ENGINE)
 
 from msprobe.core.monitor_v2.analysis import load  # noqa: E402
 

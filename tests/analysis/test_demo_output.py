@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from support.extras import needs_polars
+
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
 TINY = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--vocab", "64", "--context", "16", "--batch", "4",
         "--steps", "6", "--step-interval", "1", "--log-every", "100"]
@@ -23,6 +25,7 @@ def csv_rows(out: Path):
             yield from csv.DictReader(f)
 
 
+@needs_polars  # the printed summary and anomalies commands run
 def test_demo_table_and_next_commands(tmp_path):
     caller = tmp_path / "caller"  # the shell's directory: the output is printed relative to it
     out = caller / "demo"

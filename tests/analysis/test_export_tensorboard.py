@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from analysis_helpers import NAN_STEP, STEPS, cli, training_runs
+from support.extras import POLARS_ENGINE, require
 
-pytest.importorskip("tensorboard", reason="tensorboard is part of the test profile (scripts/setup_env.sh test)")
+require("tensorboard", "export --tensorboard writes event files, read back with TensorBoard's EventAccumulator")
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 from tensorboard.util import tensor_util  # noqa: E402
@@ -93,7 +94,7 @@ def test_export_tensorboard_values_equal_the_csv_rows(runs, tmp_path):
 
 
 def test_export_tensorboard_from_parquet_and_with_parquet(runs, tmp_path):
-    pytest.importorskip("polars", reason="the analysis extra (polars) is part of the test profile")
+    require("polars", POLARS_ENGINE)
     res = cli("export", runs / "clean", tmp_path / "pq", "--tensorboard", tmp_path / "tb_csv")
     assert res.code == 0, res.err
     assert "Parquet file(s)" in res.out and "tensorboard --logdir" in res.out

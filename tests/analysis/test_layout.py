@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from analysis_helpers import cli, training_runs
+from support.extras import MATPLOTLIB_PLOT, POLARS_ENGINE, require
 
 from msprobe.core.monitor_v2.analysis import cli as cli_module
 from msprobe.core.monitor_v2.analysis.reference import ReferenceEngine
@@ -89,7 +90,7 @@ def _methods(cls) -> dict:
 
 
 def test_both_engines_implement_the_interface():
-    pytest.importorskip("polars", reason="the analysis extra (polars) is part of the test profile")
+    require("polars", POLARS_ENGINE)
     from msprobe.core.monitor_v2.analysis.engine import ColumnarEngine
 
     want = _methods(AnalysisEngine)
@@ -103,8 +104,8 @@ def runs(tmp_path_factory) -> Path:
 
 
 def test_each_command_chooses_the_engine_once(runs, tmp_path, monkeypatch):
-    pytest.importorskip("polars", reason="the analysis extra (polars) is part of the test profile")
-    pytest.importorskip("matplotlib", reason="the analysis extra (matplotlib) is part of the test profile")
+    require("polars", POLARS_ENGINE)
+    require("matplotlib", MATPLOTLIB_PLOT)
     made = []
     real = cli_module.choose_engine
 
@@ -132,9 +133,9 @@ def test_each_command_chooses_the_engine_once(runs, tmp_path, monkeypatch):
     ("summary", "{runs}/spike", "--rank-groups", "0;1", "--json"),
 ])
 def test_the_same_output_with_each_engine(runs, tmp_path, argv):
-    pytest.importorskip("polars", reason="the analysis extra (polars) is part of the test profile")
+    require("polars", POLARS_ENGINE)
     if argv[0] == "plot":
-        pytest.importorskip("matplotlib", reason="the analysis extra (matplotlib) is part of the test profile")
+        require("matplotlib", MATPLOTLIB_PLOT)
     argv = [a.format(runs=runs, tmp=tmp_path) for a in argv]
     ref = cli(*argv, "--engine", "reference")
     new = cli(*argv)

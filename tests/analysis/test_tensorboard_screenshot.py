@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from analysis_helpers import cli, training_runs
+from support.extras import require
 
-pytest.importorskip("tensorboard", reason="tensorboard is part of the test profile (scripts/setup_env.sh test)")
+require("tensorboard", "the screenshot test serves the exported run with a TensorBoard server")
 
 DOC_IMAGE = Path(__file__).resolve().parents[2] / "docs" / "images" / "tensorboard-export.png"
 CHROMIUM_HELP = ("headless Chromium is needed for this test: as root, `apt-get update && apt-get install -y "

@@ -6,9 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from support.extras import require
 
-pytest.importorskip("mindspore")
+require("mindspore", "the MindSpore overhead benchmark's smoke mode trains with it")
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "ms_overhead.py"
 

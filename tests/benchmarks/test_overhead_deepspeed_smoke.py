@@ -1,21 +1,17 @@
 """The DeepSpeed overhead benchmark runs end to end in its smoke mode (tiny GPT, one
 round, 2 ranks), so that it cannot rot; its numbers are not asserted."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from support import free_port
+from support.extras import require
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "overhead_deepspeed.py"
 
-if importlib.util.find_spec("deepspeed") is None:
-    pytest.skip("DeepSpeed is not installed (it is part of the test profile: scripts/setup_env.sh test)",
-                allow_module_level=True)
+require("deepspeed", "the DeepSpeed overhead benchmark's smoke mode runs ZeRO on 2 CPU ranks", load=False)
 
 
 def test_deepspeed_overhead_benchmark_smoke_mode_prints_its_row(tmp_path):

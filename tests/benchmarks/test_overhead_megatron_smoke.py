@@ -1,21 +1,17 @@
 """The Megatron-Core overhead benchmark runs end to end in its smoke mode (tiny GPTModel,
 one round, 2 ranks), so that it cannot rot; its numbers are not asserted."""
 
-import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from support import free_port
+from support.extras import require
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "megatron_overhead.py"
 
-if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
-    pytest.skip("megatron-core is not installed (it is part of the test profile: scripts/setup_env.sh test)",
-                allow_module_level=True)
+require("megatron.core", "the Megatron-Core overhead benchmark's smoke mode runs its GPT on 2 CPU ranks", load=False)
 
 
 def test_megatron_overhead_benchmark_smoke_mode_prints_its_rows(tmp_path):

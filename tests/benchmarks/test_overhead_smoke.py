@@ -8,6 +8,9 @@ import pytest
 import sys
 from pathlib import Path
 
+from support.extras import require
+
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "overhead.py"
 
 
@@ -30,9 +33,8 @@ def test_overhead_benchmark_smoke_mode_prints_every_config(flags, statistics):
 
 
 def test_overhead_benchmark_smoke_mode_with_sinks():
-    pytest.importorskip("tensorboard", reason="tensorboard is part of the test profile")
-    pytest.importorskip("wandb", reason="wandb is part of the test profile")
-    pytest.importorskip("mlflow", reason="mlflow is part of the test profile")
+    for lib in ("tensorboard", "wandb", "mlflow"):
+        require(lib, "the overhead benchmark's --sinks rows write to the TensorBoard, W&B and MLflow sinks", load=False)
     proc = subprocess.run([sys.executable, str(BENCH), "--smoke", "--sinks", "--only", "all monitors", "--only",
                            "all +", "--skip-engine"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -10,7 +10,9 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("hypothesis", reason="hypothesis is installed by the test profile (scripts/setup_env.sh)")
+from support.extras import require
+
+require("hypothesis", "the hostile-config tests generate their configs with it")
 from hypothesis import HealthCheck, event, given, settings, strategies as st  # noqa: E402
 
 from msprobe.core.monitor_v2.analysis.validate import validate

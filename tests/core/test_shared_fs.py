@@ -31,6 +31,7 @@ from msprobe.core.monitor_v2.errors import ConfigError, OutputError, UnsafePathE
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
 from support import TinyMLP, loss_fn, make_batches
+from support.extras import needs_matplotlib, needs_polars
 
 LOGGER = "msprobe.monitor_v2"
 OTHER_UID = 65534
@@ -479,6 +480,7 @@ def _cells(path):
         return list(csv.reader(f))
 
 
+@needs_polars  # the columnar engine reads them back too
 @pytest.mark.parametrize("async_write", [False, True], ids=["sync", "async"])
 def test_formula_cells_are_escaped_and_read_back_unchanged(tmp_path, async_write):
     from msprobe.core.monitor_v2.analysis.columnar import read_batch
@@ -589,6 +591,8 @@ def test_rank_dir_others_could_write_is_refused_at_start(tmp_path, how):
     mon.stop()
 
 
+@needs_polars
+@needs_matplotlib
 def test_cli_names_a_bad_mode_setting(tmp_path, monkeypatch):
     import io
 

@@ -8,6 +8,17 @@ import pytest
 from msprobe.core.monitor_v2.config import MAX_SINK_KEYS, load_config
 from msprobe.core.monitor_v2.errors import ConfigError
 
+from support.extras import needs
+
+# the config refuses a sink whose library is missing (by design): a case that turns one on needs it
+TB_WHY = "the config refuses a tensorboard sink where TensorBoard is missing, and this case turns one on"
+needs_tensorboard = needs("tensorboard", TB_WHY)
+
+
+def tb(*case):
+    """A parametrized case that turns the tensorboard sink on."""
+    return pytest.param(*case, marks=needs_tensorboard)
+
 
 def cfg(tmp_path, sinks, **top):
     return dict({"output_dir": str(tmp_path), "monitors": {"weight_grad": {"enabled": True}}, "sinks": sinks}, **top)
@@ -22,14 +33,14 @@ def cfg(tmp_path, sinks, **top):
     ({"swanlab": {"mode": "cloud"}}, "sinks.swanlab.mode", ["'cloud'", "online, local, offline, disabled"]),
     ({"mlflow": {"tracking_uri": ""}}, "sinks.mlflow.tracking_uri", ["non-empty string"]),
     ({"tensorboard": {"enabled": "yes"}}, "sinks.tensorboard.enabled", ["'yes'", "true or false"]),
-    ({"tensorboard": True, "max_keys": 0}, "sinks.max_keys", ["0 (int)", ">= 1"]),
-    ({"tensorboard": True, "max_keys": MAX_SINK_KEYS + 1}, "sinks.max_keys", [f"at most {MAX_SINK_KEYS}"]),
-    ({"tensorboard": True, "top_k": -1}, "sinks.top_k", [">= 0"]),
-    ({"tensorboard": True, "tensors": ["fc1(["]}, "sinks.tensors[0]", ["regular expression"]),
-    ({"tensorboard": True, "tensors": "fc1"}, "sinks.tensors", ["list of strings"]),
-    ({"tensorboard": True, "ranks": "some"}, "sinks.ranks", ["'some'", "\"all\""]),
-    ({"tensorboard": True, "ranks": []}, "sinks.ranks", ["at least one rank"]),
-    ({"tensorboard": True, "ranks": [-1]}, "sinks.ranks[0]", ["-1", ">= 0"]),
+    tb({"tensorboard": True, "max_keys": 0}, "sinks.max_keys", ["0 (int)", ">= 1"]),
+    tb({"tensorboard": True, "max_keys": MAX_SINK_KEYS + 1}, "sinks.max_keys", [f"at most {MAX_SINK_KEYS}"]),
+    tb({"tensorboard": True, "top_k": -1}, "sinks.top_k", [">= 0"]),
+    tb({"tensorboard": True, "tensors": ["fc1(["]}, "sinks.tensors[0]", ["regular expression"]),
+    tb({"tensorboard": True, "tensors": "fc1"}, "sinks.tensors", ["list of strings"]),
+    tb({"tensorboard": True, "ranks": "some"}, "sinks.ranks", ["'some'", "\"all\""]),
+    tb({"tensorboard": True, "ranks": []}, "sinks.ranks", ["at least one rank"]),
+    tb({"tensorboard": True, "ranks": [-1]}, "sinks.ranks[0]", ["-1", ">= 0"]),
 ])
 def test_bad_sinks_name_field_value_and_what_is_allowed(tmp_path, sinks, field, words):
     with pytest.raises(ConfigError) as err:
@@ -39,6 +50,7 @@ def test_bad_sinks_name_field_value_and_what_is_allowed(tmp_path, sinks, field, 
         assert w in str(err.value), (w, str(err.value))
 
 
+@needs_tensorboard
 def test_defaults_and_switches(tmp_path):
     c = load_config(cfg(tmp_path, {"tensorboard": True, "wandb": {"enabled": False}, "mlflow": None}))
     s = c.sinks
@@ -50,6 +62,7 @@ def test_defaults_and_switches(tmp_path):
     assert load_config({"output_dir": str(tmp_path)}).sinks is None
 
 
+@needs_tensorboard
 def test_no_sink_turned_on_and_ranks_that_never_send_are_said(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="msprobe.monitor_v2"):
         assert load_config(cfg(tmp_path, {"tensorboard": False})).sinks is None
@@ -69,6 +82,8 @@ def test_a_missing_library_names_the_pip_command(tmp_path, monkeypatch):
         assert err.value.field == f"sinks.{name}" and f"pip install {name}" in str(err.value)
 
 
+@needs_tensorboard
+@needs("wandb", "the config refuses a wandb sink where W&B is missing, and this test turns one on")
 def test_relative_sink_directories_are_resolved_at_construction(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     s = load_config(cfg(tmp_path, {"tensorboard": {"log_dir": "tb"}, "wandb": {"dir": "wb"}})).sinks

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from support import read_csv, run_torchrun
+from support.extras import require
 
-pytest.importorskip("tensorboard", reason="tensorboard is part of the test profile (scripts/setup_env.sh test)")
+require("tensorboard", "the 2-rank sink tests read back each rank's TensorBoard event files")
 
 WORKER = Path(__file__).parent / "workers" / "sinks_ranks.py"
 

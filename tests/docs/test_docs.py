@@ -13,9 +13,11 @@ import subprocess
 import sys
 import unicodedata
 from pathlib import Path
-from typing import Dict, Iterator, List, Set, Tuple
+from typing import Dict, Iterator, List, Pattern, Set, Tuple
 
 import pytest
+
+from support.extras import MATPLOTLIB_PLOT, POLARS_ENGINE, require, require_command
 
 ROOT = Path(__file__).resolve().parents[2]
 EN_PAGES = sorted([*ROOT.glob("README.md"), *(p for p in (ROOT / "docs").glob("*.md"))])
@@ -178,6 +180,33 @@ def blocks(page: Path) -> List[Tuple[str, str]]:
 
 PAGES_WITH_EXAMPLES = [p for p in ALL_PAGES if blocks(p)]
 
+# What a page's examples need beyond torch and this package, by what they import, turn on or
+# run (declared here, checked before the page's first block: a page whose library is missing
+# skips naming it, or fails under MSPROBE_TEST_PROFILE=full): (pattern, module, why).
+# An export whose first argument is not --tensorboard writes Parquet, with Polars.
+EXAMPLE_NEEDS: List[Tuple[Pattern[str], str, str]] = [
+    (re.compile(r"^\s*(?:import|from)\s+mindspore\b", re.M), "mindspore", "the page's example trains a MindSpore cell"),
+    (re.compile(r"^\s*(?:import|from)\s+tensorboard\b", re.M), "tensorboard",
+     "the page's example reads TensorBoard event files back"),
+    (re.compile(r"^msprobe-monitor\s+export\b.*--tensorboard\b", re.M), "tensorboard",
+     "the page's example runs export --tensorboard"),
+    (re.compile(r"^msprobe-monitor\s+(?:summary|anomalies|diff|plot|export\s+(?!--tensorboard\b))"
+                r"(?!.*--engine\s+reference)", re.M), "polars", POLARS_ENGINE),
+    (re.compile(r"^msprobe-monitor\s+plot\b", re.M), "matplotlib", MATPLOTLIB_PLOT),
+] + [(re.compile(rf'"{sink}"\s*:\s*(?:[Tt]rue|\{{)'), sink,
+      f"the page's config turns the {sink} sink on, which the config refuses where {sink} is missing")
+     for sink in ("tensorboard", "wandb", "mlflow", "swanlab")]
+COMMAND = re.compile(r"^msprobe-monitor\b", re.M)
+
+
+def require_what_the_examples_need(page: Path, path: str) -> None:
+    texts = [text for _info, text in blocks(page)]
+    for pattern, module, why in EXAMPLE_NEEDS:
+        if any(pattern.search(text) for text in texts):
+            require(module, why, load=False)
+    if any(COMMAND.search(text) for info, text in blocks(page) if info.split()[0] in ("sh", "bash")):
+        require_command("msprobe-monitor", "the page's sh example runs it", path)
+
 
 def test_english_and_chinese_pages_run_the_same_examples():
     def code(p):
@@ -196,6 +225,7 @@ def test_examples_run(page, tmp_path):
 
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "OMP_NUM_THREADS": "1"}
+    require_what_the_examples_need(page, env["PATH"])
     for info, text in blocks(page):
         words = info.split()
         where = f"{page.relative_to(ROOT)}, block ```{info}"

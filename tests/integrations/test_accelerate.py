@@ -10,7 +10,9 @@ import logging
 import pytest
 import torch
 
-accelerate = pytest.importorskip("accelerate", reason="the test profile of scripts/setup_env.sh installs accelerate")
+from support.extras import require
+
+accelerate = require("accelerate", "the Accelerate tests train through its Accelerator")
 
 from support import TinyMLP, assert_row_matches, find_row, numpy_stats, rows_of  # noqa: E402
 from msprobe.core.monitor_v2.integrations import AccelerateMonitor  # noqa: E402

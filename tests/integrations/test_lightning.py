@@ -4,10 +4,11 @@ torchrun). See lightning_app.py for the training and its references."""
 import logging
 from pathlib import Path
 
-import pytest
 import torch
 
-pytest.importorskip("lightning", reason="the test profile of scripts/setup_env.sh installs lightning")
+from support.extras import require
+
+require("lightning", "the Lightning callback tests fit a LightningModule with it")
 
 from support import run_torchrun  # noqa: E402
 from lightning_app import CONFIG_MONITORS, check_run, fit  # noqa: E402

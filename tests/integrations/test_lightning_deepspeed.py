@@ -3,18 +3,18 @@ on the CPU, gradient accumulation 2 and ``gradient_clip_val`` (which Lightning h
 DeepSpeed: it clips inside its step). The callback starts the monitor on the engine
 (``trainer.strategy.model``). References: see lightning_deepspeed_worker.py."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
 from support import assert_row_matches, numpy_stats, rows_of, run_torchrun
 from support.shards import assert_shards_make_up
+from support.extras import require
 
 for _package in ("deepspeed", "lightning"):
-    if importlib.util.find_spec(_package) is None:  # not imported here: the worker does, with DS_ACCELERATOR=cpu
-        pytest.skip(f"{_package} is not installed (it is part of the test profile: scripts/setup_env.sh test)",
-                    allow_module_level=True)
+    # not imported here: the worker does, with DS_ACCELERATOR=cpu
+    require(_package, "the Lightning + DeepSpeed test fits a LightningModule with the DeepSpeed strategy",
+            load=False)
 
 import torch  # noqa: E402
 

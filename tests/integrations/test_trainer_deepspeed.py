@@ -9,7 +9,6 @@ rows. References (see trainer_deepspeed_worker.py): a plain-torch replica fed th
 micro-batches, DeepSpeed's public full-state API, the Trainer's own logged ``grad_norm``.
 One launch trains both stages; the checks share it."""
 
-import importlib.util
 import math
 from pathlib import Path
 from typing import List
@@ -18,11 +17,12 @@ import pytest
 
 from support import assert_row_matches, numpy_stats, rows_of, run_torchrun
 from support.shards import assert_shards_make_up
+from support.extras import require
 
 for _package in ("deepspeed", "transformers", "accelerate"):
-    if importlib.util.find_spec(_package) is None:  # not imported here: the worker does, with DS_ACCELERATOR=cpu
-        pytest.skip(f"{_package} is not installed (it is part of the test profile: scripts/setup_env.sh test)",
-                    allow_module_level=True)
+    # not imported here: the worker does, with DS_ACCELERATOR=cpu
+    require(_package, "the Trainer + DeepSpeed test runs a transformers Trainer on DeepSpeed (through Accelerate)",
+            load=False)
 
 import torch  # noqa: E402
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from support import assert_row_matches, find_row, numpy_stats, rows_of
+from support.extras import require
 
-transformers = pytest.importorskip("transformers",
-                                   reason="the test profile of scripts/setup_env.sh installs transformers")
+transformers = require("transformers", "the Trainer callback tests train a GPT-2 built from a config with its Trainer")
 
 from msprobe.core.monitor_v2.integrations import MonitorTrainerCallback  # noqa: E402
 

@@ -4,9 +4,9 @@ member with a compatible signature, and ``reduced_grads()`` (a method, as in PyT
 hands out, inside the optimizer's step hooks, the gradients ``nn.Adam`` then applies
 (its first moment after one step is (1 - beta1) g; NumPy on copies)."""
 
-import pytest
+from support.extras import require
 
-pytest.importorskip("mindspore")
+require("mindspore", "the MindSpore tests run its cells and optimizers (CPU)")
 
 from support.protocols import protocol_mismatches  # noqa: E402
 from support.ms_helpers import MLP, batches, ms, mse, nn, np  # noqa: E402

@@ -23,7 +23,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("mindspore")
+from support.extras import require
+
+require("mindspore", "the MindSpore tests run its cells and optimizers (CPU)")
 
 from support import assert_row_matches, find_row, rows_of, run_msrun  # noqa: E402
 from support.ms_helpers import np, np_stats  # noqa: E402

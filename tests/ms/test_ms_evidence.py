@@ -6,9 +6,9 @@ raises from the optimizer's pre-hook and the parameters stay bit-identical;
 
 import json
 
-import pytest
+from support.extras import require
 
-pytest.importorskip("mindspore")
+require("mindspore", "the MindSpore tests run its cells and optimizers (CPU)")
 
 from support.ms_helpers import MLP, batches, ms, mse, nn, np  # noqa: E402
 

@@ -3,9 +3,9 @@ on for exactly the requested steps, and its Cell hooks are gone afterwards."""
 
 import json
 
-import pytest
+from support.extras import require
 
-pytest.importorskip("mindspore")
+require("mindspore", "the MindSpore tests run its cells and optimizers (CPU)")
 
 from support import rows_of  # noqa: E402
 from support.ms_helpers import MLP, batches, ms, nn  # noqa: E402

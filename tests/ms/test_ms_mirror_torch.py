@@ -10,7 +10,9 @@ import csv
 
 import pytest
 
-pytest.importorskip("mindspore")
+from support.extras import require
+
+require("mindspore", "the MindSpore tests run its cells and optimizers (CPU)")
 torch = pytest.importorskip("torch")
 
 from support.ms_helpers import init_arrays, ms, nn, np  # noqa: E402

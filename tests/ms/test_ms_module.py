@@ -4,9 +4,9 @@ weights and the input (``loss = sum(out)``, so the last layer's ``grad_output`` 
 ones), plus tags, targets, aggregation of repeated calls, model chunks, and what
 ``stop()`` leaves behind."""
 
-import pytest
+from support.extras import require
 
-pytest.importorskip("mindspore")
+require("mindspore", "the MindSpore tests run its cells and optimizers (CPU)")
 
 from support import assert_row_matches, find_row, rows_of  # noqa: E402
 from support.ms_helpers import MLP, batches, ms, mse, nn, np, np_stats, relu_np, weights_of  # noqa: E402

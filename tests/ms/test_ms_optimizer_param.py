@@ -13,7 +13,9 @@ right after ``optimizer(grads)``.
 
 import pytest
 
-pytest.importorskip("mindspore")
+from support.extras import require
+
+require("mindspore", "the MindSpore tests run its cells and optimizers (CPU)")
 
 from support import assert_row_matches, find_row, rows_of  # noqa: E402
 from support.ms_helpers import MLP, batches, ms, mse, nn, np, np_stats, ops, weights_of  # noqa: E402

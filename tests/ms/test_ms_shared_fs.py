@@ -8,7 +8,9 @@ import stat
 
 import pytest
 
-pytest.importorskip("mindspore")
+from support.extras import require
+
+require("mindspore", "the MindSpore tests run its cells and optimizers (CPU)")
 
 import numpy as np  # noqa: E402
 from support.ms_helpers import MLP, batches, grads_np, ms, mse, nn, np_stats  # noqa: E402

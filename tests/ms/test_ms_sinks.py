@@ -8,9 +8,11 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-pytest.importorskip("mindspore")
-pytest.importorskip("tensorboard", reason="tensorboard is part of the test profile (scripts/setup_env.sh test)")
-pytest.importorskip("mlflow", reason="mlflow is part of the test profile (scripts/setup_env.sh test)")
+from support.extras import require
+
+require("mindspore", "the MindSpore tests run its cells and optimizers (CPU)")
+require("tensorboard", "the MindSpore sink tests read back the TensorBoard sink's event files")
+require("mlflow", "the MindSpore sink tests read back the MLflow sink's runs")
 
 from support.ms_helpers import MLP, batches, grads_np, ms, mse, nn, weights_of  # noqa: E402
 

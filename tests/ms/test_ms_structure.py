@@ -5,9 +5,9 @@
 import io
 import json
 
-import pytest
+from support.extras import require
 
-pytest.importorskip("mindspore")
+require("mindspore", "the MindSpore tests run its cells and optimizers (CPU)")
 
 from support import rows_of  # noqa: E402
 from support.ms_helpers import batches, ms, mse, nn, np  # noqa: E402

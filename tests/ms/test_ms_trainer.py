@@ -4,7 +4,9 @@ and ``start()`` errors."""
 
 import pytest
 
-pytest.importorskip("mindspore")
+from support.extras import require
+
+require("mindspore", "the MindSpore tests run its cells and optimizers (CPU)")
 
 from support import assert_row_matches, find_row, rows_of  # noqa: E402
 from support.ms_helpers import MLP, batches, grads_np, ms, mse, nn, np_stats  # noqa: E402

@@ -13,9 +13,9 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
+from support.extras import require
 
-pytest.importorskip("mindspore")
+require("mindspore", "the MindSpore tests run its cells and optimizers (CPU)")
 
 from support import assert_row_matches, find_row, read_csv  # noqa: E402
 from support.ms_helpers import np, np_stats  # noqa: E402

@@ -5,7 +5,9 @@ then end to end on a ReLU network against an unmonitored twin."""
 
 import pytest
 
-pytest.importorskip("mindspore")
+from support.extras import require
+
+require("mindspore", "the MindSpore tests run its cells and optimizers (CPU)")
 
 from support import rows_of  # noqa: E402
 from support.ms_helpers import MLP, batches, ms, mse, nn, np, set_weights  # noqa: E402

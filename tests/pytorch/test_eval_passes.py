@@ -17,6 +17,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from support import TinyMLP, assert_row_matches, find_row, loss_fn, make_batches, numpy_stats, rows_of
+from support.extras import needs
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
 LOGGER = "msprobe.monitor_v2"
@@ -207,6 +208,7 @@ def test_an_evaluation_pass_that_raises_does_not_mark_the_next_training_pass(wri
     assert_row_matches(find_row(rows, step=0, module_name="fc1.input.0", scope="eval_forward"), numpy_stats(x[:0]))
 
 
+@needs("lightning", "this test runs a real lightning.Trainer with validation loops")
 def test_real_lightning_trainer_validation_loops(write_config, caplog):
     """A real ``lightning.Trainer``: validation every 2 training steps (under ``eval()``
     and ``inference_mode``, data on another scale), the monitor started and stopped by a
@@ -265,6 +267,7 @@ def test_real_lightning_trainer_validation_loops(write_config, caplog):
     assert not spikes, spikes
 
 
+@needs("transformers", "this test runs a real transformers.Trainer evaluating a tiny GPT-2 built from a config")
 def test_real_huggingface_trainer_evaluation(write_config):
     """A real ``transformers.Trainer`` (tiny GPT-2 from a config) evaluating every 2
     steps (``model.eval()`` + ``torch.no_grad()``); the monitor driven by a callback."""

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from support import assert_row_matches, find_row, numpy_stats, rows_of
+from support.extras import needs
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
 V, T, D, N_HEAD, B = 50, 8, 16, 2, 2
@@ -782,6 +783,7 @@ def test_recomputed_graph_is_freed_after_backward(tmp_path, monitored, no_monito
 
 
 # --------------------------------------------------------------- Hugging Face model
+@needs("transformers", "this test trains a Hugging Face GPT-2 built from a config")
 def test_huggingface_gpt2_trains_identically(tmp_path, no_monitor_errors):
     from transformers import GPT2Config, GPT2LMHeadModel
 

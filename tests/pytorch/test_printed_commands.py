@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from support.extras import needs_polars, require_command
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 BARE_PATH = "/usr/bin:/bin"  # no venv bin directory on it
@@ -60,6 +60,7 @@ def _csv_rows(rank_dir: Path) -> int:
     return sum(len(f.read_text().splitlines()) - 1 for f in rank_dir.glob("*.csv"))
 
 
+@needs_polars  # the printed summary and anomalies commands run
 def test_commands_printed_without_an_activated_venv_run_as_printed(tmp_path):
     out = tmp_path / "my out"  # a space: the printed path must be quoted
     env = _env()
@@ -80,10 +81,10 @@ def test_commands_printed_without_an_activated_venv_run_as_printed(tmp_path):
     assert anomalies.stdout.startswith("msprobe-monitor anomalies ")
 
 
+@needs_polars
 def test_bare_name_when_path_finds_this_installation(tmp_path):
     bindir = os.path.dirname(sys.executable)
-    if not os.access(os.path.join(bindir, "msprobe-monitor"), os.X_OK):
-        pytest.fail(f"the test environment has no msprobe-monitor script next to {sys.executable}")
+    require_command("msprobe-monitor", f"this test needs the script next to {sys.executable}", bindir)
     env = _env(f"{bindir}:{BARE_PATH}")
     line = _train(sys.executable, tmp_path / "out", env)
     command = line.split("Read them: ", 1)[1]
@@ -91,6 +92,7 @@ def test_bare_name_when_path_finds_this_installation(tmp_path):
     assert _run_printed(command, env).returncode == 0
 
 
+@needs_polars
 def test_module_form_where_the_environment_has_no_script(tmp_path):
     """An interpreter with the packages but no ``msprobe-monitor`` script next to it (the
     package used from a checkout): ``python -m msprobe.core.monitor_v2.analysis``."""

@@ -19,16 +19,17 @@ import pytest
 import torch
 
 from support import TinyMLP, loss_fn, make_batches, read_csv
+from support.extras import require
 from msprobe.core.monitor_v2.errors import ConfigError
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
 for _lib in ("tensorboard", "wandb", "mlflow"):
-    pytest.importorskip(_lib, reason=f"{_lib} is part of the test profile (scripts/setup_env.sh test)")
+    require(_lib, "the sink tests write to the TensorBoard, W&B and MLflow sinks and read each back")
 # SwanLab 0.10 requires protobuf<7 and MindSpore 2.10 protobuf>=7.34.1: pip cannot resolve both
 # in the test profile, so SwanLab is installed apart (it runs with protobuf 7) and its tests say
 # so when it is missing.
-SWANLAB_HELP = ("swanlab is not installed: pip install swanlab==0.10.3 (apart from the test profile: its "
-                "protobuf<7 pin conflicts with MindSpore's protobuf>=7.34.1; it runs with protobuf 7)")
+SWANLAB_HELP = ("the SwanLab sink test logs to it offline; pip install swanlab==0.10.3 --no-deps beside MindSpore "
+                "(its protobuf<7 pin conflicts with MindSpore's protobuf>=7.34.1; it runs with protobuf 7)")
 
 STEPS, ACC = 4, 2
 OPS = ("min", "max", "mean", "norm", "nans")
@@ -250,7 +251,7 @@ def test_every_sink_gets_the_csv_values(tmp_path, async_write):
 
 
 def test_swanlab_gets_the_csv_values(tmp_path):
-    pytest.importorskip("swanlab", reason=SWANLAB_HELP)
+    require("swanlab", SWANLAB_HELP)
     out = tmp_path / "out"
     losses, params = train(out, dict(all_sinks(out, swanlab=True), top_k=2, tensors=[r"^fc2\.weight"]))
     assert_equal(read_swanlab(out / "swanlog"), expected(out, top_k=2, patterns=[r"^fc2\.weight"]), "swanlab")

@@ -8,7 +8,6 @@ micro-batch. One launch per ZeRO stage trains its configurations (each twice: wi
 monitors and without); the checks share it.
 """
 
-import importlib.util
 import math
 from pathlib import Path
 from typing import Dict, List
@@ -17,10 +16,10 @@ import pytest
 import torch
 
 from support import assert_row_matches, numpy_stats, rows_of, run_torchrun
+from support.extras import require
 
-if importlib.util.find_spec("deepspeed") is None:  # not imported here: the workers do, with DS_ACCELERATOR=cpu
-    pytest.skip("DeepSpeed is not installed (it is part of the test profile: scripts/setup_env.sh test)",
-                allow_module_level=True)
+# not imported here: the workers do, with DS_ACCELERATOR=cpu
+require("deepspeed", "the DeepSpeed stack tests run its ZeRO stages 0-3 on the CPU", load=False)
 
 WORKER = Path(__file__).parent / "workers" / "deepspeed_train.py"
 STEPS = 3

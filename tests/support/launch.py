@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from support.extras import require_command
+
 TESTS = str(Path(__file__).resolve().parent.parent)  # the directory that holds ``support``
 
 
@@ -82,9 +84,7 @@ def run_msrun(script, *args, nproc: int = 2, cwd=None, timeout: int = 240, env=N
 
     log_dir = tempfile.mkdtemp(prefix="msrun_logs_")
     bin_dir = os.path.dirname(sys.executable)
-    msrun = shutil.which("msrun", path=bin_dir) or shutil.which("msrun")
-    if msrun is None:
-        pytest.skip("msrun (MindSpore) is not installed")
+    msrun = shutil.which("msrun", path=bin_dir) or require_command("msrun", "MindSpore's launcher starts these workers")
     cmd = [
         msrun, f"--worker_num={nproc}", f"--local_worker_num={nproc}", "--master_addr=127.0.0.1",
         f"--master_port={free_port()}", f"--log_dir={log_dir}", "--join=True", "--cluster_time_out=90",
