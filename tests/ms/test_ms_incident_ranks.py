@@ -14,8 +14,9 @@ import json
 from pathlib import Path
 
 import pytest
+from support.extras import require
 
-pytest.importorskip("mindspore")
+require("mindspore", "the MindSpore tests run its cells and optimizers (CPU)")
 
 from support import rows_of, run_msrun  # noqa: E402
 

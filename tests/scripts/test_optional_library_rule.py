@@ -81,3 +81,14 @@ def test_a_missing_library_fails_under_the_full_profile(tmp_path):
                  "ERROR test_probe_tests.py::test_one_case_needs_it[needy]"):
         assert what in out, (what, out)
     assert out.count(f"under {PROFILE_VARIABLE}=full every optional library must be") == 4, out
+
+
+def test_no_test_skips_for_an_optional_library_around_the_rule():
+    # pytest.importorskip would skip in CI as well: every optional library goes through support.extras
+    allowed = {"torch"}  # the suite's own requirement, not an optional library
+    found = []
+    for path in sorted(TESTS.rglob("*.py")):
+        for name in re.findall(r"importorskip\(\s*['\"]([\w.]+)['\"]", path.read_text(encoding="utf-8")):
+            if name.split(".")[0] not in allowed:
+                found.append(f"{path.relative_to(TESTS)}: {name}")
+    assert found == []
