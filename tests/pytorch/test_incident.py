@@ -172,10 +172,14 @@ def test_per_monitor_steps_at_start(tmp_path):
     assert hooks_of(model) == before
 
 
-def test_on_anomaly_turns_module_on_for_the_subtree_of_the_offending_tensor(tmp_path, caplog):
+def nan_in_fc2_at_step_4(tmp_path, caplog, monitors, escalate_steps, steps):
+    """A TinyMLP whose fc2.weight gets a NaN before step 4, with ``monitors`` and an
+    ``on_anomaly`` that turns ``module`` on for ``escalate_steps`` steps, targets "auto".
+    Returns the output directory, the model and the messages logged."""
     out = tmp_path / "out"
-    mon = TrainerMonitorV2({"output_dir": str(out), "monitors": {"param": {"enabled": True}},
-                            "alert": {"on_anomaly": {"steps": 3, "monitors": {"module": {"targets": "auto"}}}}})
+    mon = TrainerMonitorV2({"output_dir": str(out), "monitors": {m: {"enabled": True} for m in monitors},
+                            "alert": {"on_anomaly": {"steps": escalate_steps,
+                                                     "monitors": {"module": {"targets": "auto"}}}}})
     model = TinyMLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     mon.start(model, opt)
@@ -186,38 +190,29 @@ def test_on_anomaly_turns_module_on_for_the_subtree_of_the_offending_tensor(tmp_
                 model.fc2.weight[0, 0] = float("nan")
 
     with caplog.at_level(logging.WARNING, logger="msprobe.monitor_v2"):
-        train(mon, model, opt, 10, inject)
+        train(mon, model, opt, steps, inject)
+    return out, model, [r.getMessage() for r in caplog.records]
+
+
+def test_on_anomaly_turns_module_on_for_the_subtree_of_the_offending_tensor(tmp_path, caplog):
+    out, _, messages = nan_in_fc2_at_step_4(tmp_path, caplog, ["param"], 3, 10)
     module = rows_of(out, "module")
     assert steps_of(module) == [5, 6, 7]
     assert {r["module_name"].split(".")[0] for r in module} == {"fc2"}
-    line = [r.getMessage() for r in caplog.records if "on_anomaly turns on" in r.getMessage()]
+    line = [m for m in messages if "on_anomaly turns on" in m]
     assert len(line) == 1 and "steps 5..7" in line[0] and "'fc2'" in line[0] and "fc2.weight" in line[0]
 
 
 def test_on_anomaly_auto_watches_every_module_when_every_gradient_went_nan_at_once(tmp_path, caplog):
     # weight_grad alone: the NaN in fc2.weight makes every gradient NaN in the same step, so
     # the first row in file order (fc1.weight) names no suspect and "auto" must not narrow to it
-    out = tmp_path / "out"
-    mon = TrainerMonitorV2({"output_dir": str(out), "monitors": {"weight_grad": {"enabled": True}},
-                            "alert": {"on_anomaly": {"steps": 2, "monitors": {"module": {"targets": "auto"}}}}})
-    model = TinyMLP()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    mon.start(model, opt)
-
-    def inject(step):
-        if step == 4:
-            with torch.no_grad():
-                model.fc2.weight[0, 0] = float("nan")
-
-    with caplog.at_level(logging.WARNING, logger="msprobe.monitor_v2"):
-        train(mon, model, opt, 8, inject)
+    out, model, messages = nan_in_fc2_at_step_4(tmp_path, caplog, ["weight_grad"], 2, 8)
     grads = [r for r in rows_of(out, "weight_grad") if int(r["step"]) == 4 and r["scope"] == "unreduced"]
     assert len(grads) > 1 and all(r["norm"] == "nan" for r in grads)  # the premise: all at once
     module = rows_of(out, "module")
     assert steps_of(module) == [5, 6]
     children = {name for name, _ in model.named_children()}
     assert {r["module_name"].split(".")[0] for r in module} >= children  # not narrowed to fc1
-    messages = [r.getMessage() for r in caplog.records]
     assert any("cannot tell where it began" in m for m in messages if "first non-finite value" in m)
     line = [m for m in messages if "on_anomaly turns on" in m]
     assert len(line) == 1 and "every module" in line[0] and "none of them names the layer" in line[0]
@@ -226,21 +221,7 @@ def test_on_anomaly_auto_watches_every_module_when_every_gradient_went_nan_at_on
 def test_on_anomaly_auto_narrows_to_the_one_nan_parameter_among_all_nan_gradients(tmp_path, caplog):
     # weight_grad and param: every gradient is NaN (no suspect), but param_origin, earlier in
     # the step, has one non-finite row: fc2.weight, which names the layer
-    out = tmp_path / "out"
-    mon = TrainerMonitorV2({"output_dir": str(out),
-                            "monitors": {"weight_grad": {"enabled": True}, "param": {"enabled": True}},
-                            "alert": {"on_anomaly": {"steps": 2, "monitors": {"module": {"targets": "auto"}}}}})
-    model = TinyMLP()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    mon.start(model, opt)
-
-    def inject(step):
-        if step == 4:
-            with torch.no_grad():
-                model.fc2.weight[0, 0] = float("nan")
-
-    with caplog.at_level(logging.WARNING, logger="msprobe.monitor_v2"):
-        train(mon, model, opt, 8, inject)
+    out, _, _ = nan_in_fc2_at_step_4(tmp_path, caplog, ["weight_grad", "param"], 2, 8)
     origin = [r for r in rows_of(out, "param") if int(r["step"]) == 4 and r["scope"] == "param_origin"]
     assert [r["module_name"] for r in origin if r["nans"] != "0"] == ["fc2.weight"]
     module = rows_of(out, "module")
