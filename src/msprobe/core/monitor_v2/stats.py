@@ -36,17 +36,37 @@ def _nan_max(a: float, b: float) -> float:
     return a if a >= b else b
 
 
-@dataclass
 class Stat:
-    """Exact, mergeable summary of one or more tensors."""
+    """Exact, mergeable summary of one or more tensors.
 
-    numel: int
-    min: float
-    max: float
-    total: float
-    sumsq: float
-    nans: int
-    zeros: int = 0
+    A plain class with ``__slots__`` (``dataclass(slots=True)`` needs Python 3.10): every
+    row of a step lives until the step is written, and each object it brings is one more
+    for the garbage collector's full collections to walk."""
+
+    __slots__ = ("numel", "min", "max", "total", "sumsq", "nans", "zeros")
+
+    def __init__(self, numel: int, min: float, max: float, total: float, sumsq: float, nans: int,
+                 zeros: int = 0) -> None:
+        self.numel = numel
+        self.min = min
+        self.max = max
+        self.total = total
+        self.sumsq = sumsq
+        self.nans = nans
+        self.zeros = zeros
+
+    def _fields(self) -> Tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in Stat.__slots__)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return self._fields() == other._fields()  # type: ignore[attr-defined]
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like the dataclass it was
+
+    def __repr__(self) -> str:
+        return "Stat(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in Stat.__slots__) + ")"
 
     @classmethod
     def from_vector(cls, vector: Sequence[float], nans: int, numel: int, zeros: int = 0) -> "Stat":
@@ -58,18 +78,21 @@ class Stat:
                    zeros=int(zeros))
 
     def merge(self, other: "Stat") -> None:
-        if other.numel == 0:
+        self._merge(other.numel, other.min, other.max, other.total, other.sumsq, other.nans, other.zeros)
+
+    def _merge(self, numel: int, mn: float, mx: float, total: float, sumsq: float, nans: int, zeros: int) -> None:
+        if numel == 0:
             return
         if self.numel == 0:
-            self.min, self.max = other.min, other.max
+            self.min, self.max = mn, mx
         else:
-            self.min = _nan_min(self.min, other.min)
-            self.max = _nan_max(self.max, other.max)
-        self.numel += other.numel
-        self.total += other.total
-        self.sumsq += other.sumsq
-        self.nans += other.nans
-        self.zeros += other.zeros
+            self.min = _nan_min(self.min, mn)
+            self.max = _nan_max(self.max, mx)
+        self.numel += numel
+        self.total += total
+        self.sumsq += sumsq
+        self.nans += nans
+        self.zeros += zeros
 
     def value(self, op: str) -> float:
         if op == "nans":
@@ -115,7 +138,6 @@ class StatPlan:
 EMPTY_VECTOR: Tuple[float, ...] = (math.nan, math.nan, 0.0, 0.0)
 
 
-@dataclass
 class Record:
     """One observation of one tensor, before it reaches the host.
 
@@ -126,43 +148,81 @@ class Record:
     the engine said so once); the record is left out of its row.
     """
 
-    vpp_stage: int
-    name: str
-    scope: str
-    micro_step: Optional[int]
-    vector: Any
-    nans: Any
-    numel: int
-    zeros: Any = None  # like ``nans``: None when not asked for
+    __slots__ = ("vpp_stage", "name", "scope", "micro_step", "vector", "nans", "numel", "zeros")
+
+    def __init__(self, vpp_stage: int, name: str, scope: str, micro_step: Optional[int], vector: Any, nans: Any,
+                 numel: int, zeros: Any = None) -> None:  # zeros like ``nans``: None when not asked for
+        self.vpp_stage = vpp_stage
+        self.name = name
+        self.scope = scope
+        self.micro_step = micro_step
+        self.vector = vector
+        self.nans = nans
+        self.numel = numel
+        self.zeros = zeros
 
     @property
     def key(self) -> Tuple[int, str, str, Optional[int]]:
         return (self.vpp_stage, self.name, self.scope, self.micro_step)
 
+    def __repr__(self) -> str:
+        return "Record(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in Record.__slots__) + ")"
 
-@dataclass
-class Row:
-    vpp_stage: int
-    step: int
-    name: str
-    scope: str
-    micro_step: Optional[int]
-    stat: Stat
+
+class Row(Stat):
+    """One CSV row: its key and step, and its merged statistics (the row is its own
+    ``stat``: one object per row instead of two)."""
+
+    __slots__ = ("vpp_stage", "step", "name", "scope", "micro_step")
+
+    def __init__(self, vpp_stage: int, step: int, name: str, scope: str, micro_step: Optional[int],
+                 stat: Stat) -> None:
+        super().__init__(stat.numel, stat.min, stat.max, stat.total, stat.sumsq, stat.nans, stat.zeros)
+        self.vpp_stage = vpp_stage
+        self.step = step
+        self.name = name
+        self.scope = scope
+        self.micro_step = micro_step
+
+    @property
+    def stat(self) -> "Row":
+        return self
+
+    def _fields(self) -> Tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in Row.__slots__) + Stat._fields(self)
+
+    def __repr__(self) -> str:
+        key = ", ".join(f"{n}={getattr(self, n)!r}" for n in Row.__slots__)
+        return f"Row({key}, stat={Stat.__repr__(self)})"
 
 
 def merge_records(step: int, records: Iterable[Record]) -> List[Row]:
     """Merge host records sharing a row key; rows keep the order of first appearance.
     Unobserved records (``vector`` None) are left out: a row of only those is not written."""
     rows: Dict[Tuple[int, str, str, Optional[int]], Row] = {}
+    nan = math.nan
     for rec in records:
-        if rec.vector is None:
+        vector = rec.vector
+        if vector is None:
             continue
-        stat = Stat.from_vector(rec.vector, rec.nans or 0, rec.numel, rec.zeros or 0)
-        row = rows.get(rec.key)
-        if row is None:
-            rows[rec.key] = Row(rec.vpp_stage, step, rec.name, rec.scope, rec.micro_step, stat)
+        nans = int(rec.nans or 0)
+        zeros = int(rec.zeros or 0)
+        norm = vector[NORM]
+        if nans:  # some kernels (MindSpore's CPU min/max) skip NaN; the spec never hides it
+            mn = mx = nan
         else:
-            row.stat.merge(stat)
+            mn, mx = vector[MIN], vector[MAX]
+        key = (rec.vpp_stage, rec.name, rec.scope, rec.micro_step)
+        row = rows.get(key)
+        if row is None:
+            # built field by field: no Stat object per record on the way
+            row = Row.__new__(Row)
+            row.numel, row.min, row.max, row.total, row.sumsq, row.nans, row.zeros = (
+                rec.numel, mn, mx, vector[SUM], norm * norm, nans, zeros)
+            row.vpp_stage, row.step, row.name, row.scope, row.micro_step = key[0], step, key[1], key[2], key[3]
+            rows[key] = row
+        else:
+            row._merge(rec.numel, mn, mx, vector[SUM], norm * norm, nans, zeros)
     return list(rows.values())
 
 
