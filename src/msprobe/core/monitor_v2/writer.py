@@ -21,6 +21,7 @@ import csv
 import functools
 import io
 import logging
+import math
 import os
 import queue
 import threading
@@ -86,6 +87,25 @@ def csv_cell(text: str) -> str:
     return "'" + out if out[:1] in _FORMULA_START else out
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _row_cell(text: str) -> str:
+    """``csv_cell(text)`` as the csv module writes it inside a row (quoted when it holds a
+    comma, a quote or a line break, quotes doubled). The csv module itself writes it, once
+    per name: the rows are joined by hand, and the quoting stays exactly the csv module's.
+    A second, empty cell keeps its rule for a row of one empty cell out of it."""
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerow([csv_cell(text), ""])
+    return buf.getvalue()[:-2]
+
+
+# The statistic cells of a row, by op: one ``str.format`` field each over the arguments
+# (min, max, mean, norm, nans, zeros). ".9g" is ``format_value``'s: nine significant digits,
+# and ``format`` itself writes NaN and infinities as nan, inf and -inf (a NaN of either sign
+# as nan); the counts are ints.
+_STAT_FIELDS = {"min": "{0:.9g}", "max": "{1:.9g}", "mean": "{2:.9g}", "norm": "{3:.9g}",
+                "nans": "{4}", "zeros": "{5}"}
+
+
 def _write_all(fd: int, data: bytes) -> None:
     """The writer's only write to the file system (a full disk shows up here)."""
     view = memoryview(data)
@@ -130,6 +150,10 @@ class MonitorOutput:
         self.ops = tuple(ops)
         self.with_micro_step = with_micro_step
         self.header = header(self.ops, with_micro_step)
+        # the statistic cells of a row, formatted in one call per row (None: an op this
+        # writer has no field for; such rows take format_value, which says which)
+        self.stats_template: Optional[str] = (
+            ",".join(_STAT_FIELDS[op] for op in self.ops) if all(op in _STAT_FIELDS for op in self.ops) else None)
 
 
 class _OpenFile:
@@ -302,6 +326,35 @@ class CsvWriter:
     # ------------------------------------------------------------------ rows
     def _format(self, monitor: str, rows: Sequence[Row], with_header: bool) -> bytes:
         out = self.outputs[monitor]
+        template = out.stats_template
+        if template is None:
+            return self._format_cells(out, rows, with_header)
+        lines: List[str] = []
+        if with_header:
+            buf = io.StringIO()
+            csv.writer(buf, lineterminator="\n").writerow(out.header)
+            lines.append(buf.getvalue())
+        stats = template.format
+        sqrt, nan = math.sqrt, math.nan
+        with_micro_step = out.with_micro_step
+        for row in rows:
+            numel = row.numel
+            # Row.value, inlined: min, max and mean are NaN for an empty row; norm from the
+            # summed squares (sqrt keeps NaN and inf)
+            if numel:
+                cells = stats(row.min, row.max, row.total / numel, sqrt(row.sumsq), row.nans, row.zeros)
+            else:
+                cells = stats(nan, nan, nan, sqrt(row.sumsq), row.nans, row.zeros)
+            if with_micro_step:
+                micro = row.micro_step
+                lines.append(f"{row.vpp_stage},{row.step},{_row_cell(row.name)},{_row_cell(row.scope)},"
+                             f"{'' if micro is None else micro},{cells}\n")
+            else:
+                lines.append(f"{row.vpp_stage},{row.step},{_row_cell(row.name)},{_row_cell(row.scope)},{cells}\n")
+        return "".join(lines).encode("utf-8", errors="backslashreplace")
+
+    def _format_cells(self, out: MonitorOutput, rows: Sequence[Row], with_header: bool) -> bytes:
+        """``_format`` cell by cell through the csv module and ``format_value``."""
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
         if with_header:
