@@ -146,9 +146,13 @@ class Record:
     no NaN (or none was asked for), or an int; ``to_host`` replaces both by host values.
     ``vector`` None: the tensor gave no statistics (a meta tensor, an unsupported layout;
     the engine said so once); the record is left out of its row.
+
+    A host vector handed over as a list is kept as a tuple and reads back as a list: a
+    record lives from its hook to the end of the step, and the garbage collector stops
+    tracking a tuple of floats (a list it walks in every full collection).
     """
 
-    __slots__ = ("vpp_stage", "name", "scope", "micro_step", "vector", "nans", "numel", "zeros")
+    __slots__ = ("vpp_stage", "name", "scope", "micro_step", "_vector", "_listed", "nans", "numel", "zeros")
 
     def __init__(self, vpp_stage: int, name: str, scope: str, micro_step: Optional[int], vector: Any, nans: Any,
                  numel: int, zeros: Any = None) -> None:  # zeros like ``nans``: None when not asked for
@@ -156,17 +160,41 @@ class Record:
         self.name = name
         self.scope = scope
         self.micro_step = micro_step
-        self.vector = vector
+        if type(vector) is list:
+            self._vector, self._listed = tuple(vector), True
+        else:
+            self._vector, self._listed = vector, False
         self.nans = nans
         self.numel = numel
         self.zeros = zeros
+
+    @property
+    def vector(self) -> Any:
+        vector = self._vector
+        return list(vector) if self._listed else vector
+
+    @vector.setter
+    def vector(self, value: Any) -> None:
+        if type(value) is list:
+            self._vector, self._listed = tuple(value), True
+        else:
+            self._vector, self._listed = value, False
+
+    def relabelled(self, vpp_stage: int, name: str, scope: str, micro_step: Optional[int]) -> "Record":
+        """This record's statistics under another row key (a tensor observed twice)."""
+        rec = Record.__new__(Record)
+        rec.vpp_stage, rec.name, rec.scope, rec.micro_step = vpp_stage, name, scope, micro_step
+        rec._vector, rec._listed, rec.nans, rec.numel, rec.zeros = (
+            self._vector, self._listed, self.nans, self.numel, self.zeros)
+        return rec
 
     @property
     def key(self) -> Tuple[int, str, str, Optional[int]]:
         return (self.vpp_stage, self.name, self.scope, self.micro_step)
 
     def __repr__(self) -> str:
-        return "Record(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in Record.__slots__) + ")"
+        fields = ("vpp_stage", "name", "scope", "micro_step", "vector", "nans", "numel", "zeros")
+        return "Record(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in fields) + ")"
 
 
 class Row(Stat):
@@ -202,7 +230,7 @@ def merge_records(step: int, records: Iterable[Record]) -> List[Row]:
     rows: Dict[Tuple[int, str, str, Optional[int]], Row] = {}
     nan = math.nan
     for rec in records:
-        vector = rec.vector
+        vector = rec._vector  # as stored: no list built per record
         if vector is None:
             continue
         nans = int(rec.nans or 0)
