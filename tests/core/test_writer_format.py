@@ -44,7 +44,8 @@ def test_joined_rows_are_the_csv_modules_bytes(tmp_path, ops, with_micro_step):
     for seed in range(5):
         rows = _rows(seed, 200)
         for with_header in (True, False):
-            assert writer._format(out.name, rows, with_header) == writer._format_cells(out, rows, with_header)
+            assert writer._format(out.name, 12, [r.fields() for r in rows], with_header) == \
+                writer._format_cells(out, rows, with_header)
     writer.close()
 
 
@@ -52,7 +53,7 @@ def test_hostile_names_read_back_as_one_cell_each(tmp_path):
     out = MonitorOutput("param", DEFAULT_OPS, False)
     writer = CsvWriter(str(tmp_path / "rank_0"), StepSchedule(), [out])
     rows = [Row(0, 1, name, "param", None, Stat(1, 1.0, 1.0, 1.0, 1.0, 0)) for name in HOSTILE_NAMES]
-    text = writer._format("param", rows, True).decode("utf-8")
+    text = writer._format("param", 1, [r.fields() for r in rows], True).decode("utf-8")
     parsed = list(csv.reader(io.StringIO(text)))
     assert len(parsed) == len(rows) + 1  # every row on one line
     assert all(len(cells) == 4 + len(DEFAULT_OPS) for cells in parsed)

@@ -224,10 +224,29 @@ class Row(Stat):
         return f"Row({key}, stat={Stat.__repr__(self)})"
 
 
-def merge_records(step: int, records: Iterable[Record]) -> List[Row]:
-    """Merge host records sharing a row key; rows keep the order of first appearance.
-    Unobserved records (``vector`` None) are left out: a row of only those is not written."""
-    rows: Dict[Tuple[int, str, str, Optional[int]], Row] = {}
+    @classmethod
+    def from_fields(cls, step: int, fields: "RowFields") -> "Row":
+        row = cls.__new__(cls)
+        (row.vpp_stage, row.name, row.scope, row.micro_step,
+         row.numel, row.min, row.max, row.total, row.sumsq, row.nans, row.zeros) = fields
+        row.step = step
+        return row
+
+    def fields(self) -> "RowFields":
+        return (self.vpp_stage, self.name, self.scope, self.micro_step,
+                self.numel, self.min, self.max, self.total, self.sumsq, self.nans, self.zeros)
+
+
+# A merged row as a plain tuple: (vpp_stage, name, scope, micro_step, numel, min, max,
+# total, sumsq, nans, zeros). The garbage collector stops tracking a tuple of strings and
+# numbers at its first collection; the writer formats these, and builds ``Row`` objects
+# only for the alerter and the sinks.
+RowFields = Tuple[int, str, str, Optional[int], int, float, float, float, float, int, int]
+
+
+def merge_fields(records: Iterable[Record]) -> List[RowFields]:
+    """``merge_records`` without the step, each row a ``RowFields`` tuple."""
+    rows: Dict[Tuple[int, str, str, Optional[int]], RowFields] = {}
     nan = math.nan
     for rec in records:
         vector = rec._vector  # as stored: no list built per record
@@ -240,18 +259,25 @@ def merge_records(step: int, records: Iterable[Record]) -> List[Row]:
             mn = mx = nan
         else:
             mn, mx = vector[MIN], vector[MAX]
+        numel = rec.numel
         key = (rec.vpp_stage, rec.name, rec.scope, rec.micro_step)
         row = rows.get(key)
         if row is None:
-            # built field by field: no Stat object per record on the way
-            row = Row.__new__(Row)
-            row.numel, row.min, row.max, row.total, row.sumsq, row.nans, row.zeros = (
-                rec.numel, mn, mx, vector[SUM], norm * norm, nans, zeros)
-            row.vpp_stage, row.step, row.name, row.scope, row.micro_step = key[0], step, key[1], key[2], key[3]
-            rows[key] = row
-        else:
-            row._merge(rec.numel, mn, mx, vector[SUM], norm * norm, nans, zeros)
+            rows[key] = key + (numel, mn, mx, vector[SUM], norm * norm, nans, zeros)
+        elif numel:  # Stat.merge, on the tuple
+            if row[4] == 0:
+                merged_min, merged_max = mn, mx
+            else:
+                merged_min, merged_max = _nan_min(row[5], mn), _nan_max(row[6], mx)
+            rows[key] = key + (row[4] + numel, merged_min, merged_max, row[7] + vector[SUM],
+                               row[8] + norm * norm, row[9] + nans, row[10] + zeros)
     return list(rows.values())
+
+
+def merge_records(step: int, records: Iterable[Record]) -> List[Row]:
+    """Merge host records sharing a row key; rows keep the order of first appearance.
+    Unobserved records (``vector`` None) are left out: a row of only those is not written."""
+    return [Row.from_fields(step, fields) for fields in merge_fields(records)]
 
 
 def format_value(op: str, value: float) -> str:

@@ -34,7 +34,7 @@ from .errors import OutputError, UnsafePathError
 from .logonce import LogOnce
 from .rows import file_name, header
 from .schedule import StepSchedule
-from .stats import Record, Row, format_value, merge_records
+from .stats import Record, Row, RowFields, format_value, merge_fields
 
 if TYPE_CHECKING:
     from .sinks import SinkHub
@@ -324,11 +324,11 @@ class CsvWriter:
                            path, expected)
 
     # ------------------------------------------------------------------ rows
-    def _format(self, monitor: str, rows: Sequence[Row], with_header: bool) -> bytes:
+    def _format(self, monitor: str, step: int, rows: Sequence[RowFields], with_header: bool) -> bytes:
         out = self.outputs[monitor]
         template = out.stats_template
         if template is None:
-            return self._format_cells(out, rows, with_header)
+            return self._format_cells(out, [Row.from_fields(step, row) for row in rows], with_header)
         lines: List[str] = []
         if with_header:
             buf = io.StringIO()
@@ -337,20 +337,18 @@ class CsvWriter:
         stats = template.format
         sqrt, nan = math.sqrt, math.nan
         with_micro_step = out.with_micro_step
-        for row in rows:
-            numel = row.numel
+        for vpp_stage, name, scope, micro, numel, mn, mx, total, sumsq, nans, zeros in rows:
             # Row.value, inlined: min, max and mean are NaN for an empty row; norm from the
             # summed squares (sqrt keeps NaN and inf)
             if numel:
-                cells = stats(row.min, row.max, row.total / numel, sqrt(row.sumsq), row.nans, row.zeros)
+                cells = stats(mn, mx, total / numel, sqrt(sumsq), nans, zeros)
             else:
-                cells = stats(nan, nan, nan, sqrt(row.sumsq), row.nans, row.zeros)
+                cells = stats(nan, nan, nan, sqrt(sumsq), nans, zeros)
             if with_micro_step:
-                micro = row.micro_step
-                lines.append(f"{row.vpp_stage},{row.step},{_row_cell(row.name)},{_row_cell(row.scope)},"
+                lines.append(f"{vpp_stage},{step},{_row_cell(name)},{_row_cell(scope)},"
                              f"{'' if micro is None else micro},{cells}\n")
             else:
-                lines.append(f"{row.vpp_stage},{row.step},{_row_cell(row.name)},{_row_cell(row.scope)},{cells}\n")
+                lines.append(f"{vpp_stage},{step},{_row_cell(name)},{_row_cell(scope)},{cells}\n")
         return "".join(lines).encode("utf-8", errors="backslashreplace")
 
     def _format_cells(self, out: MonitorOutput, rows: Sequence[Row], with_header: bool) -> bytes:
@@ -367,13 +365,13 @@ class CsvWriter:
             writer.writerow(cells)
         return buf.getvalue().encode("utf-8", errors="backslashreplace")
 
-    def write_rows(self, monitor: str, step: int, rows: Sequence[Row]) -> None:
+    def write_rows(self, monitor: str, step: int, rows: Sequence[RowFields]) -> None:
         """Append ``rows`` in one write; on failure the file is left as it was (a new file
         is removed again) and the error is raised."""
         if not rows:
             return
         opened, new = self._open(monitor, step)
-        data = self._format(monitor, rows, new)
+        data = self._format(monitor, step, rows, new)
         before = 0 if new else os.fstat(opened.fd).st_size
         try:
             _write_all(opened.fd, data)
@@ -398,7 +396,11 @@ class CsvWriter:
     def write_step(self, step: int, records: Dict[str, List[Record]]) -> None:
         """Records carry host vectors; merge them into rows and write each monitor's file.
         Never raises for an output problem: it is logged and counted (see ``close``)."""
-        merged = [(monitor, merge_records(step, recs)) for monitor, recs in records.items()]
+        # rows as plain tuples: only the alerter and the sinks need Row objects
+        fields = [(monitor, merge_fields(recs)) for monitor, recs in records.items()]
+        merged: List[Tuple[str, List[Row]]] = []
+        if self.alerter is not None or self.sinks is not None:
+            merged = [(monitor, [Row.from_fields(step, row) for row in rows]) for monitor, rows in fields]
         if self.alerter is not None:
             try:
                 self.alerter.check_step(step, merged)
@@ -409,8 +411,9 @@ class CsvWriter:
                 self.sinks.send(step, merged)
             except Exception as exc:  # noqa: BLE001 - a dashboard must never cost the rows
                 logger.error("monitor_v2: handing step %s to the sinks failed: %r", step, exc)
+        del merged
         failure: Optional[BaseException] = None
-        for monitor, rows in merged:
+        for monitor, rows in fields:
             try:
                 self.write_rows(monitor, step, rows)
                 if rows:
