@@ -36,17 +36,37 @@ def _nan_max(a: float, b: float) -> float:
     return a if a >= b else b
 
 
-@dataclass
 class Stat:
-    """Exact, mergeable summary of one or more tensors."""
+    """Exact, mergeable summary of one or more tensors.
 
-    numel: int
-    min: float
-    max: float
-    total: float
-    sumsq: float
-    nans: int
-    zeros: int = 0
+    A plain class with ``__slots__`` (``dataclass(slots=True)`` needs Python 3.10): every
+    row of a step lives until the step is written, and each object it brings is one more
+    for the garbage collector's full collections to walk."""
+
+    __slots__ = ("numel", "min", "max", "total", "sumsq", "nans", "zeros")
+
+    def __init__(self, numel: int, min: float, max: float, total: float, sumsq: float, nans: int,
+                 zeros: int = 0) -> None:
+        self.numel = numel
+        self.min = min
+        self.max = max
+        self.total = total
+        self.sumsq = sumsq
+        self.nans = nans
+        self.zeros = zeros
+
+    def _fields(self) -> Tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in Stat.__slots__)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return self._fields() == other._fields()  # type: ignore[attr-defined]
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like the dataclass it was
+
+    def __repr__(self) -> str:
+        return "Stat(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in Stat.__slots__) + ")"
 
     @classmethod
     def from_vector(cls, vector: Sequence[float], nans: int, numel: int, zeros: int = 0) -> "Stat":
@@ -58,18 +78,21 @@ class Stat:
                    zeros=int(zeros))
 
     def merge(self, other: "Stat") -> None:
-        if other.numel == 0:
+        self._merge(other.numel, other.min, other.max, other.total, other.sumsq, other.nans, other.zeros)
+
+    def _merge(self, numel: int, mn: float, mx: float, total: float, sumsq: float, nans: int, zeros: int) -> None:
+        if numel == 0:
             return
         if self.numel == 0:
-            self.min, self.max = other.min, other.max
+            self.min, self.max = mn, mx
         else:
-            self.min = _nan_min(self.min, other.min)
-            self.max = _nan_max(self.max, other.max)
-        self.numel += other.numel
-        self.total += other.total
-        self.sumsq += other.sumsq
-        self.nans += other.nans
-        self.zeros += other.zeros
+            self.min = _nan_min(self.min, mn)
+            self.max = _nan_max(self.max, mx)
+        self.numel += numel
+        self.total += total
+        self.sumsq += sumsq
+        self.nans += nans
+        self.zeros += zeros
 
     def value(self, op: str) -> float:
         if op == "nans":
@@ -115,7 +138,6 @@ class StatPlan:
 EMPTY_VECTOR: Tuple[float, ...] = (math.nan, math.nan, 0.0, 0.0)
 
 
-@dataclass
 class Record:
     """One observation of one tensor, before it reaches the host.
 
@@ -124,46 +146,138 @@ class Record:
     no NaN (or none was asked for), or an int; ``to_host`` replaces both by host values.
     ``vector`` None: the tensor gave no statistics (a meta tensor, an unsupported layout;
     the engine said so once); the record is left out of its row.
+
+    A host vector handed over as a list is kept as a tuple and reads back as a list: a
+    record lives from its hook to the end of the step, and the garbage collector stops
+    tracking a tuple of floats (a list it walks in every full collection).
     """
 
-    vpp_stage: int
-    name: str
-    scope: str
-    micro_step: Optional[int]
-    vector: Any
-    nans: Any
-    numel: int
-    zeros: Any = None  # like ``nans``: None when not asked for
+    __slots__ = ("vpp_stage", "name", "scope", "micro_step", "_vector", "_listed", "nans", "numel", "zeros")
+
+    def __init__(self, vpp_stage: int, name: str, scope: str, micro_step: Optional[int], vector: Any, nans: Any,
+                 numel: int, zeros: Any = None) -> None:  # zeros like ``nans``: None when not asked for
+        self.vpp_stage = vpp_stage
+        self.name = name
+        self.scope = scope
+        self.micro_step = micro_step
+        if type(vector) is list:
+            self._vector, self._listed = tuple(vector), True
+        else:
+            self._vector, self._listed = vector, False
+        self.nans = nans
+        self.numel = numel
+        self.zeros = zeros
+
+    @property
+    def vector(self) -> Any:
+        vector = self._vector
+        return list(vector) if self._listed else vector
+
+    @vector.setter
+    def vector(self, value: Any) -> None:
+        if type(value) is list:
+            self._vector, self._listed = tuple(value), True
+        else:
+            self._vector, self._listed = value, False
+
+    def relabelled(self, vpp_stage: int, name: str, scope: str, micro_step: Optional[int]) -> "Record":
+        """This record's statistics under another row key (a tensor observed twice)."""
+        rec = Record.__new__(Record)
+        rec.vpp_stage, rec.name, rec.scope, rec.micro_step = vpp_stage, name, scope, micro_step
+        rec._vector, rec._listed, rec.nans, rec.numel, rec.zeros = (
+            self._vector, self._listed, self.nans, self.numel, self.zeros)
+        return rec
 
     @property
     def key(self) -> Tuple[int, str, str, Optional[int]]:
         return (self.vpp_stage, self.name, self.scope, self.micro_step)
 
+    def __repr__(self) -> str:
+        fields = ("vpp_stage", "name", "scope", "micro_step", "vector", "nans", "numel", "zeros")
+        return "Record(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in fields) + ")"
 
-@dataclass
-class Row:
-    vpp_stage: int
-    step: int
-    name: str
-    scope: str
-    micro_step: Optional[int]
-    stat: Stat
+
+class Row(Stat):
+    """One CSV row: its key and step, and its merged statistics (the row is its own
+    ``stat``: one object per row instead of two)."""
+
+    __slots__ = ("vpp_stage", "step", "name", "scope", "micro_step")
+
+    def __init__(self, vpp_stage: int, step: int, name: str, scope: str, micro_step: Optional[int],
+                 stat: Stat) -> None:
+        super().__init__(stat.numel, stat.min, stat.max, stat.total, stat.sumsq, stat.nans, stat.zeros)
+        self.vpp_stage = vpp_stage
+        self.step = step
+        self.name = name
+        self.scope = scope
+        self.micro_step = micro_step
+
+    @property
+    def stat(self) -> "Row":
+        return self
+
+    def _fields(self) -> Tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in Row.__slots__) + Stat._fields(self)
+
+    def __repr__(self) -> str:
+        key = ", ".join(f"{n}={getattr(self, n)!r}" for n in Row.__slots__)
+        return f"Row({key}, stat={Stat.__repr__(self)})"
+
+
+    @classmethod
+    def from_fields(cls, step: int, fields: "RowFields") -> "Row":
+        row = cls.__new__(cls)
+        (row.vpp_stage, row.name, row.scope, row.micro_step,
+         row.numel, row.min, row.max, row.total, row.sumsq, row.nans, row.zeros) = fields
+        row.step = step
+        return row
+
+    def fields(self) -> "RowFields":
+        return (self.vpp_stage, self.name, self.scope, self.micro_step,
+                self.numel, self.min, self.max, self.total, self.sumsq, self.nans, self.zeros)
+
+
+# A merged row as a plain tuple: (vpp_stage, name, scope, micro_step, numel, min, max,
+# total, sumsq, nans, zeros). The garbage collector stops tracking a tuple of strings and
+# numbers at its first collection; the writer formats these, and builds ``Row`` objects
+# only for the alerter and the sinks.
+RowFields = Tuple[int, str, str, Optional[int], int, float, float, float, float, int, int]
+
+
+def merge_fields(records: Iterable[Record]) -> List[RowFields]:
+    """``merge_records`` without the step, each row a ``RowFields`` tuple."""
+    rows: Dict[Tuple[int, str, str, Optional[int]], RowFields] = {}
+    nan = math.nan
+    for rec in records:
+        vector = rec._vector  # as stored: no list built per record
+        if vector is None:
+            continue
+        nans = int(rec.nans or 0)
+        zeros = int(rec.zeros or 0)
+        norm = vector[NORM]
+        if nans:  # some kernels (MindSpore's CPU min/max) skip NaN; the spec never hides it
+            mn = mx = nan
+        else:
+            mn, mx = vector[MIN], vector[MAX]
+        numel = rec.numel
+        key = (rec.vpp_stage, rec.name, rec.scope, rec.micro_step)
+        row = rows.get(key)
+        if row is None:
+            rows[key] = key + (numel, mn, mx, vector[SUM], norm * norm, nans, zeros)
+        elif numel:  # Stat.merge, on the tuple
+            if row[4] == 0:
+                merged_min, merged_max = mn, mx
+            else:
+                merged_min, merged_max = _nan_min(row[5], mn), _nan_max(row[6], mx)
+            rows[key] = key + (row[4] + numel, merged_min, merged_max, row[7] + vector[SUM],
+                               row[8] + norm * norm, row[9] + nans, row[10] + zeros)
+    return list(rows.values())
 
 
 def merge_records(step: int, records: Iterable[Record]) -> List[Row]:
     """Merge host records sharing a row key; rows keep the order of first appearance.
     Unobserved records (``vector`` None) are left out: a row of only those is not written."""
-    rows: Dict[Tuple[int, str, str, Optional[int]], Row] = {}
-    for rec in records:
-        if rec.vector is None:
-            continue
-        stat = Stat.from_vector(rec.vector, rec.nans or 0, rec.numel, rec.zeros or 0)
-        row = rows.get(rec.key)
-        if row is None:
-            rows[rec.key] = Row(rec.vpp_stage, step, rec.name, rec.scope, rec.micro_step, stat)
-        else:
-            row.stat.merge(stat)
-    return list(rows.values())
+    return [Row.from_fields(step, fields) for fields in merge_fields(records)]
 
 
 def format_value(op: str, value: float) -> str:

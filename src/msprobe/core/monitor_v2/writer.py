@@ -21,6 +21,7 @@ import csv
 import functools
 import io
 import logging
+import math
 import os
 import queue
 import threading
@@ -33,7 +34,7 @@ from .errors import OutputError, UnsafePathError
 from .logonce import LogOnce
 from .rows import file_name, header
 from .schedule import StepSchedule
-from .stats import Record, Row, format_value, merge_records
+from .stats import Record, Row, RowFields, format_value, merge_fields
 
 if TYPE_CHECKING:
     from .sinks import SinkHub
@@ -86,6 +87,25 @@ def csv_cell(text: str) -> str:
     return "'" + out if out[:1] in _FORMULA_START else out
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _row_cell(text: str) -> str:
+    """``csv_cell(text)`` as the csv module writes it inside a row (quoted when it holds a
+    comma, a quote or a line break, quotes doubled). The csv module itself writes it, once
+    per name: the rows are joined by hand, and the quoting stays exactly the csv module's.
+    A second, empty cell keeps its rule for a row of one empty cell out of it."""
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerow([csv_cell(text), ""])
+    return buf.getvalue()[:-2]
+
+
+# The statistic cells of a row, by op: one ``str.format`` field each over the arguments
+# (min, max, mean, norm, nans, zeros). ".9g" is ``format_value``'s: nine significant digits,
+# and ``format`` itself writes NaN and infinities as nan, inf and -inf (a NaN of either sign
+# as nan); the counts are ints.
+_STAT_FIELDS = {"min": "{0:.9g}", "max": "{1:.9g}", "mean": "{2:.9g}", "norm": "{3:.9g}",
+                "nans": "{4}", "zeros": "{5}"}
+
+
 def _write_all(fd: int, data: bytes) -> None:
     """The writer's only write to the file system (a full disk shows up here)."""
     view = memoryview(data)
@@ -130,6 +150,10 @@ class MonitorOutput:
         self.ops = tuple(ops)
         self.with_micro_step = with_micro_step
         self.header = header(self.ops, with_micro_step)
+        # the statistic cells of a row, formatted in one call per row (None: an op this
+        # writer has no field for; such rows take format_value, which says which)
+        self.stats_template: Optional[str] = (
+            ",".join(_STAT_FIELDS[op] for op in self.ops) if all(op in _STAT_FIELDS for op in self.ops) else None)
 
 
 class _OpenFile:
@@ -300,8 +324,35 @@ class CsvWriter:
                            path, expected)
 
     # ------------------------------------------------------------------ rows
-    def _format(self, monitor: str, rows: Sequence[Row], with_header: bool) -> bytes:
+    def _format(self, monitor: str, step: int, rows: Sequence[RowFields], with_header: bool) -> bytes:
         out = self.outputs[monitor]
+        template = out.stats_template
+        if template is None:
+            return self._format_cells(out, [Row.from_fields(step, row) for row in rows], with_header)
+        lines: List[str] = []
+        if with_header:
+            buf = io.StringIO()
+            csv.writer(buf, lineterminator="\n").writerow(out.header)
+            lines.append(buf.getvalue())
+        stats = template.format
+        sqrt, nan = math.sqrt, math.nan
+        with_micro_step = out.with_micro_step
+        for vpp_stage, name, scope, micro, numel, mn, mx, total, sumsq, nans, zeros in rows:
+            # Row.value, inlined: min, max and mean are NaN for an empty row; norm from the
+            # summed squares (sqrt keeps NaN and inf)
+            if numel:
+                cells = stats(mn, mx, total / numel, sqrt(sumsq), nans, zeros)
+            else:
+                cells = stats(nan, nan, nan, sqrt(sumsq), nans, zeros)
+            if with_micro_step:
+                lines.append(f"{vpp_stage},{step},{_row_cell(name)},{_row_cell(scope)},"
+                             f"{'' if micro is None else micro},{cells}\n")
+            else:
+                lines.append(f"{vpp_stage},{step},{_row_cell(name)},{_row_cell(scope)},{cells}\n")
+        return "".join(lines).encode("utf-8", errors="backslashreplace")
+
+    def _format_cells(self, out: MonitorOutput, rows: Sequence[Row], with_header: bool) -> bytes:
+        """``_format`` cell by cell through the csv module and ``format_value``."""
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
         if with_header:
@@ -314,13 +365,13 @@ class CsvWriter:
             writer.writerow(cells)
         return buf.getvalue().encode("utf-8", errors="backslashreplace")
 
-    def write_rows(self, monitor: str, step: int, rows: Sequence[Row]) -> None:
+    def write_rows(self, monitor: str, step: int, rows: Sequence[RowFields]) -> None:
         """Append ``rows`` in one write; on failure the file is left as it was (a new file
         is removed again) and the error is raised."""
         if not rows:
             return
         opened, new = self._open(monitor, step)
-        data = self._format(monitor, rows, new)
+        data = self._format(monitor, step, rows, new)
         before = 0 if new else os.fstat(opened.fd).st_size
         try:
             _write_all(opened.fd, data)
@@ -345,7 +396,11 @@ class CsvWriter:
     def write_step(self, step: int, records: Dict[str, List[Record]]) -> None:
         """Records carry host vectors; merge them into rows and write each monitor's file.
         Never raises for an output problem: it is logged and counted (see ``close``)."""
-        merged = [(monitor, merge_records(step, recs)) for monitor, recs in records.items()]
+        # rows as plain tuples: only the alerter and the sinks need Row objects
+        fields = [(monitor, merge_fields(recs)) for monitor, recs in records.items()]
+        merged: List[Tuple[str, List[Row]]] = []
+        if self.alerter is not None or self.sinks is not None:
+            merged = [(monitor, [Row.from_fields(step, row) for row in rows]) for monitor, rows in fields]
         if self.alerter is not None:
             try:
                 self.alerter.check_step(step, merged)
@@ -356,8 +411,9 @@ class CsvWriter:
                 self.sinks.send(step, merged)
             except Exception as exc:  # noqa: BLE001 - a dashboard must never cost the rows
                 logger.error("monitor_v2: handing step %s to the sinks failed: %r", step, exc)
+        del merged
         failure: Optional[BaseException] = None
-        for monitor, rows in merged:
+        for monitor, rows in fields:
             try:
                 self.write_rows(monitor, step, rows)
                 if rows:

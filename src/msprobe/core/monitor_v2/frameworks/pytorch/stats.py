@@ -195,7 +195,7 @@ class TorchStatsEngine:
         # new tensor that reuses a dead one's id, is computed again. Collectives write
         # into tensors from C++ without moving the version counter, so the cc monitor
         # clears the cache after each of them (``forget``). Cleared at every step end.
-        self._seen: Dict[Tuple[int, StatPlan], Tuple["weakref.ref", int, Any, Any, int]] = {}
+        self._seen: Dict[Tuple[int, StatPlan], Tuple["weakref.ref", int, Record]] = {}
         # The same memory also comes back through other tensor objects: in backward,
         # autograd hands a module's output gradient on as a view of another shape (the
         # gradient of a 3-D Linear output is reshaped to 2-D for the matmul). A view
@@ -204,7 +204,7 @@ class TorchStatsEngine:
         # tensor first seen is alive (so the memory cannot have been freed and reused)
         # and neither it nor the new view has been modified since. With ``module`` on
         # every module of the benchmark's model this reads 12 % fewer elements per step.
-        self._seen_memory: Dict[Tuple[int, int, torch.dtype, StatPlan], Tuple["weakref.ref", int, Any, Any, int]] = {}
+        self._seen_memory: Dict[Tuple[int, int, torch.dtype, StatPlan], Tuple["weakref.ref", int, Record]] = {}
         self._unobserved = LogOnce()
 
     def _zero(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -354,24 +354,26 @@ class TorchStatsEngine:
             key = (id(t), plan)
             seen = self._seen.get(key)
             if seen is not None and seen[0]() is t and seen[1] == t._version:
-                return Record(vpp_stage, name, scope, micro_step, *seen[2:])
+                return seen[2].relabelled(vpp_stage, name, scope, micro_step)
             memory_key = _memory_key(t, plan)
             seen = self._seen_memory.get(memory_key) if memory_key is not None else None
             if seen is not None:
                 first = seen[0]()
                 if (first is not None and seen[1] == first._version == t._version
                         and first.data_ptr() == memory_key[0]):
-                    return Record(vpp_stage, name, scope, micro_step, *seen[2:])
+                    return seen[2].relabelled(vpp_stage, name, scope, micro_step)
         vector, nans, numel, zeros = self._compute(t, plan, name)
+        rec = Record(vpp_stage, name, scope, micro_step, vector, nans, numel, zeros)
         if cacheable and numel:
+            # the cache keeps the first record: its statistics, not a second copy of them
             try:
-                entry = (weakref.ref(t), t._version, vector, nans, numel, zeros)
+                entry = (weakref.ref(t), t._version, rec)
             except TypeError:  # a tensor subclass without weak references: no caching
-                return Record(vpp_stage, name, scope, micro_step, vector, nans, numel, zeros)
+                return rec
             self._seen[key] = entry
             if memory_key is not None:
                 self._seen_memory[memory_key] = entry
-        return Record(vpp_stage, name, scope, micro_step, vector, nans, numel, zeros)
+        return rec
 
     def _compute(self, t: torch.Tensor, plan: StatPlan, name: str = "") -> Tuple[Any, Any, int, Any]:
         """``(vector, nans, numel, zeros)`` of one tensor: the one-pass kernel where it

@@ -1,0 +1,63 @@
+"""The writer joins a row's cells by hand (one ``str.format`` per row for the statistics,
+the csv module only for each distinct name): every byte must be what the csv module and
+``format_value`` write cell by cell, for hostile names (commas, quotes, line breaks,
+formula starts, empty) and awkward values (NaN, infinities, -0.0, empty rows)."""
+
+import csv
+import io
+import math
+import random
+
+import pytest
+
+from msprobe.core.monitor_v2.rows import ALL_OPS, DEFAULT_OPS
+from msprobe.core.monitor_v2.schedule import StepSchedule
+from msprobe.core.monitor_v2.stats import Row, Stat
+from msprobe.core.monitor_v2.writer import CsvWriter, MonitorOutput
+
+HOSTILE_NAMES = [
+    "layers.0.weight", "a,b", 'say "hi"', '"', ",", '",', "", " lead and trail ", "=SUM(A1)", "+1", "-x",
+    "@at", "'quoted", "new\nline", "cr\rhere", "tab\there", "uni\u2028sep", "汉字,名字", "x" * 300,
+]
+VALUES = [0.0, -0.0, 1.0, -1.5, 1e-45, 3.4028234663852886e38, 0.1, 123456789.0, 1.23456789e-7,
+          math.nan, -math.nan, math.inf, -math.inf]
+
+
+def _rows(seed: int, n: int):
+    rnd = random.Random(seed)
+    rows = []
+    for i in range(n):
+        numel = rnd.choice([0, 1, 7, 1 << 20])
+        stat = Stat(numel, rnd.choice(VALUES), rnd.choice(VALUES), rnd.choice(VALUES),
+                    rnd.choice([0.0, 1e-90, 2.25, 2.5e10, math.nan, math.inf]), rnd.choice([0, 3]), rnd.choice([0, 11]))
+        rows.append(Row(rnd.choice([0, 1]), 12, rnd.choice(HOSTILE_NAMES), rnd.choice(HOSTILE_NAMES + ["param"]),
+                        rnd.choice([None, 0, 4]), stat))
+    return rows
+
+
+
+@pytest.mark.parametrize("ops", [DEFAULT_OPS, ALL_OPS, ("norm",), ("zeros", "mean"), ("nans", "max", "min")])
+@pytest.mark.parametrize("with_micro_step", [False, True])
+def test_joined_rows_are_the_csv_modules_bytes(tmp_path, ops, with_micro_step):
+    out = MonitorOutput("weight_grad" if with_micro_step else "param", ops, with_micro_step)
+    writer = CsvWriter(str(tmp_path / "rank_0"), StepSchedule(), [out])
+    for seed in range(5):
+        rows = _rows(seed, 200)
+        for with_header in (True, False):
+            assert writer._format(out.name, 12, [r.fields() for r in rows], with_header) == \
+                writer._format_cells(out, rows, with_header)
+    writer.close()
+
+
+def test_hostile_names_read_back_as_one_cell_each(tmp_path):
+    out = MonitorOutput("param", DEFAULT_OPS, False)
+    writer = CsvWriter(str(tmp_path / "rank_0"), StepSchedule(), [out])
+    rows = [Row(0, 1, name, "param", None, Stat(1, 1.0, 1.0, 1.0, 1.0, 0)) for name in HOSTILE_NAMES]
+    text = writer._format("param", 1, [r.fields() for r in rows], True).decode("utf-8")
+    parsed = list(csv.reader(io.StringIO(text)))
+    assert len(parsed) == len(rows) + 1  # every row on one line
+    assert all(len(cells) == 4 + len(DEFAULT_OPS) for cells in parsed)
+    assert parsed[1 + HOSTILE_NAMES.index("a,b")][2] == "a,b"
+    assert parsed[1 + HOSTILE_NAMES.index('say "hi"')][2] == 'say "hi"'
+    assert '"a,b"' in text and '"say ""hi"""' in text
+    writer.close()
