@@ -122,6 +122,45 @@ class _Pass(threading.local):
     internal = 0
 
 
+class _Names:
+    """One module's row names and error sites, formatted once at attach time (or at a
+    name's first use) instead of on every call: the hooks run for every module on
+    every written step."""
+
+    __slots__ = ("tag", "input_prefix", "output_prefix", "output_0", "grad_output_prefix",
+                 "_inputs", "_grad_outputs", "_grad_inputs", "grad_output_site", "grad_input_site")
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+        self.input_prefix = rows.module_prefix(tag, rows.INPUT)
+        self.output_prefix = rows.module_prefix(tag, rows.OUTPUT)
+        self.output_0 = rows.module_row(tag, rows.OUTPUT, 0)
+        self.grad_output_prefix = rows.module_prefix(tag, rows.GRAD_OUTPUT)
+        self._inputs: List[str] = []
+        self._grad_outputs: Dict[str, str] = {}
+        self._grad_inputs: List[str] = []
+        self.grad_output_site = f"module grad_output hook of {tag}"
+        self.grad_input_site = f"module grad_input hook of {tag}"
+
+    def input(self, i: int) -> str:
+        names = self._inputs
+        while len(names) <= i:
+            names.append(rows.module_row(self.tag, rows.INPUT, len(names)))
+        return names[i]
+
+    def grad_input(self, i: int) -> str:
+        names = self._grad_inputs
+        while len(names) <= i:
+            names.append(rows.module_row(self.tag, rows.GRAD_INPUT, len(names)))
+        return names[i]
+
+    def grad_output(self, suffix: str) -> str:
+        name = self._grad_outputs.get(suffix)
+        if name is None:
+            name = self._grad_outputs[suffix] = rows.module_row(self.tag, rows.GRAD_OUTPUT, suffix)
+        return name
+
+
 class _GradInputSum:
     """Collects the contributions of several graph edges to one input's gradient."""
 
@@ -196,15 +235,17 @@ class ModuleMonitor(Monitor):
         return rows.EVAL_FORWARD if evaluation else rows.FORWARD
 
     def _hook(self, module: torch.nn.Module, vpp: int, tag: str) -> None:
+        names = _Names(tag)
+
         def pre_hook(mod: torch.nn.Module, args: Tuple, kwargs: Dict) -> None:
             if self.active and not self._pass.internal:
-                self._before_forward(mod, vpp, tag, args, kwargs)
+                self._before_forward(mod, vpp, names, args, kwargs)
 
         # always_call: the post-hook also runs when forward raises (non-reentrant
         # checkpointing stops its recomputation that way), so the call state is dropped.
         def post_hook(mod: torch.nn.Module, args: Tuple, kwargs: Dict, output: Any) -> None:
             if self.active and not self._pass.internal:
-                self._after_forward(mod, vpp, tag, output)
+                self._after_forward(mod, vpp, names, output)
 
         self._hooks.forward_pre(module, eager_hook(self.errors.wrap(f"module forward pre-hook of {tag}", pre_hook)),
                                 with_kwargs=True)
@@ -212,41 +253,51 @@ class ModuleMonitor(Monitor):
                             with_kwargs=True, always_call=True)
 
     # ------------------------------------------------------------------ forward
-    def _before_forward(self, module: torch.nn.Module, vpp: int, tag: str, args: Tuple, kwargs: Dict) -> None:
-        inputs = flatten_tensors((args, kwargs), _is_tensor, rows.module_prefix(tag, rows.INPUT))
-        recompute = _in_backward()
+    def _before_forward(self, module: torch.nn.Module, vpp: int, names: _Names, args: Tuple, kwargs: Dict) -> None:
+        if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+            inputs: List[Any] = [args[0]]  # the common call, without the general walk
+        else:
+            inputs = flatten_tensors((args, kwargs), _is_tensor, names.input_prefix)
         scope = self._forward_scope(vpp)
-        if not recompute:
+        if not _in_backward():
             engine = self.session.engine
+            plan = self.plan
+            records = self._records
             for i, t in enumerate(inputs):
-                self._records.append(engine.record(t, self.plan, vpp, rows.module_row(tag, rows.INPUT, i), scope, cache=True))
+                records.append(engine.record(t, plan, vpp, names.input(i), scope, cache=True))
         # Nodes created from here on belong to this call; grad_input needs the inputs'
         # producers as they are now, before any in-place op inside the module.
         boundary = _get_sequence_nr() if _get_sequence_nr is not None else -1
         producers = [_grad_edges(t) if t.grad_fn is not None else t for t in inputs]
         self._calls.setdefault((threading.get_ident(), id(module)), []).append(_Call(producers, boundary, scope))
 
-    def _after_forward(self, module: torch.nn.Module, vpp: int, tag: str, output: Any) -> None:
+    def _after_forward(self, module: torch.nn.Module, vpp: int, names: _Names, output: Any) -> None:
         stack = self._calls.get((threading.get_ident(), id(module)))
         call = stack.pop() if stack else None
-        output_prefix = rows.module_prefix(tag, rows.OUTPUT)
-        named = named_outputs(output, _is_tensor, output_prefix)  # a dict output by key: structure.py
-        outputs = [t for _, t in named]
+        if isinstance(output, torch.Tensor):  # the common output, without the general walk
+            named: List[Tuple[str, Any]] = [(names.output_0, output)]
+            outputs = [output]
+        else:
+            named = named_outputs(output, _is_tensor, names.output_prefix)  # a dict output by key: structure.py
+            outputs = [t for _, t in named]
         if not _in_backward():
             engine = self.session.engine
+            plan = self.plan
+            records = self._records
             scope = call.scope if call is not None else self._forward_scope(vpp)
             for name, t in named:
-                self._records.append(engine.record(t, self.plan, vpp, name, scope, cache=True))
+                records.append(engine.record(t, plan, vpp, name, scope, cache=True))
         if torch.is_grad_enabled() and any(t.requires_grad for t in outputs):
-            suffixes = [name[len(output_prefix) + 1:] for name, _ in named]  # after "<prefix>."
-            self._hook_grad_outputs(vpp, tag, outputs, call, suffixes)
+            cut = len(names.output_prefix) + 1  # after "<prefix>."
+            grad_names = [names.grad_output(name[cut:]) for name, _ in named]
+            self._hook_grad_outputs(vpp, names, outputs, call, grad_names)
             if call is not None:
-                self._hook_grad_inputs(vpp, tag, call, outputs)
+                self._hook_grad_inputs(vpp, names, call, outputs)
 
     # ----------------------------------------------------------------- backward
-    def _hook_grad_outputs(self, vpp: int, tag: str, outputs: List[torch.Tensor], call: Optional[_Call],
-                           suffixes: Sequence[str]) -> None:
-        by_node: Dict[Any, List[Tuple[int, int]]] = {}
+    def _hook_grad_outputs(self, vpp: int, names: _Names, outputs: List[torch.Tensor], call: Optional[_Call],
+                           grad_names: Sequence[str]) -> None:
+        by_node: Dict[Any, List[Tuple[int, str]]] = {}
         for j, t in enumerate(outputs):
             if not t.requires_grad:
                 continue
@@ -255,25 +306,28 @@ class ModuleMonitor(Monitor):
                 # their bias with skip_bias_add): its gradient is the parameter's own,
                 # reported by weight_grad, so there is nothing to say about it here.
                 if not isinstance(t, torch.nn.Parameter):
-                    self._warn_once(f"{tag}.leaf", f"output {suffixes[j]} of {tag} is a leaf tensor; its gradient "
+                    tag = names.tag
+                    suffix = grad_names[j][len(names.grad_output_prefix) + 1:]
+                    self._warn_once(f"{tag}.leaf", f"output {suffix} of {tag} is a leaf tensor; its gradient "
                                     f"is not observed")
                 continue
             node, nr = _grad_edges(t)[-1]
             if call is not None and node is not t.grad_fn and node._sequence_nr() < call.boundary:
                 node, nr = t.grad_fn, t.output_nr  # the base is not this module's own result
-            by_node.setdefault(node, []).append((nr, j))
+            by_node.setdefault(node, []).append((nr, grad_names[j]))
+        site = names.grad_output_site
         for node, slots in by_node.items():
             def prehook(grad_outputs: Tuple, slots=slots) -> None:
                 if not (self.active and self.attached):
                     return
-                for nr, j in slots:
+                for nr, name in slots:
                     g = grad_outputs[nr]
                     if g is not None:
                         self._records.append(self.session.engine.record(
-                            g, self.plan, vpp, rows.module_row(tag, rows.GRAD_OUTPUT, suffixes[j]), rows.BACKWARD, cache=True))
-            node.register_prehook(self.errors.wrap(f"module grad_output hook of {tag}", prehook))
+                            g, self.plan, vpp, name, rows.BACKWARD, cache=True))
+            node.register_prehook(self.errors.wrap(site, prehook))
 
-    def _hook_grad_inputs(self, vpp: int, tag: str, call: _Call, outputs: List[torch.Tensor]) -> None:
+    def _hook_grad_inputs(self, vpp: int, names: _Names, call: _Call, outputs: List[torch.Tensor]) -> None:
         edge_targets: Dict[Tuple[Any, int], int] = {}
         leaf_targets: Dict[int, int] = {}
         boundary = call.boundary
@@ -287,7 +341,7 @@ class ModuleMonitor(Monitor):
                 leaf_targets[id(producer)] = i
         if not edge_targets and not leaf_targets:
             return
-        hooks: Dict[Any, List[Tuple[int, int]]] = {}  # node -> [(edge index, input index)]
+        hooks: Dict[Any, List[Tuple[int, int, str]]] = {}  # node -> [(edge index, input index, row name)]
         counts: Dict[int, int] = {}
         visited = set()
         stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
@@ -301,25 +355,25 @@ class ModuleMonitor(Monitor):
                     continue
                 i = edge_targets.get((child, nr))
                 is_leaf = _is_accumulate_grad(child)
-                if i is None and is_leaf:
+                if i is None and is_leaf and leaf_targets:  # ``variable`` builds a Python object
                     i = leaf_targets.get(id(child.variable))
                 if i is not None:
-                    hooks.setdefault(node, []).append((e, i))
+                    hooks.setdefault(node, []).append((e, i, names.grad_input(i)))
                     counts[i] = counts.get(i, 0) + 1
                 elif not is_leaf and child._sequence_nr() >= boundary and child not in visited:
                     stack.append(child)
         # An input reached by several edges gets one accumulator shared by their hooks.
         sums = {i: _GradInputSum(c) for i, c in counts.items() if c > 1}
+        site = names.grad_input_site
         for node, edges in hooks.items():
 
             def posthook(grad_inputs: Tuple, grad_outputs: Tuple, edges=edges) -> None:
                 if not (self.active and self.attached):
                     return
-                for e, i in edges:
+                for e, i, name in edges:
                     g = grad_inputs[e]
                     if g is None:
                         continue
-                    name = rows.module_row(tag, rows.GRAD_INPUT, i)
                     acc = sums.get(i)
                     if acc is None:
                         self._records.append(self.session.engine.record(g, self.plan, vpp, name, rows.BACKWARD, cache=True))
@@ -329,7 +383,7 @@ class ModuleMonitor(Monitor):
                     if len(acc.parts) == acc.expected:
                         self._flush(acc, vpp, name)
 
-            node.register_hook(self.errors.wrap(f"module grad_input hook of {tag}", posthook))
+            node.register_hook(self.errors.wrap(site, posthook))
 
     def _flush(self, acc: _GradInputSum, vpp: int, name: str) -> None:
         self._pending.pop(id(acc), None)
