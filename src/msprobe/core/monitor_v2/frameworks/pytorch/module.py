@@ -269,7 +269,11 @@ class ModuleMonitor(Monitor):
         # producers as they are now, before any in-place op inside the module.
         boundary = _get_sequence_nr() if _get_sequence_nr is not None else -1
         producers = [_grad_edges(t) if t.grad_fn is not None else t for t in inputs]
-        self._calls.setdefault((threading.get_ident(), id(module)), []).append(_Call(producers, boundary, scope))
+        key = (threading.get_ident(), id(module))
+        stack = self._calls.get(key)  # not setdefault: its default list would be built on every call
+        if stack is None:
+            stack = self._calls[key] = []
+        stack.append(_Call(producers, boundary, scope))
 
     def _after_forward(self, module: torch.nn.Module, vpp: int, names: _Names, output: Any) -> None:
         stack = self._calls.get((threading.get_ident(), id(module)))
@@ -287,7 +291,8 @@ class ModuleMonitor(Monitor):
             scope = call.scope if call is not None else self._forward_scope(vpp)
             for name, t in named:
                 records.append(engine.record(t, plan, vpp, name, scope, cache=True))
-        if torch.is_grad_enabled() and any(t.requires_grad for t in outputs):
+        if torch.is_grad_enabled() and (outputs[0].requires_grad if len(outputs) == 1
+                                        else any(t.requires_grad for t in outputs)):
             cut = len(names.output_prefix) + 1  # after "<prefix>."
             grad_names = [names.grad_output(name[cut:]) for name, _ in named]
             self._hook_grad_outputs(vpp, names, outputs, call, grad_names)
@@ -344,6 +349,7 @@ class ModuleMonitor(Monitor):
         hooks: Dict[Any, List[Tuple[int, int, str]]] = {}  # node -> [(edge index, input index, row name)]
         counts: Dict[int, int] = {}
         visited = set()
+        accumulate = _ACCUMULATE_GRAD
         stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
         while stack:
             node = stack.pop()
@@ -354,7 +360,9 @@ class ModuleMonitor(Monitor):
                 if child is None:
                     continue
                 i = edge_targets.get((child, nr))
-                is_leaf = _is_accumulate_grad(child)
+                is_leaf = accumulate.get(type(child))
+                if is_leaf is None:
+                    is_leaf = _is_accumulate_grad(child)
                 if i is None and is_leaf and leaf_targets:  # ``variable`` builds a Python object
                     i = leaf_targets.get(id(child.variable))
                 if i is not None:
