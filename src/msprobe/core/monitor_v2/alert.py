@@ -31,7 +31,7 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 from . import evidence
 from .config import AlertSettings
-from .rows import EVAL_FORWARD, VALUE_OPS, execution_order
+from .rows import EVAL_FORWARD, VALUE_OPS
 from .stats import Row
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -154,11 +154,8 @@ class Alerter:
 
     def _in_execution_order(self, step: int, bad: Sequence[Tuple[str, Row]],
                             rows_by_monitor: Sequence[Tuple[str, Sequence[Row]]]) -> List[Tuple[str, Row]]:
-        lines: Dict[int, int] = {}
-        for _, rows in rows_by_monitor:
-            lines.update((id(row), i) for i, row in enumerate(rows))
-        return sorted(bad, key=lambda mr: execution_order(step, mr[0], mr[1].scope, mr[1].micro_step,
-                                                          lines[id(mr[1])], self.rank))
+        order = evidence.execution_keys(self.rank, step, rows_by_monitor)
+        return sorted(bad, key=lambda mr: order[id(mr[1])])
 
     @staticmethod
     def _suspect(step: int, ordered: Sequence[Tuple[str, Row]], whole: Dict[Tuple[str, str], int]) -> Anomaly:

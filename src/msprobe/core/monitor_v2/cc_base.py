@@ -26,7 +26,7 @@ from .checks import Fields, check_bool, check_codelines, check_rank_list
 from .logonce import LogOnce
 from .monitor import Monitor
 from .patching import Patch, remove_all, replace_attribute
-from .safe_fs import open_append
+from .safe_fs import append_bytes
 from .stats import Record, StatPlan
 from .structure import flatten_tensors
 
@@ -302,12 +302,7 @@ class CommMonitorBase(Monitor):
         text = f"[cc_log_only] {op} called from {site} (to keep only this call: \"cc_codeline\": [\"{site}\"]):\n{stack}"
         logger.warning("monitor_v2 %s", text)
         try:
-            fd, _ = open_append(self._stack_log)  # never through a link, never blocking
-            try:
-                data = (text + "\n").encode("utf-8", errors="backslashreplace")
-                while data:
-                    data = data[os.write(fd, data):]
-            finally:
-                os.close(fd)
+            # never through a link, never blocking
+            append_bytes(self._stack_log, (text + "\n").encode("utf-8", errors="backslashreplace"))
         except OSError as exc:
             self.errors.report("cc_log_only stack file", exc)

@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, IO, List, Mapping, Optional, Sequence, T
 
 from . import rows
 from .errors import NonFiniteGradientError
-from .safe_fs import SafeDir, open_append
+from .safe_fs import SafeDir, append_bytes
 from .stats import Row
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -46,16 +46,23 @@ def json_float(value: float) -> Any:
     return value
 
 
+def execution_keys(rank: int, step: int, rows_by_monitor: Sequence[Tuple[str, Sequence[Row]]]) -> Dict[int, Any]:
+    """``id(row)`` -> the row's ``rows.execution_order`` key, ``line`` being its place among
+    its monitor's rows of that step (its order in the file within the step)."""
+    return {id(row): rows.execution_order(step, monitor, row.scope, row.micro_step, line, rank)
+            for monitor, monitor_rows in rows_by_monitor for line, row in enumerate(monitor_rows)}
+
+
 def anomaly_lines(rank: int, step: int, rows_by_monitor: Sequence[Tuple[str, Sequence[Row]]],
                   kinds: Mapping[int, str], nonfinite: Callable[[Row], bool]) -> List[Dict[str, Any]]:
     """The JSON objects of one step: one per row whose ``id`` is in ``kinds`` (its kind,
     "nonfinite" or "spike"), sorted by execution order. ``order`` is the row's
-    ``rows.execution_order`` key, ``line`` being the row's place among its monitor's rows
-    of that step (its order in the file within the step)."""
+    :func:`execution_keys` key."""
+    order = execution_keys(rank, step, rows_by_monitor)
     lines = []
     for monitor, monitor_rows in rows_by_monitor:
         bad = sum(1 for r in monitor_rows if nonfinite(r))
-        for line, row in enumerate(monitor_rows):
+        for row in monitor_rows:
             kind = kinds.get(id(row))
             if kind is None:
                 continue
@@ -70,7 +77,7 @@ def anomaly_lines(rank: int, step: int, rows_by_monitor: Sequence[Tuple[str, Seq
                 "vpp_stage": row.vpp_stage,
                 "kind": kind,
                 "stats": {**{op: json_float(stat.value(op)) for op in rows.VALUE_OPS}, "nans": stat.nans},
-                "order": list(rows.execution_order(step, monitor, row.scope, row.micro_step, line, rank)),
+                "order": list(order[id(row)]),
                 "rows_nonfinite": bad,
                 "rows_total": len(monitor_rows),
                 "first": False,
@@ -86,14 +93,7 @@ def anomaly_lines(rank: int, step: int, rows_by_monitor: Sequence[Tuple[str, Seq
 def append_anomalies(rank_dir: str, lines: Sequence[Mapping[str, Any]]) -> str:
     """Append ``lines`` to ``rank_dir/anomalies.jsonl`` in one write; returns the path."""
     path = os.path.join(rank_dir, ANOMALIES_FILE)
-    data = "".join(json.dumps(line, allow_nan=False) + "\n" for line in lines).encode()
-    fd, _ = open_append(path)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-    finally:
-        os.close(fd)
+    append_bytes(path, "".join(json.dumps(line, allow_nan=False) + "\n" for line in lines).encode())
     return path
 
 

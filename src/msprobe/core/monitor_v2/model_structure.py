@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import List, Sequence, Tuple
 
 from .errors import OutputError
+from .safe_fs import write_all
 
 FILE_NAME = "structure.txt"
 _TITLE = re.compile(r"^# msprobe-monitor model structure: rank (?P<rank>\d+), framework (?P<fr>\w+),")
@@ -127,9 +128,7 @@ def write_structure(rank_dir: str, structure: Structure, targets: Sequence[str] 
     fd, tmp = tempfile.mkstemp(prefix=".structure.", suffix=".tmp", dir=rank_dir)
     try:
         os.fchmod(fd, 0o640)  # whatever the umask
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        write_all(fd, data)
         os.close(fd)
         fd = -1
         os.replace(tmp, path)  # replaces a link created meanwhile, never writes through it

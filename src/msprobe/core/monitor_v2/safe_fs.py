@@ -279,6 +279,22 @@ def open_append(path: str, mode: Optional[int] = None) -> Tuple[int, bool]:
         os.close(dir_fd)
 
 
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to ``fd`` (``os.write`` may write less; a full disk raises)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def append_bytes(path: str, data: bytes) -> None:
+    """Append ``data`` to ``path`` as :func:`open_append` opens it, in one call."""
+    fd, _ = open_append(path)
+    try:
+        write_all(fd, data)
+    finally:
+        os.close(fd)
+
+
 def _open_append_at(dir_fd: int, path: str, mode: int) -> Tuple[int, bool]:
     name = os.path.basename(path)
     flags = os.O_RDWR | os.O_APPEND | _NOFOLLOW | _NONBLOCK | _CLOEXEC
