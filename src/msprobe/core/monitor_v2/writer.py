@@ -34,7 +34,7 @@ from .errors import OutputError, UnsafePathError
 from .logonce import LogOnce
 from .rows import file_name, header
 from .schedule import StepSchedule
-from .stats import Record, Row, RowFields, format_value, merge_fields
+from .stats import Record, Row, RowFields, merge_fields
 
 if TYPE_CHECKING:
     from .sinks import SinkHub
@@ -44,6 +44,12 @@ logger = logging.getLogger("msprobe.monitor_v2")
 # After this many fail/recover episodes the transitions are no longer logged one by one
 # (a disk that fills and frees every step must not flood the log); close() still counts all.
 _EPISODES_LOGGED = 5
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """The writer's only write to the file system (a full disk shows up here; the fault
+    tests inject their errors here)."""
+    safe_fs.write_all(fd, data)
 
 
 _NAMED_ESCAPES = {"\r": "\\r", "\n": "\\n", "\t": "\\t"}
@@ -106,13 +112,6 @@ _STAT_FIELDS = {"min": "{0:.9g}", "max": "{1:.9g}", "mean": "{2:.9g}", "norm": "
                 "nans": "{4}", "zeros": "{5}"}
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    """The writer's only write to the file system (a full disk shows up here)."""
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
 def _describe_os_error(exc: BaseException) -> str:
     if isinstance(exc, UnsafePathError):
         return exc.strerror
@@ -150,10 +149,9 @@ class MonitorOutput:
         self.ops = tuple(ops)
         self.with_micro_step = with_micro_step
         self.header = header(self.ops, with_micro_step)
-        # the statistic cells of a row, formatted in one call per row (None: an op this
-        # writer has no field for; such rows take format_value, which says which)
-        self.stats_template: Optional[str] = (
-            ",".join(_STAT_FIELDS[op] for op in self.ops) if all(op in _STAT_FIELDS for op in self.ops) else None)
+        # the statistic cells of a row, formatted in one call per row (the config admits
+        # only the ops of rows.ALL_OPS, each of which has its field)
+        self.stats_template = ",".join(_STAT_FIELDS[op] for op in self.ops)
 
 
 class _OpenFile:
@@ -326,15 +324,12 @@ class CsvWriter:
     # ------------------------------------------------------------------ rows
     def _format(self, monitor: str, step: int, rows: Sequence[RowFields], with_header: bool) -> bytes:
         out = self.outputs[monitor]
-        template = out.stats_template
-        if template is None:
-            return self._format_cells(out, [Row.from_fields(step, row) for row in rows], with_header)
         lines: List[str] = []
         if with_header:
             buf = io.StringIO()
             csv.writer(buf, lineterminator="\n").writerow(out.header)
             lines.append(buf.getvalue())
-        stats = template.format
+        stats = out.stats_template.format
         sqrt, nan = math.sqrt, math.nan
         with_micro_step = out.with_micro_step
         for vpp_stage, name, scope, micro, numel, mn, mx, total, sumsq, nans, zeros in rows:
@@ -350,20 +345,6 @@ class CsvWriter:
             else:
                 lines.append(f"{vpp_stage},{step},{_row_cell(name)},{_row_cell(scope)},{cells}\n")
         return "".join(lines).encode("utf-8", errors="backslashreplace")
-
-    def _format_cells(self, out: MonitorOutput, rows: Sequence[Row], with_header: bool) -> bytes:
-        """``_format`` cell by cell through the csv module and ``format_value``."""
-        buf = io.StringIO()
-        writer = csv.writer(buf, lineterminator="\n")
-        if with_header:
-            writer.writerow(out.header)
-        for row in rows:
-            cells = [row.vpp_stage, row.step, csv_cell(row.name), csv_cell(row.scope)]
-            if out.with_micro_step:
-                cells.append(row.micro_step)
-            cells.extend(format_value(op, row.stat.value(op)) for op in out.ops)
-            writer.writerow(cells)
-        return buf.getvalue().encode("utf-8", errors="backslashreplace")
 
     def write_rows(self, monitor: str, step: int, rows: Sequence[RowFields]) -> None:
         """Append ``rows`` in one write; on failure the file is left as it was (a new file
