@@ -284,3 +284,41 @@ def test_on_anomaly_added_by_an_edit_is_armed(tmp_path):
     train(mon, model, opt, 10, step_hook)
     module = rows_of(tmp_path / "out", "module")
     assert steps_of(module) == [6, 7]
+
+
+def test_edits_and_escalation_change_nothing_the_training_computes_and_stop_removes_every_hook(tmp_path):
+    # the same seed and batches twice: without the monitor, and with dynamic on, an edit that
+    # turns module and param on mid-run, on_anomaly armed, alert.dump checking every update
+    def run(monitored: bool):
+        torch.manual_seed(0)
+        model = TinyMLP()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        before = hooks_of(model)
+        cfg = tmp_path / "monitor_config.json"
+        write(cfg, {"output_dir": str(tmp_path / "out"), "dynamic": True,
+                    "monitors": {"weight_grad": {"enabled": True}},
+                    "alert": {"dump": True, "on_anomaly": {"steps": 2, "monitors": {"module": {"targets": "auto"}}}}})
+        mon = TrainerMonitorV2(str(cfg)) if monitored else None
+        if mon is not None:
+            mon.start(model, opt)
+        for step, (x, y) in enumerate(make_batches(8)):
+            if mon is not None and step == 3:
+                control(str(cfg), ControlEdit(enable="module", steps=2))
+                control(str(cfg), ControlEdit(enable="param"))
+            loss_fn(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        if mon is not None:
+            mon.stop()
+        assert hooks_of(model) == before
+        return model, opt
+
+    plain, plain_opt = run(False)
+    watched, watched_opt = run(True)
+    assert steps_of(rows_of(tmp_path / "out", "module")) == [4, 5]  # the edit did apply
+    for (name, a), b in zip(plain.named_parameters(), watched.parameters()):
+        assert torch.equal(a, b), name
+    for a, b in zip(plain.parameters(), watched.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(plain_opt.state[a][key], watched_opt.state[b][key]), key
+    assert not (tmp_path / "out" / "rank_0" / "anomalies.jsonl").exists()  # nothing went wrong
