@@ -223,3 +223,29 @@ def test_bad_evidence_fields_fail_at_construction(write_config, alert, problem):
     with pytest.raises(ConfigError) as err:
         TrainerMonitorV2(write_config({"alert": alert, "monitors": {"weight_grad": {"enabled": True}}}))
     assert err.value.field == problem
+
+
+def test_an_anomalies_file_that_cannot_be_written_costs_neither_the_training_nor_the_rows(tmp_path, caplog):
+    # anomalies.jsonl is a link planted by someone else: refused (never written through),
+    # said once, and the step's rows and the training go on
+    out = tmp_path / "out"
+    mon = TrainerMonitorV2({"output_dir": str(out), "monitors": {"weight_grad": {"enabled": True}}, "alert": True})
+    model = TinyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    mon.start(model, opt)
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("not the monitor's\n")
+    (out / "rank_0" / "anomalies.jsonl").symlink_to(target)
+    with caplog.at_level("WARNING", logger="msprobe.monitor_v2"):
+        for step, (x, y) in enumerate(make_batches(6)):
+            if step == 3:
+                with torch.no_grad():
+                    model.fc2.weight[0, 0] = float("nan")
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        mon.stop()
+    assert target.read_text() == "not the monitor's\n"
+    errors = [r.getMessage() for r in caplog.records if "could not write anomalies.jsonl" in r.getMessage()]
+    assert len(errors) == 1
+    assert sorted({int(r["step"]) for r in rows_of(out, "weight_grad")}) == list(range(6))
