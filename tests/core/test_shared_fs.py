@@ -210,7 +210,7 @@ def test_modes_whatever_the_umask(tmp_path):
     for d in (tmp_path / "a", tmp_path / "a" / "b", out, out / "rank_0"):
         assert stat.S_IMODE(os.stat(d).st_mode) == 0o750, d
     files = list((out / "rank_0").iterdir())
-    assert len(files) == 4
+    assert len(files) == 5 and (out / "rank_0" / "layout.json") in files  # 4 CSVs and the layout
     for f in files:
         assert stat.S_IMODE(os.stat(f).st_mode) == 0o640, f
 

@@ -80,7 +80,7 @@ def test_user_document_quickstart_runs_unchanged(tmp_path):
     proc = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     rank_dir = tmp_path / "monitor_v2_out" / "rank_0"
-    assert sorted(os.listdir(rank_dir)) == sorted(f"weight_grad_step{s}-{s}.csv" for s in range(5))
+    assert sorted(os.listdir(rank_dir)) == sorted([f"weight_grad_step{s}-{s}.csv" for s in range(5)] + ["layout.json"])
     rows = rows_of(tmp_path / "monitor_v2_out", "weight_grad")
     assert {r["scope"] for r in rows} == {"unreduced", "reduced"}
     assert len(rows) == 5 * 4 * 2

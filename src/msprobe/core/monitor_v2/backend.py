@@ -97,6 +97,10 @@ class Session(Protocol):
         """Tensors and row keys for ``(param, tensor)`` pairs read at the optimizer step."""
         ...
 
+    def layout(self) -> Dict[str, Any]:
+        """This rank's ``layout.json`` document (``layout.py``)."""
+        ...
+
     def reduced_grads(self) -> ParamTensors:
         """The gradients the optimizer applies, as they stand at its step (after the
         data-parallel reduction; local shards allowed). Read inside the step hooks'
@@ -150,6 +154,10 @@ class TrainingStack(Protocol):
     def unreduced_capture(self, table: ParamTable, per_micro_batch: bool,
                           micro_batches: int) -> Optional[UnreducedCapture]:
         """None for the default hooks on the parameters, else the stack's own capture."""
+        ...
+
+    def layout(self, table: ParamTable, doc: Dict[str, Any]) -> None:
+        """Fill this rank's ``layout.json`` document: groups, chunks, renames, pieces."""
         ...
 
     def reduced_grads(self, table: ParamTable) -> ParamTensors:

@@ -29,6 +29,7 @@ from .dynamic import (ConfigWatch, MonitorPlan, auto_target, describe_planned, r
                       schedule_text, timed_names)
 from .errors import ConfigError, MonitorStateError, NonFiniteGradientError
 from .frameworks import load_backend
+from .layout import write_layout
 from .model_structure import write_structure
 from .monitor import ContainedErrors, Monitor, module_tags
 from .logonce import LogOnce
@@ -145,6 +146,7 @@ class TrainerMonitorV2:
         try:
             if self.config.structure:
                 self._write_structure(session)
+            self._write_layout(session, writer)
             for m in self.monitors:
                 attached.append(m)  # before attach(): a failing attach may have installed part
                 m.attach()
@@ -180,6 +182,20 @@ class TrainerMonitorV2:
 
         logger.info("monitor_v2: model structure (module and parameter names) written to %s; "
                     "%s counts what a targets list selects", path, command_line("struct", self.config.output_dir))
+
+    def _write_layout(self, session: Session, writer: CsvWriter) -> None:
+        """``rank_<r>/layout.json``: where this rank sits in the parallel layout, what
+        ``msprobe-monitor merge`` combines the ranks' rows with. Read now (the layout as
+        ``start()`` found it), written next to the first CSV file. A stack the monitor
+        cannot read is said once and costs neither the training nor the rows."""
+        try:
+            doc = session.layout()
+        except Exception as exc:  # noqa: BLE001 - a layout we cannot read must not stop training
+            logger.warning("monitor_v2: the parallel layout of this rank could not be read (%r); layout.json is "
+                           "not written and 'msprobe-monitor merge' cannot combine this rank's rows", exc)
+            return
+        rank_dir = self.rank_dir
+        writer.before_first_file = lambda: write_layout(rank_dir, doc)
 
     # ------------------------------------------ alert.dump / stop_on_nonfinite
     def _make_guard(self, backend: Any, session: Session) -> Any:

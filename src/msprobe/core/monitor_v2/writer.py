@@ -26,7 +26,7 @@ import os
 import queue
 import threading
 import unicodedata
-from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from . import safe_fs
 from .alert import Alerter
@@ -196,6 +196,9 @@ class CsvWriter:
         self._lost_in_episode: Set[int] = set()
         self._refused: Set[str] = set()
         self._running: Set[str] = set(self.outputs)  # monitors whose rows come now
+        # run once, right before the first CSV file is opened (the trainer writes
+        # layout.json there): a run that writes no rows leaves no file
+        self.before_first_file: Optional[Callable[[], None]] = None
         # read once at start(): a later change of the environment cannot fail a write
         self._dir_mode = safe_fs.dir_mode()
         self._file_mode = safe_fs.file_mode()
@@ -294,6 +297,13 @@ class CsvWriter:
         if current is not None:
             return current, False
         path = self.path(monitor, step)
+        if self.before_first_file is not None:
+            first, self.before_first_file = self.before_first_file, None
+            try:
+                first()
+            except (OSError, OutputError) as exc:
+                self._once.warning("companion", "monitor_v2: %s; the CSV files are written as usual. Logged once.",
+                                   exc)
         fd, _created = self._open_fd(path)
         opened = _OpenFile(window, path, fd)
         existing = os.fstat(fd).st_size > 0

@@ -9,12 +9,12 @@ pre-hook keeps those gradients for the step, and ``reduced_grads()`` names them.
 """
 
 import logging
-from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import mindspore as ms
 from mindspore import nn
 
-from ... import rows
+from ... import layout, rows
 from ...errors import ConfigError, MonitorError
 from ...model_structure import ParamEntry, Structure, module_entries
 from ...monitor import module_tags
@@ -97,6 +97,17 @@ class MsSession:
         if params is None:
             params = [p for g in getattr(self.optimizer, "param_groups", []) for p in g["params"]]
         return list(params)
+
+    def layout(self) -> Dict[str, Any]:
+        """The ``layout.json`` document of this rank (``layout.py``): MindSpore's data
+        parallelism holds every parameter whole on every rank; under another parallel
+        mode the pieces are unknown (said in the document)."""
+        doc = layout.new_document("mindspore", "mindspore", global_rank(), _world_size())
+        for info in self.table.model_params():
+            p = info.param
+            whole = layout.piece(int(p.size))
+            doc["params"][info.name] = {"shape": list(p.shape), "pieces": {c: whole for c in layout.SCOPE_CLASSES}}
+        return doc
 
     def reduced_grads(self) -> List[Tuple[ParamInfo, Any]]:
         """The gradients the optimizer is applying (those it was called with, after any

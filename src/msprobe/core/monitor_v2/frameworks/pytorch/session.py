@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 import torch
 
-from ... import rows
+from ... import layout, rows
 from ...errors import ConfigError
 from ...model_structure import ParamEntry, Structure, module_entries
 from ...monitor import module_tags
@@ -145,6 +145,12 @@ class TorchSession:
                 continue
             params.append(ParamEntry(info.name, dtype, tuple(p.shape), p.requires_grad))
         return Structure(framework="pytorch", rank=global_rank(), modules=modules, params=params)
+
+    def layout(self) -> Dict[str, Any]:
+        """The ``layout.json`` document of this rank (``layout.py``), from the training stack."""
+        doc = layout.new_document("pytorch", self.stack.name, global_rank(), _world_size())
+        self.stack.layout(self.table, doc)
+        return doc
 
     def reduced_grads(self) -> List[Tuple[ParamInfo, torch.Tensor]]:
         """Gradients as they stand at the optimizer step (local shards allowed)."""

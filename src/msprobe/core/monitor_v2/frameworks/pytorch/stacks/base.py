@@ -25,6 +25,9 @@ hook points (``backend.TrainingStack``, the protocol) take the session's ``Param
   fp32 masters mapped back to parameter names (local shards allowed).
 - ``context_defaults()``: values the framework knows (e.g. ``grad_acc_steps``), used
   when the user passed none to ``start()``.
+- ``layout(table, doc)``: fill the ``layout.json`` document (``layout.py`` defines it):
+  this rank's parallel groups, the chunks' global layers, the renames, and per parameter
+  its full shape and the piece each scope's rows describe. Unknown stays ``"unknown"``.
 
 Adapters import their framework lazily (only once it is already imported by the user)
 and read its private attributes defensively: what a version does not expose is logged
@@ -40,6 +43,7 @@ import torch
 
 from ....backend import GradCallback, UnreducedCapture
 from ....errors import ConfigError
+from ....layout import SCOPE_CLASSES, piece
 from ....logonce import LogOnce
 from ....param_table import ParamInfo, ParamTable
 from ....patching import Patch, hooks, wrap_method
@@ -85,6 +89,15 @@ class TrainingStack:
 
     def context_defaults(self) -> dict:
         return {}
+
+    # ---------------------------------------------------------------- layout
+    def layout(self, table: ParamTable, doc: dict) -> None:
+        """Plain torch and DDP: every rank holds every parameter whole; the data-parallel
+        group is the world (``doc`` already says so)."""
+        for info in table.model_params():
+            p = info.param
+            whole = piece(p.numel())
+            doc["params"][info.name] = {"shape": list(p.shape), "pieces": {c: whole for c in SCOPE_CLASSES}}
 
     # ------------------------------------------------------------------ step
     def install_step_hooks(self, before: Callable[[], None], after: Callable[[], None]) -> Patch:
