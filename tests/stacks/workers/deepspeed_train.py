@@ -19,6 +19,11 @@ rows with:
   the initial weights, stepped with ``mean`` clipped to the global norm ``CLIP``;
 - ``ds``: the masters and moments after each step through DeepSpeed's public
   ``safe_get_full_fp32_param``/``safe_get_full_optimizer_state`` (ZeRO-1/2/3);
+- ``full_grad``: the reduced gradient of each step, whole, through DeepSpeed's public
+  ``safe_get_full_grad`` after the last micro-batch's ``engine.backward`` (before
+  ``engine.step()`` applies it; a collective under ZeRO-3, called in the unmonitored run
+  too); ``params_before``: the engine's parameters, whole, at the start of each step;
+  ``torch_state``: ZeRO-0 fp32 only, the torch optimizer's moments after each step;
 - ``grad_norm``: ``engine.get_global_grad_norm()``; ``identical``: the monitored run's
   losses and parameters equal the unmonitored run's bit for bit; ``restored``: ``stop()``
   left the engine as it was; ``warnings``: what the monitor logged.
@@ -96,6 +101,22 @@ def full_masters(engine, stage: int):
     return out
 
 
+def full_grads(engine):
+    """The reduced gradients, whole, as DeepSpeed's public API assembles them."""
+    from deepspeed.utils import safe_get_full_grad
+
+    return {n: safe_get_full_grad(p).detach().float().clone() for n, p in engine.module.named_parameters()}
+
+
+def torch_moments(engine):
+    """ZeRO-0 fp32: engine.optimizer is the torch optimizer, its state keyed by parameter."""
+    if not isinstance(engine.optimizer, torch.optim.Optimizer):
+        return None
+    state = engine.optimizer.state
+    return {f"{n}.{k}": state[p][k].detach().clone() for n, p in engine.module.named_parameters()
+            for k in ("exp_avg", "exp_avg_sq")}
+
+
 def public_state(engine):
     """fp32 masters and Adam moments after a step, whole, through DeepSpeed's public API
     (collectives; None where it offers none: ZeRO-0)."""
@@ -152,18 +173,23 @@ def train(config: str, out_dir: str, monitored: bool):
             monitors.append(mon)
 
     ref = {"names": names, "kind": kind, "mb": [], "acc": [], "mean": [], "grad_norm": [],
-           "masters_before": [], "masters_after": [], "exp_avg": [], "exp_avg_sq": [], "ds": []}
+           "masters_before": [], "masters_after": [], "exp_avg": [], "exp_avg_sq": [], "ds": [],
+           "full_grad": [], "params_before": [], "torch_state": []}
     losses = []
     for step, batches in enumerate(micro_batches(rank, dtype, gas)):
-        replica.load_state_dict(full_params(engine, stage))
+        before = full_params(engine, stage)
+        ref["params_before"].append({n: t.float() for n, t in before.items()})
+        replica.load_state_dict(before)
         ref["masters_before"].append({n: masters[n].detach().clone() for n in names})
         mb_grads = []
-        for x, y in batches:
+        for i, (x, y) in enumerate(batches):
             loss_ref = torch.nn.functional.mse_loss(replica(x), y) / gas
             grads = torch.autograd.grad(loss_ref, list(replica.parameters()))
             mb_grads.append({n: g.detach().clone() for n, g in zip(names, grads)})
             loss = torch.nn.functional.mse_loss(engine(x), y)
             engine.backward(loss)
+            if i == gas - 1:  # the boundary: reduced, not yet applied
+                ref["full_grad"].append(full_grads(engine))
             engine.step()
             losses.append(loss.detach().float().clone())
         acc = {}
@@ -189,6 +215,7 @@ def train(config: str, out_dir: str, monitored: bool):
         ref["grad_norm"].append(None if norm is None else float(norm))
         ref["masters_after"].append({n: masters[n].detach().clone() for n in names})
         ref["ds"].append(public_state(engine))
+        ref["torch_state"].append(torch_moments(engine))
         ref["exp_avg"].append({n: ref_opt.state[masters[n]]["exp_avg"].clone() for n in names})
         ref["exp_avg_sq"].append({n: ref_opt.state[masters[n]]["exp_avg_sq"].clone() for n in names})
 

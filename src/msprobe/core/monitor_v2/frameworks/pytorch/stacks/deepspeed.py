@@ -39,6 +39,17 @@ HF Trainer: ``trainer.model`` and Accelerate's ``DeepSpeedOptimizerWrapper``). G
 (``DeepSpeedWithoutEngine``) no flat partition is written under a made-up name and one
 WARNING says what is not observed.
 
+``layout.json`` (``layout()``) says what each row covers, by the same readers: the
+``dp`` group is the engine's ``seq_data_parallel_group`` (what the ZeRO optimizers
+partition and reduce over); ``tp``/``pp`` come from the engine's ``mpu`` where it has one.
+The full shape is ``param.ds_shape`` under ZeRO-3 (the parameter itself is empty
+outside forward), else ``param.shape``. ``unreduced`` rows are the whole local
+gradient; ZeRO-1/2 and ``BF16_Optimizer`` rows are this rank's fragment
+(``_hp_mapping``), ZeRO-3 rows its partition without the padding, both split
+``[["dp", rank, size]]``; a rank holding none of a parameter writes no row. Under tensor
+parallelism (``mpu`` with more than one tensor-parallel rank) the parameters are the
+model's own TP shards, whose full shape DeepSpeed does not record: "unknown".
+
 Everything below reads private attributes, defensively: one missing in another version
 is logged once, naming what is not observed, and training goes on.
 """
@@ -48,6 +59,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from .... import layout as lay
 from ....param_table import ParamInfo, ParamTable
 from ....patching import Patch, wrap_method
 from .base import TrainingStack, UnreducedCapture
@@ -176,6 +188,42 @@ class DeepSpeedStack(TrainingStack):
     def context_defaults(self) -> dict:
         return {"grad_acc_steps": self.gas} if self.gas else {}
 
+    # ---------------------------------------------------------------- layout
+    def layout(self, table: ParamTable, doc: Dict[str, Any]) -> None:
+        """Groups from the engine, per parameter its full shape and the piece each scope
+        class's rows describe (the reader's, see ``_Reader.pieces``)."""
+        dp = _group_coords(getattr(self.engine, "seq_data_parallel_group",
+                                   getattr(self.engine, "data_parallel_group", None)))
+        if dp is None:
+            dp_ranks = None
+            _unknown(doc, "the engine's data-parallel group (seq_data_parallel_group) could not be read: "
+                     "'dp' is taken as the world and the ZeRO partitions are unknown")
+        else:
+            doc["groups"][lay.DP] = lay.group(dp[0], dp[1])
+            dp_ranks = dp[2]
+        tp_size = _mpu_groups(getattr(self.engine, "mpu", None), doc)
+        tp_sharded = tp_size is None or tp_size > 1
+        for info in _layout_params(table):
+            p = info.param
+            if tp_sharded:
+                doc["params"][info.name] = {"shape": lay.UNKNOWN, "pieces": {c: lay.UNKNOWN for c in lay.SCOPE_CLASSES}}
+                continue
+            try:
+                shape = [int(d) for d in (p.ds_shape if hasattr(p, "ds_shape") else p.shape)]
+                numel = 1
+                for d in shape:
+                    numel *= d
+                pieces: Dict[str, Any] = {lay.UNREDUCED: lay.piece(numel)}  # the whole local gradient
+                pieces.update(self.reader.pieces(p, numel, dp_ranks, doc))
+            except self._MOVED as exc:
+                _unknown(doc, f"the partition of {info.name} could not be read from "
+                         f"{type(self.ds_optimizer).__name__} ({exc!r})")
+                shape, pieces = lay.UNKNOWN, {c: lay.UNKNOWN for c in lay.SCOPE_CLASSES}
+            doc["params"][info.name] = {"shape": shape, "pieces": pieces}
+        if tp_sharded and tp_size is not None:
+            _unknown(doc, f"tensor parallelism ({tp_size} ranks, from the engine's mpu): the parameters are the "
+                     "model's own tensor-parallel shards, whose full shape and split DeepSpeed does not record")
+
     # ------------------------------------------------------------------ step
     def install_step_hooks(self, before: Callable[[], None], after: Callable[[], None]) -> Patch:
         engine = self.engine
@@ -275,6 +323,15 @@ class _Reader:
     def unreduced_capture(self, table: ParamTable, micro_batches: int) -> Optional[UnreducedCapture]:
         return None  # .grad accumulating until the boundary: the default hooks
 
+    def pieces(self, param: torch.Tensor, numel: int, dp_ranks: Optional[Tuple[int, ...]],
+               doc: Dict[str, Any]) -> Dict[str, Any]:
+        """The pieces of ``param`` that the ``reduced``, ``param`` and ``optimizer`` rows
+        describe (``numel``: the full tensor's element count; ``dp_ranks``: the global
+        ranks of the engine's data-parallel group, None if unread). Here: the whole
+        tensor, all-reduced and updated alike on every rank (ZeRO-0)."""
+        whole = lay.piece(numel)
+        return {lay.REDUCED: whole, lay.PARAM: whole, lay.OPTIMIZER: whole}
+
     def reduced_grads(self, table: ParamTable) -> List[Tuple[ParamInfo, torch.Tensor]]:
         return self.stack.torch_reduced_grads(table)
 
@@ -306,6 +363,12 @@ class _UnknownReader(_Reader):
 
     def model_params(self) -> Optional[List[torch.Tensor]]:
         return None
+
+    def pieces(self, param: torch.Tensor, numel: int, dp_ranks: Optional[Tuple[int, ...]],
+               doc: Dict[str, Any]) -> Dict[str, Any]:
+        _unknown(doc, f"engine.optimizer is a {type(self.opt).__name__}, which this version of the monitor does "
+                 "not know: what its 'reduced', 'param' and 'optimizer' rows cover is unknown")
+        return {lay.REDUCED: lay.UNKNOWN, lay.PARAM: lay.UNKNOWN, lay.OPTIMIZER: lay.UNKNOWN}
 
 
 class _MastersReader(_Reader):
@@ -344,6 +407,24 @@ class _FragmentReader(_Reader):
     the mapping DeepSpeed itself keeps for checkpoints (``param._hp_mapping``)."""
 
     flats_attr = ""  # this rank's flat fp32 partition of each group, where the moments are kept
+
+    def pieces(self, param: torch.Tensor, numel: int, dp_ranks: Optional[Tuple[int, ...]],
+               doc: Dict[str, Any]) -> Dict[str, Any]:
+        """This rank's fragment: a range of the flattened parameter, ``lp_fragment_address``
+        for the gradient, ``hp_fragment_address`` for the fp32 master and its moments
+        (the same range); no fragment (``_hp_mapping`` None): 0 elements, no row."""
+        if not hasattr(param, "_hp_mapping"):
+            _unknown(doc, f"parameters of {type(self.opt).__name__} carry no _hp_mapping: the fragments its rows "
+                     "describe are unknown")
+            return _unknown_pieces()
+        split = _partition_split(getattr(param, "_dp_group", None), dp_ranks, doc, type(self.opt).__name__)
+        if split is None:
+            return _unknown_pieces()
+        mapping = param._hp_mapping
+        lp = 0 if mapping is None else int(mapping.lp_fragment_address.numel)
+        hp = 0 if mapping is None else int(mapping.hp_fragment_address.numel)
+        return {lay.REDUCED: lay.piece(lp, split), lay.PARAM: lay.piece(hp, split),
+                lay.OPTIMIZER: lay.piece(hp, split)}
 
     def reduced_grads(self, table: ParamTable) -> List[Tuple[ParamInfo, torch.Tensor]]:
         return self.fragments(table, _hp_grad_fragment, "reduced gradients")
@@ -423,6 +504,22 @@ class _Zero3Reader(_Reader):
     def unreduced_capture(self, table: ParamTable, micro_batches: int) -> Optional[UnreducedCapture]:
         return _partitioned_unreduced(self.stack, table, micro_batches, 3)
 
+    def pieces(self, param: torch.Tensor, numel: int, dp_ranks: Optional[Tuple[int, ...]],
+               doc: Dict[str, Any]) -> Dict[str, Any]:
+        """This rank's partition (``ds_tensor``) without the padding of the last one: the
+        same element count ``_zero3_valid`` narrows the rows to."""
+        group = getattr(param, "ds_process_group", getattr(self.opt, "dp_process_group", None))
+        split = _partition_split(group, dp_ranks, doc, type(self.opt).__name__)
+        if split is None or not hasattr(param, "ds_tensor"):
+            if split is not None:
+                _unknown(doc, "ZeRO-3 parameters carry no ds_tensor: the partitions their rows describe are unknown")
+            return _unknown_pieces()
+        index = split[0][1]
+        partition = int(param.ds_tensor.ds_numel if hasattr(param.ds_tensor, "ds_numel") else param.ds_tensor.numel())
+        valid = max(0, min(partition, numel - index * partition))
+        own = lay.piece(valid, split)
+        return {lay.REDUCED: own, lay.PARAM: own, lay.OPTIMIZER: own}
+
     def reduced_grads(self, table: ParamTable) -> List[Tuple[ParamInfo, torch.Tensor]]:
         out = []
         opt = self.opt
@@ -483,6 +580,88 @@ _READERS: Dict[str, type] = {
     "BF16_Optimizer": _Bf16Reader,
     "DeepSpeedZeroOptimizer_Stage3": _Zero3Reader,
 }
+
+
+def _unknown(doc: Dict[str, Any], why: str) -> None:
+    if why not in doc["unknown"]:
+        doc["unknown"].append(why)
+
+
+def _unknown_pieces() -> Dict[str, Any]:
+    return {lay.REDUCED: lay.UNKNOWN, lay.PARAM: lay.UNKNOWN, lay.OPTIMIZER: lay.UNKNOWN}
+
+
+def _layout_params(table: ParamTable) -> List[ParamInfo]:
+    """Every parameter a row may be of: the model's, then what only the optimizer holds."""
+    infos = list(table.model_params())
+    seen = {id(i.param) for i in infos}
+    return infos + [i for i in table.optimizer_params() if id(i.param) not in seen]
+
+
+def _group_coords(group: Any) -> Optional[Tuple[int, int, Tuple[int, ...]]]:
+    """``(this rank's index, size, global ranks)`` of a process group (None: the world),
+    or None where it cannot be read."""
+    import torch.distributed as dist
+
+    try:
+        if not (dist.is_available() and dist.is_initialized()):
+            return (0, 1, (0,))
+        pg = group if group is not None else dist.group.WORLD
+        return (int(dist.get_rank(group=pg)), int(dist.get_world_size(group=pg)),
+                tuple(int(r) for r in dist.get_process_group_ranks(pg)))
+    except Exception:  # noqa: BLE001 - a group of another kind: unknown, said by the caller
+        return None
+
+
+def _partition_split(group: Any, dp_ranks: Optional[Tuple[int, ...]], doc: Dict[str, Any],
+                     kind: str) -> Optional[List[List[Any]]]:
+    """``[["dp", index, size]]`` for a piece partitioned over ``group``, when that group is
+    the engine's data-parallel group; None (said in ``doc``) otherwise: an expert-parallel
+    or MiCS shard group is not the ``dp`` the layout names, and is not guessed at."""
+    coords = _group_coords(group)
+    if coords is None or dp_ranks is None:
+        _unknown(doc, f"the process group {kind} partitions over could not be read: its pieces are unknown")
+        return None
+    index, size, ranks = coords
+    if ranks != dp_ranks:
+        _unknown(doc, f"{kind} partitions some parameters over a process group other than the engine's "
+                 f"data-parallel group (ranks {list(ranks)}, not {list(dp_ranks)}; expert parallelism, MiCS): "
+                 "their pieces are unknown")
+        return None
+    return [[lay.DP, index, size]]
+
+
+def _mpu_groups(mpu: Any, doc: Dict[str, Any]) -> Optional[int]:
+    """Write the ``tp``/``pp`` groups the engine's ``mpu`` exposes (Megatron's
+    ``parallel_state``, DeepSpeed's ``PipelineParallelGrid`` or ``utils.groups``) into
+    ``doc``; the tensor-parallel size (1 without an mpu, None where the mpu does not say)."""
+    if mpu is None:
+        return 1
+    readers = {
+        lay.TP: (("get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size"),
+                 ("get_slice_parallel_rank", "get_slice_parallel_world_size"),
+                 ("get_model_parallel_rank", "get_model_parallel_world_size")),
+        lay.PP: (("get_pipeline_model_parallel_rank", "get_pipeline_model_parallel_world_size"),
+                 ("get_pipe_parallel_rank", "get_pipe_parallel_world_size")),
+    }
+    tp_size = 1
+    for name, pairs in readers.items():
+        for rank_fn, size_fn in pairs:
+            rank_of, size_of = getattr(mpu, rank_fn, None), getattr(mpu, size_fn, None)
+            if callable(rank_of) and callable(size_of):
+                try:
+                    doc["groups"][name] = lay.group(int(rank_of()), int(size_of()))
+                except Exception:  # noqa: BLE001 - an mpu not set up: the group stays absent
+                    _unknown(doc, f"the engine's mpu ({type(mpu).__name__}) did not answer {rank_fn}/{size_fn}: "
+                             f"no '{name}' group")
+                break
+        if name == lay.TP and name in doc["groups"]:
+            tp_size = doc["groups"][name]["size"]
+    if lay.TP not in doc["groups"]:
+        _unknown(doc, f"the engine's mpu ({type(mpu).__name__}) exposes no tensor-parallel rank: no 'tp' group "
+                 "and the parameters' split is unknown")
+        return None
+    return tp_size
 
 
 def _partitioned_unreduced(stack: DeepSpeedStack, table: ParamTable, micro_batches: int,
@@ -559,6 +738,16 @@ class DeepSpeedWithoutEngine(TrainingStack):
 
     def optimizer_model_params(self) -> Optional[List[torch.Tensor]]:
         return []
+
+    def layout(self, table: ParamTable, doc: Dict[str, Any]) -> None:
+        """No parameter rows are written (see the class doc), so no parameter is listed;
+        ``dp`` is the group the optimizer partitions over, where it says."""
+        dp = _group_coords(getattr(self.ds_optimizer, "dp_process_group", None))
+        if dp is not None and hasattr(self.ds_optimizer, "dp_process_group"):
+            doc["groups"][lay.DP] = lay.group(dp[0], dp[1])
+        else:
+            _unknown(doc, f"{type(self.ds_optimizer).__name__} names no dp_process_group: 'dp' is taken as the world")
+        _unknown(doc, "no parameter rows: " + self.reason)
 
     def unreduced_capture(self, table: ParamTable, per_micro_batch: bool, micro_batches: int) -> Optional[UnreducedCapture]:
         return UnreducedCapture(not_observable=(
