@@ -35,20 +35,26 @@ KINDS = {"z0-fp32": "AdamW", "z0-bf16": "FP16_UnfusedOptimizer", "z1-fp32": "Dee
          "z3-fp32": "DeepSpeedZeroOptimizer_Stage3", "z3-bf16": "DeepSpeedZeroOptimizer_Stage3"}
 
 
-@pytest.fixture(scope="module")
+# stage -> its job's output, for the whole session: test_deepspeed_merge.py imports the
+# fixture below and reads the same runs (a fixture imported into another module is
+# another fixture to pytest, so the cache is this module's, not the fixture's)
+_LAUNCHED: Dict[int, Path] = {}
+
+
+@pytest.fixture(scope="session")
 def launched(tmp_path_factory):
-    """``launched(config)`` -> the config's output directory; one torchrun job per stage."""
-    done: Dict[int, Path] = {}
+    """``launched(config)`` -> the config's output directory; one torchrun job per stage
+    and session."""
 
     def get(config: str) -> Path:
         stage = int(config[1])
-        if stage not in done:
+        if stage not in _LAUNCHED:
             out = tmp_path_factory.mktemp(f"zero{stage}")
             # 1 thread per rank: the references recompute the same kernels, bit for bit
             run_torchrun(WORKER, out, *GROUPS[stage], timeout=600,
                          env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
-            done[stage] = out
-        return done[stage] / config
+            _LAUNCHED[stage] = out
+        return _LAUNCHED[stage] / config
 
     return get
 
