@@ -174,3 +174,37 @@ def test_merged_params_and_moments_are_the_whole(merged: Merged):
             for key in MOMENTS:
                 assert_stats(merged.one("optimizer", step=s, module_name=f"{name}.{key}", scope=key),
                              after[f"{name}.{key}"], (key, s, name))
+
+
+def test_replicas_that_disagree_are_reported(launched, tmp_path):  # noqa: F811 - the shared fixture
+    """ZeRO-0 all-reduces whole gradients: both ranks' ``reduced`` rows are replicas. One
+    made to differ by 0.1 % (a copy of the real output, rank 1's norm of fc1.weight at
+    step 1) is reported, and the lowest rank's value is the one written."""
+    import csv
+    import shutil
+
+    from msprobe.core.monitor_v2.analysis.merge import merge_run
+
+    src = tmp_path / "acc"
+    shutil.copytree(launched("z0-fp32-gas2") / "acc", src)
+    path = src / "rank_1" / "weight_grad_step1-1.csv"
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    head = rows[0]
+    hit = [x for x in rows[1:] if x[head.index("module_name")] == "fc1.weight" and x[head.index("scope")] == "reduced"]
+    assert len(hit) == 1
+    rank0 = [x for x in read_csv(src / "rank_0" / "weight_grad_step1-1.csv")
+             if x["module_name"] == "fc1.weight" and x["scope"] == "reduced"][0]
+    assert hit[0][head.index("norm")] == rank0["norm"]  # the real replicas agree
+    hit[0][head.index("norm")] = repr(float(rank0["norm"]) * 1.001)
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows(rows)
+    merge_run(str(src), str(tmp_path / "merged"))
+    info = json.loads((tmp_path / "merged" / "merge.json").read_text())
+    assert (info["disagreements"], info["disagreeing_rows"]) == (1, 1), info
+    [said] = read_csv(tmp_path / "merged" / "disagreements.csv")
+    assert (said["step"], said["monitor"], said["module_name"], said["scope"], said["stat"]) == \
+        ("1", "weight_grad", "fc1.weight", "reduced", "norm")
+    row = [x for x in read_csv(tmp_path / "merged" / "weight_grad.csv")
+           if x["step"] == "1" and x["module_name"] == "fc1.weight" and x["scope"] == "reduced"]
+    assert [x["norm"] for x in row] == [rank0["norm"]]
