@@ -179,6 +179,16 @@ def train(config: str, out_dir: str) -> float:
     mon.start(model=chunks if vpp else chunks[0], optimizer=opt, grad_acc_steps=ACC)
 
     gpts = [c.module for c in chunks]
+    # The module rows of a column-parallel output and a row-parallel input (both this
+    # rank's part over tp): the worker's own hooks keep every call's local tensor.
+    calls = {"decoder.layers.0.mlp.linear_fc1.output.0": [], "decoder.layers.0.self_attention.linear_proj.input.0": []}
+    layer0 = gpts[0].decoder.layers[0]
+    hooks = [
+        layer0.mlp.linear_fc1.register_forward_hook(
+            lambda m, a, out: calls["decoder.layers.0.mlp.linear_fc1.output.0"][-1].append(out[0].detach().clone())),
+        layer0.self_attention.linear_proj.register_forward_pre_hook(
+            lambda m, a: calls["decoder.layers.0.self_attention.linear_proj.input.0"][-1].append(a[0].detach().clone())),
+    ]
     numbers = [layer_numbers(g) for g in gpts]
     params = [(v, n, p) for v, g in enumerate(gpts) for n, p in g.named_parameters()]
     names = {id(p): global_name(n, numbers[v]) for v, n, p in params}
@@ -205,6 +215,8 @@ def train(config: str, out_dir: str) -> float:
             c.zero_grad_buffer()
         opt.zero_grad()
         data = micro_batches(step, dp_rank)
+        for seen in calls.values():
+            seen.append([])
         iters = [iter(data) for _ in chunks] if vpp else iter(data)
         forward_backward(forward_step_func=forward_step, data_iterator=iters, model=chunks if vpp else chunks[0],
                          num_microbatches=ACC, seq_length=SEQ, micro_batch_size=MBS, forward_only=False)
@@ -230,6 +242,16 @@ def train(config: str, out_dir: str) -> float:
             full["exp_avg"].append(moments)
     mon.stop()
     logger.removeHandler(capture)
+    for h in hooks:
+        h.remove()
+    modules = {}  # row name: per step, every element of every call over the tp group (a flat tensor)
+    for row, per_step in calls.items():
+        modules[row] = []
+        for seen in per_step:
+            local = torch.cat([t.reshape(-1) for t in seen])
+            parts = [torch.empty_like(local) for _ in range(tp)]
+            dist.all_gather(parts, local, group=tp_group)
+            modules[row].append(torch.cat(parts))
     os.makedirs(run_dir, exist_ok=True)
     if keep:
         torch.save(full, os.path.join(run_dir, f"full_rank{rank}.pt"))
@@ -241,6 +263,7 @@ def train(config: str, out_dir: str) -> float:
         "local_names": [[n for n, _ in g.named_parameters()] for g in gpts],
         "global_names": [names[id(p)] for _, _, p in params],
         "logs": capture.records,
+        "modules": modules if tp_rank == 0 and ps.is_pipeline_first_stage() else {},
     }
     torch.save(meta, os.path.join(run_dir, f"meta_rank{rank}.pt"))
     return time.time() - started

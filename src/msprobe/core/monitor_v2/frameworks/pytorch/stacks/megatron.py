@@ -34,6 +34,7 @@ logged once, naming what is not observable, and never raises into training.
 """
 
 import functools
+import inspect
 import sys
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -336,21 +337,68 @@ class MegatronStack(TrainingStack):
         return None
 
     def _layout_modules(self, table: ParamTable, doc: dict, groups: Dict[str, Dict[str, int]]) -> None:
-        """Module rows whose tensor is cut evenly over tp: a ``ColumnParallelLinear``'s
-        output (unless it gathers it; its bias output when it returns the bias: the local
-        part of it) and, under sequence parallelism, its input; a
-        ``RowParallelLinear``'s input when it is parallel and, under sequence
-        parallelism, its output. Gradients follow their tensors."""
+        """Module rows whose tensor is cut evenly over tp.
+
+        - A ``ColumnParallelLinear``'s output (unless it gathers it; its bias output when
+          it returns the bias: the local part of it) and, under sequence parallelism, its
+          input; a ``RowParallelLinear``'s input when it is parallel and, under sequence
+          parallelism, its output. Gradients follow their tensors.
+        - Inside an attention or MLP block (between its column- and row-parallel layers
+          every tensor is this rank's heads or columns): the tensors of the modules this
+          version knows (core attention's query, key, value and output, its softmax and
+          dropout, per-head norms); any other module there has its rows "unknown" (the
+          merge leaves them out rather than take them for replicas).
+        - Under sequence parallelism the activations outside those blocks are split along
+          the sequence: rows of the other modules are "unknown" too.
+        - Under pipeline parallelism the modules above the transformer layers (the model
+          itself, its ``decoder``) exist on every stage under one name but see each
+          stage's own tensors (the hidden states a stage receives, the loss or the hidden
+          states it sends): neither replicas nor pieces of one tensor, so "unknown"."""
         tp = groups[lay.TP]
-        split = [[lay.TP, tp["rank"], tp["size"]]]
+        staged = groups[lay.PP]["size"] > 1
+        split = {"split": [[lay.TP, tp["rank"], tp["size"]]]}
+        out = doc["modules"]
+        said = set()
         for vpp, chunk in enumerate(self.chunks):
-            for name, module in naming.named_modules(naming.unwrap(chunk)):
-                kinds = _split_module_rows(module)
-                if not kinds:
+            named = list(naming.named_modules(naming.unwrap(chunk)))
+            seq = any(getattr(getattr(m, "config", None), "sequence_parallel", False) is True for _, m in named)
+            regions = [n + "." for n, m in named if n and _is_tp_block(m)] if tp["size"] > 1 else []
+            layers = [n for n, m in named if _layer_number(m) is not None]
+            for name, module in named:
+                if staged and any(not name or layer.startswith(name + ".") for layer in layers):
+                    why = ("module rows of the modules above the transformer layers under pipeline parallelism "
+                           "(each stage's own tensors under one name)")
+                    if why not in said:
+                        said.add(why)
+                        doc["unknown"].append(why)
+                    tag = table.qualify(vpp, name or naming.class_name(module))
+                    for kind, index in _possible_rows(module):
+                        out[rows.module_row(tag, kind, index)] = lay.UNKNOWN
                     continue
                 tag = table.qualify(vpp, name or naming.class_name(module))
-                for kind, index in kinds:
-                    doc["modules"][rows.module_row(tag, kind, index)] = {"split": split}
+                kinds = _split_module_rows(module)
+                if kinds is not None:  # a tensor-parallel linear layer
+                    for kind, index in kinds:
+                        out[rows.module_row(tag, kind, index)] = split
+                    continue
+                inside = any(name.startswith(r) for r in regions)
+                local = _TP_LOCAL_ROWS.get(type(module).__name__) if inside else None
+                if local is not None:
+                    for kind, indices in local.items():
+                        for index in indices:
+                            out[rows.module_row(tag, kind, index)] = split
+                    continue
+                if not inside and not seq:
+                    continue  # a replica over tp
+                why = (f"module rows inside tensor-parallel blocks of modules this version does not know "
+                       f"(e.g. {type(module).__name__})" if inside else
+                       "module rows under sequence parallelism (split along the sequence) except the "
+                       "tensor-parallel linear layers'")
+                if why not in said:
+                    said.add(why)
+                    doc["unknown"].append(why)
+                for kind, index in _possible_rows(module):
+                    out.setdefault(rows.module_row(tag, kind, index), lay.UNKNOWN)
 
     # ------------------------------------------------------------- gradients
     def reduced_grads(self, table: ParamTable) -> List[Tuple[ParamInfo, torch.Tensor]]:
@@ -478,10 +526,50 @@ def _layer_number(module: torch.nn.Module) -> Optional[int]:
     return number if isinstance(number, int) and not isinstance(number, bool) and number >= 1 else None
 
 
-def _split_module_rows(module: torch.nn.Module) -> List[Tuple[str, int]]:
+def _megatron_classes(module: torch.nn.Module) -> set:
+    return {c.__name__ for c in type(module).__mro__ if c.__module__.startswith("megatron.")}
+
+
+def _is_tp_block(module: torch.nn.Module) -> bool:
+    """A Megatron attention or MLP block: between its column- and row-parallel linear
+    layers the tensors are this rank's heads or hidden columns."""
+    return bool(_megatron_classes(module) & {"Attention", "MLP"})
+
+
+# Modules of Megatron-Core's local layer spec found inside an attention or MLP block, and
+# the (kind: indices) of their rows that are this rank's heads; their other rows (the
+# attention mask) are replicas.
+_HEADS_0 = {rows.INPUT: (0,), rows.OUTPUT: (0,), rows.GRAD_INPUT: (0,), rows.GRAD_OUTPUT: (0,)}
+_TP_LOCAL_ROWS: Dict[str, Dict[str, Tuple[int, ...]]] = {
+    "DotProductAttention": {rows.INPUT: (0, 1, 2), rows.OUTPUT: (0,), rows.GRAD_INPUT: (0, 1, 2),
+                            rows.GRAD_OUTPUT: (0,)},
+    "FusedScaleMaskSoftmax": _HEADS_0,
+    "Dropout": _HEADS_0,
+    "IdentityOp": _HEADS_0,  # q/k layernorm when off
+    "LayerNorm": _HEADS_0,   # per-head q/k layernorm
+    "RMSNorm": _HEADS_0,
+}
+
+
+def _possible_rows(module: torch.nn.Module) -> List[Tuple[str, int]]:
+    """The module rows a call of ``module`` can write (its forward's parameters as
+    inputs, a few outputs): the names to mark "unknown"."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    n_in = sum(1 for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params) or not params:
+        n_in += 4
+    return ([(k, i) for k in (rows.INPUT, rows.GRAD_INPUT) for i in range(n_in)]
+            + [(k, i) for k in (rows.OUTPUT, rows.GRAD_OUTPUT) for i in range(4)])
+
+
+def _split_module_rows(module: torch.nn.Module) -> Optional[List[Tuple[str, int]]]:
     """(kind, index) of the module rows of a Megatron tensor-parallel linear layer whose
-    tensors are this rank's even part over tp (see ``MegatronStack._layout_modules``)."""
-    names = {c.__name__ for c in type(module).__mro__ if c.__module__.startswith("megatron.")}
+    tensors are this rank's even part over tp (see ``MegatronStack._layout_modules``);
+    None for any other module."""
+    names = _megatron_classes(module)
     seq = bool(getattr(module, "sequence_parallel", False))
     out: List[Tuple[str, int]] = []
     if "ColumnParallelLinear" in names:
@@ -491,12 +579,14 @@ def _split_module_rows(module: torch.nn.Module) -> List[Tuple[str, int]]:
                 out += [(rows.OUTPUT, 1), (rows.GRAD_OUTPUT, 1)]  # the returned bias: this rank's part
         if seq:
             out += [(rows.INPUT, 0), (rows.GRAD_INPUT, 0)]
-    elif "RowParallelLinear" in names:
+        return out
+    if "RowParallelLinear" in names:
         if getattr(module, "input_is_parallel", False):
             out += [(rows.INPUT, 0), (rows.GRAD_INPUT, 0)]
         if seq:
             out += [(rows.OUTPUT, 0), (rows.GRAD_OUTPUT, 0)]
-    return out
+        return out
+    return None
 
 
 def _grad_accumulator(p: torch.Tensor) -> Optional[Any]:
