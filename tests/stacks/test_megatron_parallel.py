@@ -198,6 +198,29 @@ def test_unreduced_and_module_rows_keep_one_row_per_dp_rank(out, config):
     assert checked == 2 * STEPS * dp
 
 
+def test_what_the_layout_cannot_tell_is_unknown(out):
+    """Parameters carrying Megatron's attributes by hand (TP=2 x DP=2): a strided
+    tensor-parallel split and an expert parameter are "unknown" with a reason; a
+    sequence-parallel norm's unreduced piece is partial over tp; without an initialised
+    parallel_state every piece is unknown and the document says why."""
+    for rank in range(WORLD):
+        docs = torch.load(out / "runs" / f"edge_rank{rank}.pt", weights_only=False)
+        doc, tp = docs["initialized"], rank % 2
+        params = doc["params"]
+        assert params["column"]["shape"] == [4, 6]
+        assert params["column"]["pieces"]["reduced"] == {"numel": 12, "split": [["tp", tp, 2]]}
+        for name, word in (("strided", "partition_stride"), ("expert", "expert")):
+            assert params[name] == {"shape": "unknown", "pieces": {c: "unknown" for c in
+                                                                 ("unreduced", "reduced", "param", "optimizer")}}
+            assert [line for line in doc["unknown"] if word in line and name in line], doc["unknown"]
+        assert params["norm"]["pieces"]["unreduced"] == {"numel": 12, "split": [["tp", tp, 2]], "partial": True}
+        assert params["norm"]["pieces"]["reduced"] == {"numel": 12, "split": []}
+        gone = docs["destroyed"]
+        assert all(e["pieces"]["reduced"] == "unknown" for e in gone["params"].values())
+        assert [line for line in gone["unknown"] if "not initialized" in line], gone["unknown"]
+        assert gone["groups"] == {"dp": {"rank": rank, "size": WORLD}}
+
+
 def test_disagreeing_replica_is_reported(out, tmp_path):
     """Rank 2 (tp 0, dp 1) holds the same reduced gradient as rank 0 (tp 0, dp 0): one
     norm changed in its CSV is reported by merge, not averaged away."""

@@ -269,6 +269,39 @@ def train(config: str, out_dir: str) -> float:
     return time.time() - started
 
 
+def edge_layouts(out_dir: str) -> None:
+    """What the layout says of parameters it cannot describe, and without parallel_state:
+    a plain module whose parameters carry Megatron's attributes by hand (TP=2 x DP=2),
+    given to the adapter directly; then the same after ``destroy_model_parallel()``."""
+    from megatron.core import parallel_state as ps
+    from msprobe.core.monitor_v2 import layout as lay
+    from msprobe.core.monitor_v2.frameworks.pytorch.stacks.megatron import MegatronStack
+    from msprobe.core.monitor_v2.param_table import ParamTable
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(2, 1)
+    m = torch.nn.Module()
+    attrs = {
+        "column": {"tensor_model_parallel": True, "partition_dim": 1, "partition_stride": 1},
+        "strided": {"tensor_model_parallel": True, "partition_dim": 0, "partition_stride": 2},
+        "expert": {"allreduce": False},
+        "norm": {"sequence_parallel": True},
+    }
+    for name, marks in attrs.items():
+        p = torch.nn.Parameter(torch.zeros(4, 3))
+        for k, v in marks.items():
+            setattr(p, k, v)
+        m.register_parameter(name, p)
+    docs = {}
+    for when in ("initialized", "destroyed"):
+        table = ParamTable([list(m.named_parameters())], False)
+        doc = lay.new_document("pytorch", "megatron", dist.get_rank(), dist.get_world_size())
+        MegatronStack([m], None).layout(table, doc)
+        docs[when] = doc
+        ps.destroy_model_parallel()
+    torch.save(docs, os.path.join(out_dir, f"edge_rank{dist.get_rank()}.pt"))
+
+
 def main() -> None:
     out_dir = sys.argv[1]
     configs = sys.argv[2].split(",") if len(sys.argv) > 2 else list(CONFIGS)
@@ -280,6 +313,8 @@ def main() -> None:
     times = {}
     for config in configs:
         times[config] = train(config, out_dir)
+    if len(sys.argv) <= 2:
+        edge_layouts(out_dir)
     ps.destroy_model_parallel()
     if dist.get_rank() == 0:
         with open(os.path.join(out_dir, "times.txt"), "w") as fh:
