@@ -34,11 +34,16 @@ logged once, naming what is not observable, and never raises into training.
 """
 
 import functools
+import inspect
+import sys
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from .... import layout as lay
+from .... import rows
 from ....param_table import ParamInfo, ParamTable
+from .. import naming
 from .base import GradCallback, TrainingStack, UnreducedCapture, tensor_states
 
 # Megatron's wrappers whose ``.module`` is the user's model (how the stack is detected;
@@ -63,14 +68,17 @@ class MasterEntry:
     holds its moments (keyed by ``value``); ``grad_range``: the slice of the flattened
     parameter this rank owns (distributed optimizer), None for the whole parameter."""
 
-    __slots__ = ("model_param", "value", "torch_optimizer", "grad_range")
+    __slots__ = ("model_param", "value", "torch_optimizer", "grad_range", "shard_group")
 
     def __init__(self, model_param: torch.Tensor, value: torch.Tensor, torch_optimizer: Any,
-                 grad_range: Optional[Tuple[int, int]] = None) -> None:
+                 grad_range: Optional[Tuple[int, int]] = None,
+                 shard_group: Optional[Tuple[int, int]] = None) -> None:
         self.model_param = model_param
         self.value = value
         self.torch_optimizer = torch_optimizer
         self.grad_range = grad_range
+        # (rank, size) in the group the distributed optimizer shards over (None: not read)
+        self.shard_group = shard_group
 
     def state(self) -> Dict[str, Any]:
         state = getattr(self.torch_optimizer, "state", None)
@@ -176,6 +184,7 @@ class MegatronStack(TrainingStack):
     def _distributed_entries(self, opt: Any) -> List[MasterEntry]:
         pairs = _pairs(opt, "model_float16_groups", "shard_fp32_from_float16_groups")
         pairs += _pairs(opt, "model_fp32_groups", "shard_fp32_groups")
+        shard_group = _group_coordinates(getattr(opt, "data_parallel_group", None))
         entries = []
         for p, shard in pairs:
             if shard is None:
@@ -184,7 +193,7 @@ class MegatronStack(TrainingStack):
                               "written. Logged once.", type(opt).__name__)
                 continue
             rng = opt._get_model_param_range_map(p)["param"]
-            entries.append(MasterEntry(p, shard, opt.optimizer, (rng.start, rng.end)))
+            entries.append(MasterEntry(p, shard, opt.optimizer, (rng.start, rng.end), shard_group))
         return entries
 
     def _pairs_for(self, table: ParamTable) -> Iterator[Tuple[ParamInfo, MasterEntry]]:
@@ -194,6 +203,202 @@ class MegatronStack(TrainingStack):
             except KeyError:  # a parameter of a model chunk not given to start()
                 continue
             yield info, e
+
+    # ---------------------------------------------------------------- layout
+    def layout(self, table: ParamTable, doc: dict) -> None:
+        """Megatron-Core's layout: the groups of ``parallel_state`` ("dp" is data parallel
+        with context parallel: the group Megatron's DDP reduces gradients over), each
+        chunk's global layers (``TransformerLayer.layer_number``, 1-based and global), the
+        renames to global layer numbers, and each parameter's pieces from the attributes
+        Megatron's tensor-parallel layers set (``tensor_model_parallel``,
+        ``partition_dim``, ``partition_stride``, ``sequence_parallel``) and the distributed
+        optimizer's ranges. Anything not read is "unknown", with the reason in the document."""
+        groups, why = _parallel_groups()
+        if groups is not None:
+            doc["groups"] = groups
+            why = self._check_ddp_groups(groups)
+        if why:
+            doc["unknown"].append(f"parallel groups: {why}; every parameter's pieces are unknown")
+            groups = None
+        self._layout_chunks(table, doc)
+        doc["unknown"].extend(self._layout_params(table, doc, groups))
+        if groups is not None:
+            self._layout_modules(table, doc, groups)
+
+    def _check_ddp_groups(self, groups: Dict[str, Dict[str, int]]) -> Optional[str]:
+        """Megatron's DDP may be given its own process groups (``pg_collection``): the
+        groups it reduces over must be those of ``parallel_state`` read above."""
+        for chunk in self.ddp_chunks:
+            for attr, name in (("dp_cp_group", lay.DP), ("tp_group", lay.TP)):
+                coords = _group_coordinates(getattr(chunk, attr, None))
+                if coords is not None and name in groups and coords != (groups[name]["rank"], groups[name]["size"]):
+                    return (f"Megatron's DistributedDataParallel.{attr} (rank {coords[0]} of {coords[1]}) is not "
+                            f"parallel_state's {name} group (rank {groups[name]['rank']} of {groups[name]['size']})")
+        return None
+
+    def _layout_chunks(self, table: ParamTable, doc: dict) -> None:
+        """Chunks and renames from each chunk's ``TransformerLayer`` modules: the layer at
+        ``<path>.<i>`` of chunk ``N`` is the model's layer ``layer_number - 1``."""
+        chunks, rename = [], []
+        found = False
+        for vpp, chunk in enumerate(self.chunks):
+            numbers = []
+            for name, module in naming.named_modules(naming.unwrap(chunk)):
+                number = _layer_number(module)
+                if number is None or not name:
+                    continue
+                path, _, index = name.rpartition(".")
+                if not index.isdigit():
+                    continue
+                numbers.append(number)
+                local, global_ = table.qualify(vpp, name) + ".", f"{path + '.' if path else ''}{number - 1}."
+                if local != global_:  # a rule only where the name changes (not under TP alone)
+                    rename.append([local, global_])
+            found = found or bool(numbers)
+            chunks.append({"vpp_stage": vpp, "layer_offset": min(numbers) - 1 if numbers else None,
+                           "layers": len(numbers)})
+            if table.is_chunk_list:
+                rename.append([rows.chunk_name(vpp, ""), ""])
+        if found:
+            doc["chunks"] = chunks
+        else:
+            doc["unknown"].append("chunks: no Megatron TransformerLayer (with layer_number) in the model chunks; "
+                                  "layer names are not renamed to global layer numbers")
+            rename = [r for r in rename if r[1] == ""]
+        doc["rename"] = sorted(rename, key=lambda r: -len(r[0]))
+
+    def _layout_params(self, table: ParamTable, doc: dict,
+                       groups: Optional[Dict[str, Dict[str, int]]]) -> List[str]:
+        """Per parameter its full shape and the piece each scope class's rows describe;
+        the reasons for what is unknown (one line per kind)."""
+        reasons: Dict[str, List[str]] = {}
+        entries = {id(e.model_param): e for e in self.entries}
+        distopt = [e.shard_group for e in self.entries if e.grad_range is not None]
+        for info in table.model_params():
+            p = info.param
+            why = self._piece_unknown(p, groups)
+            if why is not None:
+                reasons.setdefault(why, []).append(info.name)
+                doc["params"][info.name] = {"shape": lay.UNKNOWN, "pieces": {c: lay.UNKNOWN for c in lay.SCOPE_CLASSES}}
+                continue
+            assert groups is not None
+            tp = groups[lay.TP]
+            shape = list(p.shape)
+            tp_split: List[List[Any]] = []
+            if getattr(p, "tensor_model_parallel", False) and tp["size"] > 1:
+                shape[int(p.partition_dim)] *= tp["size"]
+                tp_split = [[lay.TP, tp["rank"], tp["size"]]]
+            local = p.numel()
+            # A sequence-parallel norm's local gradient is this rank's part of a sum over tp
+            # (Megatron all-reduces it over tp in finalize_model_grads).
+            seq = bool(getattr(p, "sequence_parallel", False)) and tp["size"] > 1
+            unreduced = (lay.piece(local, [[lay.TP, tp["rank"], tp["size"]]], partial=True) if seq
+                         else lay.piece(local, tp_split))
+            whole = lay.piece(local, tp_split)
+            e = entries.get(id(p))
+            # Under the distributed optimizer a parameter this rank holds none of has no entry.
+            if (e is not None and e.grad_range is not None) or (e is None and distopt):
+                shard = e.shard_group if e is not None else (distopt[0] if len(set(distopt)) == 1 else None)
+                dp = groups[lay.DP]
+                if shard is None or shard[1] != dp["size"]:
+                    # several optimizer instances (partial data parallelism), or a group not read
+                    held = "not read" if shard is None else f"{shard[1]} ranks, dp has {dp['size']}"
+                    why = f"the distributed optimizer shards over a group that is not the data-parallel group ({held})"
+                    reasons.setdefault(why, []).append(info.name)
+                    sharded: Any = lay.UNKNOWN
+                else:
+                    # this rank's range of the flattened tp-local tensor (none: it writes no row)
+                    held_numel = e.grad_range[1] - e.grad_range[0] if e is not None else 0
+                    sharded = lay.piece(held_numel, tp_split + [[lay.DP, shard[0], shard[1]]])
+                pieces = {lay.UNREDUCED: unreduced, lay.REDUCED: sharded, lay.PARAM: sharded, lay.OPTIMIZER: sharded}
+            else:
+                pieces = {lay.UNREDUCED: unreduced, lay.REDUCED: whole, lay.PARAM: whole, lay.OPTIMIZER: whole}
+            doc["params"][info.name] = {"shape": shape, "pieces": pieces}
+        return [f"{why}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} ({len(names)} parameters)"
+                for why, names in reasons.items()]
+
+    def _piece_unknown(self, p: torch.Tensor, groups: Optional[Dict[str, Dict[str, int]]]) -> Optional[str]:
+        """Why the pieces of ``p`` cannot be told (None: they can)."""
+        if groups is None:
+            return "parallel groups not read"
+        if self.fsdp:
+            return "Megatron FSDP (use_megatron_fsdp) shards parameters its own way, not read in this version"
+        if not getattr(p, "allreduce", True):
+            return "expert-parallel parameters (allreduce=False) are split over expert groups not read in this version"
+        if getattr(p, "tensor_model_parallel", False):
+            try:
+                dim, stride = int(p.partition_dim), int(getattr(p, "partition_stride", 1))
+            except (AttributeError, TypeError, ValueError):
+                return "tensor-parallel parameters without a readable partition_dim"
+            if stride != 1:
+                return "tensor-parallel parameters with partition_stride != 1 (strided shards)"
+            if not 0 <= dim < p.dim():
+                return "tensor-parallel parameters whose partition_dim is not one of their dimensions"
+        return None
+
+    def _layout_modules(self, table: ParamTable, doc: dict, groups: Dict[str, Dict[str, int]]) -> None:
+        """Module rows whose tensor is cut evenly over tp.
+
+        - A ``ColumnParallelLinear``'s output (unless it gathers it; its bias output when
+          it returns the bias: the local part of it) and, under sequence parallelism, its
+          input; a ``RowParallelLinear``'s input when it is parallel and, under sequence
+          parallelism, its output. Gradients follow their tensors.
+        - Inside an attention or MLP block (between its column- and row-parallel layers
+          every tensor is this rank's heads or columns): the tensors of the modules this
+          version knows (core attention's query, key, value and output, its softmax and
+          dropout, per-head norms); any other module there has its rows "unknown" (the
+          merge leaves them out rather than take them for replicas).
+        - Under sequence parallelism the activations outside those blocks are split along
+          the sequence: rows of the other modules are "unknown" too.
+        - Under pipeline parallelism the modules above the transformer layers (the model
+          itself, its ``decoder``) exist on every stage under one name but see each
+          stage's own tensors (the hidden states a stage receives, the loss or the hidden
+          states it sends): neither replicas nor pieces of one tensor, so "unknown"."""
+        tp = groups[lay.TP]
+        staged = groups[lay.PP]["size"] > 1
+        split = {"split": [[lay.TP, tp["rank"], tp["size"]]]}
+        out = doc["modules"]
+        said = set()
+        for vpp, chunk in enumerate(self.chunks):
+            named = list(naming.named_modules(naming.unwrap(chunk)))
+            seq = any(getattr(getattr(m, "config", None), "sequence_parallel", False) is True for _, m in named)
+            regions = [n + "." for n, m in named if n and _is_tp_block(m)] if tp["size"] > 1 else []
+            layers = [n for n, m in named if _layer_number(m) is not None]
+            for name, module in named:
+                if staged and any(not name or layer.startswith(name + ".") for layer in layers):
+                    why = ("module rows of the modules above the transformer layers under pipeline parallelism "
+                           "(each stage's own tensors under one name)")
+                    if why not in said:
+                        said.add(why)
+                        doc["unknown"].append(why)
+                    tag = table.qualify(vpp, name or naming.class_name(module))
+                    for kind, index in _possible_rows(module):
+                        out[rows.module_row(tag, kind, index)] = lay.UNKNOWN
+                    continue
+                tag = table.qualify(vpp, name or naming.class_name(module))
+                kinds = _split_module_rows(module)
+                if kinds is not None:  # a tensor-parallel linear layer
+                    for kind, index in kinds:
+                        out[rows.module_row(tag, kind, index)] = split
+                    continue
+                inside = any(name.startswith(r) for r in regions)
+                local = _TP_LOCAL_ROWS.get(type(module).__name__) if inside else None
+                if local is not None:
+                    for kind, indices in local.items():
+                        for index in indices:
+                            out[rows.module_row(tag, kind, index)] = split
+                    continue
+                if not inside and not seq:
+                    continue  # a replica over tp
+                why = (f"module rows inside tensor-parallel blocks of modules this version does not know "
+                       f"(e.g. {type(module).__name__})" if inside else
+                       "module rows under sequence parallelism (split along the sequence) except the "
+                       "tensor-parallel linear layers'")
+                if why not in said:
+                    said.add(why)
+                    doc["unknown"].append(why)
+                for kind, index in _possible_rows(module):
+                    out.setdefault(rows.module_row(tag, kind, index), lay.UNKNOWN)
 
     # ------------------------------------------------------------- gradients
     def reduced_grads(self, table: ParamTable) -> List[Tuple[ParamInfo, torch.Tensor]]:
@@ -270,6 +475,118 @@ class MegatronStack(TrainingStack):
             return
         for info, e in self._pairs_for(table):
             yield from tensor_states(info, e.state())
+
+
+def _group_coordinates(group: Any) -> Optional[Tuple[int, int]]:
+    """(this rank's index, size) in a process group; None for no group."""
+    if group is None or not torch.distributed.is_initialized():
+        return None
+    try:
+        return int(torch.distributed.get_rank(group=group)), int(group.size())
+    except Exception:  # noqa: BLE001 - not a process group this torch knows
+        return None
+
+
+def _parallel_groups() -> Tuple[Optional[Dict[str, Dict[str, int]]], Optional[str]]:
+    """This rank's coordinates in Megatron's groups, read from ``parallel_state`` if the
+    user imported and initialised it; else None and why."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is None:
+        return None, "megatron.core.parallel_state is not imported"
+    try:
+        if not ps.model_parallel_is_initialized():
+            return None, "megatron.core.parallel_state is not initialized (initialize_model_parallel not called)"
+        readers = (
+            (lay.DP, lambda: ps.get_data_parallel_group(with_context_parallel=True)),
+            (lay.TP, lambda: ps.get_tensor_model_parallel_group(check_initialized=False)),
+            (lay.PP, lambda: ps.get_pipeline_model_parallel_group(check_initialized=False)),
+            (lay.CP, lambda: ps.get_context_parallel_group(check_initialized=False)),
+            (lay.EP, lambda: ps.get_expert_model_parallel_group(check_initialized=False)),
+        )
+        groups: Dict[str, Dict[str, int]] = {}
+        for name, read in readers:
+            coords = _group_coordinates(read())
+            if coords is not None:
+                groups[name] = lay.group(*coords)
+    except Exception as exc:  # noqa: BLE001 - a parallel_state this monitor does not know
+        return None, f"megatron.core.parallel_state could not be read ({exc!r})"
+    missing = [g for g in (lay.DP, lay.TP, lay.PP) if g not in groups]
+    if missing:
+        return None, f"megatron.core.parallel_state has no {'/'.join(missing)} process group"
+    return groups, None
+
+
+def _layer_number(module: torch.nn.Module) -> Optional[int]:
+    """A Megatron ``TransformerLayer``'s global, 1-based ``layer_number`` (None for any
+    other module)."""
+    if not any(c.__name__ == "TransformerLayer" and c.__module__.startswith("megatron.")
+               for c in type(module).__mro__):
+        return None
+    number = getattr(module, "layer_number", None)
+    return number if isinstance(number, int) and not isinstance(number, bool) and number >= 1 else None
+
+
+def _megatron_classes(module: torch.nn.Module) -> set:
+    return {c.__name__ for c in type(module).__mro__ if c.__module__.startswith("megatron.")}
+
+
+def _is_tp_block(module: torch.nn.Module) -> bool:
+    """A Megatron attention or MLP block: between its column- and row-parallel linear
+    layers the tensors are this rank's heads or hidden columns."""
+    return bool(_megatron_classes(module) & {"Attention", "MLP"})
+
+
+# Modules of Megatron-Core's local layer spec found inside an attention or MLP block, and
+# the (kind: indices) of their rows that are this rank's heads; their other rows (the
+# attention mask) are replicas.
+_HEADS_0 = {rows.INPUT: (0,), rows.OUTPUT: (0,), rows.GRAD_INPUT: (0,), rows.GRAD_OUTPUT: (0,)}
+_TP_LOCAL_ROWS: Dict[str, Dict[str, Tuple[int, ...]]] = {
+    "DotProductAttention": {rows.INPUT: (0, 1, 2), rows.OUTPUT: (0,), rows.GRAD_INPUT: (0, 1, 2),
+                            rows.GRAD_OUTPUT: (0,)},
+    "FusedScaleMaskSoftmax": _HEADS_0,
+    "Dropout": _HEADS_0,
+    "IdentityOp": _HEADS_0,  # q/k layernorm when off
+    "LayerNorm": _HEADS_0,   # per-head q/k layernorm
+    "RMSNorm": _HEADS_0,
+}
+
+
+def _possible_rows(module: torch.nn.Module) -> List[Tuple[str, int]]:
+    """The module rows a call of ``module`` can write (its forward's parameters as
+    inputs, a few outputs): the names to mark "unknown"."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    n_in = sum(1 for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params) or not params:
+        n_in += 4
+    return ([(k, i) for k in (rows.INPUT, rows.GRAD_INPUT) for i in range(n_in)]
+            + [(k, i) for k in (rows.OUTPUT, rows.GRAD_OUTPUT) for i in range(4)])
+
+
+def _split_module_rows(module: torch.nn.Module) -> Optional[List[Tuple[str, int]]]:
+    """(kind, index) of the module rows of a Megatron tensor-parallel linear layer whose
+    tensors are this rank's even part over tp (see ``MegatronStack._layout_modules``);
+    None for any other module."""
+    names = _megatron_classes(module)
+    seq = bool(getattr(module, "sequence_parallel", False))
+    out: List[Tuple[str, int]] = []
+    if "ColumnParallelLinear" in names:
+        if not getattr(module, "gather_output", False):
+            out += [(rows.OUTPUT, 0), (rows.GRAD_OUTPUT, 0)]
+            if getattr(module, "skip_bias_add", False) and getattr(module, "bias", None) is not None:
+                out += [(rows.OUTPUT, 1), (rows.GRAD_OUTPUT, 1)]  # the returned bias: this rank's part
+        if seq:
+            out += [(rows.INPUT, 0), (rows.GRAD_INPUT, 0)]
+        return out
+    if "RowParallelLinear" in names:
+        if getattr(module, "input_is_parallel", False):
+            out += [(rows.INPUT, 0), (rows.GRAD_INPUT, 0)]
+        if seq:
+            out += [(rows.OUTPUT, 0), (rows.GRAD_OUTPUT, 0)]
+        return out
+    return None
 
 
 def _grad_accumulator(p: torch.Tensor) -> Optional[Any]:
