@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from msprobe.core.monitor_v2.layout import load_layout
 from support import assert_row_matches, numpy_stats, rows_of, run_torchrun
 
 WORKER = Path(__file__).parent / "workers" / "data_parallel.py"
@@ -57,10 +58,51 @@ def check_unreduced(refs, rows, mbs):
     assert a["norm"] != b["norm"]
 
 
+def check_layout(out, mode, refs, rows):
+    """``rank_<r>/layout.json`` says what each rank's rows are of: dp is the 2-rank world,
+    every parameter has its model shape; DDP rows are of whole tensors, FSDP's reduced,
+    param and optimizer rows of this rank's part of the shard (``[dp, r, 2]``, element
+    counts that add up to the whole, none where the rank writes no row), and those
+    element counts weight the shards' means into the mean of the whole gradient."""
+    docs = [load_layout(str(out / f"rank_{r}" / "layout.json")) for r in range(2)]
+    shapes = {n: list(g.shape) for n, g in refs[0]["grads"][0][0].items()}
+    for r, doc in enumerate(docs):
+        assert (doc["rank"], doc["world_size"], doc["stack"]) == (r, 2, "torch")
+        assert doc["groups"] == {"dp": {"rank": r, "size": 2}}, doc["groups"]
+        assert doc["unknown"] == [] and set(doc["params"]) == set(PARAMS), doc
+        for name in PARAMS:
+            entry = doc["params"][name]
+            assert entry["shape"] == shapes[name], (mode, name, entry)
+            whole = {"numel": math.prod(shapes[name]), "split": []}
+            assert entry["pieces"]["unreduced"] == whole
+            for cls in ("reduced", "param", "optimizer"):
+                if mode == "ddp":
+                    assert entry["pieces"][cls] == whole
+                else:
+                    assert entry["pieces"][cls]["split"] == [["dp", r, 2]], (mode, name, entry)
+                    assert entry["pieces"][cls] == entry["pieces"]["reduced"]
+    if mode == "ddp":
+        return
+    for name in PARAMS:
+        numels = [doc["params"][name]["pieces"]["reduced"]["numel"] for doc in docs]
+        assert sum(numels) == math.prod(shapes[name]), (mode, name, numels)
+        for s in range(STEPS):
+            got = [[x for x in rows[r] if x["step"] == str(s) and x["module_name"] == name and x["scope"] == "reduced"]
+                   for r in range(2)]
+            assert [len(g) for g in got] == [int(n > 0) for n in numels], (mode, name, numels, got)
+            mean = ((local_grad(refs[0], s, name) + local_grad(refs[1], s, name)) / 2).double().mean().item()
+            combined = sum(float(g[0]["mean"]) * n for g, n in zip(got, numels) if n) / sum(numels)
+            assert math.isclose(combined, mean, rel_tol=1e-4, abs_tol=1e-7), (mode, name, s, combined, mean)
+        for r in range(2):
+            written = {x["module_name"] for x in rows_of(out, "param", rank=r)}
+            assert (name in written) == (numels[r] > 0), (mode, name, r)
+
+
 @pytest.mark.parametrize("mbs", [False, True], ids=["accumulated", "per-micro-batch"])
 def test_ddp_unreduced_is_local_and_reduced_is_the_mean(tmp_path, mbs):
     out, refs, rows = run("ddp", tmp_path, mbs)
     check_unreduced(refs, rows, mbs)
+    check_layout(out, "ddp", refs, rows)
     for s in range(STEPS):
         for name in PARAMS:
             mean = (local_grad(refs[0], s, name) + local_grad(refs[1], s, name)) / 2
@@ -78,6 +120,7 @@ def test_ddp_unreduced_is_local_and_reduced_is_the_mean(tmp_path, mbs):
 def test_fsdp_unreduced_is_captured_before_reduce_scatter(tmp_path, mode):
     out, refs, rows = run(mode, tmp_path, mbs=(mode == "fsdp2"))
     check_unreduced(refs, rows, mbs=(mode == "fsdp2"))
+    check_layout(out, mode, refs, rows)
     # reduced rows are local shards: across ranks they make up the mean gradient
     for s in range(STEPS):
         for name in PARAMS:
