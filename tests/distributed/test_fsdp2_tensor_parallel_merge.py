@@ -1,0 +1,108 @@
+"""torch FSDP2 + tensor parallel on a 2-D ``DeviceMesh`` (dp=2 x tp=2, 4 gloo ranks):
+each rank's ``layout.json`` says where it sits on the mesh and which piece of each
+parameter its rows are of, and ``merge_run`` combines the four ranks' rows into the
+statistics of the whole tensors.
+
+References are independent of the monitor: ``full_tensor()`` of every parameter, reduced
+gradient and AdamW ``exp_avg`` (saved by the worker at each step), each dp rank's own
+gradient from an unsharded, unmonitored twin (``workers/fsdp2_tensor_parallel.py``), and
+the mesh coordinates torch itself reports.
+"""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from msprobe.core.monitor_v2.analysis.merge import merge_run
+from msprobe.core.monitor_v2.layout import load_layout
+from support import assert_row_matches, numpy_stats, read_csv, run_torchrun
+
+WORKER = Path(__file__).parent / "workers" / "fsdp2_tensor_parallel.py"
+STEPS = 3
+# How each parameter is cut: fc1 column-parallel (Shard(0) on tp), fc2 row-parallel
+# (weight Shard(1) on tp, bias replicated over tp), the rest plain; fully_shard cuts every
+# parameter over dp as well (FSDP2's Shard(0), strided under a tp Shard(0)).
+TP_SPLIT = {"fc1.weight", "fc1.bias", "fc2.weight"}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp2_tp")
+    run_torchrun(WORKER, out, nproc=4, timeout=600)
+    refs = [torch.load(out / f"ref_rank{r}.pt") for r in range(4)]
+    return out, refs
+
+
+def test_layout_gives_each_rank_its_mesh_coordinates_and_pieces(run):
+    out, refs = run
+    shapes = {n: list(t.shape) for n, t in refs[0]["steps"][0]["param"].items()}
+    docs = [load_layout(str(out / "mon" / f"rank_{r}" / "layout.json")) for r in range(4)]
+    for r, doc in enumerate(docs):
+        dp, tp = refs[r]["dp_rank"], refs[r]["tp_rank"]  # DeviceMesh.get_coordinate() on that rank
+        assert (dp, tp) == divmod(r, 2)  # init_device_mesh((2, 2)) is row-major
+        assert doc["groups"] == {"dp": {"rank": dp, "size": 2}, "tp": {"rank": tp, "size": 2}}, doc["groups"]
+        assert (doc["rank"], doc["world_size"], doc["stack"], doc["unknown"]) == (r, 4, "torch", [])
+        assert set(doc["params"]) == set(shapes)
+        for name, entry in doc["params"].items():
+            assert entry["shape"] == shapes[name], (name, entry)
+            pieces = entry["pieces"]
+            tp_split = [["tp", tp, 2]] if name in TP_SPLIT else []
+            # FSDP2's unreduced gradient is the unsharded (all-gathered) parameter's: whole over dp
+            numel = math.prod(shapes[name])
+            assert pieces["unreduced"] == {"numel": numel // (2 if tp_split else 1), "split": tp_split}, (name, pieces)
+            assert pieces["reduced"]["split"] == [["dp", dp, 2]] + tp_split, (name, pieces)
+            assert pieces["param"] == pieces["optimizer"] == pieces["reduced"]
+    # distinct pieces (one per (dp, tp) for tensor-parallel parameters, one per dp rank
+    # for the others) add up to the whole tensor; ranks 0 and 1 (tp replicas) of a plain
+    # parameter hold the same piece
+    for name, shape in shapes.items():
+        pieces = {}
+        for doc in docs:
+            p = doc["params"][name]["pieces"]["reduced"]
+            pieces[tuple(tuple(s) for s in p["split"])] = p["numel"]
+        assert len(pieces) == (4 if name in TP_SPLIT else 2), (name, pieces)
+        assert sum(pieces.values()) == math.prod(shape), (name, pieces)
+    # uneven shards: emb (5 rows) is cut 3 + 2 over dp
+    assert [docs[r]["params"]["emb.weight"]["pieces"]["reduced"]["numel"] for r in (0, 2)] == [18, 12]
+
+
+def test_merge_gives_the_full_tensors_statistics(run):
+    out, refs = run
+    report = merge_run(str(out / "mon"), str(out / "merged"))
+    summary = report.to_json()
+    assert summary["left_out"] == {"unknown": 0, "partial": 0, "incomplete": 0, "cc": 0, "no_layout": 0}, summary
+    assert summary["disagreements"] == 0 and summary["groups"] == {"dp": 2, "tp": 2}, summary
+    names = list(refs[0]["steps"][0]["param"])
+    grad = read_csv(out / "merged" / "weight_grad.csv")
+    param = read_csv(out / "merged" / "param.csv")
+    optim = read_csv(out / "merged" / "optimizer.csv")
+    # per step and parameter: 1 reduced + 2 unreduced (one per dp rank), param_origin and
+    # param_updated, exp_avg and exp_avg_sq
+    assert (len(grad), len(param), len(optim)) == (STEPS * len(names) * 3, STEPS * len(names) * 2,
+                                                   STEPS * len(names) * 2)
+
+    def one(rows, **match):
+        found = [x for x in rows if all(x[k] == str(v) for k, v in match.items())]
+        assert len(found) == 1, (match, found)
+        return found[0]
+
+    for s in range(STEPS):
+        ref = refs[0]["steps"][s]
+        for name in names:
+            reduced = one(grad, step=s, module_name=name, scope="reduced")
+            assert reduced["dp_rank"] == ""  # combined over dp
+            assert_row_matches(reduced, numpy_stats(ref["grad"][name]), rtol=1e-5)
+            assert_row_matches(one(param, step=s, module_name=name, scope="param_origin"),
+                               numpy_stats(ref["param"][name]), rtol=1e-5)
+            assert_row_matches(one(optim, step=s, module_name=f"{name}.exp_avg", scope="exp_avg"),
+                               numpy_stats(ref["exp_avg"][name]), rtol=1e-5)
+            # unreduced: per dp rank, the tp pieces of that rank's own gradient combined
+            for dp in (0, 1):
+                local = next(x for x in refs if x["dp_rank"] == dp)["steps"][s]["local"][name]
+                row = one(grad, step=s, module_name=name, scope="unreduced", dp_rank=dp)
+                assert_row_matches(row, numpy_stats(local), rtol=1e-5)
+        # the two dp ranks trained on different data: their own gradients differ
+        a, b = (one(grad, step=s, module_name="fc1.weight", scope="unreduced", dp_rank=dp) for dp in (0, 1))
+        assert a["norm"] != b["norm"]
