@@ -23,12 +23,13 @@ forward: whole along FSDP's own mesh dimensions, still cut along the others (ten
 parallel): see ``unreduced_piece``.
 """
 
+import functools
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ....layout import CP, DP, EP, PP, TP, UNKNOWN, group, piece
+from ....layout import CP, DP, EP, PP, TP, group, piece
 
 # Mesh dimension names that say which parallel group they are (compared in lower case).
 _GROUP_OF_NAME: Dict[str, str] = {}
@@ -48,6 +49,7 @@ def group_of_name(name: str) -> str:
     return _GROUP_OF_NAME.get(name.lower(), name)
 
 
+@functools.lru_cache(maxsize=None)
 def dtensor_class() -> Optional[type]:
     for path in ("torch.distributed.tensor", "torch.distributed._tensor"):
         try:
@@ -57,6 +59,7 @@ def dtensor_class() -> Optional[type]:
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def strided_shard_class() -> Optional[type]:
     try:
         from torch.distributed.tensor.placement_types import _StridedShard
@@ -114,12 +117,11 @@ def mesh_dims(mesh: Any, fsdp_dims: Sequence[int] = ()) -> Tuple[List[MeshDim], 
 
 def _split(placements: Sequence[Any], dims: Sequence[MeshDim], skip: Sequence[int] = ()) -> Tuple[List[list], bool]:
     """``split`` and ``partial`` of a piece under ``placements`` (mesh dims in ``skip`` left whole)."""
-    strided = strided_shard_class()
     split, partial = [], False
     for i, (p, d) in enumerate(zip(placements, dims)):
         if i in skip:
             continue
-        if p.is_shard() or (strided is not None and isinstance(p, strided)):
+        if p.is_shard() or _is_strided(p):
             split.append([d.group, d.rank, d.size])
         elif p.is_partial():
             split.append([d.group, d.rank, d.size])
@@ -188,5 +190,5 @@ def full_shape(t: torch.Tensor) -> List[int]:
     return list(t.shape)  # a DTensor's shape is the full tensor's
 
 
-__all__ = ["MeshDim", "UNKNOWN", "Unknown", "dtensor_piece", "full_shape", "fsdp2_dims", "group_of_name",
+__all__ = ["MeshDim", "Unknown", "dtensor_piece", "full_shape", "fsdp2_dims", "group_of_name",
            "is_dtensor", "mesh_dims", "unreduced_piece"]

@@ -77,13 +77,17 @@ class FlatParamLayout:
                 k += 1
             offset += numel
         self.shard: List[FlatSegment] = []
-        # (name, full shape, elements in this rank's shard) of every original parameter
-        self.entries: List[Tuple[str, List[int], int]] = []
-        for name, shape, info in zip(names, flat_param._shapes, flat_param._shard_param_infos):
+        # (name, full shape or None, elements, elements in this rank's shard) of every
+        # original parameter, for the layout; the shapes are read defensively (the rows
+        # need only the offsets)
+        self.entries: List[Tuple[str, Optional[List[int]], int, int]] = []
+        shapes = getattr(flat_param, "_shapes", None)
+        shapes = list(shapes) if shapes is not None and len(shapes) == len(names) else [None] * len(names)
+        for seg, shape, info in zip(self.unsharded, shapes, flat_param._shard_param_infos):
             in_shard = info.numel_in_shard if info.in_shard and info.numel_in_shard else 0
-            self.entries.append((name, list(shape), in_shard))
+            self.entries.append((seg.name, None if shape is None else list(shape), seg.numel, in_shard))
             if in_shard:
-                self.shard.append(FlatSegment(name, info.offset_in_shard, info.numel_in_shard))
+                self.shard.append(FlatSegment(seg.name, info.offset_in_shard, info.numel_in_shard))
 
     @property
     def names(self) -> List[str]:

@@ -86,11 +86,13 @@ def _fsdp1(chunks: List[torch.nn.Module], table: ParamTable,
                                       "pieces of its reduced gradients, parameters and optimizer states unknown")
                 strategy, shard, replicate = None, None, None
             split = _fsdp1_split(doc, strategy, shard, replicate)
-            for name, shape, in_shard in fl.entries:
-                whole = piece(_prod(shape))
-                sharded = UNKNOWN if split is None else piece(in_shard if split else _prod(shape), split)
+            for name, shape, numel, in_shard in fl.entries:
+                if shape is None:
+                    doc["unknown"].append(f"{table.qualify(vpp, name)}: FSDP1 does not say its shape (_shapes)")
+                sharded = UNKNOWN if split is None else piece(in_shard if split else numel, split)
                 by_name[table.qualify(vpp, name)] = {
-                    "shape": shape, "pieces": {UNREDUCED: whole, **{c: sharded for c in _SHARDED}}}
+                    "shape": UNKNOWN if shape is None else shape,
+                    "pieces": {UNREDUCED: piece(numel), **{c: sharded for c in _SHARDED}}}
     return flat_ids, by_name
 
 
@@ -119,7 +121,7 @@ def _dtensor_entry(name: str, p: Any, fsdp_param: Any, mesh_groups: Dict[str, Di
         dims, groups = dtensor.mesh_dims(p.device_mesh, fsdp_dims)
         sharded = dtensor.dtensor_piece(p, dims)
         unreduced = dtensor.unreduced_piece(p, dims, fsdp_dims) if fsdp_param is not None else sharded
-    except (dtensor.Unknown, AttributeError) as exc:
+    except (dtensor.Unknown, AttributeError, TypeError, ValueError, IndexError) as exc:  # private state, read defensively
         doc["unknown"].append(f"{name}: how this DTensor is split is not readable ({exc})")
         return {"shape": shape, "pieces": {c: UNKNOWN for c in SCOPE_CLASSES}}
     for g, value in groups.items():
@@ -150,10 +152,3 @@ def _set_mesh_groups(doc: Dict[str, Any], mesh_groups: Dict[str, Dict[str, int]]
 
 def _names(fl: FlatParamLayout) -> str:
     return ", ".join(fl.names[:3]) + (", ..." if len(fl.names) > 3 else "")
-
-
-def _prod(shape: List[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
