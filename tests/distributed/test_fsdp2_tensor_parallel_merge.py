@@ -6,7 +6,8 @@ statistics of the whole tensors.
 References are independent of the monitor: ``full_tensor()`` of every parameter, reduced
 gradient and AdamW ``exp_avg`` (saved by the worker at each step), each dp rank's own
 gradient from an unsharded, unmonitored twin (``workers/fsdp2_tensor_parallel.py``), and
-the mesh coordinates torch itself reports.
+the mesh coordinates torch itself reports. The same launch also runs FSDP2 hybrid
+sharding (HSDP) on a (dp_replicate, dp_shard) mesh.
 """
 
 import math
@@ -68,20 +69,22 @@ def test_layout_gives_each_rank_its_mesh_coordinates_and_pieces(run):
     assert [docs[r]["params"]["emb.weight"]["pieces"]["reduced"]["numel"] for r in (0, 2)] == [18, 12]
 
 
-def test_merge_gives_the_full_tensors_statistics(run):
-    out, refs = run
-    report = merge_run(str(out / "mon"), str(out / "merged"))
-    summary = report.to_json()
+def check_merged(src, dest, refs, dp_ranks):
+    """``merge_run(src, dest)`` leaves nothing out, finds no disagreement, and writes per
+    step and parameter the reduced gradient, param_origin and exp_avg of the whole tensor
+    and one unreduced row per dp rank (``dp_ranks``: ``{dp rank: its reference}``) of
+    that rank's own gradient of the whole tensor."""
+    summary = merge_run(str(src), str(dest)).to_json()
     assert summary["left_out"] == {"unknown": 0, "partial": 0, "incomplete": 0, "cc": 0, "no_layout": 0}, summary
-    assert summary["disagreements"] == 0 and summary["groups"] == {"dp": 2, "tp": 2}, summary
+    assert summary["disagreements"] == 0, summary
     names = list(refs[0]["steps"][0]["param"])
-    grad = read_csv(out / "merged" / "weight_grad.csv")
-    param = read_csv(out / "merged" / "param.csv")
-    optim = read_csv(out / "merged" / "optimizer.csv")
-    # per step and parameter: 1 reduced + 2 unreduced (one per dp rank), param_origin and
+    grad = read_csv(dest / "weight_grad.csv")
+    param = read_csv(dest / "param.csv")
+    optim = read_csv(dest / "optimizer.csv")
+    # per step and parameter: 1 reduced + 1 unreduced per dp rank, param_origin and
     # param_updated, exp_avg and exp_avg_sq
-    assert (len(grad), len(param), len(optim)) == (STEPS * len(names) * 3, STEPS * len(names) * 2,
-                                                   STEPS * len(names) * 2)
+    n = STEPS * len(names)
+    assert (len(grad), len(param), len(optim)) == (n * (1 + len(dp_ranks)), n * 2, n * 2)
 
     def one(rows, **match):
         found = [x for x in rows if all(x[k] == str(v) for k, v in match.items())]
@@ -98,11 +101,33 @@ def test_merge_gives_the_full_tensors_statistics(run):
                                numpy_stats(ref["param"][name]), rtol=1e-5)
             assert_row_matches(one(optim, step=s, module_name=f"{name}.exp_avg", scope="exp_avg"),
                                numpy_stats(ref["exp_avg"][name]), rtol=1e-5)
-            # unreduced: per dp rank, the tp pieces of that rank's own gradient combined
-            for dp in (0, 1):
-                local = next(x for x in refs if x["dp_rank"] == dp)["steps"][s]["local"][name]
+            for dp, dp_ref in dp_ranks.items():
                 row = one(grad, step=s, module_name=name, scope="unreduced", dp_rank=dp)
-                assert_row_matches(row, numpy_stats(local), rtol=1e-5)
-        # the two dp ranks trained on different data: their own gradients differ
-        a, b = (one(grad, step=s, module_name="fc1.weight", scope="unreduced", dp_rank=dp) for dp in (0, 1))
-        assert a["norm"] != b["norm"]
+                assert_row_matches(row, numpy_stats(dp_ref["steps"][s]["local"][name]), rtol=1e-5)
+        # the dp ranks trained on different data: their own gradients differ
+        norms = {one(grad, step=s, module_name="fc1.weight", scope="unreduced", dp_rank=dp)["norm"] for dp in dp_ranks}
+        assert len(norms) == len(dp_ranks)
+
+
+def test_merge_gives_the_full_tensors_statistics(run):
+    out, refs = run
+    # unreduced: per dp rank, the tp pieces of that rank's own gradient combined
+    check_merged(out / "mon", out / "merged", refs, {dp: next(x for x in refs if x["dp_rank"] == dp) for dp in (0, 1)})
+
+
+def test_hybrid_sharding_layout_and_merge(run):
+    """FSDP2 HSDP on a (dp_replicate=2, dp_shard=2) mesh, same launch: both dimensions
+    are data parallel (dp is their product, every rank its own dp rank), pieces are cut
+    along dp_shard and replicated along dp_replicate, and the replicas agree."""
+    out, _ = run
+    refs = [torch.load(out / f"hsdp_rank{r}.pt") for r in range(4)]
+    shapes = {n: list(t.shape) for n, t in refs[0]["steps"][0]["param"].items()}
+    for r in range(4):
+        doc = load_layout(str(out / "hsdp" / f"rank_{r}" / "layout.json"))
+        rep, shard = refs[r]["coordinate"]
+        assert doc["groups"] == {"dp": {"rank": r, "size": 4}, "dp_replicate": {"rank": rep, "size": 2},
+                                 "dp_shard": {"rank": shard, "size": 2}}, doc["groups"]
+        for name, entry in doc["params"].items():
+            assert entry["pieces"]["unreduced"] == {"numel": math.prod(shapes[name]), "split": []}
+            assert entry["pieces"]["reduced"]["split"] == [["dp_shard", shard, 2]], (name, entry)
+    check_merged(out / "hsdp", out / "hsdp_merged", refs, dict(enumerate(refs)))

@@ -3,6 +3,9 @@
 
     fsdp2_tensor_parallel.py OUT_DIR
 
+Two runs in one launch: FSDP2 + tensor parallel (``OUT_DIR/mon``, ``ref_rank<r>.pt``),
+then FSDP2 hybrid sharding (``OUT_DIR/hsdp``, ``hsdp_rank<r>.pt``; see ``hsdp``).
+
 The model: ``emb`` and ``head`` plain (FSDP2-sharded over dp only), ``fc1`` column- and
 ``fc2`` row-parallel (``parallelize_module`` over tp), then ``fully_shard`` over dp;
 shapes chosen so that some shards are uneven. Each dp rank trains on its own data (the
@@ -54,16 +57,13 @@ def full(t):
     return t.full_tensor().detach().clone()
 
 
-def main() -> None:
-    out_dir = sys.argv[1]
-    dist.init_process_group("gloo")
+def fsdp2_tp(out_dir: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    dp_rank = mesh.get_coordinate()[0]
+    dp_rank, tp_rank = mesh.get_coordinate()
     torch.manual_seed(0)
     model = Net()
     twin = Net()
@@ -72,9 +72,33 @@ def main() -> None:
     fully_shard(model.fc1, mesh=mesh["dp"])
     fully_shard(model.fc2, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
+    refs = train(model, twin, dp_rank, os.path.join(out_dir, "mon"))
+    torch.save({"dp_rank": dp_rank, "tp_rank": tp_rank, "steps": refs},
+               os.path.join(out_dir, f"ref_rank{dist.get_rank()}.pt"))
+
+
+def hsdp(out_dir: str) -> None:
+    """FSDP2 hybrid sharding on a (dp_replicate=2, dp_shard=2) mesh: shards within a
+    replicate group, replicas across; every rank is its own data-parallel rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    torch.manual_seed(0)
+    model = Net()
+    twin = Net()
+    twin.load_state_dict(model.state_dict())
+    fully_shard(model.fc1, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    refs = train(model, twin, dist.get_rank(), os.path.join(out_dir, "hsdp"))
+    torch.save({"coordinate": list(mesh.get_coordinate()), "steps": refs},
+               os.path.join(out_dir, f"hsdp_rank{dist.get_rank()}.pt"))
+
+
+def train(model, twin, dp_rank: int, output_dir: str):
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     mon = TrainerMonitorV2({
-        "output_dir": os.path.join(out_dir, "mon"),
+        "output_dir": output_dir,
         "monitors": {"weight_grad": {"enabled": True}, "param": {"enabled": True},
                      "optimizer": {"enabled": True}},
     })
@@ -95,12 +119,13 @@ def main() -> None:
         refs.append({"param": params, "grad": grads, "exp_avg": exp_avg,
                      "local": {n: g.detach().clone() for n, g in zip(names, local)}})
     mon.stop()
-    torch.save({"dp_rank": dp_rank, "tp_rank": mesh.get_coordinate()[1], "steps": refs},
-               os.path.join(out_dir, f"ref_rank{rank}.pt"))
+    return refs
 
 
 if __name__ == "__main__":
-    main()
+    dist.init_process_group("gloo")
+    fsdp2_tp(sys.argv[1])
+    hsdp(sys.argv[1])
     from support import finish
 
     finish()
