@@ -46,6 +46,11 @@ def test_layout_gives_each_rank_its_mesh_coordinates_and_pieces(run):
         assert doc["groups"] == {"dp": {"rank": dp, "size": 2}, "tp": {"rank": tp, "size": 2}}, doc["groups"]
         assert (doc["rank"], doc["world_size"], doc["stack"], doc["unknown"]) == (r, 4, "torch", [])
         assert set(doc["params"]) == set(shapes)
+        # the module rows tensor parallelism cuts: fc1's output (and its gradient), fc2's
+        # input (and its gradient); fc1's gradient to its replicated input is partial
+        cut = {"split": [["tp", tp, 2]]}
+        assert doc["modules"] == {"fc1.output.0": cut, "fc1.grad_output.0": cut, "fc2.input.0": cut,
+                                  "fc2.grad_input.0": cut, "fc1.grad_input.0": dict(cut, partial=True)}
         for name, entry in doc["params"].items():
             assert entry["shape"] == shapes[name], (name, entry)
             pieces = entry["pieces"]
@@ -69,13 +74,13 @@ def test_layout_gives_each_rank_its_mesh_coordinates_and_pieces(run):
     assert [docs[r]["params"]["emb.weight"]["pieces"]["reduced"]["numel"] for r in (0, 2)] == [18, 12]
 
 
-def check_merged(src, dest, refs, dp_ranks):
-    """``merge_run(src, dest)`` leaves nothing out, finds no disagreement, and writes per
-    step and parameter the reduced gradient, param_origin and exp_avg of the whole tensor
-    and one unreduced row per dp rank (``dp_ranks``: ``{dp rank: its reference}``) of
-    that rank's own gradient of the whole tensor."""
+def check_merged(src, dest, refs, dp_ranks, partial=0):
+    """``merge_run(src, dest)`` leaves nothing out (but ``partial`` rows), finds no
+    disagreement, and writes per step and parameter the reduced gradient, param_origin
+    and exp_avg of the whole tensor and one unreduced row per dp rank (``dp_ranks``:
+    ``{dp rank: its reference}``) of that rank's own gradient of the whole tensor."""
     summary = merge_run(str(src), str(dest)).to_json()
-    assert summary["left_out"] == {"unknown": 0, "partial": 0, "incomplete": 0, "cc": 0, "no_layout": 0}, summary
+    assert summary["left_out"] == {"unknown": 0, "partial": partial, "incomplete": 0, "cc": 0, "no_layout": 0}, summary
     assert summary["disagreements"] == 0, summary
     names = list(refs[0]["steps"][0]["param"])
     grad = read_csv(dest / "weight_grad.csv")
@@ -111,8 +116,22 @@ def check_merged(src, dest, refs, dp_ranks):
 
 def test_merge_gives_the_full_tensors_statistics(run):
     out, refs = run
-    # unreduced: per dp rank, the tp pieces of that rank's own gradient combined
-    check_merged(out / "mon", out / "merged", refs, {dp: next(x for x in refs if x["dp_rank"] == dp) for dp in (0, 1)})
+    dp_refs = {dp: next(x for x in refs if x["dp_rank"] == dp) for dp in (0, 1)}
+    # the gradient fc1 sends to its replicated input is a partial sum on each tp rank:
+    # left out, one merged row per step and dp rank
+    check_merged(out / "mon", out / "merged", refs, dp_refs, partial=STEPS * 2)
+    # module rows, per dp rank: fc1's output and fc2's input are cut along tp (their
+    # halves combined), fc1's input and fc2's output replicated; the gradients likewise
+    module = read_csv(out / "merged" / "module.csv")
+    for s in range(STEPS):
+        for dp, ref in dp_refs.items():
+            for name, want in ref["steps"][s]["act"].items():
+                scope = "backward" if ".grad_" in name else "forward"
+                found = [x for x in module if (x["step"], x["module_name"], x["scope"], x["dp_rank"]) == (
+                    str(s), name, scope, str(dp))]
+                assert len(found) == 1, (s, name, dp, found)
+                assert_row_matches(found[0], numpy_stats(want), rtol=1e-5)
+        assert not [x for x in module if x["step"] == str(s) and x["module_name"] == "fc1.grad_input.0"]
 
 
 def test_hybrid_sharding_layout_and_merge(run):

@@ -18,7 +18,9 @@ the monitor:
 - ``exp_avg``: every AdamW ``exp_avg`` ``full_tensor()`` after the step;
 - ``local``: this dp rank's own (unreduced) gradient of the whole tensor, from
   ``torch.autograd.grad`` on an unmonitored, unsharded twin whose parameters are set from
-  the full parameters at the start of the step.
+  the full parameters at the start of the step;
+- ``act``: the twin's activations around ``fc1`` and ``fc2`` and their gradients, by the
+  module row they correspond to (the module monitor is on too).
 """
 
 import os
@@ -100,7 +102,7 @@ def train(model, twin, dp_rank: int, output_dir: str):
     mon = TrainerMonitorV2({
         "output_dir": output_dir,
         "monitors": {"weight_grad": {"enabled": True}, "param": {"enabled": True},
-                     "optimizer": {"enabled": True}},
+                     "optimizer": {"enabled": True}, "module": {"enabled": True}},
     })
     mon.start(model=model, optimizer=opt)
     names = [n for n, _ in twin.named_parameters()]
@@ -110,14 +112,23 @@ def train(model, twin, dp_rank: int, output_dir: str):
         with torch.no_grad():
             for n, p in twin.named_parameters():
                 p.copy_(params[n])
-        local = torch.autograd.grad(loss_of(twin, x, y), list(twin.parameters()))
+        # the twin's forward by hand, to have its activations and their gradients
+        h0 = twin.emb(x)
+        h1 = twin.fc1(h0)
+        a = torch.relu(h1)
+        h2 = twin.fc2(a)
+        loss = torch.nn.functional.mse_loss(twin.head(h2), y)
+        *local, g_h1, g_a, g_h2 = torch.autograd.grad(loss, list(twin.parameters()) + [h1, a, h2])
+        act = {"fc1.input.0": h0, "fc1.output.0": h1, "fc2.input.0": a, "fc2.output.0": h2,
+               "fc1.grad_output.0": g_h1, "fc2.grad_input.0": g_a, "fc2.grad_output.0": g_h2}
         loss_of(model, x, y).backward()
         grads = {n: full(p.grad) for n, p in model.named_parameters()}
         opt.step()
         exp_avg = {n: full(opt.state[p]["exp_avg"]) for n, p in model.named_parameters()}
         opt.zero_grad()
         refs.append({"param": params, "grad": grads, "exp_avg": exp_avg,
-                     "local": {n: g.detach().clone() for n, g in zip(names, local)}})
+                     "local": {n: g.detach().clone() for n, g in zip(names, local)},
+                     "act": {n: t.detach().clone() for n, t in act.items()}})
     mon.stop()
     return refs
 

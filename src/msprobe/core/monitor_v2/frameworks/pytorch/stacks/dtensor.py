@@ -21,6 +21,10 @@ names and ``dp``, the group gradients are reduced over, is their product.
 FSDP2's *unreduced* gradient is that of the unsharded parameter FSDP2 all-gathers for
 forward: whole along FSDP's own mesh dimensions, still cut along the others (tensor
 parallel): see ``unreduced_piece``.
+
+Module rows of a tensor-parallel module (``ColwiseParallel``, ``RowwiseParallel``,
+``SequenceParallel``) are of the activations as the module computes with them and
+returns them: ``tensor_parallel_module_rows``.
 """
 
 import functools
@@ -181,6 +185,99 @@ def fsdp2_dims(mesh: Any, fsdp_param: Any) -> List[int]:
     return list(range(fsdp_mesh.ndim))
 
 
+# ----------------------------------------------------------- tensor-parallel modules
+# ``parallelize_module`` leaves no record of a module's style but the hooks
+# ``distribute_module`` registers: lambdas closing over the style's input/output
+# functions (partials of its static methods, holding its layouts) and the device mesh.
+# The partial's arguments that hold the layouts the module sees: the desired input
+# layouts (a tuple) and the output layouts (a tuple).
+_INPUT_LAYOUTS = {"ColwiseParallel._prepare_input_fn": 1, "RowwiseParallel._prepare_input_fn": 1,
+                  "SequenceParallel._prepare_input_fn": 0}
+_OUTPUT_LAYOUTS = {"ColwiseParallel._prepare_output_fn": 0, "RowwiseParallel._prepare_output_fn": 0}
+_STYLES_PACKAGE = "torch.distributed.tensor.parallel"
+
+
+class TensorParallelStyle:
+    """What ``parallelize_module`` made of one module: the style's name, the mesh, and
+    the placements of the input the module computes with and of the output it returns
+    (None where the style does not say)."""
+
+    def __init__(self, style: str, mesh: Any, input_placement: Any, output_placement: Any) -> None:
+        self.style, self.mesh = style, mesh
+        self.input_placement, self.output_placement = input_placement, output_placement
+
+
+def tensor_parallel_style(module: torch.nn.Module) -> Optional[TensorParallelStyle]:
+    """The style ``parallelize_module`` applied to ``module``, read from its forward
+    hooks; None for a module it did not touch. ``Unknown`` for a style this version does
+    not read (its rows cannot be described)."""
+    found: Dict[str, Any] = {}
+    mesh = None
+    hooks = list(getattr(module, "_forward_pre_hooks", {}).values()) + list(getattr(module, "_forward_hooks", {}).values())
+    for hook in hooks:
+        for cell in getattr(hook, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(value, functools.partial):
+                func = value.func
+                if str(getattr(func, "__module__", "")).startswith(_STYLES_PACKAGE):
+                    found[getattr(func, "__qualname__", repr(func))] = value.args
+            elif type(value).__name__ == "DeviceMesh":
+                mesh = value
+    if not found:
+        return None
+    style = next(iter(found)).split(".")[0]
+    inputs = [(q, a) for q, a in found.items() if q in _INPUT_LAYOUTS]
+    outputs = [(q, a) for q, a in found.items() if q in _OUTPUT_LAYOUTS]
+    if mesh is None or not inputs or mesh.ndim != 1:
+        raise Unknown(f"tensor-parallel style {style} of this module is not one this version reads")
+    try:
+        q, args = inputs[0]
+        placement_in = args[_INPUT_LAYOUTS[q]][0]
+        placement_out = outputs[0][1][_OUTPUT_LAYOUTS[outputs[0][0]]][0] if outputs else None
+    except (IndexError, TypeError) as exc:
+        raise Unknown(f"the layouts of tensor-parallel style {style} are not readable ({exc!r})") from None
+    if style == "SequenceParallel":  # a norm or dropout keeps its input's sequence sharding
+        placement_out = placement_in
+    return TensorParallelStyle(style, mesh, placement_in, placement_out)
+
+
+def tensor_parallel_module_rows(tag: str, tp: TensorParallelStyle) -> Dict[str, Any]:
+    """``layout["modules"]`` entries of a tensor-parallel module's rows (index 0: the
+    styles read here apply to ``Linear``, ``Embedding`` and norms, one input and one
+    output). A sharded activation and its gradient are cut along the mesh's group; a
+    replicated one is a replica (not named), except the gradient a column-parallel
+    module sends to its replicated input: each rank's is a partial sum (its columns'
+    share), not combinable."""
+    (dim,), _ = mesh_dims(tp.mesh)
+    split = [[dim.group, dim.rank, dim.size]]
+    out: Dict[str, Any] = {}
+
+    def put(kind: str, placement: Any, grad_of_replicated: Optional[Dict[str, Any]] = None) -> None:
+        if placement is None:
+            out[f"{tag}.{kind}.0"] = UNKNOWN_ENTRY
+        elif placement.is_shard():
+            out[f"{tag}.{kind}.0"] = {"split": split}
+        elif placement.is_partial():
+            out[f"{tag}.{kind}.0"] = {"split": split, "partial": True}
+        elif grad_of_replicated is not None:
+            out[f"{tag}.{kind}.0"] = grad_of_replicated
+        elif not placement.is_replicate():
+            out[f"{tag}.{kind}.0"] = UNKNOWN_ENTRY
+
+    put("input", tp.input_placement)
+    put("grad_input", tp.input_placement,
+        {"split": split, "partial": True} if tp.style == "ColwiseParallel" else UNKNOWN_ENTRY)
+    put("output", tp.output_placement)
+    put("grad_output", tp.output_placement)
+    return out
+
+
+UNKNOWN_ENTRY = "unknown"
+
+
 def is_dtensor(t: Any) -> bool:
     cls = dtensor_class()
     return cls is not None and isinstance(t, cls)
@@ -190,5 +287,6 @@ def full_shape(t: torch.Tensor) -> List[int]:
     return list(t.shape)  # a DTensor's shape is the full tensor's
 
 
-__all__ = ["MeshDim", "Unknown", "dtensor_piece", "full_shape", "fsdp2_dims", "group_of_name",
+__all__ = ["MeshDim", "TensorParallelStyle", "UNKNOWN_ENTRY", "Unknown", "tensor_parallel_module_rows",
+           "tensor_parallel_style", "dtensor_piece", "full_shape", "fsdp2_dims", "group_of_name",
            "is_dtensor", "mesh_dims", "unreduced_piece"]

@@ -13,6 +13,11 @@ Each entry describes exactly the tensors the rows are of:
   (``[dp_shard, ...]`` under hybrid sharding, whole under ``NO_SHARD``); a rank that
   holds none of a parameter writes no row (piece of 0 elements).
 - DTensor: ``dtensor.dtensor_piece`` / ``dtensor.unreduced_piece`` and the mesh's groups.
+- module rows: those of modules ``parallelize_module`` made tensor parallel are named in
+  ``modules`` (``dtensor.tensor_parallel_module_rows``); the rest are replicas. A module
+  without a style that computes on a sharded activation (an activation module between
+  a column- and a row-parallel one) cannot be told from its hooks: its rows are taken as
+  replicas, and ``merge`` reports them as disagreeing.
 """
 
 from typing import Any, Dict, List, Optional, Tuple
@@ -20,7 +25,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ....layout import DP, PARAM, OPTIMIZER, REDUCED, SCOPE_CLASSES, UNKNOWN, UNREDUCED, group, piece
+from ....monitor import module_tags
 from ....param_table import ParamTable
+from ....rows import MODULE_KINDS, module_row
+from ..naming import class_name, named_modules, unwrap
 from . import dtensor
 from .fsdp import FlatParamLayout, fsdp1_layouts, fsdp1_shard_groups, fsdp2_param_states
 
@@ -54,6 +62,7 @@ def fill(chunks: List[torch.nn.Module], table: ParamTable, doc: Dict[str, Any]) 
         whole = piece(p.numel())
         params[info.name] = {"shape": list(p.shape), "pieces": {c: whole for c in SCOPE_CLASSES}}
     params.update(by_name)
+    _tensor_parallel_modules(chunks, table, doc, mesh_groups)
     if mesh_groups:
         _set_mesh_groups(doc, mesh_groups, meshes_cover_world, ddp is not None)
 
@@ -130,6 +139,27 @@ def _dtensor_entry(name: str, p: Any, fsdp_param: Any, mesh_groups: Dict[str, Di
             doc["unknown"].append(f"{name}: its device mesh puts this rank at {g} {value}, another "
                                   f"parameter's at {known}; the first is kept")
     return {"shape": shape, "pieces": {UNREDUCED: unreduced, **{c: sharded for c in _SHARDED}}}
+
+
+def _tensor_parallel_modules(chunks: List[torch.nn.Module], table: ParamTable, doc: Dict[str, Any],
+                             mesh_groups: Dict[str, Dict[str, int]]) -> None:
+    """``doc["modules"]``: the rows of modules ``parallelize_module`` made tensor parallel
+    (``dtensor.tensor_parallel_style``); every other module row stays a replica."""
+    named = [(vpp, name or class_name(m), m) for vpp, chunk in enumerate(chunks)
+             for name, m in named_modules(unwrap(chunk))]
+    for _, tag, module in module_tags(named, table.qualify):
+        try:
+            style = dtensor.tensor_parallel_style(module)
+            if style is None:
+                continue
+            doc["modules"].update(dtensor.tensor_parallel_module_rows(tag, style))
+            _, groups = dtensor.mesh_dims(style.mesh)
+            for g, value in groups.items():
+                mesh_groups.setdefault(g, value)
+        except (dtensor.Unknown, AttributeError, TypeError, ValueError) as exc:  # private state, read defensively
+            doc["unknown"].append(f"module {tag}: its tensor-parallel activations are not described ({exc})")
+            for kind in MODULE_KINDS:
+                doc["modules"][module_row(tag, kind, 0)] = UNKNOWN
 
 
 def _set_mesh_groups(doc: Dict[str, Any], mesh_groups: Dict[str, Dict[str, int]], cover_world: bool,
