@@ -7,7 +7,7 @@ References are independent of the monitor: ``full_tensor()`` of every parameter,
 gradient and AdamW ``exp_avg`` (saved by the worker at each step), each dp rank's own
 gradient from an unsharded, unmonitored twin (``workers/fsdp2_tensor_parallel.py``), and
 the mesh coordinates torch itself reports. The same launch also runs FSDP2 hybrid
-sharding (HSDP) on a (dp_replicate, dp_shard) mesh.
+sharding (HSDP) on a (dp_replicate, dp_shard) mesh and tensor parallelism alone.
 """
 
 import math
@@ -150,3 +150,20 @@ def test_hybrid_sharding_layout_and_merge(run):
             assert entry["pieces"]["unreduced"] == {"numel": math.prod(shapes[name]), "split": []}
             assert entry["pieces"]["reduced"]["split"] == [["dp_shard", shard, 2]], (name, entry)
     check_merged(out / "hsdp", out / "hsdp_merged", refs, dict(enumerate(refs)))
+
+
+def test_tensor_parallel_alone(run):
+    """``parallelize_module`` on a 1-D ("tp",) mesh of the 4 ranks, no FSDP: the mesh
+    spans the world and names no data-parallel dimension, so dp is a group of one;
+    fc1/fc2 parameters are cut 4 ways along tp, emb/head whole on every rank (replicas
+    that agree), and the merged rows are the whole tensors'."""
+    out, _ = run
+    refs = [torch.load(out / f"tp_rank{r}.pt") for r in range(4)]
+    for r in range(4):
+        doc = load_layout(str(out / "tp" / f"rank_{r}" / "layout.json"))
+        assert refs[r]["tp_rank"] == r
+        assert doc["groups"] == {"dp": {"rank": 0, "size": 1}, "tp": {"rank": r, "size": 4}}, doc["groups"]
+        for name, entry in doc["params"].items():
+            split = [["tp", r, 4]] if name in TP_SPLIT else []
+            assert entry["pieces"]["reduced"]["split"] == entry["pieces"]["unreduced"]["split"] == split, (name, entry)
+    check_merged(out / "tp", out / "tp_merged", refs, {0: refs[0]}, partial=STEPS)

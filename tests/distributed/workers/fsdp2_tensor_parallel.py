@@ -3,8 +3,9 @@
 
     fsdp2_tensor_parallel.py OUT_DIR
 
-Two runs in one launch: FSDP2 + tensor parallel (``OUT_DIR/mon``, ``ref_rank<r>.pt``),
-then FSDP2 hybrid sharding (``OUT_DIR/hsdp``, ``hsdp_rank<r>.pt``; see ``hsdp``).
+Three runs in one launch: FSDP2 + tensor parallel (``OUT_DIR/mon``, ``ref_rank<r>.pt``),
+FSDP2 hybrid sharding (``OUT_DIR/hsdp``, ``hsdp_rank<r>.pt``; see ``hsdp``) and tensor
+parallelism alone over the 4 ranks (``OUT_DIR/tp``, ``tp_rank<r>.pt``).
 
 The model: ``emb`` and ``head`` plain (FSDP2-sharded over dp only), ``fc1`` column- and
 ``fc2`` row-parallel (``parallelize_module`` over tp), then ``fully_shard`` over dp;
@@ -56,7 +57,7 @@ def loss_of(model, x, y):
 
 
 def full(t):
-    return t.full_tensor().detach().clone()
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
 def fsdp2_tp(out_dir: str) -> None:
@@ -95,6 +96,24 @@ def hsdp(out_dir: str) -> None:
     refs = train(model, twin, dist.get_rank(), os.path.join(out_dir, "hsdp"))
     torch.save({"coordinate": list(mesh.get_coordinate()), "steps": refs},
                os.path.join(out_dir, f"hsdp_rank{dist.get_rank()}.pt"))
+
+
+def tensor_parallel_only(out_dir: str) -> None:
+    """Tensor parallelism alone on a 1-D ``("tp",)`` mesh of the 4 ranks: no data
+    parallelism (every rank trains on the same data), ``emb`` and ``head`` plain tensors
+    replicated on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    model = Net()
+    twin = Net()
+    twin.load_state_dict(model.state_dict())
+    parallelize_module(model, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    refs = train(model, twin, 0, os.path.join(out_dir, "tp"))
+    torch.save({"tp_rank": mesh.get_coordinate()[0], "steps": refs},
+               os.path.join(out_dir, f"tp_rank{dist.get_rank()}.pt"))
 
 
 def train(model, twin, dp_rank: int, output_dir: str):
@@ -137,6 +156,7 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     fsdp2_tp(sys.argv[1])
     hsdp(sys.argv[1])
+    tensor_parallel_only(sys.argv[1])
     from support import finish
 
     finish()
