@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from support import assert_row_matches, numpy_stats, rows_of, run_torchrun
+from msprobe.core.monitor_v2.analysis.merge import merge_run
+from msprobe.core.monitor_v2.layout import load_layout
+from support import assert_row_matches, numpy_stats, read_csv, rows_of, run_torchrun
 
 WORKER = Path(__file__).parent / "workers" / "data_parallel.py"
 PARAMS = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "fc3.weight", "fc3.bias"]
@@ -57,10 +59,88 @@ def check_unreduced(refs, rows, mbs):
     assert a["norm"] != b["norm"]
 
 
+def check_layout(out, mode, refs, rows):
+    """``rank_<r>/layout.json`` says what each rank's rows are of: dp is the 2-rank world,
+    every parameter has its model shape; DDP rows are of whole tensors, FSDP's reduced,
+    param and optimizer rows of this rank's part of the shard (``[dp, r, 2]``, element
+    counts that add up to the whole, none where the rank writes no row), and those
+    element counts weight the shards' means into the mean of the whole gradient."""
+    docs = [load_layout(str(out / f"rank_{r}" / "layout.json")) for r in range(2)]
+    shapes = {n: list(g.shape) for n, g in refs[0]["grads"][0][0].items()}
+    for r, doc in enumerate(docs):
+        assert (doc["rank"], doc["world_size"], doc["stack"]) == (r, 2, "torch")
+        assert doc["groups"] == {"dp": {"rank": r, "size": 2}}, doc["groups"]
+        assert doc["unknown"] == [] and set(doc["params"]) == set(PARAMS), doc
+        for name in PARAMS:
+            entry = doc["params"][name]
+            assert entry["shape"] == shapes[name], (mode, name, entry)
+            whole = {"numel": math.prod(shapes[name]), "split": []}
+            assert entry["pieces"]["unreduced"] == whole
+            for cls in ("reduced", "param", "optimizer"):
+                if mode == "ddp":
+                    assert entry["pieces"][cls] == whole
+                else:
+                    assert entry["pieces"][cls]["split"] == [["dp", r, 2]], (mode, name, entry)
+                    assert entry["pieces"][cls] == entry["pieces"]["reduced"]
+    if mode == "ddp":
+        return
+    for name in PARAMS:
+        numels = [doc["params"][name]["pieces"]["reduced"]["numel"] for doc in docs]
+        assert sum(numels) == math.prod(shapes[name]), (mode, name, numels)
+        for s in range(STEPS):
+            got = [[x for x in rows[r] if x["step"] == str(s) and x["module_name"] == name and x["scope"] == "reduced"]
+                   for r in range(2)]
+            assert [len(g) for g in got] == [int(n > 0) for n in numels], (mode, name, numels, got)
+            mean = ((local_grad(refs[0], s, name) + local_grad(refs[1], s, name)) / 2).double().mean().item()
+            combined = sum(float(g[0]["mean"]) * n for g, n in zip(got, numels) if n) / sum(numels)
+            assert math.isclose(combined, mean, rel_tol=1e-4, abs_tol=1e-7), (mode, name, s, combined, mean)
+        for r in range(2):
+            written = {x["module_name"] for x in rows_of(out, "param", rank=r)}
+            assert (name in written) == (numels[r] > 0), (mode, name, r)
+
+
+def check_merge(out, refs, mbs, tmp_path):
+    """``merge_run`` on the run: nothing left out, replicas (DDP's reduced gradients,
+    parameters and moments on both ranks) agree, and each merged reduced gradient is the
+    mean of the two ranks' local gradients of the whole tensor."""
+    dest = tmp_path / "merged"
+    summary = merge_run(str(out), str(dest)).to_json()
+    assert summary["disagreements"] == 0, summary
+    assert summary["left_out"] == {"unknown": 0, "partial": 0, "incomplete": 0, "cc": 0, "no_layout": 0}, summary
+    merged = read_csv(dest / "weight_grad.csv")
+    for s in range(STEPS):
+        for name in PARAMS:
+            mean = (local_grad(refs[0], s, name) + local_grad(refs[1], s, name)) / 2
+            row = pick(merged, step=s, module_name=name, scope="reduced")
+            assert_row_matches(row, numpy_stats(mean), rtol=1e-4, atol=1e-6)
+            if not mbs:  # one accumulated unreduced row per dp rank, of that rank's whole gradient
+                for r in range(2):
+                    row = pick(merged, step=s, module_name=name, scope="unreduced", dp_rank=r)
+                    assert_row_matches(row, numpy_stats(local_grad(refs[r], s, name)), rtol=1e-4, atol=1e-6)
+    return dest
+
+
 @pytest.mark.parametrize("mbs", [False, True], ids=["accumulated", "per-micro-batch"])
 def test_ddp_unreduced_is_local_and_reduced_is_the_mean(tmp_path, mbs):
     out, refs, rows = run("ddp", tmp_path, mbs)
     check_unreduced(refs, rows, mbs)
+    check_layout(out, "ddp", refs, rows)
+    check_merge(out, refs, mbs, tmp_path)
+    if not mbs:
+        # a replica that disagrees (rank 1's reduced fc2.weight at step 1, edited) is reported
+        path = out / "rank_1" / "weight_grad_step1-1.csv"
+        lines = path.read_text().splitlines(keepends=True)
+        k = next(i for i, x in enumerate(lines) if ",fc2.weight,reduced," in x)
+        cells = lines[k].rstrip("\n").split(",")
+        norm_at = lines[0].rstrip("\n").split(",").index("norm")
+        cells[norm_at] = repr(float(cells[norm_at]) * 1.01)
+        lines[k] = ",".join(cells) + "\n"
+        path.write_text("".join(lines))
+        summary = merge_run(str(out), str(tmp_path / "merged_edited")).to_json()
+        assert summary["disagreements"] == 1, summary
+        (found,) = read_csv(tmp_path / "merged_edited" / "disagreements.csv")
+        assert (found["step"], found["monitor"], found["module_name"], found["scope"], found["stat"]) == (
+            "1", "weight_grad", "fc2.weight", "reduced", "norm"), found
     for s in range(STEPS):
         for name in PARAMS:
             mean = (local_grad(refs[0], s, name) + local_grad(refs[1], s, name)) / 2
@@ -78,6 +158,8 @@ def test_ddp_unreduced_is_local_and_reduced_is_the_mean(tmp_path, mbs):
 def test_fsdp_unreduced_is_captured_before_reduce_scatter(tmp_path, mode):
     out, refs, rows = run(mode, tmp_path, mbs=(mode == "fsdp2"))
     check_unreduced(refs, rows, mbs=(mode == "fsdp2"))
+    check_layout(out, mode, refs, rows)
+    check_merge(out, refs, mode == "fsdp2", tmp_path)
     # reduced rows are local shards: across ranks they make up the mean gradient
     for s in range(STEPS):
         for name in PARAMS:

@@ -104,7 +104,8 @@ class TorchSession:
         """Tensors and row keys for ``(param, tensor)`` pairs read at the optimizer step.
 
         An FSDP1 flat shard is cut into one view per original parameter; local shards
-        without elements (a rank that holds nothing of a parameter) are left out. A
+        without elements (a rank that holds nothing of a parameter: a DTensor's, or an
+        FSDP1 original parameter's under ``use_orig_params=True``) are left out. A
         parameter without elements (``numel() == 0``) keeps its rows, as in every monitor:
         ``nan`` min/max/mean, 0 norm and NaNs."""
         tensors, keys = [], []
@@ -116,7 +117,9 @@ class TorchSession:
                     keys.append((info.vpp_stage, seg.name + suffix, scope, None))
                 continue
             local = t.to_local() if hasattr(t, "to_local") else t
-            if local.numel() == 0 and t.numel() != 0:
+            # A DTensor shard without elements, or an FSDP1 original parameter
+            # (use_orig_params=True) of which this rank's flat shard holds nothing.
+            if local.numel() == 0 and (t.numel() != 0 or id(info.param) in self.fsdp_managed):
                 continue
             tensors.append(t)
             keys.append((info.vpp_stage, info.name + suffix, scope, None))

@@ -43,7 +43,6 @@ import torch
 
 from ....backend import GradCallback, UnreducedCapture
 from ....errors import ConfigError
-from ....layout import SCOPE_CLASSES, piece
 from ....logonce import LogOnce
 from ....param_table import ParamInfo, ParamTable
 from ....patching import Patch, hooks, wrap_method
@@ -92,12 +91,11 @@ class TrainingStack:
 
     # ---------------------------------------------------------------- layout
     def layout(self, table: ParamTable, doc: dict) -> None:
-        """Plain torch and DDP: every rank holds every parameter whole; the data-parallel
-        group is the world (``doc`` already says so)."""
-        for info in table.model_params():
-            p = info.param
-            whole = piece(p.numel())
-            doc["params"][info.name] = {"shape": list(p.shape), "pieces": {c: whole for c in SCOPE_CLASSES}}
+        """Plain torch, DDP, FSDP1 and DTensor parameters (FSDP2, tensor parallel on a
+        ``DeviceMesh``): see ``native_layout.py``."""
+        from .native_layout import fill
+
+        fill(self.chunks, table, doc)
 
     # ------------------------------------------------------------------ step
     def install_step_hooks(self, before: Callable[[], None], after: Callable[[], None]) -> Patch:

@@ -18,7 +18,7 @@ monitor logs that ``unreduced`` cannot be observed for those parameters and goes
 """
 
 import logging
-from typing import Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -61,8 +61,10 @@ class FlatSegment:
 class FlatParamLayout:
     """Layout of one FSDP1 flat parameter: unsharded segments and local-shard segments."""
 
-    def __init__(self, prefix: str, flat_param: torch.Tensor, unit: Optional[torch.nn.Module] = None) -> None:
+    def __init__(self, prefix: str, flat_param: torch.Tensor, unit: Optional[torch.nn.Module] = None,
+                 fsdp_module: Optional[torch.nn.Module] = None) -> None:
         self.flat_param = flat_param
+        self.fsdp_module = fsdp_module  # the FullyShardedDataParallel unit (its groups, for the layout)
         # ``_fqns`` are relative to the module the FSDP unit wraps; wrappers inside it
         # (checkpoint_wrapper under FSDP1) are left out of the names as everywhere.
         fqns = [clean_path(unit, f) if unit is not None else f for f in flat_param._fqns]
@@ -75,9 +77,17 @@ class FlatParamLayout:
                 k += 1
             offset += numel
         self.shard: List[FlatSegment] = []
-        for name, info in zip(names, flat_param._shard_param_infos):
-            if info.in_shard and info.numel_in_shard:
-                self.shard.append(FlatSegment(name, info.offset_in_shard, info.numel_in_shard))
+        # (name, full shape or None, elements, elements in this rank's shard) of every
+        # original parameter, for the layout; the shapes are read defensively (the rows
+        # need only the offsets)
+        self.entries: List[Tuple[str, Optional[List[int]], int, int]] = []
+        shapes = getattr(flat_param, "_shapes", None)
+        shapes = list(shapes) if shapes is not None and len(shapes) == len(names) else [None] * len(names)
+        for seg, shape, info in zip(self.unsharded, shapes, flat_param._shard_param_infos):
+            in_shard = info.numel_in_shard if info.in_shard and info.numel_in_shard else 0
+            self.entries.append((seg.name, None if shape is None else list(shape), seg.numel, in_shard))
+            if in_shard:
+                self.shard.append(FlatSegment(seg.name, info.offset_in_shard, info.numel_in_shard))
 
     @property
     def names(self) -> List[str]:
@@ -97,11 +107,29 @@ def fsdp1_layouts(root: torch.nn.Module) -> List[FlatParamLayout]:
         if flat is None:
             continue
         try:
-            layouts.append(FlatParamLayout(path, flat, wrapped_module(module)))
+            layouts.append(FlatParamLayout(path, flat, wrapped_module(module), module))
         except AttributeError as exc:
             logger.warning("monitor_v2: cannot read the FSDP flat-parameter layout of '%s' (%r); its "
                            "'unreduced' gradients are not observed", path, exc)
     return layouts
+
+
+def fsdp1_shard_groups(layout: FlatParamLayout) -> Tuple[str, Tuple[int, int], Optional[Tuple[int, int]]]:
+    """``(strategy, (rank, size) in the shard group, (rank, size) in the replicate group
+    or None)`` of an FSDP1 unit: the shard group is the unit's process group; hybrid
+    strategies replicate the shards over ``_inter_node_pg``."""
+    handle = getattr(layout.fsdp_module, "_handle", None)
+    strategy = getattr(getattr(handle, "_sharding_strategy", None), "name", None)
+    if handle is None or strategy is None:
+        raise AttributeError("the FSDP unit's flat-parameter handle or sharding strategy")
+    shard = (int(handle.rank), int(handle.world_size))
+    replicate = None
+    if "HYBRID" in strategy:
+        pg = getattr(layout.fsdp_module, "_inter_node_pg", None)
+        if pg is None:
+            raise AttributeError("the hybrid-sharded FSDP unit's replicate group (_inter_node_pg)")
+        replicate = (int(pg.rank()), int(pg.size()))
+    return strategy, shard, replicate
 
 
 def fsdp2_modules(root: torch.nn.Module) -> List[torch.nn.Module]:
@@ -122,6 +150,24 @@ def fsdp2_params(module: torch.nn.Module) -> Iterator[Tuple[torch.Tensor, Option
     for group in groups:
         for fp in group.fsdp_params:
             yield fp.sharded_param, getattr(fp, "_unsharded_param", None)
+
+
+def fsdp2_param_states(root: torch.nn.Module) -> Dict[int, Any]:
+    """FSDP2's ``FSDPParam`` of each sharded parameter of ``root``, by the parameter's id."""
+    out: Dict[int, Any] = {}
+    for module in fsdp2_modules(root):
+        try:
+            state = module._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:
+                group = getattr(state, "_fsdp_param_group", None)
+                groups = [group] if group is not None else []
+            for group in groups:
+                for fp in group.fsdp_params:
+                    out[id(fp.sharded_param)] = fp
+        except AttributeError:
+            continue
+    return out
 
 
 def fsdp2_sharded_params(root: torch.nn.Module) -> List[torch.Tensor]:
