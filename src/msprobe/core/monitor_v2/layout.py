@@ -56,8 +56,11 @@ a separator (``.`` or the chunk separator ``:``): under pipeline parallelism a s
 layer count; with ``groups.pp`` it orders the stages' rows in execution order.
 
 ``modules`` names module rows (``<module>.<kind>.<index>``) whose tensor is cut evenly
-along the split groups (Megatron's column-parallel outputs, row-parallel inputs);
-module rows not named are replicas over every group but ``dp``.
+along the split groups (Megatron's column-parallel outputs, row-parallel inputs), or
+every row of one module at once as ``<module>.*`` (``every_row``; a row's own entry comes
+first). A module row named by neither is described by ``"module_default"`` when the
+document has it (a stack that cannot tell which activations are replicated writes
+``"unknown"`` there), else it is a replica over every group but ``dp``.
 """
 
 import json
@@ -92,6 +95,24 @@ SCOPE_CLASSES: Tuple[str, ...] = (UNREDUCED, REDUCED, PARAM, OPTIMIZER)
 PER_DP_SCOPES = frozenset({rows.UNREDUCED, rows.FORWARD, rows.EVAL_FORWARD, rows.BACKWARD})
 
 Split = List[List[Any]]  # [[group, index, count], ...]
+
+
+def every_row(module_tag: str) -> str:
+    """The ``modules`` key that describes every row of the module ``module_tag``."""
+    return module_tag + ".*"
+
+
+def module_entry(doc: Mapping[str, Any], row_name: str) -> Any:
+    """The piece of a module row (its own entry, its module's ``<module>.*``, the
+    document's ``module_default``, else a replica over every group but ``dp``)."""
+    modules = doc.get("modules") or {}
+    entry = modules.get(row_name)
+    if entry is None:
+        tag = row_name.rsplit(".", 2)[0]
+        entry = modules.get(every_row(tag))
+    if entry is None:
+        entry = doc.get("module_default", {"split": []})
+    return entry
 
 
 def scope_class(monitor: str, scope: str) -> Optional[str]:

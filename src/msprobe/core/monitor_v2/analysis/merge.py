@@ -238,7 +238,6 @@ class _RankLayout:
         self.pp_size = max(1, int(pp.get("size", 1)))
         self.rename = [tuple(r) for r in (doc.get("rename") or []) if isinstance(r, (list, tuple)) and len(r) == 2]
         self.params = doc.get("params") or {}
-        self.modules = doc.get("modules") or {}
         self.cache: Dict[Tuple[str, str, str, int], _Desc] = {}
 
     def describe(self, monitor: str, name: str, scope: str, vpp: int) -> _Desc:
@@ -253,7 +252,7 @@ class _RankLayout:
         dp = self.dp_rank if scope in lay.PER_DP_SCOPES else None
         vkey = vpp * self.pp_size + self.pp_rank
         if monitor == rows.MODULE:
-            entry = self.modules.get(name, {"split": []})  # not named: replicated over every group but dp
+            entry = lay.module_entry(self.doc, name)
             if not isinstance(entry, dict):
                 return _Desc(UNKNOWN, gname, dp, vkey=vkey, why=f"rank {self.rank}: module row's split is {entry!r}")
             if entry.get("partial"):

@@ -34,7 +34,6 @@ logged once, naming what is not observable, and never raises into training.
 """
 
 import functools
-import inspect
 import sys
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -372,8 +371,7 @@ class MegatronStack(TrainingStack):
                         said.add(why)
                         doc["unknown"].append(why)
                     tag = table.qualify(vpp, name or naming.class_name(module))
-                    for kind, index in _possible_rows(module):
-                        out[rows.module_row(tag, kind, index)] = lay.UNKNOWN
+                    out[lay.every_row(tag)] = lay.UNKNOWN
                     continue
                 tag = table.qualify(vpp, name or naming.class_name(module))
                 kinds = _split_module_rows(module)
@@ -397,8 +395,7 @@ class MegatronStack(TrainingStack):
                 if why not in said:
                     said.add(why)
                     doc["unknown"].append(why)
-                for kind, index in _possible_rows(module):
-                    out.setdefault(rows.module_row(tag, kind, index), lay.UNKNOWN)
+                out.setdefault(lay.every_row(tag), lay.UNKNOWN)
 
     # ------------------------------------------------------------- gradients
     def reduced_grads(self, table: ParamTable) -> List[Tuple[ParamInfo, torch.Tensor]]:
@@ -549,20 +546,6 @@ _TP_LOCAL_ROWS: Dict[str, Dict[str, Tuple[int, ...]]] = {
     "LayerNorm": _HEADS_0,   # per-head q/k layernorm
     "RMSNorm": _HEADS_0,
 }
-
-
-def _possible_rows(module: torch.nn.Module) -> List[Tuple[str, int]]:
-    """The module rows a call of ``module`` can write (its forward's parameters as
-    inputs, a few outputs): the names to mark "unknown"."""
-    try:
-        params = list(inspect.signature(module.forward).parameters.values())
-    except (TypeError, ValueError):
-        params = []
-    n_in = sum(1 for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
-    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params) or not params:
-        n_in += 4
-    return ([(k, i) for k in (rows.INPUT, rows.GRAD_INPUT) for i in range(n_in)]
-            + [(k, i) for k in (rows.OUTPUT, rows.GRAD_OUTPUT) for i in range(4)])
 
 
 def _split_module_rows(module: torch.nn.Module) -> Optional[List[Tuple[str, int]]]:
