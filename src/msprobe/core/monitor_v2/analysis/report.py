@@ -119,6 +119,8 @@ def finding(rank: int, monitor: str, row: Row, path: str, **extra: Any) -> Dict[
         "scope": row.scope, "tensor": row.name, "vpp_stage": row.vpp,
         "where": where(monitor, row.scope, row.micro), "file": path, "line": row.line,
     }
+    if row.dp is not None:  # a merged view's row kept per data-parallel rank
+        d["dp_rank"] = row.dp
     d.update(extra)
     return d
 
