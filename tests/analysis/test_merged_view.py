@@ -292,3 +292,75 @@ def test_plot_and_its_report_on_a_merged_view(tmp_path):
     tensor = both("plot", view, "--out", tmp_path / "by_tensor", "--by", "tensor", "--no-html",
                   "--match", "layers.2.mlp.linear_fc1", "--monitors", "weight_grad", "--json").json()
     assert tensor["images"]
+
+
+# ------------------------------------------------------------------------------ end to end
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory) -> Path:
+    """The 2-rank gloo DDP runs of tests/analysis (module, weight_grad per micro-batch,
+    optimizer and param monitors; see workers/train_runs.py), launched once per session."""
+    from analysis_helpers import training_runs
+
+    return training_runs(tmp_path_factory)
+
+
+def _keyed(df, merged: bool) -> Dict[tuple, dict]:
+    out = {}
+    for rec in df.iter_rows(named=True):
+        who = rec["dp_rank"] if merged else rec["rank"]
+        out[(rec["monitor"], rec["step"], rec["module_name"], rec["scope"], rec["micro_step"], who)] = rec
+    return out
+
+
+def test_a_real_ddp_run_merged_reads_as_its_ranks_say(ddp_runs, tmp_path):
+    from msprobe.core.monitor_v2.analysis import load
+    from msprobe.core.monitor_v2.analysis.merge import merge_run
+
+    src = ddp_runs / "nan"
+    assert (src / "rank_0" / "layout.json").is_file() and (src / "rank_1" / "layout.json").is_file()
+    dest = tmp_path / "merged"
+    merge_run(str(src), str(dest))
+    assert (dest / "merge.json").is_file()
+
+    # load: every merged row against the rank files it comes from. Rows kept per dp rank are
+    # that rank's rows (DDP: dp coordinate = rank); rows combined over dp (reduced gradient,
+    # parameters, optimizer state) are rank 0's, which rank 1 replicates
+    merged = load(str(dest))
+    per_rank = load(str(src))
+    assert len(merged) and merged["dp_rank"].null_count() < len(merged)
+    want = _keyed(per_rank, merged=False)
+    got = _keyed(merged, merged=True)
+    per_dp = {"forward", "backward", "unreduced"}
+    for (monitor, step, name, scope, micro, dp), rec in got.items():
+        assert (dp is not None) == (scope in per_dp), (monitor, name, scope, dp)
+        src_rec = want[(monitor, step, name, scope, micro, 0 if dp is None else dp)]
+        for op in ("min", "max", "mean", "norm"):
+            a, b = rec[op], src_rec[op]
+            assert (a != a and b != b) or a == pytest.approx(b, rel=1e-6, abs=1e-12), (monitor, name, scope, op)
+        assert rec["nans"] == src_rec["nans"]
+    # and nothing of the ranks' rows is missing from the merged view (cc is not merged)
+    expected = {(m, st, n, sc, mi, (r if sc in per_dp else None)) for (m, st, n, sc, mi, r) in want if m != "cc"}
+    assert set(got) == expected
+
+    # summary: the same steps and tensors as the per-rank view, one pseudo-rank
+    s_merged = both("summary", dest, "--json").json()
+    s_ranks = both("summary", src, "--json", "--no-rank-check").json()
+    assert s_merged["ranks"] == [0] and s_merged["merged"]["world_size"] == 2
+    for monitor, col in s_merged["monitors"].items():
+        assert col["steps"] == s_ranks["monitors"][monitor]["steps"]
+        assert col["tensors"] == s_ranks["monitors"][monitor]["tensors"]
+
+    # anomalies: the first NaN is where the per-rank view puts it (rank 1's fc2 forward at
+    # the NaN step), on the merged view's dp_rank 1
+    a_merged = both("anomalies", dest, "--json").json()["nonfinite"]["first"]
+    a_ranks = both("anomalies", src, "--json").json()["nonfinite"]["first"]
+    assert a_ranks["rank"] == 1
+    assert (a_merged["step"], a_merged["monitor"], a_merged["scope"], a_merged["tensor"], a_merged["dp_rank"]) == \
+        (a_ranks["step"], a_ranks["monitor"], a_ranks["scope"], a_ranks["tensor"], a_ranks["rank"])
+
+    # plot and the HTML report
+    require("matplotlib", MATPLOTLIB_PLOT)
+    res = both("plot", dest, "--out", tmp_path / "plots", "--json")
+    assert res.code == 0 and res.json()["images"] and (tmp_path / "plots" / "report.html").is_file()
+    # diff of the merged view with itself
+    assert both("diff", dest, dest).code == 0
