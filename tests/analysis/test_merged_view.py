@@ -43,7 +43,7 @@ def _values(seed: float, step: int) -> Values:
     return (-0.5 * norm, 0.5 * norm, 0.001 * seed, norm, 0)
 
 
-def write_view(dest: Path, override: Override = lambda *a: None, steps=STEPS) -> Path:
+def write_view(dest: Path, override: Override = lambda *a: None, steps=STEPS, disagreements: int = 0) -> Path:
     """A merged view in the contract's format, rows in execution order: forward-like rows
     by stage ascending, backward-like rows (module backward, unreduced) descending."""
     dest.mkdir(parents=True)
@@ -97,8 +97,10 @@ def write_view(dest: Path, override: Override = lambda *a: None, steps=STEPS) ->
     (dest / "merge.json").write_text(json.dumps({
         "format": "msprobe-monitor-merged", "version": 1, "source": "/runs/pp2_dp2", "world_size": 4,
         "ranks": [0, 1, 2, 3], "groups": {"dp": 2, "pp": 2}, "rows_read": 2 * n, "rows_written": n,
-        "left_out": {"unknown": 0, "partial": 0, "incomplete": 0, "cc": 24, "no_layout": 0}, "disagreements": 0}))
-    (dest / "disagreements.csv").write_text("step,monitor,module_name,scope,micro_step,dp_rank,stat,ranks,values\n")
+        "left_out": {"unknown": 0, "partial": 0, "incomplete": 0, "cc": 24, "no_layout": 0}, "disagreements": disagreements}))
+    (dest / "disagreements.csv").write_text("step,monitor,module_name,scope,micro_step,dp_rank,stat,ranks,values\n"
+                                            + "4,param,decoder.layers.0.mlp.linear_fc1.weight,param_updated,,,norm,"
+                                              "0;2,3.1;3.2\n" * disagreements)
     return dest
 
 
@@ -141,6 +143,16 @@ def test_summary_reads_the_merged_view_as_one_pseudo_rank(tmp_path):
     text = both("summary", view).out
     assert "merged view of 4 rank(s) (dp=2 pp=2) from /runs/pp2_dp2" in text
     assert "cc 24" in text  # what the merge left out is said
+
+
+def test_the_disagreements_merge_found_are_anomalies_of_the_merged_view(tmp_path):
+    clean = both("anomalies", write_view(tmp_path / "clean"), "--json")
+    assert clean.code == 0 and clean.json()["rank_check"]["note"] == "replicas compared by merge: 0 disagreement(s)"
+    view = write_view(tmp_path / "view", disagreements=2)
+    res = both("anomalies", view)
+    assert res.code == 1
+    assert f"rank disagreement: replicas compared by merge: 2 disagreement(s), listed in " \
+           f"{view / 'disagreements.csv'}" in both("summary", view).out
 
 
 def test_a_rank_selection_other_than_the_pseudo_rank_is_refused(tmp_path):
