@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/analysis_throughput.py                  # 6 M rows (4 x 250 x 6,000)
     .venv/bin/python benchmarks/analysis_throughput.py --steps 2084 --engines columnar   # ~50 M rows
     .venv/bin/python benchmarks/analysis_throughput.py --smoke          # tiny, checks the findings (CI)
+    .venv/bin/python benchmarks/analysis_throughput.py --commands merge --merge-steps 1000   # 64 x 1,000 x 200
 
 Writes ``ranks x steps x 2*tensors`` ``weight_grad`` rows (one CSV file per rank and
 step by default; see ``analysis_synthetic.py``: a NaN, a spike and a rank disagreement
@@ -13,6 +14,15 @@ implementation, ``--engine reference``). Also ``export`` to Parquet and ``summar
 the process (user + system, all threads), rows per CPU second (a steadier figure on a
 shared machine), peak resident memory (``ru_maxrss``), and whether the findings are the
 injected ones. The findings of the two engines must be identical (exit 1 otherwise).
+
+``merge`` runs on a model-parallel output of its own (``analysis_synthetic.
+write_parallel_output``: ``--merge-layout TPxPPxDP`` ranks, default 4x2x8 = 64, each
+with its ``layout.json``, ``--merge-steps`` steps, ``--merge-params`` parameters per
+pipeline stage, an ``unreduced`` and a ``reduced`` row each; linear weights split over
+tp, layernorm weights replicated); ``summary`` runs on the same output with each engine,
+for the rows/s of a reading command on the same rows. Its findings: the merged norms of
+watched parameters equal the whole tensors' (1e-5), every row is merged, and the one
+injected replica disagreement is reported (exit 1).
 """
 
 import argparse
@@ -23,13 +33,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from analysis_synthetic import Expected, write_output  # noqa: E402
+from analysis_synthetic import Expected, ParallelExpected, write_output, write_parallel_output  # noqa: E402
 
 _CHILD = r"""
 import io, json, resource, sys, time
@@ -77,6 +87,62 @@ def check_findings(data: Dict[str, Any], exp: Expected) -> List[str]:
     return errors
 
 
+def check_merge(data: Dict[str, Any], code: int, dest: str, exp: ParallelExpected) -> List[str]:
+    """What is wrong with ``merge --json``'s result and DEST (empty: as injected)."""
+    import csv
+
+    errors = []
+    if code != 1:
+        errors.append(f"exit {code}, expected 1 (a disagreement)")
+    if data["rows_written"] != exp.merged_rows or any(data["left_out"].values()):
+        errors.append(f"rows written {data['rows_written']} (expected {exp.merged_rows}), left out {data['left_out']}")
+    step, name, scope, rank = exp.disagreement
+    got = [(d["step"], d["module_name"], d["scope"], tuple(d["differing_ranks"])) for d in data["first_disagreements"]]
+    # min, max, mean and norm of that one row: the injected error scales them all
+    if data["disagreeing_rows"] != 1 or not got or set(got) != {(step, name, scope, (rank,))}:
+        errors.append(f"{data['disagreeing_rows']} disagreeing rows: {sorted(set(got))}, expected "
+                      f"{[(step, name, scope, (rank,))]}")
+    want = dict(exp.values)
+    with open(os.path.join(dest, "weight_grad.csv"), newline="") as fh:
+        for row in csv.DictReader(fh):
+            key = (int(row["step"]), row["module_name"], row["scope"], row["dp_rank"])
+            if key in want:
+                v = want.pop(key)
+                if abs(float(row["norm"]) - v) > 1e-5 * abs(v):
+                    errors.append(f"{key}: merged norm {row['norm']}, whole tensor {v:.9g}")
+    if want:
+        errors.append(f"{len(want)} watched rows missing from the merged file, e.g. {next(iter(want))}")
+    return errors
+
+
+def run_merge_case(args: argparse.Namespace, base: str, engines: List[str]) -> Tuple[bool, List[Dict[str, Any]], int]:
+    tp, pp, dp = (int(x) for x in args.merge_layout.lower().split("x"))
+    out_dir = os.path.join(base, "parallel")
+    dest = os.path.join(base, "merged")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    shutil.rmtree(dest, ignore_errors=True)
+    t0 = time.perf_counter()
+    exp = write_parallel_output(out_dir, tp, pp, dp, args.merge_steps, args.merge_params, args.steps_per_file)
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out_dir) for f in fs)
+    print(f"synthetic model-parallel output: {exp.rows:,} rows, {exp.files:,} files, {size / 1e6:.0f} MB "
+          f"({tp * pp * dp} ranks = TP {tp} x PP {pp} x DP {dp}, {args.merge_steps} steps x {args.merge_params} "
+          f"params x 2 rows), written in {time.perf_counter() - t0:.1f} s", flush=True)
+    results = []
+    r = run_command(["merge", out_dir, dest, "--json", "--limit", "0"])
+    errs = check_merge(json.loads(r["out"]), r["code"], dest, exp)
+    r.update(command="merge", engine="-", input="csv", findings="as injected" if not errs else "; ".join(errs))
+    results.append(r)
+    _print_row(r, exp.rows)
+    for engine in engines:
+        r = run_command(["summary", out_dir, "--engine", engine, "--no-rank-check"])
+        r.update(command="summary", engine=engine, input="csv (same run)")
+        results.append(r)
+        _print_row(r, exp.rows)
+    for r in results:
+        r["rows"] = exp.rows
+    return not errs, results, exp.rows
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=4)
@@ -84,7 +150,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--tensors", type=int, default=3000, help="tensors per rank (2 rows each per step)")
     p.add_argument("--steps-per-file", type=int, default=1)
     p.add_argument("--engines", default="columnar,reference")
-    p.add_argument("--commands", default="summary,anomalies,export")
+    p.add_argument("--commands", default="summary,anomalies,export,merge")
+    p.add_argument("--merge-layout", default="4x2x8", help="merge's run: TPxPPxDP ranks")
+    p.add_argument("--merge-steps", type=int, default=100, help="merge's run: steps (1000: the issue's size)")
+    p.add_argument("--merge-params", type=int, default=200, help="merge's run: parameters per pipeline stage")
     p.add_argument("--dir", default=None, help="where to write the synthetic output (default: a temporary directory)")
     p.add_argument("--keep", action="store_true", help="keep the synthetic output")
     p.add_argument("--smoke", action="store_true", help="2 ranks x 24 steps x 40 rows: a quick check of the findings")
@@ -92,6 +161,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.smoke:
         args.ranks, args.steps, args.tensors = 2, 24, 20
+        args.merge_layout, args.merge_steps, args.merge_params = "2x2x2", 24, 20
     base = args.dir or tempfile.mkdtemp(prefix="msprobe_analysis_bench_")
     out_dir = os.path.join(base, "out")
     parquet_dir = os.path.join(base, "parquet")
@@ -99,6 +169,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     commands = [c for c in args.commands.split(",") if c]
     ok = True
     try:
+        if "merge" in commands:
+            merged_ok, merge_results, merge_rows = run_merge_case(args, base, engines)
+            ok &= merged_ok
+            commands.remove("merge")
+        else:
+            merge_results, merge_rows = [], 0
+        if not commands:
+            print()
+            print(_table(merge_results, merge_rows))
+            return _finish(ok)
         if os.path.exists(out_dir):
             shutil.rmtree(out_dir)
         t0 = time.perf_counter()
@@ -145,17 +225,24 @@ def main(argv: Optional[List[str]] = None) -> int:
             ok &= same
             print(f"findings of the two engines: {'identical' if same else 'DIFFERENT'}")
         print()
-        print(_table(results, exp.rows))
+        print(_table(results + merge_results, exp.rows))
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump({"rows": exp.rows, "files": exp.files, "bytes": size, "ranks": args.ranks,
                            "steps": args.steps, "tensors": args.tensors, "cpus": os.cpu_count(),
                            "load_avg": os.getloadavg(),
-                           "results": [{k: v for k, v in r.items() if k != "out"} for r in results]}, fh, indent=1)
+                           "merge_rows": merge_rows,
+                           "results": [{k: v for k, v in r.items() if k != "out"} for r in results + merge_results]},
+                          fh, indent=1)
     finally:
         if not args.keep:
             shutil.rmtree(base if args.dir is None else out_dir, ignore_errors=True)
-            shutil.rmtree(parquet_dir, ignore_errors=True)
+            for sub in ("parquet", "parallel", "merged"):
+                shutil.rmtree(os.path.join(base, sub), ignore_errors=True)
+    return _finish(ok)
+
+
+def _finish(ok: bool) -> int:
     print("OK: findings as injected" if ok else "FAILED: see above")
     return 0 if ok else 1
 
@@ -170,8 +257,9 @@ def _table(results: List[Dict[str, Any]], rows: int) -> str:
     head = ["command", "engine", "input", "wall s", "rows/s", "CPU s", "rows/CPU-s", "peak MB", "findings"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
-        lines.append(f"| {r['command']} | {r['engine']} | {r['input']} | {r['wall']:.1f} | {rows / r['wall']:,.0f} | "
-                     f"{r['cpu']:.1f} | {rows / r['cpu']:,.0f} | {r['peak_mb']:.0f} | {r.get('findings', '')} |")
+        n = r.get("rows", rows)
+        lines.append(f"| {r['command']} | {r['engine']} | {r['input']} | {r['wall']:.1f} | {n / r['wall']:,.0f} | "
+                     f"{r['cpu']:.1f} | {n / r['cpu']:,.0f} | {r['peak_mb']:.0f} | {r.get('findings', '')} |")
     return "\n".join(lines)
 
 

@@ -6,12 +6,14 @@
     msprobe-monitor diff      OUT_A OUT_B      first difference between two runs
     msprobe-monitor export    OUT_DIR DEST     the output as one Parquet dataset (read by all commands)
     msprobe-monitor export    --tensorboard TB_DIR OUT_DIR   the output as TensorBoard event files
+    msprobe-monitor merge     OUT_DIR DEST     a model-parallel run as whole tensors under global names
     msprobe-monitor validate  CONFIG           check a monitor_v2 config file
     msprobe-monitor struct    OUT_DIR          module/parameter names; what --targets selects
     msprobe-monitor control   CONFIG ...       edit a running job's config ("dynamic": true) safely
 
-Exit codes: 0 = ok (no anomaly / no difference / valid config), 1 = anomalies found
-(``anomalies``) or the runs differ (``diff``), 2 = usage or input error (bad flag, missing
+Exit codes: 0 = ok (no anomaly / no difference / valid config / replicas agree), 1 =
+anomalies found (``anomalies``), the runs differ (``diff``) or data-parallel replicas
+disagree (``merge``), 2 = usage or input error (bad flag, missing
 directory, invalid config, malformed CSV with ``--strict``), 3 = internal error (a bug:
 rerun with ``--debug`` for the traceback). ``summary`` and ``plot`` exit 0 whatever they
 find. Results go to stdout (text tables, or one JSON object with ``--json``); warnings
@@ -29,8 +31,8 @@ from .reader import (OPS, InputError, Layout, Problems, StepRange, parse_int_lis
                      refuse_merged, scan)
 from .reference import ReferenceEngine
 from .render import (ORDER_TEXT, anomalies_json, anomalies_text, anomaly_tables, diff_json, diff_text, export_json,
-                     export_text, plot_json, plot_text, ranks_text, summary_json, summary_text, validate_json,
-                     validate_text)
+                     export_text, merge_json, merge_text, plot_json, plot_text, ranks_text, summary_json,
+                     summary_text, validate_json, validate_text)
 from .report import AnalysisEngine, RankCheckSettings, Report, RowVisitor, SpikeSettings
 from .text import dump_json
 
@@ -137,8 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Read the CSV output of msprobe Monitor V2: a summary, anomalies (first NaN/Inf, spikes, "
                     "ranks that disagree), trend plots with an HTML report, a comparison of two runs, export to "
                     "Parquet, and config validation.",
-        epilog="exit codes: 0 ok, 1 anomalies found (anomalies) or runs differ (diff), 2 usage/input error, "
-               "3 internal error",
+        epilog="exit codes: 0 ok, 1 anomalies found (anomalies), runs differ (diff) or replicas disagree (merge), "
+               "2 usage/input error, 3 internal error",
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -222,6 +224,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write TensorBoard event files under TB_DIR (replaces the event files of the ranks it "
                         "writes); view them with: tensorboard --logdir TB_DIR")
     _common(e)
+
+    mg = sub.add_parser("merge", formatter_class=_Formatter,
+                        help="combine the ranks' rows of a model-parallel run into whole tensors under global names "
+                             "(exit 1 if replicas disagree)",
+                        description="Read every rank_<r>/layout.json and CSV file of OUT_DIR and write DEST/<monitor>"
+                                    ".csv: one row per step, tensor and scope for the whole (unsharded) tensor, "
+                                    "combined exactly from the ranks' pieces (TP, FSDP/ZeRO shards), under global "
+                                    "layer names (pipeline stages, virtual chunks), in execution order. unreduced and "
+                                    "module rows keep one row per data-parallel rank (dp_rank). Replicas that must "
+                                    "agree (reduced gradients, parameters, optimizer state) are compared within "
+                                    "--rtol: a disagreement goes to DEST/disagreements.csv and makes the exit status 1 "
+                                    "(0 otherwise). Rows that cannot be combined (a piece the layout calls unknown or "
+                                    "partial, pieces that do not add up to the tensor, a rank without layout.json, "
+                                    "cc rows) are left out and counted in DEST/merge.json, never guessed. Every other "
+                                    "command reads DEST like an output directory.")
+    mg.add_argument("out_dir", metavar="OUT_DIR", help="the monitor's output_dir (holding rank_<r>/)")
+    mg.add_argument("dest", metavar="DEST", help="the directory to write (new, empty, or an earlier merge's)")
+    mg.add_argument("--rtol", type=_nonneg_float, default=1e-5,
+                    help="relative tolerance between replicas (counts must be equal)")
+    mg.add_argument("--strict", action="store_true",
+                    help="stop at the first malformed CSV line or file (exit 2) instead of skipping it with a warning")
+    mg.add_argument("--progress", action="store_true",
+                    help="show progress on stderr even when it is not a terminal (on a terminal it is always shown)")
+    mg.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    mg.add_argument("--limit", type=_nonneg_int, default=5, help="examples and disagreements shown (0 = all kept)")
+    mg.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
 
     v = sub.add_parser("validate", formatter_class=_Formatter,
                        help="check a monitor_v2 config file with the library's own validation",
@@ -477,6 +505,22 @@ def _is_parquet(path: str) -> bool:
     return is_parquet_dataset(path)
 
 
+def cmd_merge(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from .merge import count_files, merge_run
+    from .text import Progress
+
+    problems = Problems(strict=args.strict, stream=err)
+    prog = Progress(count_files(args.out_dir), "merging", enabled=True if args.progress else None, stream=err)
+    rep = merge_run(args.out_dir, args.dest, args.rtol, problems=problems, progress=prog.advance)
+    prog.close()
+    code = EXIT_FOUND if rep.disagreements else EXIT_OK
+    if args.json:
+        dump_json(merge_json(rep, args.limit, code), out)
+    else:
+        print(merge_text(rep, args.out_dir, args.dest, args.limit, code), file=out)
+    return code
+
+
 def cmd_validate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from .validate import validate
 
@@ -506,7 +550,7 @@ def cmd_control(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 COMMANDS = {"summary": cmd_summary, "anomalies": cmd_anomalies, "plot": cmd_plot, "diff": cmd_diff,
-            "export": cmd_export, "validate": cmd_validate, "struct": cmd_struct, "control": cmd_control}
+            "export": cmd_export, "merge": cmd_merge, "validate": cmd_validate, "struct": cmd_struct, "control": cmd_control}
 
 
 def main(argv: Optional[Sequence[str]] = None, out: Optional[TextIO] = None, err: Optional[TextIO] = None) -> int:

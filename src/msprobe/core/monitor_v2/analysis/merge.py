@@ -40,7 +40,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .. import layout as lay
 from .. import rows
@@ -293,15 +293,19 @@ class _RankLayout:
 class _Stream:
     """One rank's rows of one monitor, over its files in step order, a step at a time."""
 
-    def __init__(self, rank: int, files: Sequence[CsvFile], problems: Problems) -> None:
+    def __init__(self, rank: int, files: Sequence[CsvFile], problems: Problems,
+                 file_done: Optional[Callable[[str], None]] = None) -> None:
         self.rank = rank
-        self._rows = self._chain(files, problems)
+        self._rows = self._chain(files, problems, file_done)
         self.head: Optional[Row] = next(self._rows, None)
 
     @staticmethod
-    def _chain(files: Sequence[CsvFile], problems: Problems) -> Iterator[Row]:
+    def _chain(files: Sequence[CsvFile], problems: Problems,
+               file_done: Optional[Callable[[str], None]]) -> Iterator[Row]:
         for f in files:
             yield from iter_rows(f, problems)
+            if file_done is not None:
+                file_done(f"rank {f.rank} {f.monitor}")
 
     def take(self, step: int) -> List[Row]:
         out = []
@@ -349,13 +353,15 @@ def _check_dest(source: str, dest: str) -> None:
 
 
 # ----------------------------------------------------------------------- merge_run
-def merge_run(source: str, dest: str, rtol: float = 1e-5, problems: Optional[Problems] = None) -> MergeReport:
+def merge_run(source: str, dest: str, rtol: float = 1e-5, *, problems: Optional[Problems] = None,
+              progress: Optional[Callable[[str], None]] = None) -> MergeReport:
     """Merge the ranks' rows under ``source`` (a monitor ``output_dir``) into ``dest``.
 
     Raises :class:`InputError` for input it cannot work with (no such directory, no
     ``layout.json`` in any rank directory, a ``dest`` that is a file, a link, inside a
     rank directory, or a directory of other files). Malformed CSV lines are reported to
-    ``problems`` (a warning each, by default) and skipped."""
+    ``problems`` (a warning each, by default) and skipped. ``progress(what)`` is called
+    once per CSV file read (``count_files(source)`` of them)."""
     problems = problems if problems is not None else Problems()
     files = scan(source)
     report = MergeReport(source=os.path.abspath(source), dest=os.path.abspath(dest), rtol=float(rtol),
@@ -376,11 +382,11 @@ def merge_run(source: str, dest: str, rtol: float = 1e-5, problems: Optional[Pro
                 if not per_rank:
                     continue
                 if monitor not in MERGED_MONITORS:
-                    n = _count_rows(per_rank, problems)
+                    n = _count_rows(per_rank, problems, progress)
                     report.rows_read += n
                     report._leave_out(CC, n, None)
                     continue
-                _merge_monitor(out, dis, monitor, per_rank, layouts, rtol, problems, report)
+                _merge_monitor(out, dis, monitor, per_rank, layouts, rtol, problems, report, progress)
         for monitor in MERGED_MONITORS:
             name = merged_file(monitor)
             if monitor not in report.rows_per_monitor and name in out.listdir():
@@ -438,8 +444,20 @@ def _describe_layouts(layouts: Dict[int, _RankLayout], ranks: Sequence[int], rep
                             f"{report.world_size} have no rank directory: pieces they held are missing")
 
 
-def _count_rows(per_rank: Dict[int, List[CsvFile]], problems: Problems) -> int:
-    return sum(1 for fs in per_rank.values() for f in fs for _ in iter_rows(f, problems))
+def _count_rows(per_rank: Dict[int, List[CsvFile]], problems: Problems,
+                progress: Optional[Callable[[str], None]]) -> int:
+    n = 0
+    for fs in per_rank.values():
+        for f in fs:
+            n += sum(1 for _ in iter_rows(f, problems))
+            if progress is not None:
+                progress(f"rank {f.rank} {f.monitor}")
+    return n
+
+
+def count_files(source: str) -> int:
+    """The CSV files ``merge_run(source, ...)`` reads (for a progress display)."""
+    return scan(source).n_files
 
 
 def _monitor_ops(per_rank: Dict[int, List[CsvFile]]) -> Tuple[Tuple[str, ...], List[str]]:
@@ -458,14 +476,15 @@ def _monitor_ops(per_rank: Dict[int, List[CsvFile]]) -> Tuple[Tuple[str, ...], L
 
 
 def _merge_monitor(out: SafeDir, dis: Any, monitor: str, per_rank: Dict[int, List[CsvFile]],
-                   layouts: Dict[int, _RankLayout], rtol: float, problems: Problems, report: MergeReport) -> None:
+                   layouts: Dict[int, _RankLayout], rtol: float, problems: Problems, report: MergeReport,
+                   progress: Optional[Callable[[str], None]]) -> None:
     ops, dropped = _monitor_ops(per_rank)
     if dropped:
         report.notes.append(f"{monitor}: statistic(s) {', '.join(dropped)} are not in every file (the ops changed "
                             "during the run): left out of the merged file")
     if not ops:
         return
-    streams = [_Stream(r, fs, problems) for r, fs in sorted(per_rank.items())]
+    streams = [_Stream(r, fs, problems, progress) for r, fs in sorted(per_rank.items())]
     with_micro = monitor in MICRO_STEP_MONITORS
     with_dp = monitor in DP_RANK_MONITORS
     written = 0
@@ -565,7 +584,7 @@ def _merge_step(monitor: str, step: int, batch: Sequence[Tuple[int, List[Row]]],
                         differs = any(not _close(a, row.vals[op], rtol) for _, row, _ in reps[1:])
                     if differs:
                         disagree = True
-                        _disagreement(dis, report, step, monitor, gname, scope, micro, dp, op, reps)
+                        _disagreement(dis, report, step, monitor, gname, scope, micro, dp, op, reps, rtol)
             chosen.append((v0, d0.numel))
         if disagree:
             report.disagreeing_rows += 1
@@ -593,11 +612,14 @@ def _merge_step(monitor: str, step: int, batch: Sequence[Tuple[int, List[Row]]],
 
 
 def _disagreement(dis: Any, report: MergeReport, step: int, monitor: str, gname: str, scope: str,
-                  micro: Optional[int], dp: Optional[int], op: str, reps: Sequence[Tuple[int, Row, _Desc]]) -> None:
-    """One row of disagreements.csv: every replica of the piece and its value of ``op``
-    (the first statistic that differs)."""
+                  micro: Optional[int], dp: Optional[int], op: str, reps: Sequence[Tuple[int, Row, _Desc]],
+                  rtol: float) -> None:
+    """One row of disagreements.csv: every replica of the piece and its value of ``op``."""
     ranks = [r for r, _, _ in reps]
-    values = [row.vals.get(op, math.nan) for _, row, _ in reps]
+    values = [row.vals[op] for _, row, _ in reps]
+    a = values[0]
+    differing = [r for r, v in zip(ranks[1:], values[1:])
+                 if (v != a if op in COUNT_OPS else not _close(a, v, rtol))]
     fmt = (lambda x: str(int(x))) if op in COUNT_OPS else _num
     line = ",".join([str(step), monitor, _name_cell(gname), _name_cell(scope), "" if micro is None else str(micro),
                      "" if dp is None else str(dp), op, ";".join(map(str, ranks)), ";".join(fmt(x) for x in values)])
@@ -606,4 +628,4 @@ def _disagreement(dis: Any, report: MergeReport, step: int, monitor: str, gname:
     if len(report.first_disagreements) < EXAMPLES:
         report.first_disagreements.append({"step": step, "monitor": monitor, "module_name": gname, "scope": scope,
                                            "micro_step": micro, DP_RANK: dp, "stat": op, "ranks": ranks,
-                                           "values": values})
+                                           "values": values, "differing_ranks": differing})

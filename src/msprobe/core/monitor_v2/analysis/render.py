@@ -3,7 +3,7 @@ anomaly tables the HTML report of ``plot`` shows): what :mod:`.cli` writes to st
 apart from the parsing of its arguments."""
 
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from .command import command_line, tensorboard_command
 from .diff import DiffReport
@@ -11,6 +11,9 @@ from .reader import Layout, Problems
 from .report import Report
 from .text import compact_steps, fmt_num, table
 from .validate import ValidateResult
+
+if TYPE_CHECKING:  # merge imports the writer's cell format: loaded by the merge command only
+    from .merge import MergeReport
 
 ORDER_TEXT = ("execution order: step, micro-batch, parameters at step start, forward (module call order), "
               "backward, gradients, then optimizer state and updated parameters")
@@ -549,6 +552,81 @@ def export_text(out_dir: str, parquet: Optional[ParquetExport], tensorboard: Opt
                   f"  view them: {tensorboard_command(tb_dir)}"]
     if problems.count:
         lines.append(f"  malformed input: {problems.summary()} (see the warnings above)")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------- merge
+MERGE_LEFT_OUT_WHY = {
+    "unknown": "the layout does not say how the tensor is split (or does not name it)",
+    "partial": "a piece is a partial sum over its split groups, not combinable from statistics",
+    "incomplete": "the pieces present do not add up to the whole tensor",
+    "cc": "communication calls are per rank: not merged",
+    "no_layout": "rows of a rank without a readable layout.json",
+}
+
+
+def merge_json(rep: "MergeReport", limit: int, code: int) -> Dict[str, Any]:
+    data: Dict[str, Any] = {"command": "merge", "dest": rep.dest}
+    data.update(rep.to_json())
+    data.update(files=[os.path.join(rep.dest, f) for f in rep.files],
+                left_out_examples={k: _limit(v, limit) for k, v in rep.examples.items() if v},
+                first_disagreements=_limit(rep.first_disagreements, limit), notes=rep.notes,
+                problems=_problems_json(rep.problems) if rep.problems is not None else {"count": 0, "items": []},
+                exit_code=code)
+    return data
+
+
+def _groups_text(groups: Dict[str, int]) -> str:
+    return " ".join(f"{g}={n}" for g, n in groups.items()) or "-"
+
+
+def merge_text(rep: "MergeReport", out_dir: str, dest: str, limit: int, code: int) -> str:
+    world = f"world size {rep.world_size}" if rep.world_size else "world size unknown"
+    lines = [f"msprobe-monitor merge {out_dir} -> {dest}: {rep.rows_read:,} rows read from {len(rep.ranks)} rank(s) "
+             f"({world}; groups {_groups_text(rep.groups)}), {rep.rows_written:,} merged rows written"]
+    lines.append(f"  wrote in {dest}: " + ", ".join(
+        f"{f} ({rep.rows_per_monitor[f[:-4]]:,} rows)" if f[:-4] in rep.rows_per_monitor else f for f in rep.files))
+    left = sum(rep.left_out.values())
+    lines += ["", f"LEFT OUT: {left:,} row(s)" + (" (none)" if not left else "")]
+    if left:
+        tab = []
+        for kind, n in rep.left_out.items():
+            if not n:
+                continue
+            ex = rep.examples.get(kind) or []
+            first = ex[0] if ex else None
+            example = (f"step {first['step']} {first['monitor']} {first['module_name']} ({first['scope']}): "
+                       f"{first['why']}") if first else ""
+            tab.append([kind, n, MERGE_LEFT_OUT_WHY[kind], example])
+        lines.append(table(["kind", "rows", "why", "first example"], tab))
+        more = [e for kind in rep.examples for e in rep.examples[kind][1:]]
+        for e in _limit(more, max(limit - 1, 0) if limit else 0):
+            lines.append(f"  also: step {e['step']} {e['monitor']} {e['module_name']} ({e['scope']}): {e['why']}")
+        lines.append("  (rows counted: merged rows for unknown/partial/incomplete, input rows for cc/no_layout; "
+                     "all in merge.json)")
+    if rep.layout_unknown:
+        lines += ["", "WHAT THE LAYOUTS COULD NOT SAY"]
+        lines += [f"  {u}" for u in _limit(rep.layout_unknown, limit)]
+        if limit and len(rep.layout_unknown) > limit:
+            lines.append(f"  ... and {len(rep.layout_unknown) - limit} more (merge.json: layout_unknown)")
+    if rep.notes:
+        lines += ["", "NOTES"] + [f"  {note}" for note in rep.notes]
+    lines += ["", f"DISAGREEMENTS between replicas that must agree (beyond rtol {rep.rtol:g}; counts exactly): "
+                  f"{rep.disagreements} statistic(s) in {rep.disagreeing_rows} merged row(s)"]
+    if rep.first_disagreements:
+        lines.append(table(["step", "monitor", "scope", "tensor", "stat", "ranks", "differ from the lowest", "values"],
+                           [[d["step"], d["monitor"], d["scope"], d["module_name"], d["stat"],
+                             ",".join(map(str, d["ranks"])), ",".join(map(str, d["differing_ranks"])),
+                             " ".join(fmt_num(v, 9) for v in d["values"])]
+                            for d in _limit(rep.first_disagreements, limit)]))
+        lines.append(f"  all in {os.path.join(dest, 'disagreements.csv')}; the merged rows hold the lowest rank's "
+                     "values")
+    else:
+        lines.append("  none")
+    if rep.problems is not None and rep.problems.count:
+        lines += ["", f"MALFORMED INPUT: {rep.problems.summary()} (see the warnings on stderr)"]
+    lines += ["", f"Result: {'replicas disagree' if rep.disagreements else 'replicas agree'} (exit {code})",
+              f"  read it with: {command_line('summary', dest)}"]
     return "\n".join(lines)
 
 
