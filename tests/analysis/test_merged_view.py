@@ -376,3 +376,12 @@ def test_a_real_ddp_run_merged_reads_as_its_ranks_say(ddp_runs, tmp_path):
     assert res.code == 0 and res.json()["images"] and (tmp_path / "plots" / "report.html").is_file()
     # diff of the merged view with itself
     assert both("diff", dest, dest).code == 0
+
+    # replicas that diverged (rank 1 alone changed fc1.weight after an update): merge reports
+    # them, and anomalies on the merged view says so and exits 1
+    diverged = tmp_path / "diverged"
+    merge_run(str(ddp_runs / "desync"), str(diverged))
+    n = json.loads((diverged / "merge.json").read_text())["disagreements"]
+    assert n > 0
+    res = both("anomalies", diverged)
+    assert res.code == 1 and f"replicas compared by merge: {n} disagreement(s)" in res.out
