@@ -20,7 +20,8 @@ write_parallel_output``: ``--merge-layout TPxPPxDP`` ranks, default 4x2x8 = 64, 
 with its ``layout.json``, ``--merge-steps`` steps, ``--merge-params`` parameters per
 pipeline stage, an ``unreduced`` and a ``reduced`` row each; linear weights split over
 tp, layernorm weights replicated); ``summary`` runs on the same output with each engine,
-for the rows/s of a reading command on the same rows. Its findings: the merged norms of
+for the rows/s of a reading command on the same rows. ``merge`` runs with each of its
+implementations (``--merge-engines``: Polars, and the pure-Python one used without it). Its findings: the merged norms of
 watched parameters equal the whole tensors' (1e-5), every row is merged, and the one
 injected replica disagreement is reported (exit 1).
 """
@@ -128,11 +129,15 @@ def run_merge_case(args: argparse.Namespace, base: str, engines: List[str]) -> T
           f"({tp * pp * dp} ranks = TP {tp} x PP {pp} x DP {dp}, {args.merge_steps} steps x {args.merge_params} "
           f"params x 2 rows), written in {time.perf_counter() - t0:.1f} s", flush=True)
     results = []
-    r = run_command(["merge", out_dir, dest, "--json", "--limit", "0"])
-    errs = check_merge(json.loads(r["out"]), r["code"], dest, exp)
-    r.update(command="merge", engine="-", input="csv", findings="as injected" if not errs else "; ".join(errs))
-    results.append(r)
-    _print_row(r, exp.rows)
+    ok = True
+    for engine in args.merge_engines.split(","):
+        shutil.rmtree(dest, ignore_errors=True)
+        r = run_command(["merge", out_dir, dest, "--json", "--limit", "0", "--merge-engine", engine])
+        errs = check_merge(json.loads(r["out"]), r["code"], dest, exp)
+        ok &= not errs
+        r.update(command="merge", engine=engine, input="csv", findings="as injected" if not errs else "; ".join(errs))
+        results.append(r)
+        _print_row(r, exp.rows)
     for engine in engines:
         r = run_command(["summary", out_dir, "--engine", engine, "--no-rank-check"])
         r.update(command="summary", engine=engine, input="csv (same run)")
@@ -140,7 +145,7 @@ def run_merge_case(args: argparse.Namespace, base: str, engines: List[str]) -> T
         _print_row(r, exp.rows)
     for r in results:
         r["rows"] = exp.rows
-    return not errs, results, exp.rows
+    return ok, results, exp.rows
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -154,6 +159,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--merge-layout", default="4x2x8", help="merge's run: TPxPPxDP ranks")
     p.add_argument("--merge-steps", type=int, default=100, help="merge's run: steps (1000: the issue's size)")
     p.add_argument("--merge-params", type=int, default=200, help="merge's run: parameters per pipeline stage")
+    p.add_argument("--merge-engines", default="polars,python", help="merge's implementations to run")
     p.add_argument("--dir", default=None, help="where to write the synthetic output (default: a temporary directory)")
     p.add_argument("--keep", action="store_true", help="keep the synthetic output")
     p.add_argument("--smoke", action="store_true", help="2 ranks x 24 steps x 40 rows: a quick check of the findings")

@@ -15,11 +15,38 @@ import numpy as np
 import pytest
 
 from msprobe.core.monitor_v2 import layout as lay
-from msprobe.core.monitor_v2.analysis.merge import merge_run
+from support.extras import POLARS_ENGINE, require
+
+from msprobe.core.monitor_v2.analysis.merge import MergeReport, merge_run
 from msprobe.core.monitor_v2.analysis.reader import InputError
 
 OPS = ("min", "max", "mean", "norm", "nans", "zeros")
 RTOL = 1e-5
+
+
+@pytest.fixture(params=["python", "polars"])
+def engine(request) -> str:
+    if request.param == "polars":
+        require("polars", POLARS_ENGINE)
+    return request.param
+
+
+def merge(src: Path, dest: Path, engine: str) -> MergeReport:
+    """``merge_run`` with ``engine``; with Polars, the pure-Python merge of the same run
+    must write the same files and report the same."""
+    rep = merge_run(str(src), str(dest), engine=engine)
+    if engine == "polars":
+        ref_dest = dest.parent / (dest.name + "_python")
+        ref = merge_run(str(src), str(ref_dest), engine="python")
+        assert sorted(os.listdir(dest)) == sorted(os.listdir(ref_dest))
+        for name in os.listdir(dest):
+            if name.endswith(".csv"):
+                assert (dest / name).read_text() == (ref_dest / name).read_text(), name
+        a, b = json.loads((dest / "merge.json").read_text()), json.loads((ref_dest / "merge.json").read_text())
+        assert a == b
+        assert (rep.examples, rep.first_disagreements, rep.notes) == (ref.examples, ref.first_disagreements,
+                                                                      ref.notes)
+    return rep
 
 
 # ----------------------------------------------------------------------- writing a synthetic run
@@ -103,7 +130,7 @@ def disagreements(dest: Path) -> List[Dict[str, str]]:
 
 
 # ----------------------------------------------------------------------- tensor parallel, TP=2 x DP=2
-def test_tp_split_pieces_combine_to_the_full_tensor_and_unreduced_rows_stay_per_dp_rank(tmp_path):
+def test_tp_split_pieces_combine_to_the_full_tensor_and_unreduced_rows_stay_per_dp_rank(tmp_path, engine):
     rng = np.random.default_rng(0)
     W = rng.standard_normal((8, 6))            # full reduced gradient of w (split along dim 0 over tp)
     W[2, 3] = 0.0
@@ -130,7 +157,7 @@ def test_tp_split_pieces_combine_to_the_full_tensor_and_unreduced_rows_stay_per_
             run.row(rank, "optimizer", step, "w.exp_avg", "exp_avg", M[rows_] * (step + 1))
     run.write()
     dest = tmp_path / "merged"
-    rep = merge_run(str(run.root), str(dest))
+    rep = merge(run.root, dest, engine)
     assert rep.disagreements == 0 and rep.left_out == {"unknown": 0, "partial": 0, "incomplete": 0, "cc": 0,
                                                         "no_layout": 0}
     wg = read_merged(dest, "weight_grad")
@@ -163,7 +190,7 @@ def test_tp_split_pieces_combine_to_the_full_tensor_and_unreduced_rows_stay_per_
 
 
 # ----------------------------------------------------------------------- flat ranges (ZeRO/FSDP), a rank holding nothing
-def test_flat_range_pieces_of_unequal_size_with_a_rank_holding_none(tmp_path):
+def test_flat_range_pieces_of_unequal_size_with_a_rank_holding_none(tmp_path, engine):
     rng = np.random.default_rng(1)
     full = rng.standard_normal((2, 5))
     full[1, 1] = np.nan  # a NaN in the second piece: min/max NaN, one NaN counted
@@ -183,7 +210,7 @@ def test_flat_range_pieces_of_unequal_size_with_a_rank_holding_none(tmp_path):
         run.row(rank, "weight_grad", 5, "e", "reduced", E[rank:rank + 1])
     run.write(5, 5)
     dest = tmp_path / "merged"
-    rep = merge_run(str(run.root), str(dest))
+    rep = merge(run.root, dest, engine)
     assert rep.left_out["incomplete"] == 0 and rep.disagreements == 0
     wg = {r["module_name"]: r for r in read_merged(dest, "weight_grad")}
     assert_stats(wg["x"], full)
@@ -194,7 +221,7 @@ def test_flat_range_pieces_of_unequal_size_with_a_rank_holding_none(tmp_path):
 
 
 # ----------------------------------------------------------------------- what is left out
-def test_partial_unknown_incomplete_no_layout_and_cc_rows_are_left_out_and_counted(tmp_path):
+def test_partial_unknown_incomplete_no_layout_and_cc_rows_are_left_out_and_counted(tmp_path, engine):
     rng = np.random.default_rng(2)
     W = rng.standard_normal((4, 4))
     run = Run(tmp_path / "out")
@@ -221,7 +248,7 @@ def test_partial_unknown_incomplete_no_layout_and_cc_rows_are_left_out_and_count
     run.row(2, "weight_grad", 1, "w", "reduced", W)
     run.write()
     dest = tmp_path / "merged"
-    rep = merge_run(str(run.root), str(dest))
+    rep = merge(run.root, dest, engine)
     assert rep.left_out == {"unknown": 3, "partial": 1, "incomplete": 1, "cc": 2, "no_layout": 2}
     assert rep.no_layout_ranks == [2]
     assert any("rank(s) 2" in n and "no_layout" in n for n in rep.notes)
@@ -237,7 +264,7 @@ def test_partial_unknown_incomplete_no_layout_and_cc_rows_are_left_out_and_count
 
 
 # ----------------------------------------------------------------------- replicas that disagree
-def test_a_replica_that_disagrees_is_reported_and_the_lowest_rank_is_used(tmp_path):
+def test_a_replica_that_disagrees_is_reported_and_the_lowest_rank_is_used(tmp_path, engine):
     rng = np.random.default_rng(3)
     P = rng.standard_normal((3, 3))
     run = Run(tmp_path / "out")
@@ -250,7 +277,7 @@ def test_a_replica_that_disagrees_is_reported_and_the_lowest_rank_is_used(tmp_pa
             run.row(rank, "weight_grad", step, "w", "unreduced", P * (rank + 1))  # per dp: never compared
     run.write()
     dest = tmp_path / "merged"
-    rep = merge_run(str(run.root), str(dest))
+    rep = merge(run.root, dest, engine)
     rows_ = disagreements(dest)
     assert rep.disagreements == len(rows_) > 0 and rep.disagreeing_rows == 1
     assert {r["stat"] for r in rows_} <= {"min", "max", "mean", "norm"} and "norm" in {r["stat"] for r in rows_}
@@ -267,7 +294,7 @@ def test_a_replica_that_disagrees_is_reported_and_the_lowest_rank_is_used(tmp_pa
 
 
 # ----------------------------------------------------------------------- pipeline stages and chunks
-def test_pipeline_chunks_get_global_names_and_rows_come_in_execution_order(tmp_path):
+def test_pipeline_chunks_get_global_names_and_rows_come_in_execution_order(tmp_path, engine):
     """PP=2 with 2 virtual chunks: rank p holds chunk c's layer 0 = global layer c*2 + p
     (v = c * pp + p); forward rows by v ascending, backward and unreduced by v descending."""
     rng = np.random.default_rng(4)
@@ -290,7 +317,7 @@ def test_pipeline_chunks_get_global_names_and_rows_come_in_execution_order(tmp_p
             run.row(p, "optimizer", 0, f"{c}:layers.0.w.exp_avg", "exp_avg", full[L] * 7, vpp=c)
     run.write()
     dest = tmp_path / "merged"
-    rep = merge_run(str(run.root), str(dest))
+    rep = merge(run.root, dest, engine)
     assert rep.left_out["unknown"] == rep.left_out["incomplete"] == 0
     mod = read_merged(dest, "module")
     assert list(mod[0]) == ["step", "module_name", "scope", "dp_rank"] + list(OPS)
@@ -314,7 +341,7 @@ def test_pipeline_chunks_get_global_names_and_rows_come_in_execution_order(tmp_p
     assert "vpp_stage" not in mod[0]
 
 
-def test_module_rows_split_evenly_over_tp_combine_with_equal_weights(tmp_path):
+def test_module_rows_split_evenly_over_tp_combine_with_equal_weights(tmp_path, engine):
     rng = np.random.default_rng(5)
     out = {dp: rng.standard_normal((2, 8)) for dp in range(2)}  # a column-parallel output: cut along dim 1
     run = Run(tmp_path / "out")
@@ -328,7 +355,7 @@ def test_module_rows_split_evenly_over_tp_combine_with_equal_weights(tmp_path):
             run.row(rank, "module", 3, "fc1.output.0", "backward", out[dp][:, 4 * tp:4 * tp + 4])
     run.write(3, 3)
     dest = tmp_path / "merged"
-    rep = merge_run(str(run.root), str(dest))
+    rep = merge(run.root, dest, engine)
     got = {(r["module_name"], r["scope"], r["dp_rank"]): r for r in read_merged(dest, "module")}
     for dp in range(2):
         assert_stats(got[("fc1.output.0", "forward", str(dp))], out[dp])

@@ -250,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     mg.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     mg.add_argument("--limit", type=_nonneg_int, default=5, help="examples and disagreements shown (0 = all kept)")
     mg.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    # Polars where installed, else pure Python (the same files); the benchmark and the tests pick one
+    mg.add_argument("--merge-engine", choices=("auto", "python", "polars"), default="auto", help=argparse.SUPPRESS)
 
     v = sub.add_parser("validate", formatter_class=_Formatter,
                        help="check a monitor_v2 config file with the library's own validation",
@@ -511,7 +513,8 @@ def cmd_merge(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
     problems = Problems(strict=args.strict, stream=err)
     prog = Progress(count_files(args.out_dir), "merging", enabled=True if args.progress else None, stream=err)
-    rep = merge_run(args.out_dir, args.dest, args.rtol, problems=problems, progress=prog.advance)
+    rep = merge_run(args.out_dir, args.dest, args.rtol, problems=problems, progress=prog.advance,
+                    engine=args.merge_engine)
     prog.close()
     code = EXIT_FOUND if rep.disagreements else EXIT_OK
     if args.json:

@@ -154,10 +154,6 @@ def _name_cell(text: str) -> str:
     return buf.getvalue()[:-2]
 
 
-def _cells(values: Dict[str, float], ops: Sequence[str]) -> str:
-    return ",".join(str(int(values[op])) if op in COUNT_OPS else _num(values[op]) for op in ops)
-
-
 # ----------------------------------------------------------------------- combination
 def _nan_min(a: float, b: float) -> float:
     if a != a or b != b:  # NaN wins, as when the monitor merges rows (stats._nan_min)
@@ -176,6 +172,8 @@ def _close(a: float, b: float, rtol: float) -> bool:
         return True
     if a != a and b != b:  # NaN equals NaN: both replicas saw the same non-finite value
         return True
+    if math.isinf(a) or math.isinf(b):  # an infinity equals only itself (inf - x <= rtol * inf otherwise)
+        return False
     return abs(a - b) <= rtol * max(abs(a), abs(b))
 
 
@@ -353,15 +351,27 @@ def _check_dest(source: str, dest: str) -> None:
 
 
 # ----------------------------------------------------------------------- merge_run
+ENGINES = ("auto", "python", "polars")
+
+
 def merge_run(source: str, dest: str, rtol: float = 1e-5, *, problems: Optional[Problems] = None,
-              progress: Optional[Callable[[str], None]] = None) -> MergeReport:
+              progress: Optional[Callable[[str], None]] = None, engine: str = "auto") -> MergeReport:
     """Merge the ranks' rows under ``source`` (a monitor ``output_dir``) into ``dest``.
 
     Raises :class:`InputError` for input it cannot work with (no such directory, no
     ``layout.json`` in any rank directory, a ``dest`` that is a file, a link, inside a
     rank directory, or a directory of other files). Malformed CSV lines are reported to
     ``problems`` (a warning each, by default) and skipped. ``progress(what)`` is called
-    once per CSV file read (``count_files(source)`` of them)."""
+    once per CSV file read (``count_files(source)`` of them).
+
+    ``engine``: ``"polars"`` combines a batch of steps at a time with Polars (about ten
+    times the rows per second), ``"python"`` a step at a time in pure Python (the
+    reference the tests compare it with; no dependency), ``"auto"`` Polars where it is
+    installed. Both write the same files."""
+    if engine not in ENGINES:
+        raise InputError(f"merge engine {engine!r}: choose among {', '.join(ENGINES)}")
+    if engine == "auto":
+        engine = "polars" if polars_available() else "python"
     problems = problems if problems is not None else Problems()
     files = scan(source)
     report = MergeReport(source=os.path.abspath(source), dest=os.path.abspath(dest), rtol=float(rtol),
@@ -386,7 +396,7 @@ def merge_run(source: str, dest: str, rtol: float = 1e-5, *, problems: Optional[
                     report.rows_read += n
                     report._leave_out(CC, n, None)
                     continue
-                _merge_monitor(out, dis, monitor, per_rank, layouts, rtol, problems, report, progress)
+                _merge_monitor(out, dis, monitor, per_rank, layouts, rtol, problems, report, progress, engine)
         for monitor in MERGED_MONITORS:
             name = merged_file(monitor)
             if monitor not in report.rows_per_monitor and name in out.listdir():
@@ -475,40 +485,121 @@ def _monitor_ops(per_rank: Dict[int, List[CsvFile]]) -> Tuple[Tuple[str, ...], L
     return tuple(op for op in ALL_OPS if op in common), [op for op in ALL_OPS if op in seen - common]
 
 
+# ----------------------------------------------------------------------- per step: what is emitted
+# An item of a step: (sort key, kind, payload). The sort key is the merged row's place in
+# execution order (``_order_key``) plus two numbers that order a row's disagreements
+# after it (the piece's lowest rank, the statistic's index). kind: "row" (payload: global
+# name, scope, micro, dp, values in ops order), "dis" (a disagreement) or a left-out kind
+# (payload: the example). Both producers (pure Python, Polars) make the same items, so
+# the files they write are the same.
+Item = Tuple[Tuple[int, ...], str, Any]
+
+
+def _order_key(monitor: str, scope: str, micro: Optional[int], vkey: int, line: int, rank: int) -> Tuple[int, ...]:
+    phase = rows.execution_phase(monitor, scope)
+    mk = 0 if phase <= 2 else (micro if (phase == 3 and micro is not None) else rows.LAST_MICRO)
+    v = -vkey if phase in _BACKWARD_PHASES else vkey
+    return (mk, phase, v, line, rank)
+
+
+class _Emitter:
+    """Writes one monitor's merged rows and disagreements, a step at a time."""
+
+    def __init__(self, fh: Any, dis: Any, report: MergeReport, monitor: str, ops: Sequence[str]) -> None:
+        self.fh, self.dis, self.report, self.monitor, self.ops = fh, dis, report, monitor, tuple(ops)
+        self.with_micro = monitor in MICRO_STEP_MONITORS
+        self.with_dp = monitor in DP_RANK_MONITORS
+        self.written = 0
+
+    def step(self, step: int, items: List[Item]) -> None:
+        items.sort(key=lambda t: t[0])
+        lines = []
+        ops = self.ops
+        for _, kind, p in items:
+            if kind == "row":
+                gname, scope, micro, dp, vals = p
+                cells = [str(step), _name_cell(gname), _name_cell(scope)]
+                if self.with_micro:
+                    cells.append("" if micro is None else str(micro))
+                if self.with_dp:
+                    cells.append("" if dp is None else str(dp))
+                cells.append(",".join(str(int(v)) if op in COUNT_OPS else _num(v) for op, v in zip(ops, vals)))
+                lines.append(",".join(cells) + "\n")
+            elif kind == "dis":
+                self._disagreement(step, *p)
+            else:
+                self.report._leave_out(kind, 1, p)
+        if lines:
+            self.fh.write("".join(lines).encode("utf-8", errors="backslashreplace"))
+            self.written += len(lines)
+
+    def _disagreement(self, step: int, gname: str, scope: str, micro: Optional[int], dp: Optional[int], op: str,
+                      ranks: List[int], values: List[float], differing: List[int]) -> None:
+        """One row of disagreements.csv: every replica of the piece and its value of ``op``."""
+        fmt = (lambda x: str(int(x))) if op in COUNT_OPS else _num
+        line = ",".join([str(step), self.monitor, _name_cell(gname), _name_cell(scope),
+                         "" if micro is None else str(micro), "" if dp is None else str(dp), op,
+                         ";".join(map(str, ranks)), ";".join(fmt(x) for x in values)])
+        self.dis.write((line + "\n").encode("utf-8", errors="backslashreplace"))
+        report = self.report
+        report.disagreements += 1
+        if len(report.first_disagreements) < EXAMPLES:
+            report.first_disagreements.append({"step": step, "monitor": self.monitor, "module_name": gname,
+                                               "scope": scope, "micro_step": micro, DP_RANK: dp, "stat": op,
+                                               "ranks": ranks, "values": values, "differing_ranks": differing})
+
+
+def _no_layout_example(step: int, monitor: str, rank: int, name: str, scope: str) -> Dict[str, Any]:
+    return {"step": step, "monitor": monitor, "module_name": name, "scope": scope,
+            "why": f"rank {rank} has no readable {lay.FILE_NAME}"}
+
+
+def _incomplete_why(monitor: str, ranks: Sequence[int], have: int, whole: int) -> str:
+    return (f"the pieces of ranks {','.join(map(str, ranks))} hold {have} of {whole} "
+            f"{'parts' if monitor == rows.MODULE else 'elements'}")
+
+
+def _example(step: int, monitor: str, gname: str, scope: str, why: str) -> Dict[str, Any]:
+    return {"step": step, "monitor": monitor, "module_name": gname, "scope": scope, "why": why}
+
+
+# ----------------------------------------------------------------------- the pure-Python producer
 def _merge_monitor(out: SafeDir, dis: Any, monitor: str, per_rank: Dict[int, List[CsvFile]],
                    layouts: Dict[int, _RankLayout], rtol: float, problems: Problems, report: MergeReport,
-                   progress: Optional[Callable[[str], None]]) -> None:
+                   progress: Optional[Callable[[str], None]], engine: str) -> None:
     ops, dropped = _monitor_ops(per_rank)
     if dropped:
         report.notes.append(f"{monitor}: statistic(s) {', '.join(dropped)} are not in every file (the ops changed "
                             "during the run): left out of the merged file")
     if not ops:
         return
-    streams = [_Stream(r, fs, problems, progress) for r, fs in sorted(per_rank.items())]
-    with_micro = monitor in MICRO_STEP_MONITORS
-    with_dp = monitor in DP_RANK_MONITORS
-    written = 0
-    last_step: Optional[int] = None
-    name = merged_file(monitor)
-    with out.replace(name) as fh:
+    with out.replace(merged_file(monitor)) as fh:
         fh.write((",".join(merged_header(monitor, ops)) + "\n").encode("utf-8"))
-        while True:
-            live = [s for s in streams if s.head is not None]
-            if not live:
-                break
-            step = min(s.head.step for s in live)  # type: ignore[union-attr]
-            if last_step is not None and step <= last_step:
-                report.notes.append(f"{monitor}: steps go back to {step} after {last_step} in a rank's files (a "
-                                    "re-run appended to the same output_dir?): merged as they come")
-            last_step = step
-            batch = [(s.rank, s.take(step)) for s in live]
-            lines, n = _merge_step(monitor, step, batch, layouts, ops, rtol, with_micro, with_dp, dis, report,
-                                   problems)
-            if lines:
-                fh.write("".join(lines).encode("utf-8", errors="backslashreplace"))
-            written += n
-    report.rows_per_monitor[monitor] = written
-    report.rows_written += written
+        emit = _Emitter(fh, dis, report, monitor, ops)
+        if engine == "polars":
+            _polars_monitor(emit, monitor, per_rank, layouts, ops, rtol, problems, report, progress)
+        else:
+            _python_monitor(emit, monitor, per_rank, layouts, ops, rtol, problems, report, progress)
+    report.rows_per_monitor[monitor] = emit.written
+    report.rows_written += emit.written
+
+
+def _python_monitor(emit: _Emitter, monitor: str, per_rank: Dict[int, List[CsvFile]],
+                    layouts: Dict[int, _RankLayout], ops: Sequence[str], rtol: float, problems: Problems,
+                    report: MergeReport, progress: Optional[Callable[[str], None]]) -> None:
+    streams = [_Stream(r, fs, problems, progress) for r, fs in sorted(per_rank.items())]
+    last_step: Optional[int] = None
+    while True:
+        live = [s for s in streams if s.head is not None]
+        if not live:
+            break
+        step = min(s.head.step for s in live)  # type: ignore[union-attr]
+        if last_step is not None and step <= last_step:
+            report.notes.append(f"{monitor}: steps go back to {step} after {last_step} in a rank's files (a "
+                                "re-run appended to the same output_dir?): merged as they come")
+        last_step = step
+        batch = [(s.rank, s.take(step)) for s in live]
+        emit.step(step, _merge_step(monitor, step, batch, layouts, ops, rtol, report, problems))
 
 
 GroupKey = Tuple[str, str, Optional[int], Optional[int]]  # global name, scope, micro, dp
@@ -525,18 +616,17 @@ class _Group:
 
 
 def _merge_step(monitor: str, step: int, batch: Sequence[Tuple[int, List[Row]]], layouts: Dict[int, _RankLayout],
-                ops: Sequence[str], rtol: float, with_micro: bool, with_dp: bool, dis: Any, report: MergeReport,
-                problems: Problems) -> Tuple[List[str], int]:
+                ops: Sequence[str], rtol: float, report: MergeReport, problems: Problems) -> List[Item]:
     groups: Dict[GroupKey, _Group] = {}
+    items: List[Item] = []
     for rank, rws in batch:
         report.rows_read += len(rws)
         rl = layouts.get(rank)
         if rl is None:
             if rws:
-                r0 = rws[0]
-                report._leave_out(NO_LAYOUT, len(rws), {"step": step, "monitor": monitor, "module_name": r0.name,
-                                                        "scope": r0.scope,
-                                                        "why": f"rank {rank} has no readable {lay.FILE_NAME}"})
+                report.left_out[NO_LAYOUT] += len(rws) - 1
+                items.append(((-1, rank), NO_LAYOUT, _no_layout_example(step, monitor, rank, rws[0].name,
+                                                                        rws[0].scope)))
             continue
         describe = rl.describe
         for row in rws:
@@ -554,78 +644,248 @@ def _merge_step(monitor: str, step: int, batch: Sequence[Tuple[int, List[Row]]],
             if reps is None:
                 g.pieces[d.ident] = [(rank, row, d)]
             elif reps[-1][0] == rank:
-                problems.report(f"rank_{rank}", row.line, f"{monitor} step {step}: {row.name} ({row.scope}) appears "
-                                                          "twice in this step; the later row is ignored")
+                problems.report(f"rank_{rank}", row.line, _duplicate_message(monitor, step, row.name, row.scope))
             else:
                 reps.append((rank, row, d))
-    merged = []
     for key, g in groups.items():
         gname, scope, micro, dp = key
         assert g.first is not None
+        rank0, row0, d0 = g.first
+        order = _order_key(monitor, scope, micro, d0.vkey, row0.line, rank0)
         if g.bad is not None:
-            report._leave_out(g.bad.status, 1, {"step": step, "monitor": monitor, "module_name": gname,
-                                                "scope": scope, "why": g.bad.why})
+            items.append((order + (-1, -1), g.bad.status, _example(step, monitor, gname, scope, g.bad.why)))
             continue
         chosen: List[Tuple[Dict[str, float], int]] = []
-        whole = None
+        whole = 0
         disagree = False
         for ident, reps in g.pieces.items():
-            r0, row0, d0 = reps[0]
-            whole = d0.whole
-            v0 = row0.vals
-            if any(op not in v0 for op in ops):
-                continue  # its file lacks a statistic (said in the notes)
+            r0, prow, pd = reps[0]
+            whole = pd.whole
+            v0 = prow.vals
             if len(reps) > 1 and any(row.vals != v0 for _, row, _ in reps[1:]):
-                for op in ops:
+                for i, op in enumerate(ops):
                     a = v0[op]
                     if op in COUNT_OPS:
-                        differs = any(row.vals[op] != a for _, row, _ in reps[1:])
+                        differing = [rk for rk, row, _ in reps[1:] if row.vals[op] != a]
                     else:
-                        differs = any(not _close(a, row.vals[op], rtol) for _, row, _ in reps[1:])
-                    if differs:
+                        differing = [rk for rk, row, _ in reps[1:] if not _close(a, row.vals[op], rtol)]
+                    if differing:
                         disagree = True
-                        _disagreement(dis, report, step, monitor, gname, scope, micro, dp, op, reps, rtol)
-            chosen.append((v0, d0.numel))
+                        items.append((order + (r0, i), "dis", (gname, scope, micro, dp, op, [rk for rk, _, _ in reps],
+                                                               [row.vals[op] for _, row, _ in reps], differing)))
+            chosen.append((v0, pd.numel))
         if disagree:
             report.disagreeing_rows += 1
         have = sum(n for _, n in chosen)
         if not chosen or have != whole:
             ranks = sorted({rk for reps in g.pieces.values() for rk, _, _ in reps})
-            report._leave_out(INCOMPLETE, 1, {"step": step, "monitor": monitor, "module_name": gname, "scope": scope,
-                                              "why": f"the pieces of ranks {','.join(map(str, ranks))} hold {have} of "
-                                                     f"{whole} {'parts' if monitor == rows.MODULE else 'elements'}"})
+            items.append((order + (-1, -1), INCOMPLETE,
+                          _example(step, monitor, gname, scope, _incomplete_why(monitor, ranks, have, whole))))
             continue
         vals = chosen[0][0] if len(chosen) == 1 else combine(chosen, ops)
-        rank, row, d = g.first
-        phase = rows.execution_phase(monitor, scope)
-        mk = 0 if phase <= 2 else (micro if (phase == 3 and micro is not None) else rows.LAST_MICRO)
-        v = -d.vkey if phase in _BACKWARD_PHASES else d.vkey
-        cells = [str(step), _name_cell(gname), _name_cell(scope)]
-        if with_micro:
-            cells.append("" if micro is None else str(micro))
-        if with_dp:
-            cells.append("" if dp is None else str(dp))
-        cells.append(_cells(vals, ops))
-        merged.append(((mk, phase, v, row.line, rank), ",".join(cells) + "\n"))
-    merged.sort(key=lambda t: t[0])
-    return [line for _, line in merged], len(merged)
+        items.append((order + (-1, -1), "row", (gname, scope, micro, dp, tuple(vals[op] for op in ops))))
+    return items
 
 
-def _disagreement(dis: Any, report: MergeReport, step: int, monitor: str, gname: str, scope: str,
-                  micro: Optional[int], dp: Optional[int], op: str, reps: Sequence[Tuple[int, Row, _Desc]],
-                  rtol: float) -> None:
-    """One row of disagreements.csv: every replica of the piece and its value of ``op``."""
-    ranks = [r for r, _, _ in reps]
-    values = [row.vals[op] for _, row, _ in reps]
-    a = values[0]
-    differing = [r for r, v in zip(ranks[1:], values[1:])
-                 if (v != a if op in COUNT_OPS else not _close(a, v, rtol))]
-    fmt = (lambda x: str(int(x))) if op in COUNT_OPS else _num
-    line = ",".join([str(step), monitor, _name_cell(gname), _name_cell(scope), "" if micro is None else str(micro),
-                     "" if dp is None else str(dp), op, ";".join(map(str, ranks)), ";".join(fmt(x) for x in values)])
-    dis.write((line + "\n").encode("utf-8", errors="backslashreplace"))
-    report.disagreements += 1
-    if len(report.first_disagreements) < EXAMPLES:
-        report.first_disagreements.append({"step": step, "monitor": monitor, "module_name": gname, "scope": scope,
-                                           "micro_step": micro, DP_RANK: dp, "stat": op, "ranks": ranks,
-                                           "values": values, "differing_ranks": differing})
+def _duplicate_message(monitor: str, step: int, name: str, scope: str) -> str:
+    return f"{monitor} step {step}: {name} ({scope}) appears twice in this step; the later row is ignored"
+
+
+# ----------------------------------------------------------------------- the Polars producer
+def polars_available() -> bool:
+    try:
+        import polars  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _step_chunks(per_rank: Dict[int, List[CsvFile]], max_rows: int) -> List[Tuple[int, int]]:
+    """Step ranges of about ``max_rows`` rows over all ranks, cut where files start."""
+    rows_at: Dict[int, int] = {}
+    last = 0
+    for fs in per_rank.values():
+        for f in fs:
+            try:
+                est = os.path.getsize(f.path) // 60 + 1
+            except OSError:
+                est = 1
+            rows_at[f.first] = rows_at.get(f.first, 0) + est
+            last = max(last, f.last)
+    out: List[Tuple[int, int]] = []
+    start: Optional[int] = None
+    acc = 0
+    for first in sorted(rows_at):
+        if start is None:
+            start = first
+        elif acc + rows_at[first] > max_rows:
+            out.append((start, first - 1))
+            start, acc = first, 0
+        acc += rows_at[first]
+    if start is not None:
+        out.append((start, last))
+    return out
+
+
+def _polars_monitor(emit: _Emitter, monitor: str, per_rank: Dict[int, List[CsvFile]],
+                    layouts: Dict[int, _RankLayout], ops: Sequence[str], rtol: float, problems: Problems,
+                    report: MergeReport, progress: Optional[Callable[[str], None]]) -> None:
+    """The same items as :func:`_python_monitor`, computed a batch of steps at a time with
+    Polars (reading with the columnar engine's reader, which reports bad input as the
+    reader does)."""
+    import polars as pl
+
+    from .columnar import BATCH_ROWS, read_batch
+
+    seen: set = set()
+    for lo, hi in _step_chunks(per_rank, BATCH_ROWS):
+        frames = []
+        for rank, fs in sorted(per_rank.items()):
+            mine = [f for f in fs if f.last >= lo and f.first <= hi]
+            if not mine:
+                continue
+            fr = read_batch(mine, problems, (lo, hi)).frame
+            for f in mine:
+                if progress is not None and f.path not in seen:
+                    seen.add(f.path)
+                    progress(f"rank {f.rank} {f.monitor}")
+            if len(fr):
+                frames.append(fr.with_columns(pl.lit(rank, dtype=pl.Int64).alias("rank")))
+        if not frames:
+            continue
+        fr = pl.concat(frames, how="vertical").with_row_index("ri")
+        report.rows_read += len(fr)
+        items: Dict[int, List[Item]] = {}
+        _polars_chunk(pl, fr, monitor, layouts, ops, rtol, problems, report, items)
+        for step in sorted(items):
+            emit.step(step, items[step])
+
+
+def _polars_chunk(pl: Any, fr: Any, monitor: str, layouts: Dict[int, _RankLayout], ops: Sequence[str], rtol: float,
+                  problems: Problems, report: MergeReport, items: Dict[int, List[Item]]) -> None:
+    col = pl.col
+    known = sorted(layouts)
+    # rows of ranks without a layout: counted, one example per rank and step
+    nl = fr.filter(~col("rank").is_in(known))
+    if len(nl):
+        firsts = nl.group_by("step", "rank", maintain_order=True).agg(col("module_name").first(),
+                                                                       col("scope").first(), pl.len().alias("n"))
+        for step, rank, name, scope, n in firsts.iter_rows():
+            report.left_out[NO_LAYOUT] += n - 1
+            items.setdefault(step, []).append(((-1, rank), NO_LAYOUT,
+                                               _no_layout_example(step, monitor, rank, name, scope)))
+        fr = fr.filter(col("rank").is_in(known))
+        if not len(fr):
+            return
+    # each distinct (rank, name, scope, chunk): its descriptor, joined onto the rows
+    uniq = fr.select("rank", "module_name", "scope", "vpp_stage").unique()
+    d_cols: Dict[str, List[Any]] = {k: [] for k in ("rank", "module_name", "scope", "vpp_stage", "status", "gname",
+                                                     "dp", "ident", "numel", "whole", "vkey", "why")}
+    for rank, name, scope, vpp in uniq.iter_rows():
+        d = layouts[rank].describe(monitor, name, scope, vpp)
+        for k, v in (("rank", rank), ("module_name", name), ("scope", scope), ("vpp_stage", vpp),
+                     ("status", d.status), ("gname", d.gname), ("dp", -1 if d.dp is None else d.dp),
+                     ("ident", repr(d.ident)), ("numel", d.numel), ("whole", d.whole), ("vkey", d.vkey),
+                     ("why", d.why)):
+            d_cols[k].append(v)
+    schema = {"rank": pl.Int64, "module_name": pl.String, "scope": pl.String, "vpp_stage": pl.Int64,
+              "status": pl.String, "gname": pl.String, "dp": pl.Int64, "ident": pl.String, "numel": pl.Int64,
+              "whole": pl.Int64, "vkey": pl.Int64, "why": pl.String}
+    desc = pl.DataFrame(d_cols, schema=schema)
+    fr = (fr.join(desc, on=["rank", "module_name", "scope", "vpp_stage"], how="left")
+          .sort("ri").with_columns(col("micro_step").fill_null(-1).alias("micro")))
+    K = ["step", "gname", "scope", "micro", "dp"]
+    P = K + ["ident"]
+    # every group: its first row (the lowest rank's, in file order) and whether a piece is unknown/partial
+    groups = fr.group_by(K, maintain_order=True).agg(
+        col("rank").first().alias("rank0"), col("line").first().alias("line0"), col("vkey").first().alias("vkey0"),
+        col("why").filter(col("status") == UNKNOWN).first().alias("why_unknown"),
+        col("why").filter(col("status") == PARTIAL).first().alias("why_partial"))
+    bad = groups.filter(col("why_unknown").is_not_null() | col("why_partial").is_not_null()).select(K)
+    ok = fr.filter(col("status") == "ok")
+    if len(bad):
+        ok = ok.join(bad, on=K, how="anti").sort("ri")
+    # a rank's second row of the same piece in a step: reported, ignored
+    first_of_rank = pl.struct(P + ["rank"]).is_first_distinct()
+    dups = ok.filter(~first_of_rank)
+    for rank, line, name, scope, step in dups.select("rank", "line", "module_name", "scope", "step").iter_rows():
+        problems.report(f"rank_{rank}", line, _duplicate_message(monitor, step, name, scope))
+    if len(dups):
+        ok = ok.filter(first_of_rank)
+    # replicas: each row against its piece's first (lowest-rank) row
+    diff_exprs = []
+    for op in ops:
+        a, b = col(op).first().over(P), col(op)
+        if op in COUNT_OPS:
+            same = a == b
+        else:
+            same = ((a == b) | (a.is_nan() & b.is_nan())
+                    | (~a.is_infinite() & ~b.is_infinite() & ((a - b).abs() <= rtol * pl.max_horizontal(a.abs(),
+                                                                                                         b.abs()))))
+        diff_exprs.append((~same).fill_null(True).alias(f"d_{op}"))
+    ok = ok.with_columns(diff_exprs)
+    any_diff = pl.any_horizontal([col(f"d_{op}") for op in ops])
+    dis_pieces = ok.filter(any_diff.any().over(P))
+    group_first = {(r[0], r[1], r[2], r[3], r[4]): r[5:] for r in groups.select(K + ["rank0", "line0", "vkey0"])
+                   .iter_rows()}
+    if len(dis_pieces):
+        agg = dis_pieces.group_by(P, maintain_order=True).agg(
+            col("rank"), *[col(op) for op in ops], *[col(f"d_{op}") for op in ops])
+        rows_with = set()
+        for rec in agg.iter_rows(named=True):
+            key = (rec["step"], rec["gname"], rec["scope"], rec["micro"], rec["dp"])
+            rows_with.add(key)
+            rank0, line0, vkey0 = group_first[key]
+            micro = None if rec["micro"] < 0 else rec["micro"]
+            dp = None if rec["dp"] < 0 else rec["dp"]
+            order = _order_key(monitor, rec["scope"], micro, vkey0, line0, rank0)
+            ranks = rec["rank"]
+            for i, op in enumerate(ops):
+                differing = [rk for rk, d in zip(ranks[1:], rec[f"d_{op}"][1:]) if d]
+                if differing:
+                    items.setdefault(rec["step"], []).append(
+                        (order + (ranks[0], i), "dis", (rec["gname"], rec["scope"], micro, dp, op, list(ranks),
+                                                        list(rec[op]), differing)))
+        report.disagreeing_rows += len(rows_with)
+    # distinct pieces (each piece's lowest rank) combined exactly
+    pieces = ok.filter(pl.struct(P).is_first_distinct())
+    one = pl.len() == 1
+    agg_exprs = [pl.len().alias("n_pieces"), col("numel").sum().alias("have"), col("whole").first().alias("whole0")]
+    for op in ops:
+        if op == "norm":
+            e = pl.when(one).then(col(op).first()).otherwise((col(op) * col(op)).sum().sqrt())
+        elif op in ("min", "max"):
+            e = pl.when(col(op).is_nan().any()).then(float("nan")).otherwise(
+                col(op).min() if op == "min" else col(op).max())
+            e = pl.when(one).then(col(op).first()).otherwise(e)
+        elif op == "mean":
+            e = pl.when(one).then(col(op).first()).otherwise((col(op) * col("numel")).sum() / col("numel").sum())
+        else:
+            e = col(op).sum()
+        agg_exprs.append(e.alias(f"m_{op}"))
+    combined = pieces.group_by(K, maintain_order=True).agg(agg_exprs)
+    merged = groups.join(combined, on=K, how="left")
+    incomplete_keys = merged.filter(col("why_unknown").is_null() & col("why_partial").is_null()
+                                    & (col("have").is_null() | (col("have") != col("whole0")))).select(K)
+    ranks_of: Dict[Tuple[Any, ...], List[int]] = {}
+    if len(incomplete_keys):
+        for rec in (ok.join(incomplete_keys, on=K, how="semi").group_by(K)
+                    .agg(col("rank").unique().sort()).iter_rows()):
+            ranks_of[rec[:5]] = list(rec[5])
+    m_cols = [f"m_{op}" for op in ops]
+    for rec in merged.select(K + ["rank0", "line0", "vkey0", "why_unknown", "why_partial", "have", "whole0"]
+                             + m_cols).iter_rows():
+        step, gname, scope, micro_, dp_, rank0, line0, vkey0, why_u, why_p, have, whole = rec[:12]
+        micro = None if micro_ < 0 else micro_
+        dp = None if dp_ < 0 else dp_
+        key = _order_key(monitor, scope, micro, vkey0, line0, rank0) + (-1, -1)
+        out = items.setdefault(step, [])
+        if why_u is not None:
+            out.append((key, UNKNOWN, _example(step, monitor, gname, scope, why_u)))
+        elif why_p is not None:
+            out.append((key, PARTIAL, _example(step, monitor, gname, scope, why_p)))
+        elif have is None or have != whole:
+            why = _incomplete_why(monitor, ranks_of.get(rec[:5], []), have or 0, whole or 0)
+            out.append((key, INCOMPLETE, _example(step, monitor, gname, scope, why)))
+        else:
+            out.append((key, "row", (gname, scope, micro, dp, rec[12:])))
