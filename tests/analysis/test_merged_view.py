@@ -43,7 +43,8 @@ def _values(seed: float, step: int) -> Values:
     return (-0.5 * norm, 0.5 * norm, 0.001 * seed, norm, 0)
 
 
-def write_view(dest: Path, override: Override = lambda *a: None, steps=STEPS, disagreements: int = 0) -> Path:
+def write_view(dest: Path, override: Override = lambda *a: None, steps=STEPS, disagreements: int = 0,
+               micros=(1,)) -> Path:
     """A merged view in the contract's format, rows in execution order: forward-like rows
     by stage ascending, backward-like rows (module backward, unreduced) descending."""
     dest.mkdir(parents=True)
@@ -69,15 +70,16 @@ def write_view(dest: Path, override: Override = lambda *a: None, steps=STEPS, di
             for layer in backward_layers:
                 add("module", step, f"decoder.layers.{layer}.mlp.grad_input.0", "backward", None, dp,
                     0.2 + 0.05 * layer + 0.01 * dp, [str(dp)])
-        for layer in backward_layers:
-            for dp in range(DP):
-                # dp rank 1's local gradient is 50 times rank 0's, every step: only separate histories
-                # see a tenfold jump of rank 0's
-                add("weight_grad", step, f"decoder.layers.{layer}.mlp.linear_fc1.weight", "unreduced", 1, dp,
-                    (0.1 + 0.01 * layer) * (50.0 if dp else 1.0), ["1", str(dp)])
+        for layer in backward_layers:  # (the merge: by virtual stage, then each rank file's order)
+            for micro in micros:
+                for dp in range(DP):
+                    # dp rank 1's local gradient is 50 times rank 0's, every step: only separate
+                    # histories see a tenfold jump of rank 0's
+                    add("weight_grad", step, f"decoder.layers.{layer}.mlp.linear_fc1.weight", "unreduced", micro,
+                        dp, (0.1 + 0.01 * layer) * (50.0 if dp else 1.0), [str(micro), str(dp)])
         for layer in forward_layers:
-            add("weight_grad", step, f"decoder.layers.{layer}.mlp.linear_fc1.weight", "reduced", 1, None,
-                0.3 + 0.01 * layer, ["1", ""])
+            add("weight_grad", step, f"decoder.layers.{layer}.mlp.linear_fc1.weight", "reduced", micros[-1], None,
+                0.3 + 0.01 * layer, [str(micros[-1]), ""])
         for layer in forward_layers:
             for state, seed in (("exp_avg", 0.01), ("exp_avg_sq", 0.0001)):
                 add("optimizer", step, f"decoder.layers.{layer}.mlp.linear_fc1.weight.{state}", state, None, None,
@@ -201,6 +203,31 @@ def test_a_forward_nan_precedes_the_backward_and_stage_0_precedes_stage_1(tmp_pa
     }))
     first = both("anomalies", view, "--json").json()["nonfinite"]["first"]
     assert (first["tensor"], first["scope"]) == ("decoder.layers.0.mlp.output.0", "forward")
+
+
+def test_local_gradients_are_ordered_by_micro_batch_then_by_the_file(tmp_path):
+    # two micro-batches: the file holds layer 3's micro-batches 1 and 2 before layer 1's; a NaN
+    # in layer 3's micro-batch 2 and one in layer 1's micro-batch 1: micro-batch 1's backward
+    # ran first, whatever the stage
+    def override(monitor, step, name, scope, micro, dp):
+        if monitor == "weight_grad" and scope == "unreduced" and step == 7 and dp == 0 and (
+                (name, micro) in (("decoder.layers.3.mlp.linear_fc1.weight", 2),
+                                  ("decoder.layers.1.mlp.linear_fc1.weight", 1))):
+            return (math.nan, math.nan, math.nan, math.nan, 3)
+        return None
+    view = write_view(tmp_path / "view", override, micros=(1, 2))
+    rows = [r for r in _rows_by_csv(view, "weight_grad") if r["step"] == "7" and r["scope"] == "unreduced"]
+    order = [(r["module_name"].split(".")[2], r["micro_step"]) for r in rows if r["dp_rank"] == "0"]
+    assert order.index(("3", "2")) < order.index(("1", "1"))
+    first = both("anomalies", view, "--json").json()["nonfinite"]["first"]
+    assert (first["tensor"], first["micro_step"]) == ("decoder.layers.1.mlp.linear_fc1.weight", 1)
+    # and within a micro-batch, the file order: layer 3 before layer 1
+    view2 = write_view(tmp_path / "view2", lambda m, st, n, sc, mi, dp: (math.nan,) * 4 + (3,) if (
+        m == "weight_grad" and sc == "unreduced" and st == 7 and dp == 0 and mi == 1
+        and n in ("decoder.layers.3.mlp.linear_fc1.weight", "decoder.layers.1.mlp.linear_fc1.weight")) else None,
+        micros=(1, 2))
+    first = both("anomalies", view2, "--json").json()["nonfinite"]["first"]
+    assert (first["tensor"], first["micro_step"]) == ("decoder.layers.3.mlp.linear_fc1.weight", 1)
 
 
 def test_spikes_are_listed_in_execution_order_across_stages(tmp_path):
