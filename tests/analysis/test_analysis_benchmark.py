@@ -1,6 +1,8 @@
 """The analysis benchmark at a tiny size: its synthetic output holds a NaN, a spike and a
 rank disagreement at known places, and both engines must find exactly those (the
-benchmark exits 1 otherwise). Timings are printed, never asserted."""
+benchmark exits 1 otherwise); its model-parallel output (TP 2 x PP 2 x DP 2, with
+layout.json files) must merge, with each implementation, to the whole tensors' norms
+with the one injected replica disagreement. Timings are printed, never asserted."""
 
 import subprocess
 import sys
@@ -18,5 +20,10 @@ def test_benchmark_smoke_finds_the_injected_anomalies(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "findings of the two engines: identical" in proc.stdout
-    assert proc.stdout.count("| as injected |") == 3  # anomalies: columnar, reference, on the Parquet export
+    # anomalies: columnar, reference, on the Parquet export; merge: Polars and pure Python
+    assert proc.stdout.count("| as injected |") == 5
+    merge_rows = [line for line in proc.stdout.splitlines() if line.startswith("| merge |")]
+    assert [line.split(" | ")[1] for line in merge_rows] == ["polars", "python"]
+    assert all(line.endswith("| as injected |") for line in merge_rows)
+    assert "8 ranks = TP 2 x PP 2 x DP 2" in proc.stdout  # the model-parallel run, with its layout.json files
     assert "OK: findings as injected" in proc.stdout

@@ -104,6 +104,10 @@ def test_ddp_merge_keeps_replicated_rows_once_and_per_rank_rows_per_dp_rank(runs
     scopes = [r["scope"] for r in wg if r["step"] == "0"]
     assert scopes == ["unreduced"] * (4 * len(PARAMS)) + ["reduced"] * len(PARAMS)
     assert json.loads((dest / "merge.json").read_text())["format"] == "msprobe-monitor-merged"
+    # the pure-Python merge (used without Polars) writes the same files
+    merge_run(str(run), str(tmp_path / "python"), engine="python")
+    for name in ("module.csv", "weight_grad.csv", "optimizer.csv", "param.csv", "disagreements.csv", "merge.json"):
+        assert (tmp_path / "python" / name).read_text() == (dest / name).read_text(), name
 
 
 def test_diverged_ddp_replicas_are_reported_by_merge_with_exit_1(runs, tmp_path):

@@ -13,13 +13,13 @@ from .order import order_key
 from .reader import CsvFile, Layout, Problems, Row, StepRange, iter_rows
 from .report import CHUNK, RANK_CHECKED_MONITORS, RankCheckSettings, finding, row_is_checked
 
-BlockKey = Tuple[str, str, Optional[int]]  # (name, scope, micro_step)
+BlockKey = Tuple[str, str, Optional[int], Optional[int]]  # (name, scope, micro_step, dp_rank of a merged view)
 Block = Tuple[int, Dict[BlockKey, Row]]
 
 
 def step_blocks(f: CsvFile, problems: Problems, steps: Optional[StepRange],
                 keep: Callable[[str, str], bool], quiet: bool = True) -> Iterator[Block]:
-    """Consecutive rows of the same step, as ``(step, {(name, scope, micro): row})``.
+    """Consecutive rows of the same step, as ``(step, {(name, scope, micro, dp): row})``.
     Rows ``keep(monitor, scope)`` rejects are dropped. ``quiet``: problems of this
     second read were already reported by the first one."""
     sink = _QuietProblems(problems) if quiet else problems
@@ -38,7 +38,7 @@ def step_blocks(f: CsvFile, problems: Problems, steps: Optional[StepRange],
             if current is not None:
                 yield current, block
             current, block = row.step, {}
-        block[(row.name, row.scope, row.micro)] = row
+        block[(row.name, row.scope, row.micro, row.dp)] = row
     if current is not None:
         yield current, block
 

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from ..errors import ConfigError, UnsafePathError
 from .reader import (OPS, InputError, Layout, Problems, StepRange, parse_int_list, parse_monitor_list, parse_steps,
-                     scan)
+                     refuse_merged, scan)
 from .reference import ReferenceEngine
 from .render import (ORDER_TEXT, anomalies_json, anomalies_text, anomaly_tables, diff_json, diff_text, export_json,
                      export_text, merge_json, merge_text, plot_json, plot_text, ranks_text, summary_json,
@@ -485,6 +485,7 @@ def _export_tensorboard(args: argparse.Namespace, problems: Problems, err: TextI
         layout = open_layout(args.out_dir, ranks=ranks, monitors=monitors, steps=steps)
     else:
         layout = scan(args.out_dir, ranks=ranks, monitors=monitors, steps=steps)
+    refuse_merged(layout, "export --tensorboard")
     # the Parquet export above already warned about the same malformed lines
     tb_problems = Problems(strict=args.strict, stream=io.StringIO()) if args.dest is not None else problems
     prog = Progress(layout.n_files, "exporting to TensorBoard", enabled=True if args.progress else None,

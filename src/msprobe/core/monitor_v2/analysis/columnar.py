@@ -31,7 +31,8 @@ from .command import pip_command
 from ..rows import (BASE_COLUMNS, COUNT_OPS, DEFAULT_OPS, MICRO_STEP, MICRO_STEP_MONITORS, MODULE_NAME, MONITORS,
                     SCOPE, STEP, TEXT_COLUMNS, VPP_STAGE, header)
 from ..safe_fs import SafeDir, open_regular
-from .reader import OPS, CsvFile, InputError, Layout, Problems, Row, StepRange, header_ops, iter_rows
+from .reader import (DP_RANK, OPS, CsvFile, InputError, Layout, Problems, Row, StepRange, header_ops, iter_rows,
+                     merged_columns, refuse_merged)
 
 INSTALL_HINT = pip_command("polars>=1.20", "matplotlib>=3.5") + " (what the 'analysis' extra of msprobe-monitor installs)"
 PARQUET_GLOB = "part-*.parquet"
@@ -44,6 +45,8 @@ _BYTES_PER_ROW_GUESS = 60
 _PARQUET_ROWS: Dict[Tuple[str, int, int], int] = {}  # (path, first, last) -> rows of that window
 
 COLUMNS: Tuple[str, ...] = BASE_COLUMNS + (MICRO_STEP,) + OPS
+# the columns of load() on a merged view (analysis/merge.py): no rank, no vpp_stage, a dp_rank
+MERGED_COLUMNS: Tuple[str, ...] = (STEP, MODULE_NAME, SCOPE, MICRO_STEP, DP_RANK) + OPS
 
 
 def polars():
@@ -57,13 +60,15 @@ def polars():
 
 def _schema(pl) -> Dict[str, Any]:
     return {VPP_STAGE: pl.Int64, STEP: pl.Int64, MODULE_NAME: pl.String, SCOPE: pl.String, MICRO_STEP: pl.Int64,
-            **{op: pl.Int64 if op in COUNT_OPS else pl.Float64 for op in OPS}}
+            **{op: pl.Int64 if op in COUNT_OPS else pl.Float64 for op in OPS}, DP_RANK: pl.Int64}
 
 
 def empty_frame(pl):
+    """A batch frame with no row: :data:`COLUMNS`, ``line``, ``fidx`` and ``dp_rank``
+    (null outside a merged view)."""
     s = _schema(pl)
     s.update(line=pl.Int64, fidx=pl.Int64)
-    return pl.DataFrame(schema=s)
+    return pl.DataFrame(schema=s).select(*COLUMNS, "line", "fidx", DP_RANK)
 
 
 # ------------------------------------------------------------------ parquet layout
@@ -128,7 +133,8 @@ def _read_parquet_windows(pl, files: Sequence[CsvFile], steps: Optional[StepRang
         schema = _schema(pl)
         df = df.with_columns(*[pl.lit(None, dtype=schema[c]).alias(c) for c in missing])
     ops = tuple(op for op in OPS if op in df.columns and df[op].null_count() < len(df)) or DEFAULT_OPS
-    return df.select(*[c for c in COLUMNS], "line", "fidx"), ops
+    return df.with_columns(pl.lit(None, dtype=pl.Int64).alias(DP_RANK)).select(
+        *[c for c in COLUMNS], "line", "fidx", DP_RANK), ops
 
 
 def _filter_steps(pl, lf, steps: Optional[StepRange]):
@@ -145,8 +151,8 @@ def _filter_steps(pl, lf, steps: Optional[StepRange]):
 # ------------------------------------------------------------------ CSV reading
 class Batch:
     """Rows of some files of one (rank, monitor): ``frame`` (the columns of
-    :data:`COLUMNS` plus ``line`` and ``fidx``, the file's index in ``files``), in file
-    then line order; ``headers``: the op lists of the good headers met."""
+    :data:`COLUMNS` plus ``line``, ``fidx``, the file's index in ``files``, and
+    ``dp_rank``, null outside a merged view), in file then line order; ``headers``: the op lists of the good headers met."""
 
     def __init__(self, files: List[CsvFile], frame, headers: List[Tuple[str, ...]]) -> None:
         self.files = files
@@ -183,8 +189,8 @@ def read_batch(files: List[CsvFile], problems: Problems, steps: Optional[StepRan
     if files and files[0].path.endswith(".parquet"):
         frame, ops = _read_parquet_windows(pl, files, steps)
         return Batch(files, frame, [ops])
-    with_micro = files[0].monitor in MICRO_STEP_MONITORS if files else False
-    fast: Dict[Tuple[str, ...], List[Tuple[int, memoryview, int]]] = {}  # ops -> [(fidx, body, rows)]
+    fast: Dict[Tuple[Tuple[str, ...], Tuple[str, ...]], List[Tuple[int, memoryview, int]]] = {}
+    # (leading columns, ops) -> [(fidx, body, rows)]
     slow: List[int] = []
     headers: List[Tuple[str, ...]] = []
     for i, f in enumerate(files):
@@ -192,11 +198,11 @@ def read_batch(files: List[CsvFile], problems: Problems, steps: Optional[StepRan
         if got is None:
             slow.append(i)
             continue
-        ops, body, rows = got
-        fast.setdefault(ops, []).append((i, body, rows))
+        lead, ops, body, rows = got
+        fast.setdefault((lead, ops), []).append((i, body, rows))
     frames: List[Any] = []
-    for ops, items in fast.items():
-        ok_frames, bad = _parse_fast(pl, files, ops, items, with_micro)
+    for (lead, ops), items in fast.items():
+        ok_frames, bad = _parse_fast(pl, files, lead, ops, items)
         frames.extend(ok_frames)
         if len(bad) < len(items):
             headers.append(ops)
@@ -213,8 +219,8 @@ def read_batch(files: List[CsvFile], problems: Problems, steps: Optional[StepRan
     return Batch(files, frame, headers)
 
 
-def _fast_candidate(f: CsvFile) -> Optional[Tuple[Tuple[str, ...], memoryview, int]]:
-    """``(ops, body, rows)`` of a file that may take the fast path, else None."""
+def _fast_candidate(f: CsvFile) -> Optional[Tuple[Tuple[str, ...], Tuple[str, ...], memoryview, int]]:
+    """``(leading columns, ops, body, rows)`` of a file that may take the fast path, else None."""
     try:
         with open(open_regular(f.path), "rb") as fh:
             data = fh.read()
@@ -227,25 +233,30 @@ def _fast_candidate(f: CsvFile) -> Optional[Tuple[Tuple[str, ...], memoryview, i
         columns = data[:end].decode("utf-8").split(",")
     except UnicodeDecodeError:
         return None
-    ops, _why = header_ops(f.monitor, [h.strip() for h in columns])
+    columns = [h.strip() for h in columns]
+    ops, _why = header_ops(f.monitor, columns, f.merged)
     if ops is None:
         return None
+    if f.merged:
+        lead = tuple(merged_columns(f.monitor, columns)[0] or ())
+    else:
+        lead = tuple(header((), f.monitor in MICRO_STEP_MONITORS))
     body = memoryview(data)[end + 1:]  # joined into the batch's buffer later: no copy here
-    return ops, body, data.count(b"\n") - 1
+    return lead, ops, body, data.count(b"\n") - 1
 
 
-def _parse_fast(pl, files: List[CsvFile], ops: Tuple[str, ...], items: List[Tuple[int, memoryview, int]],
-                with_micro: bool) -> Tuple[List[Any], List[int]]:
+def _parse_fast(pl, files: List[CsvFile], lead: Tuple[str, ...], ops: Tuple[str, ...],
+                items: List[Tuple[int, memoryview, int]]) -> Tuple[List[Any], List[int]]:
     """Parse the bodies of ``items`` in one call; on any doubt, file by file; the files
     that still fail are returned for the reference reader."""
-    frame = _parse_bodies(pl, files, ops, items, with_micro)
+    frame = _parse_bodies(pl, files, lead, ops, items)
     if frame is not None:
         return [frame], []
     if len(items) == 1:
         return [], [items[0][0]]
     good, bad = [], []
     for item in items:
-        fr = _parse_bodies(pl, files, ops, [item], with_micro)
+        fr = _parse_bodies(pl, files, lead, ops, [item])
         if fr is None:
             bad.append(item[0])
         else:
@@ -272,11 +283,12 @@ def _csv_options(pl) -> Dict[str, Any]:
     return _CSV_OPTIONS
 
 
-def _parse_bodies(pl, files: List[CsvFile], ops: Tuple[str, ...], items: List[Tuple[int, memoryview, int]],
-                  with_micro: bool):
+def _parse_bodies(pl, files: List[CsvFile], lead: Tuple[str, ...], ops: Tuple[str, ...],
+                  items: List[Tuple[int, memoryview, int]]):
     import numpy as np
 
-    names = header(ops, with_micro)
+    names = list(lead) + list(ops)
+    merged = VPP_STAGE not in lead  # a merged view's file: may leave micro_step and dp_rank empty
     full = _schema(pl)
     schema = {n: full[n] for n in names}
     total = sum(n for _, _, n in items)
@@ -289,7 +301,7 @@ def _parse_bodies(pl, files: List[CsvFile], ops: Tuple[str, ...], items: List[Tu
         return None
     if len(df) != total:
         return None
-    numeric = [n for n in names if n not in TEXT_COLUMNS]
+    numeric = [n for n in names if n not in TEXT_COLUMNS and not (merged and n in (MICRO_STEP, DP_RANK))]
     if any(df[n].null_count() for n in numeric):
         return None
     counts = np.array([n for _, _, n in items], dtype=np.int64)
@@ -301,19 +313,23 @@ def _parse_bodies(pl, files: List[CsvFile], ops: Tuple[str, ...], items: List[Tu
     step = df["step"].to_numpy()
     if ((step < first) | (step > last)).any():
         return None  # the reference reader names the line and the file's window
-    missing = [pl.lit(None, dtype=full[c]).alias(c) for c in COLUMNS if c not in names]
+    # (a merged view has no vpp_stage: its names are global, as reader.iter_rows gives 0)
+    missing = [pl.lit(0 if c == VPP_STAGE else None, dtype=full[c]).alias(c)
+               for c in COLUMNS + (DP_RANK,) if c not in names]
     # the writer's formula escape (reader.text_cell): one leading quote is not part of the name
     unquoted = [pl.col(c).str.strip_prefix("'") for c in TEXT_COLUMNS]
     return df.with_columns(*unquoted, *missing, pl.Series("line", line), pl.Series("fidx", fidx)).select(
-        *COLUMNS, "line", "fidx")
+        *COLUMNS, "line", "fidx", DP_RANK)
 
 
 def _read_reference(pl, f: CsvFile, fidx: int, problems: Problems, headers: List[Tuple[str, ...]]):
     """One file through the ``csv`` module reader (problems reported as before)."""
     cols: Dict[str, List[Any]] = {c: [] for c in COLUMNS}
     line: List[int] = []
+    dp: List[Optional[int]] = []
     file_ops: List[Tuple[str, ...]] = []
     for row in iter_rows(f, problems, None, on_header=file_ops.append):
+        dp.append(row.dp)
         cols["vpp_stage"].append(row.vpp)
         cols["step"].append(row.step)
         cols["module_name"].append(row.name)
@@ -325,15 +341,17 @@ def _read_reference(pl, f: CsvFile, fidx: int, problems: Problems, headers: List
     headers.extend(file_ops)
     schema = _schema(pl)
     df = pl.DataFrame({c: pl.Series(c, cols[c], dtype=schema[c]) for c in COLUMNS})
-    return df.with_columns(pl.Series("line", line, dtype=pl.Int64), pl.lit(fidx, dtype=pl.Int64).alias("fidx"))
+    return df.with_columns(pl.Series("line", line, dtype=pl.Int64), pl.lit(fidx, dtype=pl.Int64).alias("fidx"),
+                           pl.Series(DP_RANK, dp, dtype=pl.Int64))
 
 
 def frame_rows(frame, ops_present: Optional[Sequence[str]] = None) -> Iterator[Row]:
     """:class:`.reader.Row` objects of a batch frame (the interface of the row visitors)."""
     ops = [op for op in OPS if op in frame.columns]
-    for rec in frame.select("step", "vpp_stage", "module_name", "scope", "micro_step", "line", *ops).iter_rows():
-        vals = {op: v for op, v in zip(ops, rec[6:]) if v is not None}
-        yield Row(rec[0], rec[1], rec[2], rec[3], rec[4], vals, rec[5])
+    for rec in frame.select("step", "vpp_stage", "module_name", "scope", "micro_step", "line", DP_RANK,
+                            *ops).iter_rows():
+        vals = {op: v for op, v in zip(ops, rec[7:]) if v is not None}
+        yield Row(rec[0], rec[1], rec[2], rec[3], rec[4], vals, rec[5], rec[6])
 
 
 def parquet_rows(f: CsvFile, steps: Optional[StepRange]) -> Iterator[Row]:
@@ -344,7 +362,8 @@ def parquet_rows(f: CsvFile, steps: Optional[StepRange]) -> Iterator[Row]:
 
 def row_of(rec: Dict[str, Any]) -> Row:
     vals = {op: rec[op] for op in OPS if rec.get(op) is not None}
-    return Row(rec["step"], rec["vpp_stage"], rec["module_name"], rec["scope"], rec["micro_step"], vals, rec["line"])
+    return Row(rec["step"], rec["vpp_stage"], rec["module_name"], rec["scope"], rec["micro_step"], vals, rec["line"],
+               rec.get(DP_RANK))
 
 
 # ------------------------------------------------------------------ public API
@@ -366,7 +385,11 @@ def load(path: str, ranks: Optional[Sequence[int]] = None, monitors: Optional[Se
     Columns: ``rank``, ``monitor``, ``vpp_stage``, ``step``, ``module_name``, ``scope``,
     ``micro_step`` (null outside ``weight_grad``), ``min``, ``max``, ``mean``, ``norm``,
     ``nans``, ``zeros`` (null where a file does not have the statistic); with ``with_source``
-    also ``file`` and ``line`` (where each row comes from). ``ranks``/``monitors``
+    also ``file`` and ``line`` (where each row comes from). A merged view (``msprobe-monitor
+    merge``'s DEST) has neither ranks nor chunks: its columns are ``monitor``, ``step``,
+    ``module_name``, ``scope``, ``micro_step``, ``dp_rank`` (null where a row is combined over
+    data parallelism) and the statistics (:data:`MERGED_COLUMNS`), in the merged files'
+    row order (execution order). ``ranks``/``monitors``
     select, ``steps`` is an inclusive ``(first, last)`` (either may be None). Malformed
     lines are skipped with a warning on stderr (``strict``: an :class:`InputError`).
     ``.to_pandas()`` gives a pandas DataFrame (needs pandas and pyarrow).
@@ -375,6 +398,7 @@ def load(path: str, ranks: Optional[Sequence[int]] = None, monitors: Optional[Se
     layout = open_layout(path, ranks, monitors, steps)
     problems = Problems(strict=strict)
     parts = []
+    columns = ["monitor", *MERGED_COLUMNS] if layout.merged is not None else ["rank", "monitor", *COLUMNS]
     for rank in layout.ranks:
         for monitor in MONITORS:
             files = layout.files_of(rank, monitor)
@@ -387,12 +411,12 @@ def load(path: str, ranks: Optional[Sequence[int]] = None, monitors: Optional[Se
                     extra.append(pl.col("fidx").replace_strict(list(range(len(group))), paths,
                                                                return_dtype=pl.String).alias("file"))
                 fr = fr.with_columns(*extra)
-                keep = ["rank", "monitor"] + list(COLUMNS) + (["file", "line"] if with_source else [])
+                keep = columns + (["file", "line"] if with_source else [])
                 parts.append(fr.select(keep))
     if problems.count:
         print(f"msprobe-monitor: {problems.summary()}", file=sys.stderr)
     if not parts:
-        keep = ["rank", "monitor"] + list(COLUMNS) + (["file", "line"] if with_source else [])
+        keep = columns + (["file", "line"] if with_source else [])
         return empty_frame(pl).with_columns(pl.lit(0, dtype=pl.Int64).alias("rank"), pl.lit("").alias("monitor"),
                                             pl.lit("").alias("file")).select(keep)
     return pl.concat(parts, how="vertical")
@@ -408,6 +432,7 @@ def export(path: str, dest: str, ranks: Optional[Sequence[int]] = None, monitors
     from .reader import scan
 
     layout = scan(path, ranks=ranks, monitors=monitors, steps=steps)
+    refuse_merged(layout, "export")
     problems = problems if problems is not None else Problems()
     written = rows = 0
     root = SafeDir(dest, link_ok=False)

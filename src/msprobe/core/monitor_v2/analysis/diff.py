@@ -15,7 +15,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple
 from .blocks import Block, merge_steps, step_blocks
 from ..rows import WEIGHT_GRAD
 from .order import OrderKey, order_key, where
-from .reader import MONITORS, CsvFile, Layout, Problems, Row, StepRange
+from .reader import MONITORS, CsvFile, InputError, Layout, Problems, Row, StepRange
 from .text import Progress
 
 INF = float("inf")
@@ -106,6 +106,11 @@ def _chain(files: Sequence[CsvFile], problems: Problems, steps: Optional[StepRan
 def diff_runs(a: Layout, b: Layout, problems: Problems, settings: DiffSettings,
               steps: Optional[StepRange] = None, progress: Optional[bool] = None,
               progress_stream: Optional[TextIO] = None) -> DiffReport:
+    if (a.merged is None) != (b.merged is None):
+        merged, other = (a, b) if a.merged is not None else (b, a)
+        raise InputError(f"{merged.root} is a merged view (merge.json) and {other.root} is not: their rows do not "
+                         f"line up (global names, whole tensors); merge the other run too "
+                         f"(msprobe-monitor merge {other.root} DEST) and compare the two merged views")
     report = DiffReport(a, b, settings)
     ranks = [r for r in a.ranks if r in b.files]
     for r in a.ranks:
@@ -166,6 +171,8 @@ def _note_only(report: DiffReport, rank: int, monitor: str, row: Row, side: str,
             "rank": rank, "step": row.step, "micro_step": row.micro, "monitor": monitor, "scope": row.scope,
             "tensor": row.name, "only_in": side, "file": _path_of(files, row.step), "line": row.line,
         }
+        if row.dp is not None:
+            report.first_only["dp_rank"] = row.dp
 
 
 def _compare_rows(report: DiffReport, md: Any, rank: int, monitor: str, ra: Row, rb: Row,
@@ -192,7 +199,7 @@ def _compare_rows(report: DiffReport, md: Any, rank: int, monitor: str, ra: Row,
     if report.first_key is None or key < report.first_key:
         report.first_key = key
         report.first = _entry(rank, monitor, ra, rb, first_op, fa, fb)
-    tkey = (rank, monitor, ra.name, ra.scope, ra.micro)
+    tkey = (rank, monitor, ra.name, ra.scope, ra.micro, ra.dp)
     rd, ad, op = worst
     prev = report.largest.get(tkey)
     if prev is None or (rd, ad) > (prev[0], prev[1]):
@@ -203,7 +210,8 @@ def _entry(rank: int, monitor: str, ra: Row, rb: Row, op: str, fa: Sequence[CsvF
            fb: Sequence[CsvFile]) -> Dict[str, Any]:
     x, y = float(ra.vals[op]), float(rb.vals[op])
     ad, rd = value_diff(x, y)
-    return {
+    dp = {} if ra.dp is None else {"dp_rank": ra.dp}  # a merged view's row kept per data-parallel rank
+    return {**dp,
         "rank": rank, "step": ra.step, "micro_step": ra.micro, "monitor": monitor, "scope": ra.scope,
         "tensor": ra.name, "where": where(monitor, ra.scope, ra.micro), "stat": op, "a": x, "b": y,
         "abs_diff": ad, "rel_diff": rd, "file_a": _path_of(fa, ra.step), "line_a": ra.line,

@@ -31,7 +31,7 @@ from collections import Counter
 from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from .blocks import compare_window, rank_windows
-from .columnar import Batch, batches, frame_rows, open_layout, polars, read_batch, row_of
+from .columnar import DP_RANK, Batch, batches, frame_rows, open_layout, polars, read_batch, row_of
 from .localise import localise
 from ..rows import REDUCED, SCOPE, WEIGHT_GRAD
 from .order import LAST, order_key, phase
@@ -398,43 +398,55 @@ def _spikes(pl, fr, rank: int, monitor: str, batch: Batch, settings: SpikeSettin
 
 
 def _tensor_ids(pl, fr, carry: Dict[str, Any]):
-    """An integer id per (module_name, scope), the same in every batch and on every rank
+    """An integer id per tensor (module_name, scope, dp_rank: a merged view's rows of each
+    data-parallel rank are tensors of their own), the same in every batch and on every rank
     of a monitor (``carry`` is per monitor): sorting and hashing integers is much
     cheaper than strings. Returns the ``_gid`` column and the (module_name, scope, _gid)
     table of the batch's tensors.
 
-    The rows are matched to their tensor by a 64-bit hash of the two names (a join on
+    The rows are matched to their tensor by a 64-bit hash of the names (a join on
     integers); every row's names are then compared with its tensor's, so a hash
     collision cannot merge two tensors: the batch then takes the exact join on names."""
-    by_name: Dict[Tuple[str, str], int] = carry.setdefault("by_name", {})
-    by_hash: Dict[int, Tuple[int, str, str]] = carry.setdefault("by_hash", {})
-    hashed = fr.select("module_name", "scope", pl.struct("module_name", "scope").hash(seed=7).alias("_h"))
+    by_name: Dict[Tuple[str, str, Optional[int]], int] = carry.setdefault("by_name", {})
+    by_hash: Dict[int, Tuple[int, str, str, Optional[int]]] = carry.setdefault("by_hash", {})
+    key = ["module_name", "scope"]
+    if fr[DP_RANK].null_count() < len(fr):  # a merged view's per-dp rows (else: no column to hash)
+        key.append(DP_RANK)
+    hashed = fr.select(*key, pl.struct(*key).hash(seed=7).alias("_h"))
     keys = hashed.unique(subset="_h", keep="first", maintain_order=True)
     gids: List[int] = []
     exact = True
-    for name, scope, h in keys.iter_rows():
+    for rec in keys.iter_rows():
+        name, scope, h = rec[0], rec[1], rec[-1]
+        dp = rec[2] if len(key) == 3 else None
         got = by_hash.get(h)
         if got is None:
-            gid = by_name.setdefault((name, scope), len(by_name))
-            got = by_hash[h] = (gid, name, scope)
-        elif got[1] != name or got[2] != scope:
+            gid = by_name.setdefault((name, scope, dp), len(by_name))
+            got = by_hash[h] = (gid, name, scope, dp)
+        elif got[1] != name or got[2] != scope or got[3] != dp:
             exact = False
             break
         gids.append(got[0])
     if exact:
         keys = keys.with_columns(pl.Series("_gid", gids, dtype=pl.Int64))
         joined = hashed.join(keys, on="_h", how="left", maintain_order="left", suffix="_k")
-        exact = joined.select(((pl.col("module_name") == pl.col("module_name_k"))
-                               & (pl.col("scope") == pl.col("scope_k"))).all()).item()
+        same = (pl.col("module_name") == pl.col("module_name_k")) & (pl.col("scope") == pl.col("scope_k"))
+        if len(key) == 3:
+            same = same & pl.col(DP_RANK).eq_missing(pl.col(DP_RANK + "_k"))
+        exact = joined.select(same.all()).item()
         if exact:
             return joined["_gid"], keys.select("module_name", "scope", "_gid")
-    # a hash collision: ids by the names themselves
-    names = fr.select("module_name", "scope").unique(maintain_order=True)
-    ids = names.with_columns(pl.Series("_gid", [by_name.setdefault(k, len(by_name)) for k in names.iter_rows()],
-                                       dtype=pl.Int64))
-    gid = fr.select("module_name", "scope").join(ids, on=["module_name", "scope"], how="left",
-                                                 maintain_order="left")["_gid"]
-    return gid, ids
+    # a hash collision: ids by the names themselves (a null dp_rank joins as -1)
+    cols = [pl.col("module_name"), pl.col("scope"), pl.col(DP_RANK).fill_null(-1)][:len(key)]
+    names = fr.select(*cols).unique(maintain_order=True)
+    ids = names.with_columns(pl.Series("_gid", [by_name.setdefault((k[0], k[1], _dp_of(k)), len(by_name))
+                                                for k in names.iter_rows()], dtype=pl.Int64))
+    gid = fr.select(*cols).join(ids, on=key, how="left", maintain_order="left")["_gid"]
+    return gid, ids.select("module_name", "scope", "_gid")
+
+
+def _dp_of(k: Tuple[Any, ...]) -> Optional[int]:
+    return None if len(k) < 3 or k[2] == -1 else k[2]
 
 
 # ------------------------------------------------------------------ rank agreement

@@ -509,21 +509,23 @@ class _Emitter:
         self.with_micro = monitor in MICRO_STEP_MONITORS
         self.with_dp = monitor in DP_RANK_MONITORS
         self.written = 0
+        # the statistic cells in one str.format call, as the monitor's writer formats them
+        self.stats = ",".join("{%d}" % i if op in COUNT_OPS else "{%d:.9g}" % i for i, op in enumerate(ops)).format
 
     def step(self, step: int, items: List[Item]) -> None:
         items.sort(key=lambda t: t[0])
         lines = []
-        ops = self.ops
+        stats, with_micro, with_dp = self.stats, self.with_micro, self.with_dp
+        head = f"{step},"
         for _, kind, p in items:
             if kind == "row":
                 gname, scope, micro, dp, vals = p
-                cells = [str(step), _name_cell(gname), _name_cell(scope)]
-                if self.with_micro:
-                    cells.append("" if micro is None else str(micro))
-                if self.with_dp:
-                    cells.append("" if dp is None else str(dp))
-                cells.append(",".join(str(int(v)) if op in COUNT_OPS else _num(v) for op, v in zip(ops, vals)))
-                lines.append(",".join(cells) + "\n")
+                line = head + _name_cell(gname) + "," + _name_cell(scope) + ","
+                if with_micro:
+                    line += ("" if micro is None else str(micro)) + ","
+                if with_dp:
+                    line += ("" if dp is None else str(dp)) + ","
+                lines.append(line + stats(*vals) + "\n")
             elif kind == "dis":
                 self._disagreement(step, *p)
             else:
@@ -737,6 +739,7 @@ def _polars_monitor(emit: _Emitter, monitor: str, per_rank: Dict[int, List[CsvFi
     from .columnar import BATCH_ROWS, read_batch
 
     seen: set = set()
+    ids = _Ids()
     for lo, hi in _step_chunks(per_rank, BATCH_ROWS):
         frames = []
         for rank, fs in sorted(per_rank.items()):
@@ -755,13 +758,41 @@ def _polars_monitor(emit: _Emitter, monitor: str, per_rank: Dict[int, List[CsvFi
         fr = pl.concat(frames, how="vertical").with_row_index("ri")
         report.rows_read += len(fr)
         items: Dict[int, List[Item]] = {}
-        _polars_chunk(pl, fr, monitor, layouts, ops, rtol, problems, report, items)
+        _polars_chunk(pl, fr, monitor, layouts, ops, rtol, problems, report, items, ids)
         for step in sorted(items):
             emit.step(step, items[step])
 
 
+class _Ids:
+    """Small integers for the groups and pieces of a monitor, so that Polars groups and
+    windows on integer columns (strings stay in Python, looked up when a row is emitted)."""
+
+    def __init__(self) -> None:
+        self.groups: Dict[Tuple[str, str, int], int] = {}
+        self.group_info: List[Tuple[str, str, int]] = []
+        self.pieces: Dict[Tuple[int, Tuple[Tuple[str, int], ...]], int] = {}
+        self.descs: Dict[Tuple[int, str, str, int], Tuple[int, int, int, int, int, int, str]] = {}
+        self.frame: Any = None  # the descriptors described so far, as a Polars frame
+
+    def of(self, rl: "_RankLayout", monitor: str, name: str, scope: str, vpp: int) -> Tuple[int, int, int, int, int,
+                                                                                            int, str]:
+        key = (rl.rank, name, scope, vpp)
+        got = self.descs.get(key)
+        if got is None:
+            d = rl.describe(monitor, name, scope, vpp)
+            gkey = (d.gname, scope, -1 if d.dp is None else d.dp)
+            gk = self.groups.get(gkey)
+            if gk is None:
+                gk = self.groups[gkey] = len(self.group_info)
+                self.group_info.append(gkey)
+            pk = self.pieces.setdefault((gk, d.ident), len(self.pieces))
+            status = {"ok": 0, PARTIAL: 1, UNKNOWN: 2}[d.status]
+            got = self.descs[key] = (gk, pk, status, d.numel, d.whole, d.vkey, d.why)
+        return got
+
+
 def _polars_chunk(pl: Any, fr: Any, monitor: str, layouts: Dict[int, _RankLayout], ops: Sequence[str], rtol: float,
-                  problems: Problems, report: MergeReport, items: Dict[int, List[Item]]) -> None:
+                  problems: Problems, report: MergeReport, items: Dict[int, List[Item]], ids: _Ids) -> None:
     col = pl.col
     known = sorted(layouts)
     # rows of ranks without a layout: counted, one example per rank and step
@@ -776,80 +807,100 @@ def _polars_chunk(pl: Any, fr: Any, monitor: str, layouts: Dict[int, _RankLayout
         fr = fr.filter(col("rank").is_in(known))
         if not len(fr):
             return
-    # each distinct (rank, name, scope, chunk): its descriptor, joined onto the rows
-    uniq = fr.select("rank", "module_name", "scope", "vpp_stage").unique()
-    d_cols: Dict[str, List[Any]] = {k: [] for k in ("rank", "module_name", "scope", "vpp_stage", "status", "gname",
-                                                     "dp", "ident", "numel", "whole", "vkey", "why")}
-    for rank, name, scope, vpp in uniq.iter_rows():
-        d = layouts[rank].describe(monitor, name, scope, vpp)
-        for k, v in (("rank", rank), ("module_name", name), ("scope", scope), ("vpp_stage", vpp),
-                     ("status", d.status), ("gname", d.gname), ("dp", -1 if d.dp is None else d.dp),
-                     ("ident", repr(d.ident)), ("numel", d.numel), ("whole", d.whole), ("vkey", d.vkey),
-                     ("why", d.why)):
-            d_cols[k].append(v)
-    schema = {"rank": pl.Int64, "module_name": pl.String, "scope": pl.String, "vpp_stage": pl.Int64,
-              "status": pl.String, "gname": pl.String, "dp": pl.Int64, "ident": pl.String, "numel": pl.Int64,
-              "whole": pl.Int64, "vkey": pl.Int64, "why": pl.String}
-    desc = pl.DataFrame(d_cols, schema=schema)
-    fr = (fr.join(desc, on=["rank", "module_name", "scope", "vpp_stage"], how="left")
-          .sort("ri").with_columns(col("micro_step").fill_null(-1).alias("micro")))
-    K = ["step", "gname", "scope", "micro", "dp"]
-    P = K + ["ident"]
-    # every group: its first row (the lowest rank's, in file order) and whether a piece is unknown/partial
-    groups = fr.group_by(K, maintain_order=True).agg(
-        col("rank").first().alias("rank0"), col("line").first().alias("line0"), col("vkey").first().alias("vkey0"),
-        col("why").filter(col("status") == UNKNOWN).first().alias("why_unknown"),
-        col("why").filter(col("status") == PARTIAL).first().alias("why_partial"))
-    bad = groups.filter(col("why_unknown").is_not_null() | col("why_partial").is_not_null()).select(K)
-    ok = fr.filter(col("status") == "ok")
-    if len(bad):
-        ok = ok.join(bad, on=K, how="anti").sort("ri")
+    # each distinct (rank, name, scope, chunk): its descriptor as integers, joined onto the rows; the
+    # descriptors of earlier batches are kept (names repeat every step), only new keys are described
+    on = ["rank", "module_name", "scope", "vpp_stage"]
+    keys = fr.select(on).unique()
+    if ids.frame is not None:
+        keys = keys.join(ids.frame.select(on), on=on, how="anti")
+    if len(keys):
+        names = on + ["gk", "pk", "status", "numel", "whole", "vkey", "why"]
+        d_cols: Dict[str, List[Any]] = {k: [] for k in names}
+        for rank, name, scope, vpp in keys.iter_rows():
+            for k, v in zip(names, (rank, name, scope, vpp) + ids.of(layouts[rank], monitor, name, scope, vpp)):
+                d_cols[k].append(v)
+        schema = {"rank": pl.Int64, "module_name": pl.String, "scope": pl.String, "vpp_stage": pl.Int64,
+                  "gk": pl.Int64, "pk": pl.Int64, "status": pl.Int8, "numel": pl.Int64, "whole": pl.Int64,
+                  "vkey": pl.Int64, "why": pl.String}
+        new = pl.DataFrame(d_cols, schema=schema)
+        ids.frame = new if ids.frame is None else pl.concat([ids.frame, new], how="vertical")
+    desc = ids.frame
+    fr = fr.join(desc, on=["rank", "module_name", "scope", "vpp_stage"], how="left") \
+        .with_columns(col("micro_step").fill_null(-1).alias("micro"))
+    K = ["step", "micro", "gk"]
+    P = ["step", "micro", "pk"]
+    # groups with an unknown or partial piece: left out, with the first such row's reason
+    bad_keys = fr.filter(col("status") != 0).select(K).unique()
+    ok = fr.filter(col("status") == 0)
+    if len(bad_keys):
+        bad = fr.join(bad_keys, on=K, how="semi").sort("ri").group_by(K, maintain_order=True).agg(
+            col("rank").first(), col("line").first(), col("vkey").first(),
+            col("why").filter(col("status") == 2).first().alias("why_unknown"),
+            col("why").filter(col("status") == 1).first().alias("why_partial"))
+        for step, micro_, gk, rank0, line0, vkey0, why_u, why_p in bad.iter_rows():
+            gname, scope, dp_ = ids.group_info[gk]
+            micro = None if micro_ < 0 else micro_
+            key = _order_key(monitor, scope, micro, vkey0, line0, rank0) + (-1, -1)
+            kind, why = (UNKNOWN, why_u) if why_u is not None else (PARTIAL, why_p)
+            items.setdefault(step, []).append((key, kind, _example(step, monitor, gname, scope, why)))
+        ok = ok.join(bad_keys, on=K, how="anti")
+    # each piece's rows together, lowest rank (then file order) first: the replicas follow their first row
+    ok = ok.sort(P + ["ri"])
+    new_piece = pl.any_horizontal([col(c) != col(c).shift(1) for c in P]).fill_null(True)
     # a rank's second row of the same piece in a step: reported, ignored
-    first_of_rank = pl.struct(P + ["rank"]).is_first_distinct()
-    dups = ok.filter(~first_of_rank)
+    dup = ~new_piece & (col("rank") == col("rank").shift(1))
+    dups = ok.filter(dup)
     for rank, line, name, scope, step in dups.select("rank", "line", "module_name", "scope", "step").iter_rows():
         problems.report(f"rank_{rank}", line, _duplicate_message(monitor, step, name, scope))
     if len(dups):
-        ok = ok.filter(first_of_rank)
+        ok = ok.filter(~dup)
+    ok = ok.with_columns(new_piece.alias("is_first"))
     # replicas: each row against its piece's first (lowest-rank) row
     diff_exprs = []
     for op in ops:
-        a, b = col(op).first().over(P), col(op)
+        a, b = pl.when(col("is_first")).then(col(op)).forward_fill(), col(op)
         if op in COUNT_OPS:
             same = a == b
         else:
             same = ((a == b) | (a.is_nan() & b.is_nan())
-                    | (~a.is_infinite() & ~b.is_infinite() & ((a - b).abs() <= rtol * pl.max_horizontal(a.abs(),
-                                                                                                         b.abs()))))
+                    | (~a.is_infinite() & ~b.is_infinite()
+                       & ((a - b).abs() <= rtol * pl.max_horizontal(a.abs(), b.abs()))))
         diff_exprs.append((~same).fill_null(True).alias(f"d_{op}"))
     ok = ok.with_columns(diff_exprs)
-    any_diff = pl.any_horizontal([col(f"d_{op}") for op in ops])
-    dis_pieces = ok.filter(any_diff.any().over(P))
-    group_first = {(r[0], r[1], r[2], r[3], r[4]): r[5:] for r in groups.select(K + ["rank0", "line0", "vkey0"])
-                   .iter_rows()}
-    if len(dis_pieces):
+    flagged = ok.filter(pl.any_horizontal([col(f"d_{op}") for op in ops]))
+    if len(flagged):
+        dis_pieces = ok.join(flagged.select(P).unique(), on=P, how="semi").sort(P + ["ri"])
         agg = dis_pieces.group_by(P, maintain_order=True).agg(
-            col("rank"), *[col(op) for op in ops], *[col(f"d_{op}") for op in ops])
+            col("gk").first(), col("rank"), *[col(op) for op in ops], *[col(f"d_{op}") for op in ops])
+        # the order keys of the rows they belong to: each group's first row (lowest rank, file order)
+        firsts = ok.join(flagged.select(K).unique(), on=K, how="semi").group_by(K).agg(
+            col("rank").get(col("ri").arg_min()), col("line").get(col("ri").arg_min()),
+            col("vkey").get(col("ri").arg_min()))
+        first_of = {(s, m, g): (r, ln, v) for s, m, g, r, ln, v in firsts.iter_rows()}
         rows_with = set()
         for rec in agg.iter_rows(named=True):
-            key = (rec["step"], rec["gname"], rec["scope"], rec["micro"], rec["dp"])
-            rows_with.add(key)
-            rank0, line0, vkey0 = group_first[key]
-            micro = None if rec["micro"] < 0 else rec["micro"]
-            dp = None if rec["dp"] < 0 else rec["dp"]
-            order = _order_key(monitor, rec["scope"], micro, vkey0, line0, rank0)
+            step, micro_, gk = rec["step"], rec["micro"], rec["gk"]
+            rows_with.add((step, micro_, gk))
+            gname, scope, dp_ = ids.group_info[gk]
+            micro = None if micro_ < 0 else micro_
+            dp = None if dp_ < 0 else dp_
+            rank0, line0, vkey0 = first_of[(step, micro_, gk)]
+            order = _order_key(monitor, scope, micro, vkey0, line0, rank0)
             ranks = rec["rank"]
             for i, op in enumerate(ops):
                 differing = [rk for rk, d in zip(ranks[1:], rec[f"d_{op}"][1:]) if d]
                 if differing:
-                    items.setdefault(rec["step"], []).append(
-                        (order + (ranks[0], i), "dis", (rec["gname"], rec["scope"], micro, dp, op, list(ranks),
-                                                        list(rec[op]), differing)))
+                    items.setdefault(step, []).append(
+                        (order + (ranks[0], i), "dis", (gname, scope, micro, dp, op, list(ranks), list(rec[op]),
+                                                        differing)))
         report.disagreeing_rows += len(rows_with)
     # distinct pieces (each piece's lowest rank) combined exactly
-    pieces = ok.filter(pl.struct(P).is_first_distinct())
+    pieces = ok.filter(col("is_first")).sort("ri")  # summed in the pure-Python order: by lowest rank
     one = pl.len() == 1
-    agg_exprs = [pl.len().alias("n_pieces"), col("numel").sum().alias("have"), col("whole").first().alias("whole0")]
+    first = col("ri").arg_min()  # the group's first row: lowest rank, file order (its place in the order)
+    agg_exprs = [col("rank").get(first).alias("rank0"), col("line").get(first).alias("line0"),
+                 col("vkey").get(first).alias("vkey0"), col("numel").sum().alias("have"),
+                 col("whole").first().alias("whole0")]
     for op in ops:
         if op == "norm":
             e = pl.when(one).then(col(op).first()).otherwise((col(op) * col(op)).sum().sqrt())
@@ -862,29 +913,24 @@ def _polars_chunk(pl: Any, fr: Any, monitor: str, layouts: Dict[int, _RankLayout
         else:
             e = col(op).sum()
         agg_exprs.append(e.alias(f"m_{op}"))
-    combined = pieces.group_by(K, maintain_order=True).agg(agg_exprs)
-    merged = groups.join(combined, on=K, how="left")
-    incomplete_keys = merged.filter(col("why_unknown").is_null() & col("why_partial").is_null()
-                                    & (col("have").is_null() | (col("have") != col("whole0")))).select(K)
-    ranks_of: Dict[Tuple[Any, ...], List[int]] = {}
-    if len(incomplete_keys):
-        for rec in (ok.join(incomplete_keys, on=K, how="semi").group_by(K)
-                    .agg(col("rank").unique().sort()).iter_rows()):
-            ranks_of[rec[:5]] = list(rec[5])
-    m_cols = [f"m_{op}" for op in ops]
-    for rec in merged.select(K + ["rank0", "line0", "vkey0", "why_unknown", "why_partial", "have", "whole0"]
-                             + m_cols).iter_rows():
-        step, gname, scope, micro_, dp_, rank0, line0, vkey0, why_u, why_p, have, whole = rec[:12]
+    combined = pieces.group_by(K).agg(agg_exprs)
+    incomplete = combined.filter(col("have") != col("whole0"))
+    ranks_of: Dict[Tuple[int, int, int], List[int]] = {}
+    if len(incomplete):
+        for s, m, g, rks in (ok.join(incomplete.select(K), on=K, how="semi").group_by(K)
+                             .agg(col("rank").unique().sort()).iter_rows()):
+            ranks_of[(s, m, g)] = list(rks)
+    info = ids.group_info
+    for rec in combined.iter_rows():
+        step, micro_, gk, rank0, line0, vkey0, have, whole = rec[:8]
+        gname, scope, dp_ = info[gk]
         micro = None if micro_ < 0 else micro_
-        dp = None if dp_ < 0 else dp_
         key = _order_key(monitor, scope, micro, vkey0, line0, rank0) + (-1, -1)
-        out = items.setdefault(step, [])
-        if why_u is not None:
-            out.append((key, UNKNOWN, _example(step, monitor, gname, scope, why_u)))
-        elif why_p is not None:
-            out.append((key, PARTIAL, _example(step, monitor, gname, scope, why_p)))
-        elif have is None or have != whole:
-            why = _incomplete_why(monitor, ranks_of.get(rec[:5], []), have or 0, whole or 0)
+        out = items.get(step)
+        if out is None:
+            out = items[step] = []
+        if have != whole:
+            why = _incomplete_why(monitor, ranks_of.get((step, micro_, gk), []), have, whole)
             out.append((key, INCOMPLETE, _example(step, monitor, gname, scope, why)))
         else:
-            out.append((key, "row", (gname, scope, micro, dp, rec[12:])))
+            out.append((key, "row", (gname, scope, micro, None if dp_ < 0 else dp_, rec[8:])))

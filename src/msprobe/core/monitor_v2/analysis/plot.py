@@ -184,6 +184,8 @@ class PlotCollector:
             return
         v = float(v)
         micro_label = f" mb{row.micro}" if (monitor == WEIGHT_GRAD and row.scope == UNREDUCED) else ""
+        if row.dp is not None:  # a merged view's row kept per data-parallel rank: a line of its own
+            micro_label += f" dp{row.dp}"
         # overview
         lines = self.overview.setdefault(monitor, {})
         per_step = lines.setdefault(row.scope + micro_label, {})
@@ -254,6 +256,20 @@ class PlotCollector:
         if self.s.stat == "mean":
             return agg.acc / agg.n
         return agg.acc
+
+
+def _whose(report: Any, rank: int) -> str:
+    """``rank 3``, or ``merged view`` for the pseudo-rank of a merged view."""
+    return "merged view" if report.layout.merged is not None else f"rank {rank}"
+
+
+def _split_dp(label: str) -> Tuple[str, Optional[int]]:
+    """A line label without its `` dp<d>`` suffix (a merged view's per-dp row), and ``d``."""
+    m = _DP_LABEL.search(label)
+    return (label, None) if m is None else (label[:m.start()], int(m.group(1)))
+
+
+_DP_LABEL = re.compile(r" dp(\d+)$")
 
 
 # --------------------------------------------------------------------- rendering
@@ -475,7 +491,8 @@ def render(collector: PlotCollector, report: Report, out_dir: str) -> List[Drawn
     for sp in report.spikes.items():
         if sp["rank"] == rank and plotted in sp["stats"]:
             micro = sp["micro_step"] if (sp["monitor"] == WEIGHT_GRAD and sp["scope"] == UNREDUCED) else None
-            spike_steps.setdefault((sp["monitor"], sp["scope"], sp["tensor"], micro), set()).add(sp["step"])
+            spike_steps.setdefault((sp["monitor"], sp["scope"], sp["tensor"], micro, sp.get("dp_rank")),
+                                   set()).add(sp["step"])
     made: List[DrawnFigure] = []
     n = 0
     for monitor in MONITORS:
@@ -491,7 +508,7 @@ def render(collector: PlotCollector, report: Report, out_dir: str) -> List[Drawn
         agg = {"norm": "global L2 norm", "max": "largest max", "min": "smallest min",
                "mean": "average of means", "nans": "total NaN count",
                "zeros": "total zero count"}[s.stat]
-        title = f"{monitor}: {agg} over all tensors, per scope (rank {rank})"
+        title = f"{monitor}: {agg} over all tensors, per scope ({_whose(report, rank)})"
         _draw(os.path.join(out_dir, name), title, lines, s.stat, s.yscale, first_bad, [], x_range)
         made.append(DrawnFigure("Overview", title, name, monitor, None, True))
     scope_rank: Dict[Tuple[str, str], int] = {}
@@ -509,26 +526,27 @@ def render(collector: PlotCollector, report: Report, out_dir: str) -> List[Drawn
         lines = [(label, list(ser.steps), list(ser.values)) for label, ser in series.items()]
         marks: List[Tuple[str, int, float]] = []
         for label, ser in series.items():
+            core, dp = _split_dp(label)
             if s.by == "tensor":
-                scope, _, mb = label.partition(" mb")
-                tensor_of = [(t, sc) for (m, sc, t, _m) in spike_steps if m == monitor and sc == scope
+                scope, _, mb = core.partition(" mb")
+                tensor_of = [(t, sc) for (m, sc, t, _m, _d) in spike_steps if m == monitor and sc == scope
                              and tensor_base(m, t, sc) == key[1]]
                 names = [t for t, _ in tensor_of]
             else:
                 scope = key[1]
-                tensor, _, mb = label.partition(" mb")
+                tensor, _, mb = core.partition(" mb")
                 names = [tensor]
             micro = int(mb) if mb else None
             for tensor in names:
-                hit = spike_steps.get((monitor, scope, tensor, micro))
+                hit = spike_steps.get((monitor, scope, tensor, micro, dp))
                 if hit:
                     marks.extend((label, st, v) for st, v in zip(ser.steps, ser.values) if int(st) in hit)
         if s.by == "tensor":
-            title = f"{monitor} {key[1]}: {s.stat} (rank {rank})"
+            title = f"{monitor} {key[1]}: {s.stat} ({_whose(report, rank)})"
             prefix = None
         else:
             layer = key[2]
-            title = f"{monitor} {key[1]}, {layer}: {s.stat} (rank {rank})"
+            title = f"{monitor} {key[1]}, {layer}: {s.stat} ({_whose(report, rank)})"
             prefix = None if layer == TOP_LEVEL else layer
         if collector.parts.get(group, 1) > 1:
             title += f" ({part}/{collector.parts[group]})"
@@ -647,7 +665,7 @@ def write_html(path: str, report: Report, collector: PlotCollector, figures: Lis
         f"<div class='meta'>{html.escape(os.path.abspath(layout.root))} &middot; ranks "
         f"{html.escape(', '.join(map(str, layout.ranks)))} &middot; monitors {html.escape(', '.join(layout.monitors))}"
         f" &middot; steps {html.escape(compact_steps(steps))} &middot; plots of <b>{html.escape(collector.s.stat)}</b>"
-        f" on rank {collector.rank} &middot; generated {datetime.now().strftime('%Y-%m-%d %H:%M:%S')}</div>",
+        f" on {html.escape(_whose(report, collector.rank))} &middot; generated {datetime.now().strftime('%Y-%m-%d %H:%M:%S')}</div>",
         f"<section id='anomalies'><h2>Anomalies{top}</h2><div class='tables'>",
     ]
     if not report.anomalies_found:

@@ -3,6 +3,14 @@
 Layout: ``<output_dir>/rank_<r>/<monitor>_step<a>-<b>.csv``. Files are read one row at
 a time with the ``csv`` module; nothing keeps a whole file in memory.
 
+A **merged view** (the ``DEST`` of ``msprobe-monitor merge``, recognised by its
+``merge.json``) is read the same way: ``DEST/<monitor>.csv``, columns
+``step,module_name,scope[,micro_step][,dp_rank],<ops>``, is one file of one pseudo-rank
+(:data:`MERGED_RANK`, shown as ``merged``) whose window holds every step; rows have no
+``vpp_stage`` (names are global: 0 here) and carry ``dp_rank`` (``Row.dp``; None where the
+row is combined over data parallelism). Its rows are in execution order across pipeline
+stages, so a row's line is its place in the step (see :mod:`.order`).
+
 Bad input never raises a traceback. Every problem is reported as
 ``<file>:<line>: <what is wrong>``; by default the offending line (or, for a header that
 cannot be understood, the whole file) is skipped with a warning on stderr and the
@@ -16,11 +24,11 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, TextIO, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, TextIO, Tuple
 
 from .. import rows
 from ..errors import UnsafePathError
-from ..rows import BASE_COLUMNS, COUNT_OPS, FILE_RE, MICRO_STEP_MONITORS, MONITORS
+from ..rows import BASE_COLUMNS, COUNT_OPS, FILE_RE, MICRO_STEP, MICRO_STEP_MONITORS, MONITORS
 from ..safe_fs import open_regular
 
 # Every statistic a file can have, in the order of the columns in every file: the five
@@ -28,6 +36,13 @@ from ..safe_fs import open_regular
 # given), then the optional ``zeros``.
 OPS: Tuple[str, ...] = rows.ALL_OPS
 RANK_RE = re.compile(r"^rank_(?P<rank>\d+)$")
+# the merged view (analysis/merge.py): DEST/merge.json names it, DEST/<monitor>.csv holds it
+MERGE_FILE = "merge.json"
+MERGE_FORMAT = "msprobe-monitor-merged"
+MERGED_RANK = 0  # the one pseudo-rank of a merged view
+MERGED_FILE_RE = re.compile(r"^(?P<monitor>[a-z_]+)\.csv$")
+DP_RANK = "dp_rank"
+_NO_LAST_STEP = (1 << 62)  # a merged file's window: every step
 
 
 class InputError(Exception):
@@ -91,12 +106,15 @@ class CsvFile:
     first: int  # first step of the file's window
     last: int   # last step of the file's window
     path: str
+    merged: bool = False  # a merged view's <monitor>.csv (no vpp_stage, optional dp_rank)
 
 
 @dataclass
 class Layout:
     root: str
     files: Dict[int, Dict[str, List[CsvFile]]] = field(default_factory=dict)
+    # the merged view's merge.json (None for a monitor output_dir): one pseudo-rank, MERGED_RANK
+    merged: Optional[Dict[str, Any]] = None
 
     @property
     def ranks(self) -> List[int]:
@@ -188,6 +206,8 @@ def scan(root: str, ranks: Optional[Sequence[int]] = None, monitors: Optional[Se
         raise InputError(f"{root}: no such directory")
     if not os.path.isdir(root):
         raise InputError(f"{root}: not a directory (expected a monitor output_dir holding rank_<r>/ directories)")
+    if is_merged_view(root):
+        return scan_merged(root, ranks, monitors, steps)
     root_norm = os.path.normpath(root)
     m = RANK_RE.match(os.path.basename(root_norm))
     if m and not any(RANK_RE.match(n) for n in _listdir(root)):
@@ -241,6 +261,70 @@ def scan(root: str, ranks: Optional[Sequence[int]] = None, monitors: Optional[Se
     return layout
 
 
+def is_merged_view(root: str) -> bool:
+    """``root`` holds a merged view (``msprobe-monitor merge``'s DEST: a ``merge.json``)."""
+    return os.path.isfile(os.path.join(root, MERGE_FILE))
+
+
+def read_merge_json(root: str) -> Dict[str, Any]:
+    """``root/merge.json``, checked (an :class:`InputError` naming what is wrong)."""
+    import json
+
+    from ..safe_fs import read_regular_file
+
+    path = os.path.join(root, MERGE_FILE)
+    try:
+        doc = json.loads(read_regular_file(path, 16 << 20, "merge report").decode("utf-8"))
+    except UnsafePathError as exc:
+        raise InputError(f"{path}: not read: {exc.why}") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read the file: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise InputError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != MERGE_FORMAT:
+        raise InputError(f"{path}: not a merged view of msprobe-monitor (no \"format\": \"{MERGE_FORMAT}\")")
+    if doc.get("version") != 1:
+        raise InputError(f"{path}: merged view version {doc.get('version')!r}, this version reads 1")
+    return doc
+
+
+def scan_merged(root: str, ranks: Optional[Sequence[int]] = None, monitors: Optional[Sequence[str]] = None,
+                steps: Optional[StepRange] = None) -> Layout:
+    """The :class:`Layout` of a merged view: one pseudo-rank (:data:`MERGED_RANK`), one
+    file per monitor whose window is every step (``steps`` filters rows, not files)."""
+    doc = read_merge_json(root)
+    if ranks is not None and MERGED_RANK not in ranks:
+        raise InputError(f"{root}: a merged view has one pseudo-rank, {MERGED_RANK} (--ranks {ranks_list(ranks)} "
+                         f"selects none); its rows of each data-parallel rank are told apart by dp_rank")
+    wanted = None if monitors is None else set(monitors)
+    per_monitor: Dict[str, List[CsvFile]] = {}
+    for name in _listdir(root):
+        fm = MERGED_FILE_RE.match(name)
+        if not fm or fm.group("monitor") not in MONITORS:
+            continue
+        monitor = fm.group("monitor")
+        if wanted is not None and monitor not in wanted:
+            continue
+        per_monitor[monitor] = [CsvFile(MERGED_RANK, monitor, 0, _NO_LAST_STEP, os.path.join(root, name), True)]
+    if not per_monitor:
+        raise InputError(f"{root}: a merged view (merge.json) with no <monitor>.csv "
+                         + ("matching --monitors" if wanted is not None else "file"))
+    return Layout(root=os.path.normpath(root), files={MERGED_RANK: per_monitor}, merged=doc)
+
+
+def refuse_merged(layout: Layout, what: str) -> None:
+    """An :class:`InputError` when ``layout`` is a merged view, which ``what`` does not read
+    (its rows per data-parallel rank would lose their ``dp_rank``)."""
+    if layout.merged is not None:
+        raise InputError(f"{layout.root}: a merged view (merge.json); {what} reads a monitor output_dir "
+                         f"(rank_<r>/ directories): give it the directory that was merged, "
+                         f"{layout.merged.get('source', 'OUTPUT_DIR')}")
+
+
+def ranks_list(ranks: Sequence[int]) -> str:
+    return ",".join(str(r) for r in ranks)
+
+
 def _listdir(path: str) -> List[str]:
     try:
         return sorted(os.listdir(path))
@@ -251,12 +335,14 @@ def _listdir(path: str) -> List[str]:
 # ------------------------------------------------------------------------ rows
 class Row:
     """One CSV row. ``vals`` maps each op of the file to its value (``nans``, ``zeros`` ints);
-    ``micro`` is None outside ``weight_grad`` files; ``line`` is the line number."""
+    ``micro`` is None outside ``weight_grad`` files; ``line`` is the line number; ``dp``:
+    the ``dp_rank`` of a merged view's row kept per data-parallel rank (None elsewhere).
+    A tensor is ``(name, scope, dp)``: the rows of each dp rank have their own history."""
 
-    __slots__ = ("step", "vpp", "name", "scope", "micro", "vals", "line")
+    __slots__ = ("step", "vpp", "name", "scope", "micro", "vals", "line", "dp")
 
     def __init__(self, step: int, vpp: int, name: str, scope: str, micro: Optional[int],
-                 vals: Dict[str, float], line: int) -> None:
+                 vals: Dict[str, float], line: int, dp: Optional[int] = None) -> None:
         self.step = step
         self.vpp = vpp
         self.name = name
@@ -264,10 +350,39 @@ class Row:
         self.micro = micro
         self.vals = vals
         self.line = line
+        self.dp = dp
 
 
-def header_ops(monitor: str, header: List[str]) -> Tuple[Optional[Tuple[str, ...]], str]:
-    """``(ops, "")`` for a header this version writes, else ``(None, why)``."""
+def merged_columns(monitor: str, header: List[str]) -> Tuple[Optional[List[str]], str]:
+    """The leading (non-statistic) columns of a merged view's header,
+    ``step,module_name,scope[,micro_step][,dp_rank]`` (``micro_step`` in ``weight_grad``
+    only, ``dp_rank`` in ``weight_grad`` and ``module`` only), or ``(None, why)``."""
+    cols = [rows.STEP, rows.MODULE_NAME, rows.SCOPE]
+    want = ",".join(cols) + ("[,micro_step]" if monitor in MICRO_STEP_MONITORS else "") + \
+        ("[,dp_rank]" if monitor in MERGED_DP_MONITORS else "") + ",<ops>"
+    if header[:3] != cols:
+        return None, f"unrecognised header {','.join(header)!r} of a merged view: expected {want}"
+    i = 3
+    if monitor in MICRO_STEP_MONITORS and i < len(header) and header[i] == MICRO_STEP:
+        cols.append(MICRO_STEP)
+        i += 1
+    if monitor in MERGED_DP_MONITORS and i < len(header) and header[i] == DP_RANK:
+        cols.append(DP_RANK)
+    return cols, ""
+
+
+# the monitors whose merged files have a dp_rank column (rows kept per data-parallel rank)
+MERGED_DP_MONITORS: Tuple[str, ...] = (rows.WEIGHT_GRAD, rows.MODULE)
+
+
+def header_ops(monitor: str, header: List[str], merged: bool = False) -> Tuple[Optional[Tuple[str, ...]], str]:
+    """``(ops, "")`` for a header this version writes (``merged``: of a merged view), else
+    ``(None, why)``."""
+    if merged:
+        lead, why = merged_columns(monitor, header)
+        if lead is None:
+            return None, why
+        return _ops_of(header, lead)
     with_micro = monitor in MICRO_STEP_MONITORS
     expected = rows.header((), with_micro)
     want = ",".join(expected) + ",<ops>"
@@ -280,6 +395,10 @@ def header_ops(monitor: str, header: List[str]) -> Tuple[Optional[Tuple[str, ...
         else:
             why = f"expected {want}"
         return None, f"unrecognised header {','.join(header)!r}: {why}"
+    return _ops_of(header, expected)
+
+
+def _ops_of(header: List[str], expected: List[str]) -> Tuple[Optional[Tuple[str, ...]], str]:
     ops = header[len(expected):]
     unknown = [op for op in ops if op not in OPS]
     if not ops:
@@ -335,12 +454,15 @@ def iter_rows(f: CsvFile, problems: Problems, steps: Optional[StepRange] = None,
         if not last[0].endswith("\n"):
             problems.report(path, 1, "the file ends in the middle of its header line (a write cut short)", "file")
             return
-        ops, why = header_ops(f.monitor, [h.strip() for h in header])
+        ops, why = header_ops(f.monitor, [h.strip() for h in header], f.merged)
         if ops is None:
             problems.report(path, 1, f"{why}", "file")
             return
         if on_header is not None:
             on_header(ops)
+        if f.merged:
+            yield from _merged_rows(f, reader, last, header, ops, problems, steps)
+            return
         with_micro = f.monitor in MICRO_STEP_MONITORS
         ncol = len(header)
         first_op = 5 if with_micro else 4
@@ -382,6 +504,61 @@ def iter_rows(f: CsvFile, problems: Problems, steps: Optional[StepRange] = None,
             yield Row(step, vpp, text_cell(cells[2]), text_cell(cells[3]), micro, vals, line)
 
 
+def _merged_rows(f: CsvFile, reader: Any, last: List[str], header: List[str], ops: Tuple[str, ...],
+                 problems: Problems, steps: Optional[StepRange]) -> Iterator[Row]:
+    """The rows of a merged view's file after its header (see :func:`merged_columns`):
+    no vpp_stage (0: names are global), an empty ``micro_step``/``dp_rank`` is None."""
+    path = f.path
+    lead, _why = merged_columns(f.monitor, [h.strip() for h in header])
+    assert lead is not None  # header_ops accepted it
+    micro_i = lead.index(MICRO_STEP) if MICRO_STEP in lead else None
+    dp_i = lead.index(DP_RANK) if DP_RANK in lead else None
+    ncol = len(header)
+    op_cols = [(op, len(lead) + i) for i, op in enumerate(ops)]
+    while True:
+        try:
+            cells = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as exc:
+            problems.report(path, reader.line_num, f"cannot parse the line: {exc}")
+            continue
+        line = reader.line_num
+        if not last[0].endswith("\n"):
+            problems.report(path, line, "the file ends in the middle of this line (a write cut short)")
+            break
+        if len(cells) != ncol:
+            if not cells or cells == [""]:
+                problems.report(path, line, "empty line")
+            else:
+                problems.report(path, line, f"{len(cells)} fields where the header ({','.join(header)}) has {ncol}")
+            continue
+        try:
+            step = int(cells[0])
+            micro = int(cells[micro_i]) if micro_i is not None and cells[micro_i] != "" else None
+            dp = int(cells[dp_i]) if dp_i is not None and cells[dp_i] != "" else None
+            vals = {op: (int(cells[i]) if op in COUNT_OPS else float(cells[i])) for op, i in op_cols}
+        except ValueError:
+            bad = next((lead[i] for i in range(len(lead)) if lead[i] in (rows.STEP, MICRO_STEP, DP_RANK)
+                        and cells[i] != "" and not _is_int(cells[i])), None)
+            if bad is not None:
+                problems.report(path, line, f"column '{bad}' = {cells[lead.index(bad)]!r} is not an integer")
+            else:
+                problems.report(path, line, _value_message(cells, header, None, op_cols))
+            continue
+        if steps is not None and not in_steps(step, steps):
+            continue
+        yield Row(step, 0, text_cell(cells[1]), text_cell(cells[2]), micro, vals, line, dp)
+
+
+def _is_int(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _column_count_message(cells: List[str], header: List[str], ncol: int) -> str:
     if not cells or cells == [""]:
         return "empty line"
@@ -396,9 +573,10 @@ def _second_header(cells: List[str]) -> str:
             f"config or version appended to this file?)")
 
 
-def _value_message(cells: List[str], header: List[str], with_micro: bool,
+def _value_message(cells: List[str], header: List[str], with_micro: Optional[bool],
                    op_cols: List[Tuple[str, int]]) -> str:
-    int_cols = [0, 1] + ([4] if with_micro else [])
+    """``with_micro`` None: a merged view's row, whose integer columns were checked."""
+    int_cols = [] if with_micro is None else [0, 1] + ([4] if with_micro else [])
     for i in int_cols:
         try:
             int(cells[i])

@@ -151,7 +151,7 @@ class _Reading:
         for row in iter_rows(f, self.problems, self.steps, on_header=lambda ops: merge_ops(col, ops)):
             n_rows += 1
             # first: the row's run (a re-run appended to the file) chooses its spike history
-            runs.add(row.step, row.line, row.name, row.scope, row.micro)
+            runs.add(row.step, row.line, row.name, row.scope, row.micro, row.dp)
             collect_row(col, row)
             kind = nonfinite_kind(row.vals)
             if kind is not None:
@@ -191,8 +191,9 @@ class SpikeDetector:
     def __init__(self, settings: SpikeSettings, stats: Sequence[str]) -> None:
         self.s = settings
         self.stats = stats
-        # (name, scope, run) -> stat -> the previous values
-        self.history: Dict[Tuple[str, str, int], Dict[str, Deque[float]]] = {}
+        # (name, scope, dp_rank, run) -> stat -> the previous values (dp_rank: of a merged
+        # view's row kept per data-parallel rank, else None)
+        self.history: Dict[Tuple[str, str, Optional[int], int], Dict[str, Deque[float]]] = {}
 
     def check(self, rank: int, monitor: str, row: Row, path: str, run: int) -> Optional[Dict[str, Any]]:
         """The row's finding when one of its statistics is a spike (None otherwise); every
@@ -201,7 +202,7 @@ class SpikeDetector:
         The k-th run of every file is the k-th run of the script: each run has its own
         history, so that a re-run is never compared with the end of the run before it (nor
         do its repeated values shrink the MAD)."""
-        hist = self.history.setdefault((row.name, row.scope, run), {})
+        hist = self.history.setdefault((row.name, row.scope, row.dp, run), {})
         spiked = None
         for stat in self.stats:
             v = row.vals.get(stat)
@@ -259,14 +260,15 @@ class FileRuns:
 
     def __init__(self) -> None:
         self.last: Optional[int] = None
-        self.head: Optional[Tuple[int, str, str, Optional[int]]] = None  # first row of the current run
+        self.head: Optional[Tuple[int, str, str, Optional[int], Optional[int]]] = None  # first row of the run
         self.seg = 0
         self.restarts: List[int] = []  # line where each appended run starts
         self.first_seg: Dict[int, int] = {}
         self.repeated: Set[int] = set()
 
-    def add(self, step: int, line: int, name: str, scope: str, micro: Optional[int]) -> None:
-        key = (step, name, scope, micro)
+    def add(self, step: int, line: int, name: str, scope: str, micro: Optional[int],
+            dp: Optional[int] = None) -> None:
+        key = (step, name, scope, micro, dp)
         if self.last is None:
             self.head = key
         elif step < self.last or key == self.head:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from .command import command_line, tensorboard_command
 from .diff import DiffReport
-from .reader import Problems
+from .reader import Layout, Problems
 from .report import Report
 from .text import compact_steps, fmt_num, table
 from .validate import ValidateResult
@@ -55,6 +55,21 @@ def ranks_text(ranks: Sequence[int]) -> str:
     return ",".join(map(str, rs))
 
 
+def rank_label(layout: Layout, rank: Any) -> Any:
+    """How a finding's rank is shown: ``merged`` for the one pseudo-rank of a merged view."""
+    return "merged" if layout.merged is not None else rank
+
+
+def _who(layout: Layout, rank: Any) -> str:
+    return "merged view" if layout.merged is not None else f"rank {rank}"
+
+
+def tensor_label(item: Dict[str, Any]) -> str:
+    """A finding's tensor, with the data-parallel rank of a merged view's per-dp row."""
+    dp = item.get("dp_rank")
+    return item["tensor"] if dp is None else f"{item['tensor']} [dp_rank {dp}]"
+
+
 def _vals(values: Dict[str, Any]) -> str:
     return " ".join(f"{k}={fmt_num(v)}" for k, v in values.items())
 
@@ -68,9 +83,9 @@ def _problems_json(problems: Problems) -> Dict[str, Any]:
 
 
 # ----------------------------------------------------------------------- the analysis report
-def _nf_row(item: Dict[str, Any], root: str) -> List[Any]:
-    return [item["rank"], item["step"], item["micro_step"], item["monitor"], item["scope"], item["tensor"],
-            item["kind"], _vals(item["values"]), where_text(item, root)]
+def _nf_row(item: Dict[str, Any], root: str, layout: Layout) -> List[Any]:
+    return [rank_label(layout, item["rank"]), item["step"], item["micro_step"], item["monitor"], item["scope"],
+            tensor_label(item), item["kind"], _vals(item["values"]), where_text(item, root)]
 
 
 def anomaly_tables(report: Report, limit: int) -> AnomalyTables:
@@ -79,11 +94,11 @@ def anomaly_tables(report: Report, limit: int) -> AnomalyTables:
     out: AnomalyTables = {}
     first = report.first
     out["First non-finite value (NaN/Inf)"] = (
-        NF_HEADERS, [_nf_row(first, root)] if first else [], ORDER_TEXT + "; over all ranks and monitors")
+        NF_HEADERS, [_nf_row(first, root, report.layout)] if first else [], ORDER_TEXT + "; over all ranks and monitors")
     per_rank = [report.first_nonfinite[r][1] for r in sorted(report.first_nonfinite)]
     by = ", ".join(f"{m} {s} {n}" for (m, s), n in sorted(report.nonfinite_by.items(), key=lambda kv: -kv[1]))
     out["First non-finite value of each rank"] = (
-        NF_HEADERS, _limit([_nf_row(i, root) for i in per_rank], limit),
+        NF_HEADERS, _limit([_nf_row(i, root, report.layout) for i in per_rank], limit),
         f"{report.nonfinite_count} non-finite row(s) in total" + (f": {by}" if by else ""))
     out["Spikes"] = _spike_table(report, limit)
     mm = report.mismatch_list()
@@ -98,7 +113,8 @@ def anomaly_tables(report: Report, limit: int) -> AnomalyTables:
 def _spike_table(report: Report, limit: int) -> Tuple[List[str], List[List[Any]], str]:
     root = report.layout.root
     sp = report.spikes
-    spike_rows = [[i["rank"], i["step"], i["micro_step"], i["monitor"], i["scope"], i["tensor"], ",".join(i["stats"]),
+    spike_rows = [[rank_label(report.layout, i["rank"]), i["step"], i["micro_step"], i["monitor"], i["scope"],
+                   tensor_label(i), ",".join(i["stats"]),
                    i["value"], i["median"], i["ratio"], where_text(i, root)] for i in sp.items()]
     note = (report.spike_settings.describe() if report.spike_settings.enabled else "off (--no-spikes)")
     if sp.count:
@@ -119,6 +135,7 @@ def report_json(report: Report, limit: int) -> Dict[str, Any]:
     return {
         "out_dir": os.path.abspath(layout.root),
         "ranks": layout.ranks,
+        **({} if layout.merged is None else {"merged": layout.merged}),
         "monitors": {m: c.to_json() for m, c in report.collected.items()},
         "per_rank": {str(r): {"files": report.rank_files.get(r, 0), "rows": report.rank_rows.get(r, 0)}
                      for r in layout.ranks},
@@ -160,12 +177,27 @@ def _appended_rows(report: Report, limit: int) -> List[List[Any]]:
             for i in _limit(report.appended, limit)]
 
 
+def merged_text(doc: Dict[str, Any]) -> str:
+    """One line on a merged view (its merge.json): what was merged and what was left out."""
+    groups = " ".join(f"{g}={n}" for g, n in (doc.get("groups") or {}).items())
+    left = {k: v for k, v in (doc.get("left_out") or {}).items() if v}
+    left_text = ", ".join(f"{k} {v}" for k, v in left.items()) or "none"
+    return (f"merged view of {doc.get('world_size', '?')} rank(s) ({groups or 'groups unknown'}) from "
+            f"{doc.get('source', '?')}: whole tensors under global names, one pseudo-rank ('merged'), "
+            f"per-dp rows by dp_rank; rows left out: {left_text}; replica disagreements: "
+            f"{doc.get('disagreements', 0)} (disagreements.csv)")
+
+
 def _collected_text(report: Report) -> List[str]:
     layout = report.layout
     steps = sorted({s for c in report.collected.values() for s in c.steps})
     rows = sum(c.rows for c in report.collected.values())
-    lines = [f"  {len(layout.ranks)} rank(s) ({ranks_text(layout.ranks)}), {layout.n_files} file(s), {rows} rows, "
-             f"steps {compact_steps(steps)}"]
+    if layout.merged is not None:
+        lines = [f"  {merged_text(layout.merged)}",
+                 f"  {layout.n_files} file(s), {rows} rows, steps {compact_steps(steps)}"]
+    else:
+        lines = [f"  {len(layout.ranks)} rank(s) ({ranks_text(layout.ranks)}), {layout.n_files} file(s), {rows} rows, "
+                 f"steps {compact_steps(steps)}"]
     trows = []
     for m, c in report.collected.items():
         scopes = ", ".join(f"{s}" for s in sorted(c.scopes, key=lambda s: -c.scopes[s])[:6])
@@ -212,8 +244,8 @@ def _headline_nonfinite(report: Report) -> List[str]:
     first = report.first
     if not first:
         return ["  first NaN/Inf:     none (every value is finite)"]
-    return [f"  first NaN/Inf:     rank {first['rank']}, step {first['step']}, {first['where']}: "
-            f"{first['tensor']} ({first['monitor']} {first['scope']}) is {first['kind']} "
+    return [f"  first NaN/Inf:     {_who(report.layout, first['rank'])}, step {first['step']}, {first['where']}: "
+            f"{tensor_label(first)} ({first['monitor']} {first['scope']}) is {first['kind']} "
             f"[{where_text(first, report.layout.root)}]; {report.nonfinite_count} non-finite row(s) in total"]
 
 
@@ -282,8 +314,8 @@ def _headline_spikes(report: Report) -> List[str]:
     if not report.spikes.count:
         return ["  spikes:            none"]
     s0 = report.spikes.items()[0]
-    return [f"  spikes:            {report.spikes.count} row(s); first: rank {s0['rank']}, step {s0['step']}, "
-            f"{s0['tensor']} ({s0['monitor']} {s0['scope']}) {s0['stat']} {fmt_num(s0['value'])} = "
+    return [f"  spikes:            {report.spikes.count} row(s); first: {_who(report.layout, s0['rank'])}, step {s0['step']}, "
+            f"{tensor_label(s0)} ({s0['monitor']} {s0['scope']}) {s0['stat']} {fmt_num(s0['value'])} = "
             f"{fmt_num(s0['ratio'], 3)} x its median; steps: " + compact_steps(sorted(report.spike_steps))]
 
 
@@ -314,7 +346,8 @@ def anomalies_text(report: Report, limit: int, code: int) -> str:
     first = report.first
     lines += ["", "FIRST NON-FINITE VALUE (in execution order, over all ranks and monitors)"]
     if first:
-        lines.append(f"  rank {first['rank']}, step {first['step']}, {first['where']}: {first['tensor']} "
+        lines.append(f"  {_who(report.layout, first['rank'])}, step {first['step']}, {first['where']}: "
+                     f"{tensor_label(first)} "
                      f"({first['monitor']}, scope {first['scope']}) is {first['kind']}")
         lines.append(f"  values: {_vals(first['values'])}")
         lines.append(f"  at {where_text(first, root)}")
@@ -405,7 +438,8 @@ def plot_json(report: Report, limit: int, out_dir: str, image_names: Sequence[st
 def plot_text(report: Report, stat: str, rank: int, out_dir: str, n_images: int, html_path: Optional[str],
               omitted_lines: int, max_plots: int) -> str:
     root = report.layout.root
-    lines = [f"msprobe-monitor plot {root}: {stat} of rank {rank}",
+    lines = [f"msprobe-monitor plot {root}: {stat} of {'the ' if report.layout.merged is not None else ''}"
+             f"{_who(report.layout, rank)}",
              f"  {n_images} image(s) in {out_dir}"]
     if omitted_lines:
         lines.append(f"  {omitted_lines} tensor line(s) not drawn (--max-plots {max_plots}); "
@@ -456,7 +490,8 @@ def diff_text(rep: DiffReport, problems: Problems, code: int) -> str:
         lines += ["", "LARGEST DIFFERENCES (one row per tensor: its largest relative difference)"]
         lines.append(table(["rank", "step", "micro_step", "monitor", "scope", "tensor", "stat", "A", "B",
                             "abs diff", "rel diff"],
-                           [[t["rank"], t["step"], t["micro_step"], t["monitor"], t["scope"], t["tensor"],
+                           [[rank_label(rep.a, t["rank"]), t["step"], t["micro_step"], t["monitor"], t["scope"],
+                             tensor_label(t),
                              t["stat"], t["a"], t["b"], t["abs_diff"], t["rel_diff"]] for t in top]))
     if problems.count:
         lines += ["", f"MALFORMED INPUT: {problems.summary()} (see the warnings on stderr)"]
@@ -468,7 +503,7 @@ def _diff_first(rep: DiffReport) -> List[str]:
     lines = []
     f = rep.first
     if f:
-        lines.append(f"  rank {f['rank']}, step {f['step']}, {f['where']}: {f['tensor']} ({f['monitor']}, "
+        lines.append(f"  {_who(rep.a, f['rank'])}, step {f['step']}, {f['where']}: {tensor_label(f)} ({f['monitor']}, "
                      f"scope {f['scope']}) {f['stat']}: A={fmt_num(f['a'], 9)} B={fmt_num(f['b'], 9)} "
                      f"(abs {fmt_num(f['abs_diff'], 3)}, rel {fmt_num(f['rel_diff'], 3)})")
         lines.append(f"  A: {where_text(f, rep.a.root, 'file_a', 'line_a')}   "
@@ -477,8 +512,8 @@ def _diff_first(rep: DiffReport) -> List[str]:
         lines.append("  none within the tolerance")
     if rep.first_only:
         o = rep.first_only
-        lines.append(f"  first row present only in {o['only_in']}: rank {o['rank']}, step {o['step']}, "
-                     f"{o['tensor']} ({o['monitor']} {o['scope']})")
+        lines.append(f"  first row present only in {o['only_in']}: {_who(rep.a, o['rank'])}, step {o['step']}, "
+                     f"{tensor_label(o)} ({o['monitor']} {o['scope']})")
     return lines
 
 

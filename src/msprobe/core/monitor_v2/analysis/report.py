@@ -8,6 +8,7 @@ few numbers of their rules that both engines must share to give identical findin
 live here too.
 """
 
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Set, TextIO, Tuple
@@ -119,6 +120,8 @@ def finding(rank: int, monitor: str, row: Row, path: str, **extra: Any) -> Dict[
         "scope": row.scope, "tensor": row.name, "vpp_stage": row.vpp,
         "where": where(monitor, row.scope, row.micro), "file": path, "line": row.line,
     }
+    if row.dp is not None:  # a merged view's row kept per data-parallel rank
+        d["dp_rank"] = row.dp
     d.update(extra)
     return d
 
@@ -183,7 +186,9 @@ class Report:
 
     @property
     def anomalies_found(self) -> bool:
-        return bool(self.nonfinite_count or self.spikes.count or self.mismatches)
+        # a merged view: the replicas merge found disagreeing are anomalies too (merge.json)
+        merged_disagreements = (self.layout.merged or {}).get("disagreements") or 0
+        return bool(self.nonfinite_count or self.spikes.count or self.mismatches or merged_disagreements)
 
     def mismatch_list(self) -> List[Dict[str, Any]]:
         out = []
@@ -197,6 +202,10 @@ class Report:
 
 def rank_check_note(settings: RankCheckSettings, layout: Layout) -> str:
     """Why the rank check did not run (empty when it did)."""
+    if layout.merged is not None:  # one pseudo-rank: merge compared the replicas
+        n = layout.merged.get("disagreements") or 0
+        return (f"replicas compared by merge: {n} disagreement(s)"
+                + (f", listed in {os.path.join(layout.root, 'disagreements.csv')}" if n else ""))
     if not settings.enabled:
         return "off (--no-rank-check)"
     if len(layout.ranks) < 2:
