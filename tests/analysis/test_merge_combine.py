@@ -406,3 +406,24 @@ def test_errors_name_the_path_and_what_to_do(tmp_path):
     rep = merge_run(str(src), str(src / "merged"))
     assert rep.rows_written == 1 and sorted(os.listdir(src / "merged")) == ["disagreements.csv", "merge.json",
                                                                           "param.csv"]
+
+
+def test_the_cli_says_what_it_wrote_left_out_and_found_and_exits_2_on_bad_input(tmp_path):
+    from analysis_helpers import cli
+
+    src = _small_run(tmp_path / "src")
+    res = cli("merge", src, tmp_path / "merged")
+    assert res.code == 0, res.out + res.err
+    assert f"-> {tmp_path / 'merged'}: 1 rows read from 1 rank(s)" in res.out
+    assert "param.csv (1 rows)" in res.out and "Result: replicas agree (exit 0)" in res.out
+    res = cli("merge", src, tmp_path / "merged", "--json")
+    data = res.json()
+    assert data["command"] == "merge" and data["exit_code"] == 0 and data["rows_written"] == 1
+    assert data["files"] == [str(tmp_path / "merged" / f) for f in ("param.csv", "disagreements.csv", "merge.json")]
+    for argv, what in [((tmp_path / "nope", tmp_path / "d"), "no such directory"),
+                       ((src, src / "rank_0" / "x"), "lies inside the rank directory"),
+                       ((src, src), "is OUTPUT_DIR itself")]:
+        res = cli("merge", *argv)
+        assert res.code == 2 and res.out == "", res.err
+        assert res.err.startswith("msprobe-monitor merge: error: ") and what in res.err and str(argv[0]) in res.err
+    assert cli("merge", src, tmp_path / "m2", "--rtol", "-1").code == 2  # argparse says why, on the real stderr

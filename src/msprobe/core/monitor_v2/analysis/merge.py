@@ -27,10 +27,15 @@ gathered:
 ``cc`` rows are per-rank communication calls: not merged, counted. A rank without a
 readable ``layout.json`` has its rows counted as ``no_layout``.
 
-Memory stays bounded: each monitor is read step by step from every rank at once (one
-open file per rank), so what is held is one step of one monitor over all ranks, plus
-one small descriptor per (rank, row name, scope). Standard library only (no torch,
-Polars or NumPy).
+Two implementations write the same files: with Polars (``engine="polars"``, the default
+where it is installed) each monitor is read a batch of about a million rows at a time
+from every rank (the columnar engine's reader) and combined with integer group and
+piece ids; in pure Python (``engine="python"``, standard library only, used without
+Polars) it is read step by step from every rank at once (one open file per rank). Both
+hand the rows of a step to one writer (:class:`_Emitter`) as the same items, sorted in
+execution order. Memory stays bounded either way: one batch (or one step) of one
+monitor over all ranks, plus one small descriptor per (rank, row name, scope). No torch
+and no NumPy.
 """
 
 import csv
@@ -66,9 +71,10 @@ UNKNOWN, PARTIAL, INCOMPLETE, CC, NO_LAYOUT = "unknown", "partial", "incomplete"
 LEFT_OUT_KINDS: Tuple[str, ...] = (UNKNOWN, PARTIAL, INCOMPLETE, CC, NO_LAYOUT)
 EXAMPLES = 5  # examples kept per kind of left-out row, and disagreements kept for the report
 
-# phases (rows.execution_phase) ordered by virtual pipeline stage ascending / descending
-_FORWARD_PHASES = frozenset({0, 1})   # param_origin, forward and eval_forward
-_BACKWARD_PHASES = frozenset({2, 3})  # backward, unreduced gradients
+# phases (rows.execution_phase) ordered by virtual pipeline stage descending: backward, unreduced
+# gradients (the stage that runs them first is the last); every other phase ascending (forward-like:
+# param_origin, forward, eval_forward run from stage 0 on)
+_BACKWARD_PHASES = frozenset({2, 3})
 
 
 def merged_header(monitor: str, ops: Sequence[str]) -> List[str]:
