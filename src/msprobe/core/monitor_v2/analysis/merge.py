@@ -51,7 +51,7 @@ from .. import layout as lay
 from .. import rows
 from ..errors import UnsafePathError
 from ..rows import ALL_OPS, COUNT_OPS, MICRO_STEP_MONITORS, MONITORS
-from ..safe_fs import SafeDir, open_regular
+from ..safe_fs import SafeDir, open_regular, read_regular_file
 from ..writer import csv_cell
 from .reader import RANK_RE, CsvFile, InputError, Problems, Row, header_ops, iter_rows, scan
 
@@ -93,10 +93,10 @@ def merged_file(monitor: str) -> str:
 
 def is_merged_dir(path: str) -> bool:
     """Whether ``path`` holds a merged view (a ``merge.json`` of this format)."""
-    try:
-        with open(os.path.join(path, REPORT_FILE), encoding="utf-8") as fh:
-            return json.load(fh).get("format") == MERGED_FORMAT
-    except (OSError, ValueError, AttributeError):
+    try:  # never blocks on a FIFO planted at the name
+        data = read_regular_file(os.path.join(path, REPORT_FILE), 16 << 20, "merge report")
+        return json.loads(data.decode("utf-8")).get("format") == MERGED_FORMAT
+    except (OSError, UnsafePathError, ValueError, AttributeError):
         return False
 
 
