@@ -189,7 +189,7 @@ def test_tp_split_pieces_combine_to_the_full_tensor_and_unreduced_rows_stay_per_
     assert dest.stat().st_mode & 0o777 == 0o750
 
 
-# ----------------------------------------------------------------------- flat ranges (ZeRO/FSDP), a rank holding nothing
+# ------------------------------------------------------------- flat ranges (ZeRO/FSDP), a rank holding nothing
 def test_flat_range_pieces_of_unequal_size_with_a_rank_holding_none(tmp_path, engine):
     rng = np.random.default_rng(1)
     full = rng.standard_normal((2, 5))

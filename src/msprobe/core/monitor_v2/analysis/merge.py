@@ -346,7 +346,8 @@ def _check_dest(source: str, dest: str) -> None:
         raise InputError(f"DEST {dest}: exists and is not a directory; give a new or an empty directory")
     real = os.path.realpath(dest)
     if real == src:
-        raise InputError(f"DEST {dest}: is OUTPUT_DIR itself; give another directory, e.g. {os.path.join(source, 'merged')}")
+        raise InputError(f"DEST {dest}: is OUTPUT_DIR itself; give another directory, e.g. "
+                         f"{os.path.join(source, 'merged')}")
     rel = os.path.relpath(real, src)
     if not rel.startswith(os.pardir) and RANK_RE.match(rel.split(os.sep)[0]):
         raise InputError(f"DEST {dest}: lies inside the rank directory {os.path.join(source, rel.split(os.sep)[0])}, "
@@ -370,7 +371,7 @@ def merge_run(source: str, dest: str, rtol: float = 1e-5, *, problems: Optional[
     ``problems`` (a warning each, by default) and skipped. ``progress(what)`` is called
     once per CSV file read (``count_files(source)`` of them).
 
-    ``engine``: ``"polars"`` combines a batch of steps at a time with Polars (about ten
+    ``engine``: ``"polars"`` combines a batch of steps at a time with Polars (about three
     times the rows per second), ``"python"`` a step at a time in pure Python (the
     reference the tests compare it with; no dependency), ``"auto"`` Polars where it is
     installed. Both write the same files."""
