@@ -427,3 +427,23 @@ def test_the_cli_says_what_it_wrote_left_out_and_found_and_exits_2_on_bad_input(
         assert res.code == 2 and res.out == "", res.err
         assert res.err.startswith("msprobe-monitor merge: error: ") and what in res.err and str(argv[0]) in res.err
     assert cli("merge", src, tmp_path / "m2", "--rtol", "-1").code == 2  # argparse says why, on the real stderr
+
+
+def test_non_finite_replicas_nan_equals_nan_and_an_infinity_only_itself(tmp_path, engine):
+    run = Run(tmp_path / "out")
+    base = np.array([1.0, -2.0, 3.0])
+    for rank in range(2):
+        run.layout(rank, doc(rank, 2, {"dp": (rank, 2)}, {n: {"shape": [3], "pieces": {
+            c: lay.piece(3) for c in lay.SCOPE_CLASSES}} for n in ("a", "b", "c")}))
+        run.row(rank, "param", 0, "a", "param_origin", np.array([1.0, np.nan, 3.0]))       # NaN on both: agree
+        run.row(rank, "param", 0, "b", "param_origin", np.array([1.0, np.inf, 3.0]))       # inf on both: agree
+        run.row(rank, "param", 0, "c", "param_origin", base if rank == 0 else np.array([1.0, -2.0, np.inf]))
+    run.write()
+    dest = tmp_path / "merged"
+    rep = merge(run.root, dest, engine)
+    got = {(r["module_name"], r["stat"]): r["values"] for r in disagreements(dest)}
+    assert set(got) == {("c", "max"), ("c", "mean"), ("c", "norm")}  # min is -2 on both
+    assert got[("c", "max")] == "3;inf" and rep.disagreeing_rows == 1
+    p = {r["module_name"]: r for r in read_merged(dest, "param")}
+    assert p["a"]["norm"] == "nan" and p["a"]["nans"] == "1" and p["b"]["max"] == "inf"
+    assert_stats(p["c"], base)
