@@ -19,11 +19,11 @@ injected ones. The findings of the two engines must be identical (exit 1 otherwi
 write_parallel_output``: ``--merge-layout TPxPPxDP`` ranks, default 4x2x8 = 64, each
 with its ``layout.json``, ``--merge-steps`` steps, ``--merge-params`` parameters per
 pipeline stage, an ``unreduced`` and a ``reduced`` row each; linear weights split over
-tp, layernorm weights replicated); ``summary`` runs on the same output with each engine,
-for the rows/s of a reading command on the same rows. ``merge`` runs with each of its
-implementations (``--merge-engines``: Polars, and the pure-Python one used without it). Its findings: the merged norms of
-watched parameters equal the whole tensors' (1e-5), every row is merged, and the one
-injected replica disagreement is reported (exit 1).
+tp, layernorm weights replicated), once per implementation (``--merge-engines``: Polars,
+and the pure-Python one used without it); ``summary`` runs on the same output with each
+engine, for the rows/s of a reading command on the same rows. The findings of ``merge``:
+the merged norms of watched parameters equal the whole tensors' (1e-5), every row is
+merged, and the one injected replica disagreement is reported (exit 1).
 """
 
 import argparse

@@ -189,7 +189,7 @@ def test_tp_split_pieces_combine_to_the_full_tensor_and_unreduced_rows_stay_per_
     assert dest.stat().st_mode & 0o777 == 0o750
 
 
-# ----------------------------------------------------------------------- flat ranges (ZeRO/FSDP), a rank holding nothing
+# ------------------------------------------------------------- flat ranges (ZeRO/FSDP), a rank holding nothing
 def test_flat_range_pieces_of_unequal_size_with_a_rank_holding_none(tmp_path, engine):
     rng = np.random.default_rng(1)
     full = rng.standard_normal((2, 5))
@@ -406,3 +406,44 @@ def test_errors_name_the_path_and_what_to_do(tmp_path):
     rep = merge_run(str(src), str(src / "merged"))
     assert rep.rows_written == 1 and sorted(os.listdir(src / "merged")) == ["disagreements.csv", "merge.json",
                                                                           "param.csv"]
+
+
+def test_the_cli_says_what_it_wrote_left_out_and_found_and_exits_2_on_bad_input(tmp_path):
+    from analysis_helpers import cli
+
+    src = _small_run(tmp_path / "src")
+    res = cli("merge", src, tmp_path / "merged")
+    assert res.code == 0, res.out + res.err
+    assert f"-> {tmp_path / 'merged'}: 1 rows read from 1 rank(s)" in res.out
+    assert "param.csv (1 rows)" in res.out and "Result: replicas agree (exit 0)" in res.out
+    res = cli("merge", src, tmp_path / "merged", "--json")
+    data = res.json()
+    assert data["command"] == "merge" and data["exit_code"] == 0 and data["rows_written"] == 1
+    assert data["files"] == [str(tmp_path / "merged" / f) for f in ("param.csv", "disagreements.csv", "merge.json")]
+    for argv, what in [((tmp_path / "nope", tmp_path / "d"), "no such directory"),
+                       ((src, src / "rank_0" / "x"), "lies inside the rank directory"),
+                       ((src, src), "is OUTPUT_DIR itself")]:
+        res = cli("merge", *argv)
+        assert res.code == 2 and res.out == "", res.err
+        assert res.err.startswith("msprobe-monitor merge: error: ") and what in res.err and str(argv[0]) in res.err
+    assert cli("merge", src, tmp_path / "m2", "--rtol", "-1").code == 2  # argparse says why, on the real stderr
+
+
+def test_non_finite_replicas_nan_equals_nan_and_an_infinity_only_itself(tmp_path, engine):
+    run = Run(tmp_path / "out")
+    base = np.array([1.0, -2.0, 3.0])
+    for rank in range(2):
+        run.layout(rank, doc(rank, 2, {"dp": (rank, 2)}, {n: {"shape": [3], "pieces": {
+            c: lay.piece(3) for c in lay.SCOPE_CLASSES}} for n in ("a", "b", "c")}))
+        run.row(rank, "param", 0, "a", "param_origin", np.array([1.0, np.nan, 3.0]))       # NaN on both: agree
+        run.row(rank, "param", 0, "b", "param_origin", np.array([1.0, np.inf, 3.0]))       # inf on both: agree
+        run.row(rank, "param", 0, "c", "param_origin", base if rank == 0 else np.array([1.0, -2.0, np.inf]))
+    run.write()
+    dest = tmp_path / "merged"
+    rep = merge(run.root, dest, engine)
+    got = {(r["module_name"], r["stat"]): r["values"] for r in disagreements(dest)}
+    assert set(got) == {("c", "max"), ("c", "mean"), ("c", "norm")}  # min is -2 on both
+    assert got[("c", "max")] == "3;inf" and rep.disagreeing_rows == 1
+    p = {r["module_name"]: r for r in read_merged(dest, "param")}
+    assert p["a"]["norm"] == "nan" and p["a"]["nans"] == "1" and p["b"]["max"] == "inf"
+    assert_stats(p["c"], base)

@@ -18,6 +18,7 @@ from typing import Dict, List, Tuple
 import pytest
 
 from analysis_helpers import DESYNC_STEP, PARAMS, STEPS, cli, training_runs
+from support.extras import POLARS_ENGINE, require
 
 from msprobe.core.monitor_v2.analysis.merge import merge_run
 from msprobe.core.monitor_v2.layout import load_layout
@@ -108,6 +109,18 @@ def test_ddp_merge_keeps_replicated_rows_once_and_per_rank_rows_per_dp_rank(runs
     merge_run(str(run), str(tmp_path / "python"), engine="python")
     for name in ("module.csv", "weight_grad.csv", "optimizer.csv", "param.csv", "disagreements.csv", "merge.json"):
         assert (tmp_path / "python" / name).read_text() == (dest / name).read_text(), name
+
+
+def test_polars_batches_of_one_step_merge_the_same_as_one_batch(runs, tmp_path, monkeypatch):
+    require("polars", POLARS_ENGINE)
+    from msprobe.core.monitor_v2.analysis import columnar
+
+    run = runs / "desync"
+    merge_run(str(run), str(tmp_path / "one"), engine="polars")
+    monkeypatch.setattr(columnar, "BATCH_ROWS", 1)  # a batch per file window: one step each here
+    merge_run(str(run), str(tmp_path / "many"), engine="polars")
+    for name in ("module.csv", "weight_grad.csv", "optimizer.csv", "param.csv", "disagreements.csv", "merge.json"):
+        assert (tmp_path / "many" / name).read_text() == (tmp_path / "one" / name).read_text(), name
 
 
 def test_diverged_ddp_replicas_are_reported_by_merge_with_exit_1(runs, tmp_path):

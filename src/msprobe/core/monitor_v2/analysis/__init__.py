@@ -14,7 +14,9 @@ By role: :mod:`.reader` and :mod:`.columnar` read the files; :mod:`.report` is t
 model the analysis commands produce, and the interface of an engine
 (:class:`.report.AnalysisEngine`); :mod:`.blocks` holds the row-block tools of ``diff``
 and of both engines' rank check; :mod:`.render` writes each command's result as text
-or JSON; :mod:`.cli` parses the command line, chooses the engine once and dispatches.
+or JSON; :mod:`.cli` parses the command line, chooses the engine once and dispatches;
+:mod:`.merge` combines the ranks' rows of a model-parallel run by their ``layout.json``
+(``msprobe-monitor merge``, :func:`.merge.merge_run`).
 
 Notebooks::
 

@@ -553,7 +553,8 @@ def cmd_control(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 COMMANDS = {"summary": cmd_summary, "anomalies": cmd_anomalies, "plot": cmd_plot, "diff": cmd_diff,
-            "export": cmd_export, "merge": cmd_merge, "validate": cmd_validate, "struct": cmd_struct, "control": cmd_control}
+            "export": cmd_export, "merge": cmd_merge, "validate": cmd_validate, "struct": cmd_struct,
+            "control": cmd_control}
 
 
 def main(argv: Optional[Sequence[str]] = None, out: Optional[TextIO] = None, err: Optional[TextIO] = None) -> int:

@@ -27,10 +27,15 @@ gathered:
 ``cc`` rows are per-rank communication calls: not merged, counted. A rank without a
 readable ``layout.json`` has its rows counted as ``no_layout``.
 
-Memory stays bounded: each monitor is read step by step from every rank at once (one
-open file per rank), so what is held is one step of one monitor over all ranks, plus
-one small descriptor per (rank, row name, scope). Standard library only (no torch,
-Polars or NumPy).
+Two implementations write the same files: with Polars (``engine="polars"``, the default
+where it is installed) each monitor is read a batch of about a million rows at a time
+from every rank (the columnar engine's reader) and combined with integer group and
+piece ids; in pure Python (``engine="python"``, standard library only, used without
+Polars) it is read step by step from every rank at once (one open file per rank). Both
+hand the rows of a step to one writer (:class:`_Emitter`) as the same items, sorted in
+execution order. Memory stays bounded either way: one batch (or one step) of one
+monitor over all ranks, plus one small descriptor per (rank, row name, scope). No torch
+and no NumPy.
 """
 
 import csv
@@ -46,7 +51,7 @@ from .. import layout as lay
 from .. import rows
 from ..errors import UnsafePathError
 from ..rows import ALL_OPS, COUNT_OPS, MICRO_STEP_MONITORS, MONITORS
-from ..safe_fs import SafeDir, open_regular
+from ..safe_fs import SafeDir, open_regular, read_regular_file
 from ..writer import csv_cell
 from .reader import RANK_RE, CsvFile, InputError, Problems, Row, header_ops, iter_rows, scan
 
@@ -66,9 +71,10 @@ UNKNOWN, PARTIAL, INCOMPLETE, CC, NO_LAYOUT = "unknown", "partial", "incomplete"
 LEFT_OUT_KINDS: Tuple[str, ...] = (UNKNOWN, PARTIAL, INCOMPLETE, CC, NO_LAYOUT)
 EXAMPLES = 5  # examples kept per kind of left-out row, and disagreements kept for the report
 
-# phases (rows.execution_phase) ordered by virtual pipeline stage ascending / descending
-_FORWARD_PHASES = frozenset({0, 1})   # param_origin, forward and eval_forward
-_BACKWARD_PHASES = frozenset({2, 3})  # backward, unreduced gradients
+# phases (rows.execution_phase) ordered by virtual pipeline stage descending: backward, unreduced
+# gradients (the stage that runs them first is the last); every other phase ascending (forward-like:
+# param_origin, forward, eval_forward run from stage 0 on)
+_BACKWARD_PHASES = frozenset({2, 3})
 
 
 def merged_header(monitor: str, ops: Sequence[str]) -> List[str]:
@@ -87,10 +93,10 @@ def merged_file(monitor: str) -> str:
 
 def is_merged_dir(path: str) -> bool:
     """Whether ``path`` holds a merged view (a ``merge.json`` of this format)."""
-    try:
-        with open(os.path.join(path, REPORT_FILE), encoding="utf-8") as fh:
-            return json.load(fh).get("format") == MERGED_FORMAT
-    except (OSError, ValueError, AttributeError):
+    try:  # never blocks on a FIFO planted at the name
+        data = read_regular_file(os.path.join(path, REPORT_FILE), 16 << 20, "merge report")
+        return json.loads(data.decode("utf-8")).get("format") == MERGED_FORMAT
+    except (OSError, UnsafePathError, ValueError, AttributeError):
         return False
 
 
@@ -339,7 +345,8 @@ def _check_dest(source: str, dest: str) -> None:
         raise InputError(f"DEST {dest}: exists and is not a directory; give a new or an empty directory")
     real = os.path.realpath(dest)
     if real == src:
-        raise InputError(f"DEST {dest}: is OUTPUT_DIR itself; give another directory, e.g. {os.path.join(source, 'merged')}")
+        raise InputError(f"DEST {dest}: is OUTPUT_DIR itself; give another directory, e.g. "
+                         f"{os.path.join(source, 'merged')}")
     rel = os.path.relpath(real, src)
     if not rel.startswith(os.pardir) and RANK_RE.match(rel.split(os.sep)[0]):
         raise InputError(f"DEST {dest}: lies inside the rank directory {os.path.join(source, rel.split(os.sep)[0])}, "
@@ -363,7 +370,7 @@ def merge_run(source: str, dest: str, rtol: float = 1e-5, *, problems: Optional[
     ``problems`` (a warning each, by default) and skipped. ``progress(what)`` is called
     once per CSV file read (``count_files(source)`` of them).
 
-    ``engine``: ``"polars"`` combines a batch of steps at a time with Polars (about ten
+    ``engine``: ``"polars"`` combines a batch of steps at a time with Polars (about three
     times the rows per second), ``"python"`` a step at a time in pure Python (the
     reference the tests compare it with; no dependency), ``"auto"`` Polars where it is
     installed. Both write the same files."""
@@ -771,11 +778,10 @@ class _Ids:
         self.groups: Dict[Tuple[str, str, int], int] = {}
         self.group_info: List[Tuple[str, str, int]] = []
         self.pieces: Dict[Tuple[int, Tuple[Tuple[str, int], ...]], int] = {}
-        self.descs: Dict[Tuple[int, str, str, int], Tuple[int, int, int, int, int, int, str]] = {}
+        self.descs: Dict[Tuple[int, str, str, int], Tuple[Any, ...]] = {}
         self.frame: Any = None  # the descriptors described so far, as a Polars frame
 
-    def of(self, rl: "_RankLayout", monitor: str, name: str, scope: str, vpp: int) -> Tuple[int, int, int, int, int,
-                                                                                            int, str]:
+    def of(self, rl: "_RankLayout", monitor: str, name: str, scope: str, vpp: int) -> Tuple[Any, ...]:
         key = (rl.rank, name, scope, vpp)
         got = self.descs.get(key)
         if got is None:
@@ -787,7 +793,8 @@ class _Ids:
                 self.group_info.append(gkey)
             pk = self.pieces.setdefault((gk, d.ident), len(self.pieces))
             status = {"ok": 0, PARTIAL: 1, UNKNOWN: 2}[d.status]
-            got = self.descs[key] = (gk, pk, status, d.numel, d.whole, d.vkey, d.why)
+            got = self.descs[key] = (gk, pk, status, d.numel, d.whole, d.vkey, d.why,
+                                     rows.execution_phase(monitor, scope))
         return got
 
 
@@ -814,14 +821,14 @@ def _polars_chunk(pl: Any, fr: Any, monitor: str, layouts: Dict[int, _RankLayout
     if ids.frame is not None:
         keys = keys.join(ids.frame.select(on), on=on, how="anti")
     if len(keys):
-        names = on + ["gk", "pk", "status", "numel", "whole", "vkey", "why"]
+        names = on + ["gk", "pk", "status", "numel", "whole", "vkey", "why", "phase"]
         d_cols: Dict[str, List[Any]] = {k: [] for k in names}
         for rank, name, scope, vpp in keys.iter_rows():
             for k, v in zip(names, (rank, name, scope, vpp) + ids.of(layouts[rank], monitor, name, scope, vpp)):
                 d_cols[k].append(v)
         schema = {"rank": pl.Int64, "module_name": pl.String, "scope": pl.String, "vpp_stage": pl.Int64,
                   "gk": pl.Int64, "pk": pl.Int64, "status": pl.Int8, "numel": pl.Int64, "whole": pl.Int64,
-                  "vkey": pl.Int64, "why": pl.String}
+                  "vkey": pl.Int64, "why": pl.String, "phase": pl.Int64}
         new = pl.DataFrame(d_cols, schema=schema)
         ids.frame = new if ids.frame is None else pl.concat([ids.frame, new], how="vertical")
     desc = ids.frame
@@ -900,7 +907,7 @@ def _polars_chunk(pl: Any, fr: Any, monitor: str, layouts: Dict[int, _RankLayout
     first = col("ri").arg_min()  # the group's first row: lowest rank, file order (its place in the order)
     agg_exprs = [col("rank").get(first).alias("rank0"), col("line").get(first).alias("line0"),
                  col("vkey").get(first).alias("vkey0"), col("numel").sum().alias("have"),
-                 col("whole").first().alias("whole0")]
+                 col("whole").first().alias("whole0"), col("phase").first()]
     for op in ops:
         if op == "norm":
             e = pl.when(one).then(col(op).first()).otherwise((col(op) * col(op)).sum().sqrt())
@@ -913,24 +920,38 @@ def _polars_chunk(pl: Any, fr: Any, monitor: str, layouts: Dict[int, _RankLayout
         else:
             e = col(op).sum()
         agg_exprs.append(e.alias(f"m_{op}"))
-    combined = pieces.group_by(K).agg(agg_exprs)
-    incomplete = combined.filter(col("have") != col("whole0"))
+    # in execution order (``_order_key``, computed here): rows.execution_order's micro key and phase, the
+    # virtual stage (descending for backward-like phases), then the first row's line and rank
+    ph = col("phase")
+    mk = pl.when(ph <= 2).then(0).when((ph == 3) & (col("micro") >= 0)).then(col("micro")) \
+        .otherwise(rows.LAST_MICRO).alias("mk")
+    v = pl.when(ph.is_in(sorted(_BACKWARD_PHASES))).then(-col("vkey0")).otherwise(col("vkey0")).alias("v")
+    combined = pieces.group_by(K).agg(agg_exprs).with_columns(mk, v).select(
+        "step", "mk", "phase", "v", "line0", "rank0", pl.lit(-1, dtype=pl.Int64).alias("k5"),
+        pl.lit(-1, dtype=pl.Int64).alias("k6"), "micro", "gk", "have", "whole0", *[f"m_{op}" for op in ops]
+    ).sort("step", "mk", "phase", "v", "line0", "rank0")
+    incomplete = combined.filter(col("have") != col("whole0")).select(
+        col("step"), col("micro"), col("gk"))
     ranks_of: Dict[Tuple[int, int, int], List[int]] = {}
     if len(incomplete):
-        for s, m, g, rks in (ok.join(incomplete.select(K), on=K, how="semi").group_by(K)
+        for s, m, g, rks in (ok.join(incomplete, on=K, how="semi").group_by(K)
                              .agg(col("rank").unique().sort()).iter_rows()):
             ranks_of[(s, m, g)] = list(rks)
     info = ids.group_info
+    out: List[Item] = []
+    last = None
     for rec in combined.iter_rows():
-        step, micro_, gk, rank0, line0, vkey0, have, whole = rec[:8]
+        step = rec[0]
+        if step != last:
+            out = items.get(step)
+            if out is None:
+                out = items[step] = []
+            last = step
+        micro_, gk, have, whole = rec[8:12]
         gname, scope, dp_ = info[gk]
         micro = None if micro_ < 0 else micro_
-        key = _order_key(monitor, scope, micro, vkey0, line0, rank0) + (-1, -1)
-        out = items.get(step)
-        if out is None:
-            out = items[step] = []
         if have != whole:
             why = _incomplete_why(monitor, ranks_of.get((step, micro_, gk), []), have, whole)
-            out.append((key, INCOMPLETE, _example(step, monitor, gname, scope, why)))
+            out.append((rec[1:8], INCOMPLETE, _example(step, monitor, gname, scope, why)))
         else:
-            out.append((key, "row", (gname, scope, micro, None if dp_ < 0 else dp_, rec[8:])))
+            out.append((rec[1:8], "row", (gname, scope, micro, None if dp_ < 0 else dp_, rec[12:])))
