@@ -365,6 +365,40 @@ def test_module_rows_split_evenly_over_tp_combine_with_equal_weights(tmp_path, e
     assert rep.left_out["incomplete"] == 1 and "1 of 2 parts" in rep.examples["incomplete"][0]["why"]
 
 
+def test_module_rows_the_layout_does_not_describe_are_left_out_where_ranks_differ_never_reported(tmp_path, engine):
+    """A module row named by nothing in layout.json is taken for a replica over tp; where the
+    tp ranks wrote different values (an activation sharded in a way the stack did not name,
+    e.g. a ReLU between column- and row-parallel layers) the row is left out as unknown,
+    not reported as a disagreement. Rows named by the layout's own entries (``<module>.*``,
+    a row of its own that says replica) keep their meaning."""
+    rng = np.random.default_rng(9)
+    act = rng.standard_normal((2, 8))   # the full activation; tp rank t holds columns 4t..4t+3
+    inp = rng.standard_normal(5)        # truly replicated
+    run = Run(tmp_path / "out")
+    for tp in range(2):
+        run.layout(tp, doc(tp, 2, {"dp": (0, 1), "tp": (tp, 2)}, {},
+                           modules={"top.*": "unknown", "fc2.input.0": {"split": []}}))
+        part = act[:, 4 * tp:4 * tp + 4]
+        run.row(tp, "module", 0, "act.output.0", "forward", part)     # sharded, undescribed
+        run.row(tp, "module", 0, "act.input.0", "forward", inp)       # replicated, undescribed
+        run.row(tp, "module", 0, "top.output.0", "forward", inp)      # every row of top: unknown
+        run.row(tp, "module", 0, "fc2.input.0", "forward", part)      # named a replica: a disagreement
+    run.write(0, 0)
+    dest = tmp_path / "merged"
+    rep = merge(run.root, dest, engine)
+    got = {r["module_name"]: r for r in read_merged(dest, "module")}
+    assert set(got) == {"act.input.0", "fc2.input.0"}  # a disagreement keeps the lowest rank's values
+    assert_stats(got["act.input.0"], inp)
+    assert_stats(got["fc2.input.0"], act[:, :4])
+    assert rep.left_out["unknown"] == 2
+    whys = {e["module_name"]: e["why"] for e in rep.examples["unknown"]}
+    assert set(whys) == {"act.output.0", "top.output.0"}
+    assert "ranks 0,1 wrote different values" in whys["act.output.0"]
+    assert "different values" not in whys["top.output.0"]
+    assert {(r["module_name"], r["stat"]) for r in disagreements(dest)} >= {("fc2.input.0", "norm")}
+    assert {r["module_name"] for r in disagreements(dest)} == {"fc2.input.0"}
+
+
 # ----------------------------------------------------------------------- errors
 def _small_run(root: Path, with_layout: bool = True) -> Path:
     run = Run(root)

@@ -60,7 +60,9 @@ along the split groups (Megatron's column-parallel outputs, row-parallel inputs)
 every row of one module at once as ``<module>.*`` (``every_row``; a row's own entry comes
 first). A module row named by neither is described by ``"module_default"`` when the
 document has it (a stack that cannot tell which activations are replicated writes
-``"unknown"`` there), else it is a replica over every group but ``dp``.
+``"unknown"`` there), else it is taken for a replica over every group but ``dp``; where
+such replicas differ, the merge leaves the row out as unknown (an activation sharded or
+summed in a way the stack did not name) rather than report a disagreement.
 """
 
 import json
@@ -102,16 +104,21 @@ def every_row(module_tag: str) -> str:
     return module_tag + ".*"
 
 
+# What a module row described by nothing in the document is: a replica over every group
+# but dp, assumed (the merge leaves it out where its replicas differ).
+IMPLICIT_REPLICA: Dict[str, Any] = {"split": []}
+
+
 def module_entry(doc: Mapping[str, Any], row_name: str) -> Any:
     """The piece of a module row (its own entry, its module's ``<module>.*``, the
-    document's ``module_default``, else a replica over every group but ``dp``)."""
+    document's ``module_default``, else ``IMPLICIT_REPLICA``)."""
     modules = doc.get("modules") or {}
     entry = modules.get(row_name)
     if entry is None:
         tag = row_name.rsplit(".", 2)[0]
         entry = modules.get(every_row(tag))
     if entry is None:
-        entry = doc.get("module_default", {"split": []})
+        entry = doc.get("module_default", IMPLICIT_REPLICA)
     return entry
 
 

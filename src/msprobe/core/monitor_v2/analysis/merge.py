@@ -212,10 +212,10 @@ class _Desc:
     """What a (rank, row name, scope, chunk) row is in the merged view (cached: names
     repeat every step)."""
 
-    __slots__ = ("status", "gname", "dp", "ident", "numel", "whole", "vkey", "why")
+    __slots__ = ("status", "gname", "dp", "ident", "numel", "whole", "vkey", "why", "assumed")
 
     def __init__(self, status: str, gname: str, dp: Optional[int], ident: Tuple[Tuple[str, int], ...] = (),
-                 numel: int = 0, whole: int = 0, vkey: int = 0, why: str = "") -> None:
+                 numel: int = 0, whole: int = 0, vkey: int = 0, why: str = "", assumed: bool = False) -> None:
         self.status = status  # "ok", UNKNOWN or PARTIAL
         self.gname = gname
         self.dp = dp          # the dp coordinate for per-dp scopes, else None
@@ -224,6 +224,10 @@ class _Desc:
         self.whole = whole    # what the distinct pieces must add up to
         self.vkey = vkey      # the virtual pipeline stage v = chunk * pp_size + pp_rank
         self.why = why
+        # a module row layout.json does not describe, taken for a replica: where its
+        # replicas differ it is left out as unknown (a sharded or summed activation the
+        # stack could not name), not reported as a disagreement
+        self.assumed = assumed
 
 
 def _prod(shape: Sequence[int]) -> int:
@@ -259,6 +263,7 @@ class _RankLayout:
         vkey = vpp * self.pp_size + self.pp_rank
         if monitor == rows.MODULE:
             entry = lay.module_entry(self.doc, name)
+            assumed = entry is lay.IMPLICIT_REPLICA
             if not isinstance(entry, dict):
                 return _Desc(UNKNOWN, gname, dp, vkey=vkey, why=f"rank {self.rank}: module row's split is {entry!r}")
             if entry.get("partial"):
@@ -268,7 +273,7 @@ class _RankLayout:
             if not isinstance(split, list):
                 return _Desc(UNKNOWN, gname, dp, vkey=vkey, why=f"rank {self.rank}: module row's split is unknown")
             ident = tuple(sorted((str(g), int(i)) for g, i, _ in split))
-            return _Desc("ok", gname, dp, ident, 1, _prod(n for _, _, n in split), vkey)
+            return _Desc("ok", gname, dp, ident, 1, _prod(n for _, _, n in split), vkey, assumed=assumed)
         pclass = lay.scope_class(monitor, scope)
         pname = lay.param_of_row(monitor, name, scope)
         entry = self.params.get(pname)
@@ -567,6 +572,11 @@ def _incomplete_why(monitor: str, ranks: Sequence[int], have: int, whole: int) -
             f"{'parts' if monitor == rows.MODULE else 'elements'}")
 
 
+def _undescribed_why(ranks: Sequence[int]) -> str:
+    return (f"ranks {','.join(map(str, ranks))} wrote different values for a module row their layout.json does not "
+            "describe (an activation split or summed across them, which the stack did not name)")
+
+
 def _example(step: int, monitor: str, gname: str, scope: str, why: str) -> Dict[str, Any]:
     return {"step": step, "monitor": monitor, "module_name": gname, "scope": scope, "why": why}
 
@@ -666,10 +676,15 @@ def _merge_step(monitor: str, step: int, batch: Sequence[Tuple[int, List[Row]]],
         chosen: List[Tuple[Dict[str, float], int]] = []
         whole = 0
         disagree = False
+        undescribed = None
         for ident, reps in g.pieces.items():
             r0, prow, pd = reps[0]
             whole = pd.whole
             v0 = prow.vals
+            if len(reps) > 1 and pd.assumed and any(row.vals[op] != v0[op] and (op in COUNT_OPS or not _close(
+                    v0[op], row.vals[op], rtol)) for _, row, _ in reps[1:] for op in ops):
+                undescribed = sorted({rk for reps_ in g.pieces.values() for rk, _, _ in reps_})
+                break
             if len(reps) > 1 and any(row.vals != v0 for _, row, _ in reps[1:]):
                 for i, op in enumerate(ops):
                     a = v0[op]
@@ -682,6 +697,10 @@ def _merge_step(monitor: str, step: int, batch: Sequence[Tuple[int, List[Row]]],
                         items.append((order + (r0, i), "dis", (gname, scope, micro, dp, op, [rk for rk, _, _ in reps],
                                                                [row.vals[op] for _, row, _ in reps], differing)))
             chosen.append((v0, pd.numel))
+        if undescribed is not None:
+            items.append((order + (-1, -1), UNKNOWN, _example(step, monitor, gname, scope,
+                                                              _undescribed_why(undescribed))))
+            continue
         if disagree:
             report.disagreeing_rows += 1
         have = sum(n for _, n in chosen)
@@ -794,7 +813,7 @@ class _Ids:
             pk = self.pieces.setdefault((gk, d.ident), len(self.pieces))
             status = {"ok": 0, PARTIAL: 1, UNKNOWN: 2}[d.status]
             got = self.descs[key] = (gk, pk, status, d.numel, d.whole, d.vkey, d.why,
-                                     rows.execution_phase(monitor, scope))
+                                     rows.execution_phase(monitor, scope), d.assumed)
         return got
 
 
@@ -821,14 +840,14 @@ def _polars_chunk(pl: Any, fr: Any, monitor: str, layouts: Dict[int, _RankLayout
     if ids.frame is not None:
         keys = keys.join(ids.frame.select(on), on=on, how="anti")
     if len(keys):
-        names = on + ["gk", "pk", "status", "numel", "whole", "vkey", "why", "phase"]
+        names = on + ["gk", "pk", "status", "numel", "whole", "vkey", "why", "phase", "assumed"]
         d_cols: Dict[str, List[Any]] = {k: [] for k in names}
         for rank, name, scope, vpp in keys.iter_rows():
             for k, v in zip(names, (rank, name, scope, vpp) + ids.of(layouts[rank], monitor, name, scope, vpp)):
                 d_cols[k].append(v)
         schema = {"rank": pl.Int64, "module_name": pl.String, "scope": pl.String, "vpp_stage": pl.Int64,
                   "gk": pl.Int64, "pk": pl.Int64, "status": pl.Int8, "numel": pl.Int64, "whole": pl.Int64,
-                  "vkey": pl.Int64, "why": pl.String, "phase": pl.Int64}
+                  "vkey": pl.Int64, "why": pl.String, "phase": pl.Int64, "assumed": pl.Boolean}
         new = pl.DataFrame(d_cols, schema=schema)
         ids.frame = new if ids.frame is None else pl.concat([ids.frame, new], how="vertical")
     desc = ids.frame
@@ -875,6 +894,19 @@ def _polars_chunk(pl: Any, fr: Any, monitor: str, layouts: Dict[int, _RankLayout
         diff_exprs.append((~same).fill_null(True).alias(f"d_{op}"))
     ok = ok.with_columns(diff_exprs)
     flagged = ok.filter(pl.any_horizontal([col(f"d_{op}") for op in ops]))
+    undescribed = flagged.filter(col("assumed")).select(K).unique()
+    if len(undescribed):  # module rows taken for replicas that differ: unknown (see _Desc.assumed)
+        und = ok.join(undescribed, on=K, how="semi").group_by(K).agg(
+            col("rank").get(col("ri").arg_min()).alias("rank0"), col("line").get(col("ri").arg_min()).alias("line0"),
+            col("vkey").get(col("ri").arg_min()).alias("vkey0"), col("rank").unique().sort().alias("ranks"))
+        for step, micro_, gk, rank0, line0, vkey0, ranks in und.iter_rows():
+            gname, scope, _ = ids.group_info[gk]
+            micro = None if micro_ < 0 else micro_
+            key = _order_key(monitor, scope, micro, vkey0, line0, rank0) + (-1, -1)
+            items.setdefault(step, []).append((key, UNKNOWN, _example(step, monitor, gname, scope,
+                                                                      _undescribed_why(list(ranks)))))
+        ok = ok.join(undescribed, on=K, how="anti").sort(P + ["ri"])
+        flagged = flagged.join(undescribed, on=K, how="anti")
     if len(flagged):
         dis_pieces = ok.join(flagged.select(P).unique(), on=P, how="semi").sort(P + ["ri"])
         agg = dis_pieces.group_by(P, maintain_order=True).agg(
