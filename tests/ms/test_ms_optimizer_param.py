@@ -79,7 +79,7 @@ def test_optimizer_state_and_params(tmp_path, kind):
         state_after.append({attr: [t.asnumpy().copy() for t in getattr(opt, attr)] for attr in states})
     mon.stop()
 
-    assert sorted(p.name for p in (tmp_path / "out" / "rank_0").iterdir()) == [
+    assert sorted(p.name for p in (tmp_path / "out" / "rank_0").iterdir()) == ["layout.json",
         "optimizer_step0-0.csv", "optimizer_step1-1.csv", "param_step0-0.csv", "param_step1-1.csv"]
     opt_rows = rows_of(out, "optimizer")
     assert len(opt_rows) == 2 * len(NAMES) * len(states)

@@ -2,6 +2,9 @@
 hand (``patch_optimizer_step: false``), the written-steps schedule, the ``fr`` aliases,
 and ``start()`` errors."""
 
+import json
+
+import numpy as np
 import pytest
 
 from support.extras import require
@@ -39,7 +42,17 @@ def test_stepping_by_optimizer_or_by_hand(tmp_path, patch):
     if patch is not None:
         cfg["patch_optimizer_step"] = patch
     out, passed = train(tmp_path, cfg, steps=3, manual_step=True)  # manual step() ignored when patched
-    assert sorted(p.name for p in (out / "rank_0").iterdir()) == [f"weight_grad_step{s}-{s}.csv" for s in range(3)]
+    assert sorted(p.name for p in (out / "rank_0").iterdir()) == \
+        ["layout.json"] + [f"weight_grad_step{s}-{s}.csv" for s in range(3)]
+    # one process, data parallel: every parameter whole, a replica of itself
+    layout = json.loads((out / "rank_0" / "layout.json").read_text())
+    assert (layout["framework"], layout["rank"], layout["world_size"], layout["groups"]) == \
+        ("mindspore", 0, 1, {"dp": {"rank": 0, "size": 1}})
+    for name, grad in zip(("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"), passed[0]):
+        entry = layout["params"][name]
+        assert entry["shape"] == list(grad.shape)
+        size = grad.size
+        assert entry["pieces"]["reduced"] == {"numel": size, "split": []}
     rows = rows_of(out, "weight_grad")
     for s in range(3):
         assert_row_matches(find_row(rows, step=s, module_name="fc2.weight", scope="reduced"), np_stats(passed[s][2]))
@@ -50,7 +63,7 @@ def test_schedule_start_step_interval_and_record_windows(tmp_path):
            "monitors": {"weight_grad": {"enabled": True}}}
     out, passed = train(tmp_path, cfg, steps=6, fr="MS")
     # written: 1, 3, 5; windows of 2 steps aligned at start_step: 1-2, 3-4, 5-6
-    assert sorted(p.name for p in (out / "rank_0").iterdir()) == [
+    assert sorted(p.name for p in (out / "rank_0").iterdir()) == ["layout.json",
         "weight_grad_step1-2.csv", "weight_grad_step3-4.csv", "weight_grad_step5-6.csv"]
     rows = rows_of(out, "weight_grad")
     assert sorted({int(r["step"]) for r in rows}) == [1, 3, 5]

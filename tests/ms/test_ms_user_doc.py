@@ -103,7 +103,8 @@ def test_user_document_mindspore_example(tmp_path):
     assert "TRAINING DONE" in proc.stdout
 
     rank_dir = tmp_path / "monitor_v2_out" / "rank_0"
-    assert sorted(p.name for p in rank_dir.iterdir()) == [f"weight_grad_step{s}-{s}.csv" for s in range(3)]
+    assert sorted(p.name for p in rank_dir.iterdir()) == ["layout.json"] + [f"weight_grad_step{s}-{s}.csv"
+                                                                            for s in range(3)]
     passed = np.load(tmp_path / "passed_grads.npz")
     names = ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
     for s in range(3):
