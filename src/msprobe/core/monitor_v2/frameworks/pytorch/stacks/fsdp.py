@@ -142,14 +142,20 @@ def fsdp2_modules(root: torch.nn.Module) -> List[torch.nn.Module]:
 def fsdp2_params(module: torch.nn.Module) -> Iterator[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
     """``(sharded_param, unsharded_param or None)`` for each parameter FSDP2 manages in
     ``module``'s own parameter groups."""
+    for fp in _fsdp_params(module):
+        yield fp.sharded_param, getattr(fp, "_unsharded_param", None)
+
+
+def _fsdp_params(module: torch.nn.Module) -> Iterator[Any]:
+    """FSDP2's ``FSDPParam`` objects of ``module``'s own parameter groups (one group in
+    torch 2.13, a list of them in later versions)."""
     state = module._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:
         group = getattr(state, "_fsdp_param_group", None)
         groups = [group] if group is not None else []
     for group in groups:
-        for fp in group.fsdp_params:
-            yield fp.sharded_param, getattr(fp, "_unsharded_param", None)
+        yield from group.fsdp_params
 
 
 def fsdp2_param_states(root: torch.nn.Module) -> Dict[int, Any]:
@@ -157,14 +163,8 @@ def fsdp2_param_states(root: torch.nn.Module) -> Dict[int, Any]:
     out: Dict[int, Any] = {}
     for module in fsdp2_modules(root):
         try:
-            state = module._get_fsdp_state()
-            groups = getattr(state, "_fsdp_param_groups", None)
-            if groups is None:
-                group = getattr(state, "_fsdp_param_group", None)
-                groups = [group] if group is not None else []
-            for group in groups:
-                for fp in group.fsdp_params:
-                    out[id(fp.sharded_param)] = fp
+            for fp in _fsdp_params(module):
+                out[id(fp.sharded_param)] = fp
         except AttributeError:
             continue
     return out
