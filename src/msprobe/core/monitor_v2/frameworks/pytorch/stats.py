@@ -448,30 +448,44 @@ class TorchStatsEngine:
         paid it for each. The kernel reduces each buffer as a call of its own would, with
         the same thread count, so the numbers are the same to the bit. The other tensors
         take ``_compute``'s ATen path one by one, in their place in the result."""
-        if self._native is None:
+        kernel = self._native
+        if kernel is None:
             return [Record(*key, *self._compute_aten(t, plan, key[1])) for t, key in zip(tensors, keys)]
         records: List[Any] = []
         batched: List[int] = []  # indices in ``records`` of the kernel's buffers
         pointers: List[int] = []
         counts: List[int] = []
         codes: List[int] = []
+        allowed = {d: c for d, c in _NATIVE_CODES.items() if c in kernel.dtype_codes}
+        strided = torch.strided
+        # _native_buffer and _data_pointer inlined: this loop runs once per tensor of the
+        # model for each scope, where every Python call is a measurable share
         for t, key in zip(tensors, keys):
-            buffer = self._native_buffer(t)
-            if buffer is None:
+            code = allowed.get(t.dtype)
+            numel = t.numel()
+            if (code is None or not numel or not t.is_cpu or type(t) not in _PLAIN or t.layout is not strided
+                    or t.is_nested or not t.is_contiguous() or t.is_neg() or t.is_conj()):
+                records.append(Record(*key, *self._compute_aten(t, plan, key[1])))
+                continue
+            try:
+                pointer = t.data_ptr()
+            except RuntimeError:  # a storage-less wrapper that looks like a plain tensor
                 records.append(Record(*key, *self._compute_aten(t, plan, key[1])))
                 continue
             batched.append(len(records))
             records.append(key)  # replaced below
-            pointers.append(buffer[0])
-            counts.append(buffer[1])
-            codes.append(buffer[2])
+            pointers.append(pointer)
+            counts.append(numel)
+            codes.append(code)
         if batched:
-            vectors, nans, zeros = self._native.stats_many(pointers, counts, codes, torch.get_num_threads(),
-                                                           plan.zeros)
-            keep_nans = plan.nans
-            for j, i in enumerate(batched):
-                records[i] = Record(*records[i], vectors[j], nans[j] if keep_nans else None, counts[j],
-                                    None if zeros is None else zeros[j])
+            vectors, nans, zeros = kernel.stats_many(pointers, counts, codes, torch.get_num_threads(), plan.zeros)
+            host = Record.host
+            if not plan.nans:
+                nans = [None] * len(batched)
+            if zeros is None:
+                zeros = [None] * len(batched)
+            for i, vector, nan_count, numel, zero_count in zip(batched, vectors, nans, counts, zeros):
+                records[i] = host(records[i], vector, nan_count, numel, zero_count)
         return records
 
     def warn_unobserved(self, name: str, why: str) -> None:
