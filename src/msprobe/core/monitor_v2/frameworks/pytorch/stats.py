@@ -505,13 +505,17 @@ class TorchStatsEngine:
         vec_groups: Dict[Tuple[torch.device, torch.dtype], List[Record]] = defaultdict(list)
         nan_groups: Dict[torch.device, List[Record]] = defaultdict(list)
         zero_groups: Dict[torch.device, List[Record]] = defaultdict(list)
+        tensor = torch.Tensor
         for rec in records:
-            if isinstance(rec.vector, torch.Tensor):
-                vec_groups[(rec.vector.device, rec.vector.dtype)].append(rec)
-            if isinstance(rec.nans, torch.Tensor):
-                nan_groups[rec.nans.device].append(rec)
-            if isinstance(rec.zeros, torch.Tensor):
-                zero_groups[rec.zeros.device].append(rec)
+            vector = rec._vector  # as stored: ``vector`` builds a list of a host tuple
+            if isinstance(vector, tensor):
+                vec_groups[(vector.device, vector.dtype)].append(rec)
+            nans = rec.nans
+            if nans is not None and isinstance(nans, tensor):
+                nan_groups[nans.device].append(rec)
+            zeros = rec.zeros
+            if zeros is not None and isinstance(zeros, tensor):
+                zero_groups[zeros.device].append(rec)
         with torch.no_grad():
             for recs in vec_groups.values():
                 self._replace_or_drop(recs, "vector")
