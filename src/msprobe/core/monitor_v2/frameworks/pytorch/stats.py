@@ -239,7 +239,7 @@ class TorchStatsEngine:
         zeros = torch.stack(zero_counts).sum() if plan.zeros else None
         return torch.stack((p[:, 0].min(), p[:, 1].max(), total, norm)), norm, zeros
 
-    def _native_buffer(self, t: torch.Tensor) -> Optional[Tuple[int, int, int]]:
+    def _native_buffer(self, t: torch.Tensor, pointer: Optional[int] = None) -> Optional[Tuple[int, int, int]]:
         """``(data pointer, element count, dtype code)`` of a raw (unprepared) tensor the
         one-pass kernel reads, or None where it does not apply. It touches nothing but the
         tensor's metadata: hooks run between large kernels, with the CPU caches cold,
@@ -251,14 +251,17 @@ class TorchStatsEngine:
         if code not in kernel.dtype_codes:
             return None
         numel = t.numel()
-        pointer = _data_pointer(t) if numel else None
+        if not numel:
+            return None
+        if pointer is None:  # ``pointer``: _data_pointer(t), when the caller has it already
+            pointer = _data_pointer(t)
         return None if pointer is None else (pointer, numel, code)
 
-    def _native_vector(self, t: torch.Tensor, plan: StatPlan) -> Optional[Tuple[List[float], Optional[int],
-                                                                                 Optional[int]]]:
+    def _native_vector(self, t: torch.Tensor, plan: StatPlan,
+                       pointer: Optional[int] = None) -> Optional[Tuple[List[float], Optional[int], Optional[int]]]:
         """Host statistics of a raw tensor from the one-pass kernel, or None where it
         does not apply (see ``_native_buffer``)."""
-        buffer = self._native_buffer(t)
+        buffer = self._native_buffer(t, pointer)
         if buffer is None:
             return None
         kernel = self._native
@@ -362,7 +365,8 @@ class TorchStatsEngine:
                 if (first is not None and seen[1] == first._version == t._version
                         and first.data_ptr() == memory_key[0]):
                     return seen[2].relabelled(vpp_stage, name, scope, micro_step)
-        vector, nans, numel, zeros = self._compute(t, plan, name)
+        # the memory key holds _data_pointer(t): the kernel's checks need not find it again
+        vector, nans, numel, zeros = self._compute(t, plan, name, memory_key[0] if memory_key is not None else None)
         rec = Record(vpp_stage, name, scope, micro_step, vector, nans, numel, zeros)
         if cacheable and numel:
             # the cache keeps the first record: its statistics, not a second copy of them
@@ -375,12 +379,13 @@ class TorchStatsEngine:
                 self._seen_memory[memory_key] = entry
         return rec
 
-    def _compute(self, t: torch.Tensor, plan: StatPlan, name: str = "") -> Tuple[Any, Any, int, Any]:
+    def _compute(self, t: torch.Tensor, plan: StatPlan, name: str = "",
+                 pointer: Optional[int] = None) -> Tuple[Any, Any, int, Any]:
         """``(vector, nans, numel, zeros)`` of one tensor: the one-pass kernel where it
         applies, else ATen reductions on the prepared tensor. ``zeros`` is None unless
         ``plan.zeros``; ``(None, None, 0, None)`` for a tensor without statistics (see
         ``unobservable``)."""
-        host = self._native_vector(t, plan)
+        host = self._native_vector(t, plan, pointer)
         if host is not None:
             return host[0], host[1], t.numel(), host[2]
         return self._compute_aten(t, plan, name)
