@@ -312,9 +312,10 @@ class ModuleMonitor(Monitor):
             if self.active and not self._pass.internal:
                 self._after_forward(mod, vpp, names, output)
 
-        self._hooks.forward_pre(module, eager_hook(self.errors.wrap(f"module forward pre-hook of {tag}", pre_hook)),
-                                with_kwargs=True)
-        self._hooks.forward(module, eager_hook(self.errors.wrap(f"module forward hook of {tag}", post_hook)),
+        # owner=self: on steps that are not written the hooks return before any other call
+        self._hooks.forward_pre(module, eager_hook(self.errors.wrap(f"module forward pre-hook of {tag}", pre_hook),
+                                                   self), with_kwargs=True)
+        self._hooks.forward(module, eager_hook(self.errors.wrap(f"module forward hook of {tag}", post_hook), self),
                             with_kwargs=True, always_call=True)
 
     # ------------------------------------------------------------------ forward
