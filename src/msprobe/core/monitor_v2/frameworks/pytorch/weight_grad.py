@@ -20,8 +20,8 @@ capture instead, or says why the value cannot be captured exactly (``stacks/``).
 ``reduced`` is what the session's training stack reports at the optimizer step:
 ``param.grad`` for plain torch/DDP/FSDP, the stack's reduced buffers otherwise.
 
-Batched ``unreduced`` reads (plain torch without a data-parallel wrapper, accumulated
-gradients): the post-accumulate hook only notes the parameter, and one callback queued
+Batched ``unreduced`` reads (plain torch in one process, without a data-parallel
+wrapper, accumulated gradients): the post-accumulate hook only notes the parameter, and one callback queued
 on the autograd engine reads the whole backward pass's gradients at once when that pass
 ends (one call of the statistics kernel instead of one per parameter). Nothing holds a
 gradient in between: the note is the parameter's own record, and ``.grad`` is read in the
@@ -31,7 +31,9 @@ clipping, unscaling or a manual all-reduce run after ``backward()`` returns); wh
 is read at once instead: a parameter with another post-accumulate hook (an optimizer
 step in backward), a backward under compiled autograd, and every gradient under a
 data-parallel wrapper (DDP's reducer, whose bucket view all-reduces ``.grad`` in place
-during backward), FSDP, or a training stack of its own.
+during backward), FSDP, or a training stack of its own, and whenever more than one
+process trains (a DDP wrapper may sit around the model given to ``start()``, or be made
+after it: checked again at each backward pass).
 """
 
 import functools
@@ -240,7 +242,13 @@ class WeightGradMonitor(Monitor):
         task = _graph_task_id()
         # Another post-accumulate hook may change .grad before the pass ends (an optimizer
         # step in backward zeroes it), and compiled autograd runs hooks at trace time.
-        if hooks is None or len(hooks) > 1 or task < 0 or _in_compiled_autograd():
+        if self._batched and self._queued_task != task and task >= 0 and _multi_process():
+            # A data-parallel wrapper around the model given to start() (or one made after
+            # it) would all-reduce .grad during backward: from now on, read in the hook.
+            self._batched = False
+            logger.info("monitor_v2 weight_grad: %d processes train: 'unreduced' gradients are read in each "
+                        "parameter's hook, not in one batch per backward pass", _world_size())
+        if not self._batched or hooks is None or len(hooks) > 1 or task < 0 or _in_compiled_autograd():
             if tensor.grad is not None:
                 self._record(source, tensor.grad, 0)
             return
@@ -343,6 +351,15 @@ def _in_compiled_autograd() -> bool:
     return bool(compiled is not None and getattr(compiled, "in_compiled_autograd_region", False))
 
 
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _multi_process() -> bool:
+    return _world_size() > 1
+
+
 def _batchable(session: TorchSession) -> bool:
     """Whether nothing but the user's own code can modify a parameter's ``.grad`` between
     its accumulation and the end of the backward pass (see the module doc). Unknown
@@ -352,6 +369,8 @@ def _batchable(session: TorchSession) -> bool:
     if session.flat_layouts or session.fsdp2_modules or session.fsdp_managed:
         return False
     if "horovod.torch" in sys.modules:  # its hooks all-reduce .grad in place during backward
+        return False
+    if _multi_process():  # a DDP wrapper may sit around the model given to start()
         return False
     composable = getattr(getattr(torch.distributed, "_composable_state", None), "_module_state_mapping", None)
     for chunk in session.chunks:
