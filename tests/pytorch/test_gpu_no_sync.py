@@ -28,7 +28,11 @@ class Block(torch.nn.Module):
         return x + self.fc2(self.act(self.fc1(self.ln(x))))
 
 
-def test_hooks_do_not_synchronise(tmp_path):
+@pytest.mark.parametrize("per_micro_batch", [True, False], ids=["per-micro-batch", "batched-at-pass-end"])
+def test_hooks_do_not_synchronise(tmp_path, per_micro_batch):
+    """``monitor_mbs_grad=false`` on plain torch reads each backward pass's gradients in one
+    batch when the pass ends (an autograd engine callback): that read runs inside
+    ``backward()`` too, under the same sync check."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(Block(), Block(), torch.nn.Linear(64, 8)).cuda()
     ref = copy.deepcopy(model)
@@ -38,13 +42,15 @@ def test_hooks_do_not_synchronise(tmp_path):
         "output_dir": str(tmp_path / "out"),
         "monitors": {
             "module": {"enabled": True},
-            "weight_grad": {"enabled": True, "monitor_mbs_grad": True},
+            "weight_grad": {"enabled": True, "monitor_mbs_grad": per_micro_batch},
             "optimizer": {"enabled": True},
             "param": {"enabled": True},
         },
     }
     mon = TrainerMonitorV2(cfg)
     mon.start(model=model, optimizer=opt, grad_acc_steps=2)
+    weight_grad = next(m for m in mon.monitors if m.name == "weight_grad")
+    assert weight_grad._batched is (not per_micro_batch)
     for step in range(3):
         for _ in range(2):
             x = torch.randn(16, 10, 64, device="cuda")

@@ -203,7 +203,7 @@ def weight_grad_rows(unreduced: Mapping[Tuple, Record], reduced: List[Record], p
     passes any parameter saw, or the announced number when none ran."""
     micro = max(passes.values(), default=0) or announced
     records = []
-    for key, rec in sorted(unreduced.items(), key=lambda kv: kv[0]):
+    for key, rec in sorted(unreduced.items()):  # keys are unique: records are never compared
         if key[1] == 0:
             rec.micro_step = micro
         records.append(rec)

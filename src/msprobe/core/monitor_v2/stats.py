@@ -168,6 +168,16 @@ class Record:
         self.numel = numel
         self.zeros = zeros
 
+    @classmethod
+    def host(cls, key: Tuple[int, str, str, Optional[int]], vector: Tuple[float, ...], nans: Any, numel: int,
+             zeros: Any) -> "Record":
+        """A record of host statistics under the row key ``key``, its vector already a
+        tuple (read back as a list, as one handed over as a list)."""
+        rec = cls.__new__(cls)
+        rec.vpp_stage, rec.name, rec.scope, rec.micro_step = key
+        rec._vector, rec._listed, rec.nans, rec.numel, rec.zeros = vector, True, nans, numel, zeros
+        return rec
+
     @property
     def vector(self) -> Any:
         vector = self._vector

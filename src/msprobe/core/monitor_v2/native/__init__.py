@@ -16,6 +16,7 @@ engines use framework reductions: the same numbers, slower. Nothing here knows a
 framework: callers pass a data pointer, an element count and a dtype code.
 """
 
+import array
 import ctypes
 import hashlib
 import logging
@@ -48,6 +49,10 @@ _BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-pthread"]
 _FLAG_SETS = [_BASE_FLAGS, _BASE_FLAGS + ["-DMSPROBE_NO_CLONES"]]
 # Made once: building the array type per call costs ~0.2 us of a small tensor's ~3 us call.
 _FOUR_DOUBLES = ctypes.c_double * 4
+# stats_many hands array.array buffers to the kernel where their items have its types' sizes
+_ARRAYS_FIT = (array.array("Q").itemsize == ctypes.sizeof(ctypes.c_void_p)
+               and array.array("q").itemsize == ctypes.sizeof(ctypes.c_int64)
+               and array.array("i").itemsize == ctypes.sizeof(ctypes.c_int))
 
 
 class NativeStats:
@@ -97,23 +102,33 @@ class NativeStats:
 
 
     def stats_many(self, pointers: Sequence[int], counts: Sequence[int], dtype_codes: Sequence[int],
-                   threads: int = 1, zeros: bool = False) -> Tuple[List[List[float]], List[int], Optional[List[int]]]:
+                   threads: int = 1, zeros: bool = False) -> Tuple[List[Tuple[float, ...]], List[int],
+                                                               Optional[List[int]]]:
         """``stats`` (``stats_zeros`` with ``zeros``) of many buffers in one call, one
         ctypes transition for all of them: ``(vectors, nan_counts, zero_counts or None)``,
-        item ``i`` exactly what ``stats`` of buffer ``i`` alone gives."""
+        item ``i`` exactly what ``stats`` of buffer ``i`` alone gives (its vector as a
+        tuple: records keep host vectors as tuples, and building a list first is one
+        more object per tensor)."""
         n = len(pointers)
         out = (ctypes.c_double * (4 * n))()
         nans = (ctypes.c_int64 * n)()
         zero_counts = (ctypes.c_int64 * n)() if zeros else None
-        self._fn_many((ctypes.c_void_p * n)(*pointers), (ctypes.c_int64 * n)(*counts),
-                      (ctypes.c_int * n)(*dtype_codes), n, threads, out, nans, zero_counts)
+        # array.array converts a list in C; a ctypes array built from *args converts each
+        # item through a Python call
+        if n and _ARRAYS_FIT:
+            ptrs, lens, kinds = array.array("Q", pointers), array.array("q", counts), array.array("i", dtype_codes)
+            self._fn_many((ctypes.c_void_p * n).from_buffer(ptrs), (ctypes.c_int64 * n).from_buffer(lens),
+                          (ctypes.c_int * n).from_buffer(kinds), n, threads, out, nans, zero_counts)
+        else:
+            self._fn_many((ctypes.c_void_p * n)(*pointers), (ctypes.c_int64 * n)(*counts),
+                          (ctypes.c_int * n)(*dtype_codes), n, threads, out, nans, zero_counts)
         flat = out[:]
         nan_list = nans[:]
         sqrt, nan = math.sqrt, math.nan
+        it = iter(flat)
         vectors = [
-            [nan, nan, flat[k + 2], sqrt(flat[k + 3])] if nan_list[i] else
-            [flat[k], flat[k + 1], flat[k + 2], sqrt(flat[k + 3])]
-            for i, k in enumerate(range(0, 4 * n, 4))
+            (nan, nan, total, sqrt(sumsq)) if nan_count else (mn, mx, total, sqrt(sumsq))
+            for nan_count, mn, mx, total, sumsq in zip(nan_list, it, it, it, it)
         ]
         return vectors, nan_list, zero_counts[:] if zero_counts is not None else None
 
@@ -296,5 +311,5 @@ def _self_test(native: NativeStats) -> None:
     many = native.stats_many([ctypes.addressof(buf), ctypes.addressof(buf16)], [len(values), 3], [F32, BF16],
                              zeros=True)
     single = native.stats(ctypes.addressof(buf), len(values), F32)[0]
-    if many[1] != [0, 1] or many[2] != [want_zeros, 0] or many[0][0] != single or not math.isnan(many[0][1][2]):
+    if many[1] != [0, 1] or many[2] != [want_zeros, 0] or list(many[0][0]) != single or not math.isnan(many[0][1][2]):
         raise _Unavailable(f"self-test failed on two buffers in one call: {many}")

@@ -61,14 +61,27 @@ def _warn_once_fullgraph() -> None:
               "cannot run the monitor's hooks inside its graph: modules inside it are not recorded. Logged once.")
 
 
-def eager_hook(body: Any) -> Any:
+def eager_hook(body: Any, owner: Any = None) -> Any:
     """A module hook that Dynamo does not trace: where the hook is met while compiling,
     the graph breaks and the hook runs eagerly on the real tensors (traced, its reads of
     the monitor's state would become guards, and the compiled code would be recompiled at
     every change until the recompile limit). Where the graph may not break
-    (``fullgraph=True``), the hook does nothing inside the compiled code."""
+    (``fullgraph=True``), the hook does nothing inside the compiled code.
+
+    ``owner``: a monitor whose ``active`` is read first when the hook runs eagerly, so
+    that on a step that is not written the hook returns before any other call (the
+    containment wrapper, its timing, the body): a model with a thousand modules calls
+    two thousand of these per forward pass. Inside a trace the attribute is not read."""
     if _compiler_disable is None or _is_compiling is None:
-        return body
+        if owner is None:
+            return body
+
+        def gated(*args: Any, **kwargs: Any) -> None:
+            if owner.active:
+                body(*args, **kwargs)
+            return None
+
+        return gated
     disabled = _compiler_disable(body)
 
     def hook(*args: Any, **kwargs: Any) -> None:
@@ -76,7 +89,8 @@ def eager_hook(body: Any) -> Any:
             if _graph_breaks_allowed():
                 disabled(*args, **kwargs)
             return None
-        body(*args, **kwargs)
+        if owner is None or owner.active:
+            body(*args, **kwargs)
         return None
 
     if not _skipped_codes:

@@ -42,6 +42,7 @@ monitored module, and the hooks run eagerly on the real tensors there.
 
 import logging
 import threading
+from time import perf_counter
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -171,6 +172,70 @@ class _GradInputSum:
         self.parts: List[torch.Tensor] = []
 
 
+class _GradOutputHook:
+    """The ``grad_output`` pre-hook of one graph node: the gradients of the outputs in
+    ``slots`` (``(output number, row name)``). One object, where a closure and its
+    ``ContainedErrors.wrap`` wrapper were seven (functions, cells, a defaults tuple): the
+    hooks are built for every monitored module on every written step and live until the
+    backward pass, long enough for the garbage collector to move them to its oldest
+    generation, whose full collections they then bring forward. Errors are contained and
+    the time counted as ``wrap`` does."""
+
+    __slots__ = ("monitor", "vpp", "slots", "site")
+
+    def __init__(self, monitor: "ModuleMonitor", vpp: int, slots: List[Tuple[int, str]], site: str) -> None:
+        self.monitor = monitor
+        self.vpp = vpp
+        self.slots = slots
+        self.site = site
+
+    def __call__(self, grad_outputs: Tuple) -> None:
+        monitor = self.monitor
+        if not (monitor.active and monitor.attached):
+            return None
+        errors = monitor.errors
+        start = perf_counter()
+        try:
+            engine, plan, records, vpp = monitor.session.engine, monitor.plan, monitor._records, self.vpp
+            for nr, name in self.slots:
+                g = grad_outputs[nr]
+                if g is not None:
+                    records.append(engine.record(g, plan, vpp, name, rows.BACKWARD, cache=True))
+        except Exception as exc:  # noqa: BLE001 - containment is the point
+            errors.report(self.site, exc)
+        errors.busy += perf_counter() - start
+        return None  # a hook that returns a value could replace a gradient
+
+
+class _GradInputHook:
+    """The ``grad_input`` post-hook of one graph node (``_GradOutputHook``'s reasons):
+    ``edges`` are ``(edge index, input index, row name)``, ``sums`` the accumulators of
+    inputs reached by several edges."""
+
+    __slots__ = ("monitor", "vpp", "edges", "sums", "site")
+
+    def __init__(self, monitor: "ModuleMonitor", vpp: int, edges: List[Tuple[int, int, str]],
+                 sums: Dict[int, _GradInputSum], site: str) -> None:
+        self.monitor = monitor
+        self.vpp = vpp
+        self.edges = edges
+        self.sums = sums
+        self.site = site
+
+    def __call__(self, grad_inputs: Tuple, grad_outputs: Tuple) -> None:
+        monitor = self.monitor
+        if not (monitor.active and monitor.attached):
+            return None
+        errors = monitor.errors
+        start = perf_counter()
+        try:
+            monitor._grad_inputs(self.vpp, self.edges, self.sums, grad_inputs)
+        except Exception as exc:  # noqa: BLE001 - containment is the point
+            errors.report(self.site, exc)
+        errors.busy += perf_counter() - start
+        return None
+
+
 class ModuleMonitor(Monitor):
     name = rows.MODULE
 
@@ -247,9 +312,10 @@ class ModuleMonitor(Monitor):
             if self.active and not self._pass.internal:
                 self._after_forward(mod, vpp, names, output)
 
-        self._hooks.forward_pre(module, eager_hook(self.errors.wrap(f"module forward pre-hook of {tag}", pre_hook)),
-                                with_kwargs=True)
-        self._hooks.forward(module, eager_hook(self.errors.wrap(f"module forward hook of {tag}", post_hook)),
+        # owner=self: on steps that are not written the hooks return before any other call
+        self._hooks.forward_pre(module, eager_hook(self.errors.wrap(f"module forward pre-hook of {tag}", pre_hook),
+                                                   self), with_kwargs=True)
+        self._hooks.forward(module, eager_hook(self.errors.wrap(f"module forward hook of {tag}", post_hook), self),
                             with_kwargs=True, always_call=True)
 
     # ------------------------------------------------------------------ forward
@@ -322,15 +388,7 @@ class ModuleMonitor(Monitor):
             by_node.setdefault(node, []).append((nr, grad_names[j]))
         site = names.grad_output_site
         for node, slots in by_node.items():
-            def prehook(grad_outputs: Tuple, slots=slots) -> None:
-                if not (self.active and self.attached):
-                    return
-                for nr, name in slots:
-                    g = grad_outputs[nr]
-                    if g is not None:
-                        self._records.append(self.session.engine.record(
-                            g, self.plan, vpp, name, rows.BACKWARD, cache=True))
-            node.register_prehook(self.errors.wrap(site, prehook))
+            node.register_prehook(_GradOutputHook(self, vpp, slots, site))
 
     def _hook_grad_inputs(self, vpp: int, names: _Names, call: _Call, outputs: List[torch.Tensor]) -> None:
         edge_targets: Dict[Tuple[Any, int], int] = {}
@@ -374,24 +432,23 @@ class ModuleMonitor(Monitor):
         sums = {i: _GradInputSum(c) for i, c in counts.items() if c > 1}
         site = names.grad_input_site
         for node, edges in hooks.items():
+            node.register_hook(_GradInputHook(self, vpp, edges, sums, site))
 
-            def posthook(grad_inputs: Tuple, grad_outputs: Tuple, edges=edges) -> None:
-                if not (self.active and self.attached):
-                    return
-                for e, i, name in edges:
-                    g = grad_inputs[e]
-                    if g is None:
-                        continue
-                    acc = sums.get(i)
-                    if acc is None:
-                        self._records.append(self.session.engine.record(g, self.plan, vpp, name, rows.BACKWARD, cache=True))
-                        continue
-                    acc.parts.append(g)
-                    self._pending[id(acc)] = (acc, (vpp, name))
-                    if len(acc.parts) == acc.expected:
-                        self._flush(acc, vpp, name)
-
-            node.register_hook(self.errors.wrap(site, posthook))
+    def _grad_inputs(self, vpp: int, edges: List[Tuple[int, int, str]], sums: Dict[int, _GradInputSum],
+                     grad_inputs: Tuple) -> None:
+        """The body of a ``grad_input`` hook: each edge's gradient, or its part of a sum."""
+        for e, i, name in edges:
+            g = grad_inputs[e]
+            if g is None:
+                continue
+            acc = sums.get(i)
+            if acc is None:
+                self._records.append(self.session.engine.record(g, self.plan, vpp, name, rows.BACKWARD, cache=True))
+                continue
+            acc.parts.append(g)
+            self._pending[id(acc)] = (acc, (vpp, name))
+            if len(acc.parts) == acc.expected:
+                self._flush(acc, vpp, name)
 
     def _flush(self, acc: _GradInputSum, vpp: int, name: str) -> None:
         self._pending.pop(id(acc), None)

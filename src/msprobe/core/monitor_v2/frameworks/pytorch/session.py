@@ -109,8 +109,14 @@ class TorchSession:
         parameter without elements (``numel() == 0``) keeps its rows, as in every monitor:
         ``nan`` min/max/mean, 0 norm and NaNs."""
         tensors, keys = [], []
+        flat_layouts = self.flat_layouts
+        plain = (torch.Tensor, torch.nn.Parameter)
         for info, t in items:
-            flat = self.flat_layouts.get(id(info.param))
+            if type(t) in plain and not flat_layouts:  # the common case, without the lookups below
+                tensors.append(t)
+                keys.append((info.vpp_stage, info.name + suffix, scope, None))
+                continue
+            flat = flat_layouts.get(id(info.param))
             if flat is not None:
                 for seg in flat[1].shard:
                     tensors.append(seg.view(t))

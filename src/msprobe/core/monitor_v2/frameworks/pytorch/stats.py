@@ -239,7 +239,7 @@ class TorchStatsEngine:
         zeros = torch.stack(zero_counts).sum() if plan.zeros else None
         return torch.stack((p[:, 0].min(), p[:, 1].max(), total, norm)), norm, zeros
 
-    def _native_buffer(self, t: torch.Tensor) -> Optional[Tuple[int, int, int]]:
+    def _native_buffer(self, t: torch.Tensor, pointer: Optional[int] = None) -> Optional[Tuple[int, int, int]]:
         """``(data pointer, element count, dtype code)`` of a raw (unprepared) tensor the
         one-pass kernel reads, or None where it does not apply. It touches nothing but the
         tensor's metadata: hooks run between large kernels, with the CPU caches cold,
@@ -251,14 +251,17 @@ class TorchStatsEngine:
         if code not in kernel.dtype_codes:
             return None
         numel = t.numel()
-        pointer = _data_pointer(t) if numel else None
+        if not numel:
+            return None
+        if pointer is None:  # ``pointer``: _data_pointer(t), when the caller has it already
+            pointer = _data_pointer(t)
         return None if pointer is None else (pointer, numel, code)
 
-    def _native_vector(self, t: torch.Tensor, plan: StatPlan) -> Optional[Tuple[List[float], Optional[int],
-                                                                                 Optional[int]]]:
+    def _native_vector(self, t: torch.Tensor, plan: StatPlan,
+                       pointer: Optional[int] = None) -> Optional[Tuple[List[float], Optional[int], Optional[int]]]:
         """Host statistics of a raw tensor from the one-pass kernel, or None where it
         does not apply (see ``_native_buffer``)."""
-        buffer = self._native_buffer(t)
+        buffer = self._native_buffer(t, pointer)
         if buffer is None:
             return None
         kernel = self._native
@@ -362,7 +365,8 @@ class TorchStatsEngine:
                 if (first is not None and seen[1] == first._version == t._version
                         and first.data_ptr() == memory_key[0]):
                     return seen[2].relabelled(vpp_stage, name, scope, micro_step)
-        vector, nans, numel, zeros = self._compute(t, plan, name)
+        # the memory key holds _data_pointer(t): the kernel's checks need not find it again
+        vector, nans, numel, zeros = self._compute(t, plan, name, memory_key[0] if memory_key is not None else None)
         rec = Record(vpp_stage, name, scope, micro_step, vector, nans, numel, zeros)
         if cacheable and numel:
             # the cache keeps the first record: its statistics, not a second copy of them
@@ -375,12 +379,13 @@ class TorchStatsEngine:
                 self._seen_memory[memory_key] = entry
         return rec
 
-    def _compute(self, t: torch.Tensor, plan: StatPlan, name: str = "") -> Tuple[Any, Any, int, Any]:
+    def _compute(self, t: torch.Tensor, plan: StatPlan, name: str = "",
+                 pointer: Optional[int] = None) -> Tuple[Any, Any, int, Any]:
         """``(vector, nans, numel, zeros)`` of one tensor: the one-pass kernel where it
         applies, else ATen reductions on the prepared tensor. ``zeros`` is None unless
         ``plan.zeros``; ``(None, None, 0, None)`` for a tensor without statistics (see
         ``unobservable``)."""
-        host = self._native_vector(t, plan)
+        host = self._native_vector(t, plan, pointer)
         if host is not None:
             return host[0], host[1], t.numel(), host[2]
         return self._compute_aten(t, plan, name)
@@ -448,30 +453,44 @@ class TorchStatsEngine:
         paid it for each. The kernel reduces each buffer as a call of its own would, with
         the same thread count, so the numbers are the same to the bit. The other tensors
         take ``_compute``'s ATen path one by one, in their place in the result."""
-        if self._native is None:
+        kernel = self._native
+        if kernel is None:
             return [Record(*key, *self._compute_aten(t, plan, key[1])) for t, key in zip(tensors, keys)]
         records: List[Any] = []
         batched: List[int] = []  # indices in ``records`` of the kernel's buffers
         pointers: List[int] = []
         counts: List[int] = []
         codes: List[int] = []
+        allowed = {d: c for d, c in _NATIVE_CODES.items() if c in kernel.dtype_codes}
+        strided = torch.strided
+        # _native_buffer and _data_pointer inlined: this loop runs once per tensor of the
+        # model for each scope, where every Python call is a measurable share
         for t, key in zip(tensors, keys):
-            buffer = self._native_buffer(t)
-            if buffer is None:
+            code = allowed.get(t.dtype)
+            numel = t.numel()
+            if (code is None or not numel or not t.is_cpu or type(t) not in _PLAIN or t.layout is not strided
+                    or t.is_nested or not t.is_contiguous() or t.is_neg() or t.is_conj()):
+                records.append(Record(*key, *self._compute_aten(t, plan, key[1])))
+                continue
+            try:
+                pointer = t.data_ptr()
+            except RuntimeError:  # a storage-less wrapper that looks like a plain tensor
                 records.append(Record(*key, *self._compute_aten(t, plan, key[1])))
                 continue
             batched.append(len(records))
             records.append(key)  # replaced below
-            pointers.append(buffer[0])
-            counts.append(buffer[1])
-            codes.append(buffer[2])
+            pointers.append(pointer)
+            counts.append(numel)
+            codes.append(code)
         if batched:
-            vectors, nans, zeros = self._native.stats_many(pointers, counts, codes, torch.get_num_threads(),
-                                                           plan.zeros)
-            keep_nans = plan.nans
-            for j, i in enumerate(batched):
-                records[i] = Record(*records[i], vectors[j], nans[j] if keep_nans else None, counts[j],
-                                    None if zeros is None else zeros[j])
+            vectors, nans, zeros = kernel.stats_many(pointers, counts, codes, torch.get_num_threads(), plan.zeros)
+            host = Record.host
+            if not plan.nans:
+                nans = [None] * len(batched)
+            if zeros is None:
+                zeros = [None] * len(batched)
+            for i, vector, nan_count, numel, zero_count in zip(batched, vectors, nans, counts, zeros):
+                records[i] = host(records[i], vector, nan_count, numel, zero_count)
         return records
 
     def warn_unobserved(self, name: str, why: str) -> None:
@@ -491,13 +510,17 @@ class TorchStatsEngine:
         vec_groups: Dict[Tuple[torch.device, torch.dtype], List[Record]] = defaultdict(list)
         nan_groups: Dict[torch.device, List[Record]] = defaultdict(list)
         zero_groups: Dict[torch.device, List[Record]] = defaultdict(list)
+        tensor = torch.Tensor
         for rec in records:
-            if isinstance(rec.vector, torch.Tensor):
-                vec_groups[(rec.vector.device, rec.vector.dtype)].append(rec)
-            if isinstance(rec.nans, torch.Tensor):
-                nan_groups[rec.nans.device].append(rec)
-            if isinstance(rec.zeros, torch.Tensor):
-                zero_groups[rec.zeros.device].append(rec)
+            vector = rec._vector  # as stored: ``vector`` builds a list of a host tuple
+            if isinstance(vector, tensor):
+                vec_groups[(vector.device, vector.dtype)].append(rec)
+            nans = rec.nans
+            if nans is not None and isinstance(nans, tensor):
+                nan_groups[nans.device].append(rec)
+            zeros = rec.zeros
+            if zeros is not None and isinstance(zeros, tensor):
+                zero_groups[zeros.device].append(rec)
         with torch.no_grad():
             for recs in vec_groups.values():
                 self._replace_or_drop(recs, "vector")

@@ -19,10 +19,27 @@ capture instead, or says why the value cannot be captured exactly (``stacks/``).
 
 ``reduced`` is what the session's training stack reports at the optimizer step:
 ``param.grad`` for plain torch/DDP/FSDP, the stack's reduced buffers otherwise.
+
+Batched ``unreduced`` reads (plain torch in one process, without a data-parallel
+wrapper, accumulated gradients): the post-accumulate hook only notes the parameter, and one callback queued
+on the autograd engine reads the whole backward pass's gradients at once when that pass
+ends (one call of the statistics kernel instead of one per parameter). Nothing holds a
+gradient in between: the note is the parameter's own record, and ``.grad`` is read in the
+callback. Between a parameter's accumulation and the end of the same backward pass
+nothing of plain torch modifies its ``.grad`` (each leaf accumulates once per pass, and
+clipping, unscaling or a manual all-reduce run after ``backward()`` returns); what could
+is read at once instead: a parameter with another post-accumulate hook (an optimizer
+step in backward), a backward under compiled autograd, and every gradient under a
+data-parallel wrapper (DDP's reducer, whose bucket view all-reduces ``.grad`` in place
+during backward), FSDP, or a training stack of its own, and whenever more than one
+process trains (a DDP wrapper may sit around the model given to ``start()``, or be made
+after it: checked again at each backward pass).
 """
 
 import functools
 import logging
+import sys
+from time import perf_counter
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -37,6 +54,7 @@ from ...param_table import ParamInfo
 from .session import TorchSession
 from .stacks.fsdp import FlatSegment, fsdp2_params
 from .stacks import UnreducedCapture
+from .stacks.base import TrainingStack
 from .stats import StatPlan
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -46,7 +64,7 @@ class GradSource:
     """A tensor whose gradient is read for ``unreduced`` rows, and the rows it yields:
     ``(vpp_stage, name, segment)``; ``segment`` None means the whole gradient."""
 
-    __slots__ = ("index", "rows", "plain_param", "reduces")
+    __slots__ = ("index", "rows", "plain_param", "reduces", "key")
 
     def __init__(self, index: int, rows: Sequence[Tuple[int, str, Optional[FlatSegment]]],
                  plain_param: Optional[torch.Tensor] = None,
@@ -57,6 +75,9 @@ class GradSource:
         # FSDP2: whether the running backward pass reduce-scatters this gradient (and frees
         # the unsharded one), i.e. whether it is not kept for accumulation
         self.reduces = reduces
+        # the row key of a whole-tensor source's accumulated row, built once (batched reads)
+        vpp, name, _ = self.rows[0]
+        self.key = (vpp, name, UNREDUCED, None)
 
 
 class WeightGradMonitor(Monitor):
@@ -76,10 +97,14 @@ class WeightGradMonitor(Monitor):
         self.sources: List[GradSource] = []
         self._adapter_sources: Dict[int, GradSource] = {}
         table = session.table
+        # set below where the whole backward pass's gradients may be read at its end
+        self._batched = False
+        self._batch_site = self.errors.wrap("weight_grad unreduced batch", self._read_batch)
         capture = session.stack.unreduced_capture(table, self.per_micro_batch, self.micro_batches)
         if capture is not None:
             self._attach_capture(capture)
             return
+        self._batched = not self.per_micro_batch and _batchable(session)
         infos = table.model_params() or [i for i in table.optimizer_params() if i.param.requires_grad]
         for info in infos:
             if id(info.param) in session.fsdp_managed:
@@ -121,8 +146,32 @@ class WeightGradMonitor(Monitor):
             hook = functools.partial(self._on_micro_batch_grad, source)
             self._handles.append(tensor.register_hook(self.errors.wrap(site, hook)))
         else:
+            if self._batched and source.plain_param is tensor and len(source.rows) == 1:
+                self._handles.append(tensor.register_post_accumulate_grad_hook(self._batched_hook(source, site)))
+                return
             hook = functools.partial(self._on_accumulated_grad, source)
             self._handles.append(tensor.register_post_accumulate_grad_hook(self.errors.wrap(site, hook)))
+
+    def _batched_hook(self, source: GradSource, site: str) -> Callable[[torch.Tensor], None]:
+        """The post-accumulate hook of a batched source: ``ContainedErrors.wrap`` around
+        ``_on_accumulated_grad_batched``, written as one function (it runs for every
+        parameter in every backward pass; two Python calls fewer per parameter), and
+        returning before any work on a step that is not written."""
+        errors = self.errors
+        body = self._on_accumulated_grad_batched
+
+        def hook(tensor: torch.Tensor) -> None:
+            if not self.active:
+                return None
+            start = perf_counter()
+            try:
+                body(source, tensor)
+            except Exception as exc:  # noqa: BLE001 - containment is the point
+                errors.report(site, exc)
+            errors.busy += perf_counter() - start
+            return None
+
+        return hook
 
     def _hook_fsdp2_unsharded(self, module: torch.nn.Module) -> None:
         # _unsharded_param exists once the module has run forward; hook each one once.
@@ -140,6 +189,10 @@ class WeightGradMonitor(Monitor):
         self._unreduced: Dict[Tuple[int, int, int], Record] = {}  # (source index, micro step, row)
         self._reduced: List[Record] = []
         self._reduced_early: Set[int] = set()  # FSDP2 sources reduce-scattered before the last pass
+        # batched reads: sources whose gradient the running backward pass accumulated, and
+        # the graph task whose end reads them (-1: no read queued)
+        self._pending: List[GradSource] = []
+        self._queued_task = -1
 
     def begin_step(self, step: int, active: bool) -> None:
         super().begin_step(step, active)
@@ -179,6 +232,62 @@ class WeightGradMonitor(Monitor):
                 grad = grad()
             self._record(source, grad, 0)
 
+    def _on_accumulated_grad_batched(self, source: GradSource, tensor: torch.Tensor) -> None:
+        """``_on_accumulated_grad`` for a plain parameter, read at the end of the pass."""
+        n = self._passes.get(source.index, 0) + 1
+        self._passes[source.index] = n
+        if n < self.micro_batches:
+            return
+        hooks = getattr(tensor, "_post_accumulate_grad_hooks", None)
+        task = _graph_task_id()
+        # Another post-accumulate hook may change .grad before the pass ends (an optimizer
+        # step in backward zeroes it), and compiled autograd runs hooks at trace time.
+        if self._batched and self._queued_task != task and task >= 0 and _multi_process():
+            # A data-parallel wrapper around the model given to start() (or one made after
+            # it) would all-reduce .grad during backward: from now on, read in the hook.
+            self._batched = False
+            logger.info("monitor_v2 weight_grad: %d processes train: 'unreduced' gradients are read in each "
+                        "parameter's hook, not in one batch per backward pass", _world_size())
+        if not self._batched or hooks is None or len(hooks) > 1 or task < 0 or _in_compiled_autograd():
+            if tensor.grad is not None:
+                self._record(source, tensor.grad, 0)
+            return
+        self._pending.append(source)
+        if self._queued_task != task:
+            self._queued_task = task
+            _ENGINE.queue_callback(self._batch_site)
+
+    def _read_batch(self) -> None:
+        """At the end of a backward pass: the gradients its hooks noted, in one batch."""
+        self._queued_task = -1
+        pending, self._pending = self._pending, []
+        grads, keys, indices = [], [], []
+        for source in pending:
+            grad = source.plain_param.grad
+            if grad is not None:
+                grads.append(grad)
+                keys.append(source.key)
+                indices.append(source.index)
+        if not grads:
+            return
+        unreduced = self._unreduced
+        for index, rec in zip(indices, self.session.engine.record_many(grads, self.plan, keys)):
+            unreduced[(index, 0, 0)] = rec
+
+    def _read_batch_late(self) -> None:
+        """Notes whose end-of-pass read never ran (the backward pass raised, or an engine
+        that runs no callbacks): read now, later than their pass, and said once."""
+        if not self._pending:
+            self._queued_task = -1
+            return
+        self._once.warning(
+            "batch-late",
+            "monitor_v2 weight_grad: at step %d the end of a backward pass was not seen (it raised, or the "
+            "autograd engine ran no end-of-pass callback); the 'unreduced' rows of %d parameter(s) (e.g. %s) "
+            "are read at the optimizer step instead, after anything done to the gradients since. Logged once.",
+            self.step, len(self._pending), self._pending[0].rows[0][1])
+        self._read_batch()
+
     def _warn_reduced_early(self, source: GradSource) -> None:
         self._once.warning(
             "reduced-early",
@@ -193,6 +302,8 @@ class WeightGradMonitor(Monitor):
     def before_optimizer_step(self) -> None:
         if not self.active:
             return
+        if self._pending or self._queued_task >= 0:
+            self._read_batch_late()
         if not self.per_micro_batch:
             self._read_short_sources()
         # Read again, never reused from 'unreduced': code that edits gradients through
@@ -220,6 +331,8 @@ class WeightGradMonitor(Monitor):
                 self._record(s, s.plain_param.grad, 0)
 
     def collect(self) -> List[Record]:
+        if self._pending or self._queued_task >= 0:
+            self._read_batch_late()
         records = weight_grad_rows(self._unreduced, self._reduced, self._passes, self.micro_batches)
         self._reset()
         return records
@@ -227,6 +340,47 @@ class WeightGradMonitor(Monitor):
     def detach(self) -> None:
         remove_all(self._handles)
         self._hooked.clear()
+
+
+_ENGINE = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
+_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def _in_compiled_autograd() -> bool:
+    compiled = sys.modules.get("torch._dynamo.compiled_autograd")  # imported only once used
+    return bool(compiled is not None and getattr(compiled, "in_compiled_autograd_region", False))
+
+
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _multi_process() -> bool:
+    return _world_size() > 1
+
+
+def _batchable(session: TorchSession) -> bool:
+    """Whether nothing but the user's own code can modify a parameter's ``.grad`` between
+    its accumulation and the end of the backward pass (see the module doc). Unknown
+    wrappers and missing engine features say no: the per-parameter read stays."""
+    if _ENGINE is None or not hasattr(_ENGINE, "queue_callback") or type(session.stack) is not TrainingStack:
+        return False
+    if session.flat_layouts or session.fsdp2_modules or session.fsdp_managed:
+        return False
+    if "horovod.torch" in sys.modules:  # its hooks all-reduce .grad in place during backward
+        return False
+    if _multi_process():  # a DDP wrapper may sit around the model given to start()
+        return False
+    composable = getattr(getattr(torch.distributed, "_composable_state", None), "_module_state_mapping", None)
+    for chunk in session.chunks:
+        for module in chunk.modules():
+            # torch DDP, apex's and other wrappers named so; replicate()/fully_shard() state
+            if any("DataParallel" in cls.__name__ for cls in type(module).__mro__):
+                return False
+            if composable is not None and module in composable:
+                return False
+    return True
 
 
 def _fsdp2_reduces(module: torch.nn.Module) -> Optional[Callable[[], bool]]:

@@ -1,0 +1,112 @@
+"""weight_grad's batched 'unreduced' read (the gradients of a backward pass read together
+when the pass ends): the rows are those of the gradients as each was accumulated, even
+where something else changes .grad in the same pass (another post-accumulate hook: the
+optimizer-step-in-backward pattern), and data-parallel wrappers keep the
+per-parameter read. References are computed independently with torch.autograd.grad on
+a copy of the model."""
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from support import TinyMLP, assert_row_matches, find_row, loss_fn, make_batches, numpy_stats, rows_of
+from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
+
+
+def weight_grad_monitor(mon):
+    return next(m for m in mon.monitors if m.name == "weight_grad")
+
+
+def reference_grads(model, batches):
+    params = list(model.parameters())
+    total = None
+    for x, y in batches:
+        grads = torch.autograd.grad(loss_fn(model, x, y), params)
+        total = list(grads) if total is None else [t + g for t, g in zip(total, grads)]
+    return {n: g for (n, _), g in zip(model.named_parameters(), total)}
+
+
+def test_batched_read_gives_each_accumulated_gradient_over_micro_batches_and_steps(write_config):
+    model = TinyMLP()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMonitorV2(write_config({"monitors": {"weight_grad": {"enabled": True}}}))
+    mon.start(model=model, optimizer=opt, grad_acc_steps=2)
+    assert weight_grad_monitor(mon)._batched, "plain torch reads a backward pass's gradients together"
+    batches = make_batches(6)
+    expected = []
+    for s in range(3):
+        micro = batches[2 * s:2 * s + 2]
+        expected.append(reference_grads(ref, micro))
+        with torch.no_grad():  # the reference takes the same SGD step
+            for p, g in zip(ref.parameters(), expected[-1].values()):
+                p -= 0.1 * g
+        for x, y in micro:
+            loss_fn(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    mon.stop()
+    rows = rows_of(mon.config.output_dir, "weight_grad")
+    for s, grads in enumerate(expected):
+        for name, g in grads.items():
+            row = find_row(rows, step=s, module_name=name, scope="unreduced")
+            assert row["micro_step"] == "2"
+            assert_row_matches(row, numpy_stats(g))
+
+
+def test_another_post_accumulate_hook_changing_grad_is_read_before_it(write_config):
+    """A user hook that runs after the monitor's and changes .grad in place (scaling, or
+    zeroing after an update in backward) or drops it: 'unreduced' is the gradient as
+    accumulated, not what the end of the pass finds."""
+    model = TinyMLP()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMonitorV2(write_config({"monitors": {"weight_grad": {"enabled": True}}}))
+    mon.start(model=model, optimizer=opt)
+    seen = {}
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def after_monitor(p):  # registered after the monitor's hook, so it runs after it
+        seen[names[id(p)]] = p.grad.clone()
+        if names[id(p)] == "fc1.weight":
+            p.grad = None
+        else:
+            p.grad.mul_(0.0)
+
+    handles = [p.register_post_accumulate_grad_hook(after_monitor) for p in model.parameters()]
+    x, y = make_batches(1)[0]
+    want = reference_grads(ref, [(x, y)])
+    loss_fn(model, x, y).backward()
+    opt.step()
+    for h in handles:
+        h.remove()
+    mon.stop()
+    rows = rows_of(mon.config.output_dir, "weight_grad")
+    for name, g in want.items():
+        torch.testing.assert_close(seen[name], g)
+        assert_row_matches(find_row(rows, module_name=name, scope="unreduced"), numpy_stats(g))
+
+
+def test_ddp_keeps_the_per_parameter_read(write_config, tmp_path):
+    """Under DDP the bucket view all-reduces .grad in place during backward: no batch."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = TinyMLP()
+        ref = copy.deepcopy(model)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        mon = TrainerMonitorV2(write_config({"monitors": {"weight_grad": {"enabled": True}}}))
+        mon.start(model=ddp, optimizer=opt)
+        assert not weight_grad_monitor(mon)._batched
+        x, y = make_batches(1)[0]
+        want = reference_grads(ref, [(x, y)])
+        loss_fn(ddp, x, y).backward()
+        opt.step()
+        mon.stop()
+    finally:
+        dist.destroy_process_group()
+    rows = rows_of(mon.config.output_dir, "weight_grad")
+    for name, g in want.items():
+        assert_row_matches(find_row(rows, module_name=name, scope="unreduced"), numpy_stats(g))
