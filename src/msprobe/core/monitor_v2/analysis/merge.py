@@ -53,13 +53,12 @@ from ..errors import UnsafePathError
 from ..rows import ALL_OPS, COUNT_OPS, MICRO_STEP_MONITORS, MONITORS
 from ..safe_fs import SafeDir, open_regular, read_regular_file
 from ..writer import csv_cell
-from .reader import RANK_RE, CsvFile, InputError, Problems, Row, header_ops, iter_rows, scan
+from .reader import DP_RANK, RANK_RE, CsvFile, InputError, Problems, Row, header_ops, iter_rows, scan
+from .reader import MERGE_FILE as REPORT_FILE
+from .reader import MERGE_FORMAT as MERGED_FORMAT
 
-MERGED_FORMAT = "msprobe-monitor-merged"
 MERGED_VERSION = 1
-REPORT_FILE = "merge.json"
 DISAGREEMENTS_FILE = "disagreements.csv"
-DP_RANK = "dp_rank"
 # The monitors whose merged file has a dp_rank column (rows that differ per data-parallel rank).
 DP_RANK_MONITORS: Tuple[str, ...] = (rows.MODULE, rows.WEIGHT_GRAD)
 MERGED_MONITORS: Tuple[str, ...] = (rows.MODULE, rows.WEIGHT_GRAD, rows.OPTIMIZER, rows.PARAM)
