@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh machine: installs what it needs, then runs pytest.
-# Measured on a quiet 2-core CI-size machine from a fresh clone: the first run about 13 min
-# (setup 158 s from pip's cache, pytest 602 s), later runs about 8-10 min (pytest 485 s); a loaded machine
+# Measured on a quiet 2-core CI-size machine from a fresh clone: the first run about 13-15 min
+# (setup 158 s from pip's cache, pytest 602-714 s), later runs about 8-12 min (pytest 485 s); a loaded machine
 # takes several times that.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh test
-echo "test.sh: running pytest $* on $(nproc 2>/dev/null || echo '?') core(s): about 8-10 min for the whole suite on a" \
+echo "test.sh: running pytest $* on $(nproc 2>/dev/null || echo '?') core(s): about 8-12 min for the whole suite on a" \
      "quiet 2-core machine (much longer on a loaded one); -v names each test as it starts, and the 15 slowest" \
      "are listed at the end"
 # every optional library is installed above: a test that needs one which is missing fails
