@@ -99,6 +99,37 @@ class ContainedErrors:
         return guarded
 
 
+class ContainedHook:
+    """A hook as one object, run the way :meth:`ContainedErrors.wrap` runs a function: it
+    returns at once while its monitor is not active (a step that is not written costs one
+    attribute read), an exception in :meth:`run` is logged once per site and never reaches
+    the training code, and the time is counted in ``busy``. Hooks built for every module
+    or parameter on every written step are these objects (with ``__slots__``) rather than a
+    closure inside a wrapper: one object instead of several per hook, and one call fewer."""
+
+    __slots__ = ("monitor", "site")
+
+    def __init__(self, monitor: "Monitor", site: str) -> None:
+        self.monitor = monitor
+        self.site = site
+
+    def __call__(self, *args: Any) -> None:
+        monitor = self.monitor
+        if not monitor.active:
+            return None
+        errors = monitor.errors
+        start = perf_counter()
+        try:
+            self.run(*args)
+        except Exception as exc:  # noqa: BLE001 - containment is the point
+            errors.report(self.site, exc)
+        errors.busy += perf_counter() - start
+        return None  # a hook that returns a value could replace a tensor
+
+    def run(self, *args: Any) -> None:
+        raise NotImplementedError
+
+
 class Monitor:
     """Base of all monitors; subclasses set ``name`` and override the hooks they need."""
 

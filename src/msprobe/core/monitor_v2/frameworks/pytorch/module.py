@@ -42,14 +42,13 @@ monitored module, and the hooks run eagerly on the real tensors there.
 
 import logging
 import threading
-from time import perf_counter
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ... import rows
 from ...logonce import LogOnce
-from ...monitor import Monitor, select_modules
+from ...monitor import ContainedHook, Monitor, select_modules
 from ...stats import Record
 from ...structure import flatten_tensors, named_outputs
 from .compile import eager_hook, warn_if_already_compiled
@@ -172,68 +171,49 @@ class _GradInputSum:
         self.parts: List[torch.Tensor] = []
 
 
-class _GradOutputHook:
+class _GradOutputHook(ContainedHook):
     """The ``grad_output`` pre-hook of one graph node: the gradients of the outputs in
-    ``slots`` (``(output number, row name)``). One object, where a closure and its
-    ``ContainedErrors.wrap`` wrapper were seven (functions, cells, a defaults tuple): the
-    hooks are built for every monitored module on every written step and live until the
-    backward pass, long enough for the garbage collector to move them to its oldest
-    generation, whose full collections they then bring forward. Errors are contained and
-    the time counted as ``wrap`` does."""
+    ``slots`` (``(output number, row name)``). A ``ContainedHook``: these are built for
+    every monitored module on every written step and live until the backward pass, long
+    enough for the garbage collector to move them to its oldest generation, whose full
+    collections they then bring forward (a closure in a wrapper was seven objects)."""
 
-    __slots__ = ("monitor", "vpp", "slots", "site")
+    __slots__ = ("vpp", "slots")
 
     def __init__(self, monitor: "ModuleMonitor", vpp: int, slots: List[Tuple[int, str]], site: str) -> None:
-        self.monitor = monitor
+        super().__init__(monitor, site)
         self.vpp = vpp
         self.slots = slots
-        self.site = site
 
-    def __call__(self, grad_outputs: Tuple) -> None:
+    def run(self, grad_outputs: Tuple) -> None:
         monitor = self.monitor
-        if not (monitor.active and monitor.attached):
-            return None
-        errors = monitor.errors
-        start = perf_counter()
-        try:
-            engine, plan, records, vpp = monitor.session.engine, monitor.plan, monitor._records, self.vpp
-            for nr, name in self.slots:
-                g = grad_outputs[nr]
-                if g is not None:
-                    records.append(engine.record(g, plan, vpp, name, rows.BACKWARD, cache=True))
-        except Exception as exc:  # noqa: BLE001 - containment is the point
-            errors.report(self.site, exc)
-        errors.busy += perf_counter() - start
-        return None  # a hook that returns a value could replace a gradient
+        if not monitor.attached:
+            return
+        engine, plan, records, vpp = monitor.session.engine, monitor.plan, monitor._records, self.vpp
+        for nr, name in self.slots:
+            g = grad_outputs[nr]
+            if g is not None:
+                records.append(engine.record(g, plan, vpp, name, rows.BACKWARD, cache=True))
 
 
-class _GradInputHook:
+class _GradInputHook(ContainedHook):
     """The ``grad_input`` post-hook of one graph node (``_GradOutputHook``'s reasons):
     ``edges`` are ``(edge index, input index, row name)``, ``sums`` the accumulators of
     inputs reached by several edges."""
 
-    __slots__ = ("monitor", "vpp", "edges", "sums", "site")
+    __slots__ = ("vpp", "edges", "sums")
 
     def __init__(self, monitor: "ModuleMonitor", vpp: int, edges: List[Tuple[int, int, str]],
                  sums: Dict[int, _GradInputSum], site: str) -> None:
-        self.monitor = monitor
+        super().__init__(monitor, site)
         self.vpp = vpp
         self.edges = edges
         self.sums = sums
-        self.site = site
 
-    def __call__(self, grad_inputs: Tuple, grad_outputs: Tuple) -> None:
+    def run(self, grad_inputs: Tuple, grad_outputs: Tuple) -> None:
         monitor = self.monitor
-        if not (monitor.active and monitor.attached):
-            return None
-        errors = monitor.errors
-        start = perf_counter()
-        try:
+        if monitor.attached:
             monitor._grad_inputs(self.vpp, self.edges, self.sums, grad_inputs)
-        except Exception as exc:  # noqa: BLE001 - containment is the point
-            errors.report(self.site, exc)
-        errors.busy += perf_counter() - start
-        return None
 
 
 class ModuleMonitor(Monitor):

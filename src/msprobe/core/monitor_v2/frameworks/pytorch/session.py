@@ -157,7 +157,7 @@ class TorchSession:
 
     def layout(self) -> Dict[str, Any]:
         """The ``layout.json`` document of this rank (``layout.py``), from the training stack."""
-        doc = layout.new_document("pytorch", self.stack.name, global_rank(), _world_size())
+        doc = layout.new_document("pytorch", self.stack.name, global_rank(), world_size())
         self.stack.layout(self.table, doc)
         return doc
 
@@ -182,7 +182,7 @@ class TorchSession:
     def agree_max(self, values: Sequence[int]) -> List[int]:
         """All-reduce MAX over the default group: a CPU tensor under gloo, one on the
         current CUDA device under nccl (which cannot reduce host tensors)."""
-        group_size = _world_size()
+        group_size = world_size()
         if group_size <= 1:
             return [int(v) for v in values]
         dist = torch.distributed
@@ -194,13 +194,13 @@ class TorchSession:
         return [int(v) for v in tensor.tolist()]
 
     def gather(self, value: Optional[str]) -> List[Optional[str]]:
-        if _world_size() <= 1:
+        if world_size() <= 1:
             return [value]
-        gathered: List[Optional[str]] = [None] * _world_size()
+        gathered: List[Optional[str]] = [None] * world_size()
         torch.distributed.all_gather_object(gathered, value)
         return gathered
 
 
-def _world_size() -> int:
+def world_size() -> int:
     dist = torch.distributed
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

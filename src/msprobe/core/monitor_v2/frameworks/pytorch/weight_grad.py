@@ -39,19 +39,18 @@ after it: checked again at each backward pass).
 import functools
 import logging
 import sys
-from time import perf_counter
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
 from ...config import resolve_micro_batches
-from ...monitor import Monitor, weight_grad_rows
+from ...monitor import ContainedHook, Monitor, weight_grad_rows
 from ...logonce import LogOnce
 from ...patching import remove_all
 from ...rows import REDUCED, UNREDUCED, WEIGHT_GRAD
 from ...stats import Record
 from ...param_table import ParamInfo
-from .session import TorchSession
+from .session import TorchSession, world_size
 from .stacks.fsdp import FlatSegment, fsdp2_params
 from .stacks import UnreducedCapture
 from .stacks.base import TrainingStack
@@ -147,31 +146,10 @@ class WeightGradMonitor(Monitor):
             self._handles.append(tensor.register_hook(self.errors.wrap(site, hook)))
         else:
             if self._batched and source.plain_param is tensor and len(source.rows) == 1:
-                self._handles.append(tensor.register_post_accumulate_grad_hook(self._batched_hook(source, site)))
+                self._handles.append(tensor.register_post_accumulate_grad_hook(_BatchedGradHook(self, source, site)))
                 return
             hook = functools.partial(self._on_accumulated_grad, source)
             self._handles.append(tensor.register_post_accumulate_grad_hook(self.errors.wrap(site, hook)))
-
-    def _batched_hook(self, source: GradSource, site: str) -> Callable[[torch.Tensor], None]:
-        """The post-accumulate hook of a batched source: ``ContainedErrors.wrap`` around
-        ``_on_accumulated_grad_batched``, written as one function (it runs for every
-        parameter in every backward pass; two Python calls fewer per parameter), and
-        returning before any work on a step that is not written."""
-        errors = self.errors
-        body = self._on_accumulated_grad_batched
-
-        def hook(tensor: torch.Tensor) -> None:
-            if not self.active:
-                return None
-            start = perf_counter()
-            try:
-                body(source, tensor)
-            except Exception as exc:  # noqa: BLE001 - containment is the point
-                errors.report(site, exc)
-            errors.busy += perf_counter() - start
-            return None
-
-        return hook
 
     def _hook_fsdp2_unsharded(self, module: torch.nn.Module) -> None:
         # _unsharded_param exists once the module has run forward; hook each one once.
@@ -247,7 +225,7 @@ class WeightGradMonitor(Monitor):
             # it) would all-reduce .grad during backward: from now on, read in the hook.
             self._batched = False
             logger.info("monitor_v2 weight_grad: %d processes train: 'unreduced' gradients are read in each "
-                        "parameter's hook, not in one batch per backward pass", _world_size())
+                        "parameter's hook, not in one batch per backward pass", world_size())
         if not self._batched or hooks is None or len(hooks) > 1 or task < 0 or _in_compiled_autograd():
             if tensor.grad is not None:
                 self._record(source, tensor.grad, 0)
@@ -342,6 +320,21 @@ class WeightGradMonitor(Monitor):
         self._hooked.clear()
 
 
+class _BatchedGradHook(ContainedHook):
+    """The post-accumulate hook of a batched source (``_on_accumulated_grad_batched``): it
+    runs for every parameter in every backward pass, and returns before any work on a
+    step that is not written."""
+
+    __slots__ = ("source",)
+
+    def __init__(self, monitor: "WeightGradMonitor", source: GradSource, site: str) -> None:
+        super().__init__(monitor, site)
+        self.source = source
+
+    def run(self, tensor: torch.Tensor) -> None:
+        self.monitor._on_accumulated_grad_batched(self.source, tensor)
+
+
 _ENGINE = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
 _graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
@@ -351,13 +344,8 @@ def _in_compiled_autograd() -> bool:
     return bool(compiled is not None and getattr(compiled, "in_compiled_autograd_region", False))
 
 
-def _world_size() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def _multi_process() -> bool:
-    return _world_size() > 1
+    return world_size() > 1
 
 
 def _batchable(session: TorchSession) -> bool:
