@@ -84,7 +84,6 @@ TP = "tp"
 PP = "pp"
 CP = "cp"
 EP = "ep"
-GROUPS: Tuple[str, ...] = (DP, TP, PP, CP, EP)
 
 # Scope classes: the scopes whose rows describe the same kind of local tensor.
 UNREDUCED = "unreduced"
@@ -224,15 +223,3 @@ def load_layout(path: str) -> Dict[str, Any]:
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: not JSON ({exc})") from None
     return validate(doc, path)
-
-
-def splits_of(doc: Mapping[str, Any]) -> List[str]:
-    """The groups any piece of ``doc`` is split along (for the report)."""
-    seen: List[str] = []
-    for entry in doc.get("params", {}).values():
-        for p in (entry.get("pieces") or {}).values():
-            if isinstance(p, dict):
-                for g, _, _ in p.get("split", ()):
-                    if g not in seen:
-                        seen.append(g)
-    return seen

@@ -44,6 +44,7 @@ from .... import rows
 from ....param_table import ParamInfo, ParamTable
 from .. import naming
 from .base import GradCallback, TrainingStack, UnreducedCapture, tensor_states
+from .native_layout import group_coordinates
 
 # Megatron's wrappers whose ``.module`` is the user's model (how the stack is detected;
 # naming.py strips them from names with every other pure wrapper).
@@ -183,7 +184,7 @@ class MegatronStack(TrainingStack):
     def _distributed_entries(self, opt: Any) -> List[MasterEntry]:
         pairs = _pairs(opt, "model_float16_groups", "shard_fp32_from_float16_groups")
         pairs += _pairs(opt, "model_fp32_groups", "shard_fp32_groups")
-        shard_group = _group_coordinates(getattr(opt, "data_parallel_group", None))
+        shard_group = group_coordinates(getattr(opt, "data_parallel_group", None))
         entries = []
         for p, shard in pairs:
             if shard is None:
@@ -229,7 +230,7 @@ class MegatronStack(TrainingStack):
         groups it reduces over must be those of ``parallel_state`` read above."""
         for chunk in self.ddp_chunks:
             for attr, name in (("dp_cp_group", lay.DP), ("tp_group", lay.TP)):
-                coords = _group_coordinates(getattr(chunk, attr, None))
+                coords = group_coordinates(getattr(chunk, attr, None))
                 if coords is not None and name in groups and coords != (groups[name]["rank"], groups[name]["size"]):
                     return (f"Megatron's DistributedDataParallel.{attr} (rank {coords[0]} of {coords[1]}) is not "
                             f"parallel_state's {name} group (rank {groups[name]['rank']} of {groups[name]['size']})")
@@ -474,16 +475,6 @@ class MegatronStack(TrainingStack):
             yield from tensor_states(info, e.state())
 
 
-def _group_coordinates(group: Any) -> Optional[Tuple[int, int]]:
-    """(this rank's index, size) in a process group; None for no group."""
-    if group is None or not torch.distributed.is_initialized():
-        return None
-    try:
-        return int(torch.distributed.get_rank(group=group)), int(group.size())
-    except Exception:  # noqa: BLE001 - not a process group this torch knows
-        return None
-
-
 def _parallel_groups() -> Tuple[Optional[Dict[str, Dict[str, int]]], Optional[str]]:
     """This rank's coordinates in Megatron's groups, read from ``parallel_state`` if the
     user imported and initialised it; else None and why."""
@@ -502,7 +493,7 @@ def _parallel_groups() -> Tuple[Optional[Dict[str, Dict[str, int]]], Optional[st
         )
         groups: Dict[str, Dict[str, int]] = {}
         for name, read in readers:
-            coords = _group_coordinates(read())
+            coords = group_coordinates(read())
             if coords is not None:
                 groups[name] = lay.group(*coords)
     except Exception as exc:  # noqa: BLE001 - a parallel_state this monitor does not know

@@ -17,7 +17,8 @@ Each entry describes exactly the tensors the rows are of:
   ``modules`` (``dtensor.tensor_parallel_module_rows``); the rest are replicas. A module
   without a style that computes on a sharded activation (an activation module between
   a column- and a row-parallel one) cannot be told from its hooks: its rows are taken as
-  replicas, and ``merge`` reports them as disagreeing.
+  replicas while the ranks agree, and ``merge`` leaves them out as unknown where they
+  differ (``layout.module_entry``).
 """
 
 from typing import Any, Dict, List, Optional, Tuple
@@ -67,6 +68,18 @@ def fill(chunks: List[torch.nn.Module], table: ParamTable, doc: Dict[str, Any]) 
         _set_mesh_groups(doc, mesh_groups, meshes_cover_world, ddp is not None)
 
 
+def group_coordinates(group: Any) -> Optional[Tuple[int, int]]:
+    """``(this rank's index, size)`` in a process group, for ``layout.json``; None for no
+    group, before ``init_process_group``, or for an object torch does not take as one."""
+    dist = torch.distributed
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        return int(dist.get_rank(group=group)), int(dist.get_world_size(group=group))
+    except Exception:  # noqa: BLE001 - not a process group this torch knows
+        return None
+
+
 def _ddp_group(chunks: List[torch.nn.Module]) -> Optional[Tuple[int, int]]:
     """``(rank, size)`` in the process group of the first DDP wrapper in ``chunks``."""
     dist = torch.distributed
@@ -77,7 +90,7 @@ def _ddp_group(chunks: List[torch.nn.Module]) -> Optional[Tuple[int, int]]:
         for m in chunk.modules():
             if isinstance(m, ddp):
                 pg = getattr(m, "process_group", None)
-                return dist.get_rank(pg), dist.get_world_size(pg)
+                return group_coordinates(pg if pg is not None else dist.group.WORLD)
     return None
 
 
