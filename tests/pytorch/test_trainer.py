@@ -335,6 +335,28 @@ def test_errors_in_hooks_are_contained_and_logged_once(write_config, caplog, mon
     assert len(logged) == len(sites), "each failing site is logged once"
 
 
+def test_a_layout_that_cannot_be_read_is_said_once_and_costs_neither_training_nor_rows(write_config, caplog,
+                                                                                       monkeypatch):
+    """layout.json is read at start(); a training stack whose layout raises leaves the
+    file out (one WARNING naming what merge then cannot do) and changes nothing else."""
+    caplog.set_level(logging.WARNING, logger="msprobe.monitor_v2")
+    from msprobe.core.monitor_v2.frameworks.pytorch.stacks.base import TrainingStack
+
+    def broken(self, table, doc):
+        raise RuntimeError("injected layout failure")
+
+    losses_off, params_off, _ = run_training(None, write_config)
+    monkeypatch.setattr(TrainingStack, "layout", broken)
+    losses_on, params_on, mon = run_training(ALL_ON, write_config)
+    assert torch.equal(losses_off, losses_on)
+    assert all(torch.equal(a, b) for a, b in zip(params_off, params_on))
+    rank_dir = os.path.join(mon.config.output_dir, "rank_0")
+    assert "layout.json" not in os.listdir(rank_dir)
+    assert rows_of(mon.config.output_dir, "weight_grad") and rows_of(mon.config.output_dir, "param")
+    said = [r.getMessage() for r in caplog.records if "layout" in r.getMessage()]
+    assert len(said) == 1 and "injected layout failure" in said[0] and "merge" in said[0], said
+
+
 def test_rank_not_in_rank_list_installs_nothing(write_config):
     model = TinyMLP()
     opt = torch.optim.Adam(model.parameters())
