@@ -28,7 +28,7 @@ import threading
 import unicodedata
 from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from . import safe_fs
+from . import native, safe_fs
 from .alert import Alerter
 from .errors import OutputError, UnsafePathError
 from .logonce import LogOnce
@@ -110,6 +110,12 @@ def _row_cell(text: str) -> str:
 # as nan); the counts are ints.
 _STAT_FIELDS = {"min": "{0:.9g}", "max": "{1:.9g}", "mean": "{2:.9g}", "norm": "{3:.9g}",
                 "nans": "{4}", "zeros": "{5}"}
+# The same columns for the compiled formatter (native/python_ext.c, ``format_rows``), which
+# writes every cell as the template above does, with Python's own float formatting.
+_STAT_CODES = {"min": 0, "max": 1, "mean": 2, "norm": 3, "nans": 4, "zeros": 5}
+# Names kept by the compiled formatter's cell cache before it starts again (row names are
+# a model's own, so a run seldom has more; a cap keeps a pathological run's memory bounded).
+_CELL_CACHE_LIMIT = 1 << 16
 
 
 def _describe_os_error(exc: BaseException) -> str:
@@ -152,6 +158,7 @@ class MonitorOutput:
         # the statistic cells of a row, formatted in one call per row (the config admits
         # only the ops of rows.ALL_OPS, each of which has its field)
         self.stats_template = ",".join(_STAT_FIELDS[op] for op in self.ops)
+        self.stat_codes = bytes(_STAT_CODES[op] for op in self.ops)
 
 
 class _OpenFile:
@@ -202,6 +209,11 @@ class CsvWriter:
         # read once at start(): a later change of the environment cannot fail a write
         self._dir_mode = safe_fs.dir_mode()
         self._file_mode = safe_fs.file_mode()
+        # rows formatted in C where the kernel's extension is built (None: in Python); the
+        # cells it has written so far, by text
+        kernel = native.load()
+        self._format_rows = kernel.format_rows if kernel is not None else None
+        self._cells: Dict[str, str] = {}
         self._make_rank_dir()
 
     def _make_rank_dir(self) -> None:
@@ -334,11 +346,27 @@ class CsvWriter:
     # ------------------------------------------------------------------ rows
     def _format(self, monitor: str, step: int, rows: Sequence[RowFields], with_header: bool) -> bytes:
         out = self.outputs[monitor]
-        lines: List[str] = []
+        head = b""
         if with_header:
             buf = io.StringIO()
             csv.writer(buf, lineterminator="\n").writerow(out.header)
-            lines.append(buf.getvalue())
+            head = buf.getvalue().encode("utf-8")
+        fast = self._format_rows
+        if fast is not None:
+            if len(self._cells) > _CELL_CACHE_LIMIT:
+                self._cells.clear()
+            try:
+                return head + fast(rows if type(rows) is list else list(rows), str(step), out.stat_codes,
+                                   out.with_micro_step, self._cells, _row_cell)
+            except (TypeError, ValueError, OverflowError):  # a value of another type: Python writes it
+                pass
+        return head + self._format_python(out, step, rows)
+
+    @staticmethod
+    def _format_python(out: MonitorOutput, step: int, rows: Sequence[RowFields]) -> bytes:
+        """The rows as ``format_rows`` writes them (and where it is not built, or a row
+        holds a value of another type): one ``str.format`` and one f-string per row."""
+        lines: List[str] = []
         stats = out.stats_template.format
         sqrt, nan = math.sqrt, math.nan
         with_micro_step = out.with_micro_step

@@ -1,0 +1,158 @@
+"""The kernel built as a CPython extension (``native/python_ext.c``): its statistics are
+the ctypes binding's to the bit, and its CSV rows are the Python writer's to the byte, on
+random bit patterns (NaN of both signs, infinities, subnormals, -0.0) and hostile names.
+"""
+
+import ctypes
+import math
+import os
+import struct
+
+import numpy as np
+import pytest
+
+from msprobe.core.monitor_v2 import native
+from msprobe.core.monitor_v2.schedule import StepSchedule
+from msprobe.core.monitor_v2.writer import CsvWriter, MonitorOutput
+
+
+@pytest.fixture(scope="module")
+def extension():
+    k = native.load()
+    assert k is not None and k.ext is not None, (
+        "the kernel was not built as an extension: are Python's headers (Python.h) installed?")
+    return k
+
+
+@pytest.fixture(scope="module")
+def ctypes_binding():
+    """The same kernel through ctypes, as on a machine without Python's headers."""
+    errors = []
+    k = native._load_built(native._compiler(), native._BASE_FLAGS, native._SOURCE, "stats_kernel-ctypes-test.so",
+                           lambda path: native.NativeStats(ctypes.CDLL(path), path), errors)
+    assert k is not None and k.ext is None, errors
+    return k
+
+
+def _bits(x: float) -> bytes:
+    return struct.pack("<d", x)
+
+
+def _same(a, b) -> bool:
+    """Equal to the bit (NaN included), element by element, through nested sequences."""
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float):
+        return isinstance(b, float) and (_bits(a) == _bits(b) or (math.isnan(a) and math.isnan(b)))
+    return a == b
+
+
+def _buffers():
+    rng = np.random.default_rng(7)
+    f32 = [rng.standard_normal(n).astype(np.float32) * 3 for n in (1, 15, 17, 256, 4097, 70_000)]
+    f32.append(np.array([0.0, -0.0, 1.0, 0.0], dtype=np.float32))
+    with_nan = rng.standard_normal(300).astype(np.float32)
+    with_nan[5] = np.nan
+    f32.append(with_nan)
+    f32.append(np.array([np.inf, -np.inf, 2.0], dtype=np.float32))
+    f16 = [(rng.standard_normal(n) * 40).astype(np.float16) for n in (3, 4100)]
+    bf16 = [(rng.standard_normal(n).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16) for n in (5, 5000)]
+    return ([(a, native.F32) for a in f32] + [(a, native.F16) for a in f16] + [(a, native.BF16) for a in bf16])
+
+
+def test_statistics_are_the_ctypes_bindings_to_the_bit(extension, ctypes_binding):
+    buffers = _buffers()
+    for arr, code in buffers:
+        for threads in (1, 2):
+            args = (arr.ctypes.data, arr.size, code, threads)
+            assert _same(extension.stats(*args), ctypes_binding.stats(*args)), (arr[:4], code)
+            assert _same(extension.stats_zeros(*args), ctypes_binding.stats_zeros(*args)), (arr[:4], code)
+    pointers = [a.ctypes.data for a, _ in buffers]
+    counts = [a.size for a, _ in buffers]
+    codes = [c for _, c in buffers]
+    for zeros in (False, True):
+        got = extension.stats_many(pointers, counts, codes, 1, zeros)
+        want = ctypes_binding.stats_many(pointers, counts, codes, 1, zeros)
+        assert _same(list(got), list(want))
+
+
+def test_statistics_match_numpy(extension):
+    rng = np.random.default_rng(3)
+    arr = rng.standard_normal(10_001).astype(np.float32)
+    arr[::9] = 0.0
+    (mn, mx, total, norm), nans, zeros = extension.stats_zeros(arr.ctypes.data, arr.size, native.F32)
+    v = arr.astype(np.float64)
+    assert (mn, mx, nans, zeros) == (v.min(), v.max(), 0, int((arr == 0).sum()))
+    want_norm = math.sqrt((v * v).sum())
+    assert norm == pytest.approx(want_norm, rel=1e-6)
+    assert total == pytest.approx(v.sum(), abs=1e-6 * want_norm)  # fp32 block sums: error relative to the norm
+
+
+def test_bad_arguments_raise_instead_of_reading_memory(extension):
+    with pytest.raises(ValueError):
+        extension.stats(0, 4, native.F32)  # a null pointer
+    with pytest.raises(ValueError):
+        extension.stats(12345, 0, native.F32)  # nothing to read
+    arr = np.ones(4, dtype=np.float32)
+    with pytest.raises(ValueError):
+        extension.stats(arr.ctypes.data, 4, 9)  # no such dtype code
+    with pytest.raises(ValueError):
+        extension.stats_many([arr.ctypes.data], [4, 4], [native.F32], 1, False)
+
+
+# ---------------------------------------------------------------- CSV rows
+
+def _random_doubles(n: int, seed: int):
+    """Doubles from random bit patterns (every exponent, NaN payloads of both signs,
+    subnormals), and from fp32 values widened, as the kernel's min and max are."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 2 ** 63, size=n, dtype=np.int64).view(np.float64)
+    signs = np.where(rng.integers(0, 2, size=n) == 1, -1.0, 1.0)
+    widened = (rng.standard_normal(n) * 10.0 ** rng.integers(-40, 38, size=n)).astype(np.float32).astype(np.float64)
+    special = [0.0, -0.0, math.inf, -math.inf, math.nan, -math.nan, 5e-324, 1e-5, 1e-4, 123456789.0,
+               999999999.5, 1e9, 0.1, 2.5, 1e16, 1.5e-10]
+    with np.errstate(invalid="ignore"):  # NaN bit patterns times a sign
+        raw = raw * signs
+    return [float(x) for x in raw] + [float(x) for x in widened] + special
+
+
+NAMES = ["blocks.0.linear.weight", "a,b", 'quote"d', "=SUM(A1)", "-neg", "tab\there", "line\nbreak",
+         "\u2028sep", "ünïcode.名字", "", "'", "x" * 300]
+
+
+def _rows(n: int, seed: int):
+    values = _random_doubles(4 * n, seed)
+    rng = np.random.default_rng(seed + 1)
+    rows = []
+    for i in range(n):
+        mn, mx, total, sumsq = values[4 * i:4 * i + 4]
+        sumsq = abs(sumsq)  # a sum of squares: never negative (NaN of either sign stays)
+        numel = int(rng.integers(0, 3)) * int(rng.integers(1, 10 ** 6))  # some empty rows
+        micro = None if i % 3 == 0 else int(rng.integers(1, 9))
+        rows.append((int(i % 4), NAMES[i % len(NAMES)], ["forward", "unreduced", "a,b"][i % 3], micro, numel,
+                     mn, mx, total, sumsq, int(rng.integers(0, 5)), int(rng.integers(0, 10 ** 9))))
+    return rows
+
+
+@pytest.mark.parametrize("ops", [("min", "max", "mean", "norm"), ("norm", "nans", "zeros", "min", "mean", "max"),
+                                 ("zeros",), ("mean", "nans")])
+@pytest.mark.parametrize("with_micro_step", [False, True])
+def test_rows_are_the_python_writers_to_the_byte(tmp_path, extension, ops, with_micro_step):
+    out = MonitorOutput("weight_grad", ops, with_micro_step)
+    writer = CsvWriter(str(tmp_path / "rank_0"), StepSchedule(), [out])
+    assert writer._format_rows is not None
+    rows = _rows(6000, seed=len(ops) + with_micro_step)
+    fast = writer._format("weight_grad", 12, rows, with_header=True)
+    python = b"".join(l.encode() for l in [",".join(out.header) + "\n"]) + CsvWriter._format_python(out, 12, rows)
+    assert fast == python
+    assert fast.count(b"\n") == len(rows) + 1
+
+
+def test_a_row_of_other_types_is_written_by_python_with_the_same_bytes(tmp_path, extension):
+    out = MonitorOutput("param", ("min", "max", "mean", "norm", "nans"), False)
+    writer = CsvWriter(str(tmp_path / "rank_0"), StepSchedule(), [out])
+    rows = [(0, "w", "param_origin", None, 4, 1, 2.0, 3.0, 4.0, 0, 0),  # an int minimum
+            (0, "b", "param_origin", None, 4, np.float64(0.5), 2.0, 3.0, 4.0, 0, 0)]
+    body = writer._format("param", 3, rows, with_header=False)
+    assert body == CsvWriter._format_python(out, 3, rows)
+    assert body.splitlines()[0] == b"0,3,w,param_origin,1,2,0.75,2,0"
