@@ -156,3 +156,69 @@ def test_a_row_of_other_types_is_written_by_python_with_the_same_bytes(tmp_path,
     body = writer._format("param", 3, rows, with_header=False)
     assert body == CsvWriter._format_python(out, 3, rows)
     assert body.splitlines()[0] == b"0,3,w,param_origin,1,2,0.75,2,0"
+
+
+# ------------------------------------------------------- records and merging
+
+def test_compiled_records_behave_as_the_python_class_and_stay_out_of_the_collector(extension):
+    import gc
+
+    from msprobe.core.monitor_v2 import stats
+
+    C, P = extension.ext.Record, stats.Record
+    assert stats.record_type() is C
+    for cls in (C, P):
+        listed = cls(0, "w", "unreduced", None, [1.0, 2.0, 3.0, 4.0], 0, 4)
+        kept = cls(1, "b", "reduced", 2, (5.0, 6.0, 7.0, 8.0), None, 8, zeros=3)
+        assert listed.vector == [1.0, 2.0, 3.0, 4.0] and listed._vector == (1.0, 2.0, 3.0, 4.0)
+        assert kept.vector == (5.0, 6.0, 7.0, 8.0) and kept.zeros == 3 and kept.key == (1, "b", "reduced", 2)
+        moved = kept.relabelled(0, "b2", "forward", None)
+        assert (moved.key, moved.vector, moved.numel, moved.zeros) == ((0, "b2", "forward", None), kept.vector, 8, 3)
+        host = cls.host((0, "h", "param_origin", None), (1.0, 1.0, 1.0, 1.0), 0, 1, None)
+        assert host.vector == [1.0, 1.0, 1.0, 1.0] and host.name == "h"
+        listed.vector, listed.nans = [9.0, 9.0, 9.0, 9.0], 1
+        assert listed.vector == [9.0, 9.0, 9.0, 9.0] and listed.nans == 1
+    assert repr(C(0, "w", "s", None, [1.0, 2.0, 3.0, 4.0], 0, 4)) == repr(P(0, "w", "s", None, [1.0, 2.0, 3.0, 4.0], 0, 4))
+    assert not gc.is_tracked(C(0, "w", "s", None, [1.0, 2.0, 3.0, 4.0], 0, 4))
+    assert gc.is_tracked(P(0, "w", "s", None, [1.0, 2.0, 3.0, 4.0], 0, 4))
+
+
+def _random_records(cls, n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    values = _random_doubles(4 * n, seed)
+    records = []
+    for i in range(n):
+        mn, mx, total, norm = values[4 * i:4 * i + 4]
+        vector = None if i % 17 == 0 else ([mn, mx, total, abs(norm)] if i % 2 else (mn, mx, total, abs(norm)))
+        nans = [None, 0, int(rng.integers(0, 3))][i % 3]
+        zeros = [None, int(rng.integers(0, 9))][i % 2]
+        numel = 0 if i % 11 == 0 else int(rng.integers(1, 10 ** 6))
+        key = (int(rng.integers(0, 2)), f"layer.{int(rng.integers(0, n // 4))}", ["forward", "backward"][i % 2],
+               None if i % 5 else 1)
+        records.append(cls(*key, vector, nans, numel, zeros))
+    return records
+
+
+def test_merging_in_c_gives_the_python_merges_tuples_to_the_bit(extension):
+    from msprobe.core.monitor_v2 import stats
+
+    for seed in range(4):
+        compiled = _random_records(extension.ext.Record, 3000, seed)
+        mixed = compiled[:1500] + _random_records(stats.Record, 3000, seed)[1500:]
+        for records in (compiled, mixed):
+            got = extension.ext.merge_fields(records)
+            want = stats._merge_fields(records)
+            assert len(want) < len(records) - 100, "the keys repeat: rows are merged"
+            assert _same(got, want)
+            assert _same(stats.merge_fields(records), want)
+
+
+def test_a_record_the_c_merge_does_not_take_is_merged_in_python(extension):
+    from msprobe.core.monitor_v2 import stats
+
+    # a vector still on its device (a framework tensor; a NumPy array stands in for one here)
+    device_vector = extension.ext.Record(0, "w", "forward", None, np.array([1.0, 2.0, 3.0, 4.0]), 0, 4)
+    with pytest.raises(TypeError):
+        extension.ext.merge_fields([device_vector])
+    ints = extension.ext.Record(0, "w", "forward", None, (1, 2, 3, 4), 0, 4)  # ints, not floats
+    assert stats.merge_fields([ints]) == stats._merge_fields([ints]) == [(0, "w", "forward", None, 4, 1, 2, 3, 16, 0, 0)]

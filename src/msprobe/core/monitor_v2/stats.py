@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from . import native
 from .rows import COUNT_OPS
 
 # Index of each statistic in the device vector.
@@ -132,6 +133,14 @@ class StatPlan:
             zeros="zeros" in ops,
         )
 
+
+
+def record_type() -> type:
+    """The class the engines make records of: the extension's ``Record`` (the same
+    interface, but outside the garbage collector: see native/python_ext.c) where it is
+    built, else ``Record``."""
+    kernel = native.load()
+    return kernel.ext.Record if kernel is not None and kernel.ext is not None else Record
 
 
 # Empty tensors never reach the device: their statistics are known.
@@ -255,7 +264,20 @@ RowFields = Tuple[int, str, str, Optional[int], int, float, float, float, float,
 
 
 def merge_fields(records: Iterable[Record]) -> List[RowFields]:
-    """``merge_records`` without the step, each row a ``RowFields`` tuple."""
+    """``merge_records`` without the step, each row a ``RowFields`` tuple (merged in C
+    where the kernel's extension is built: the same tuples, see ``_merge_fields``)."""
+    kernel = native.load()
+    if kernel is not None and kernel.ext is not None:
+        listed = records if type(records) is list else list(records)
+        try:
+            return kernel.ext.merge_fields(listed)
+        except TypeError:  # a device vector, or values of other types: merged in Python
+            records = listed
+    return _merge_fields(records)
+
+
+def _merge_fields(records: Iterable[Record]) -> List[RowFields]:
+    """``merge_fields`` in Python."""
     rows: Dict[Tuple[int, str, str, Optional[int]], RowFields] = {}
     nan = math.nan
     for rec in records:

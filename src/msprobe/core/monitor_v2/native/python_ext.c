@@ -13,6 +13,7 @@
  * formats in Python. Nothing here knows a framework. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 
 #include "stats_kernel.c"
 
@@ -367,6 +368,353 @@ fail:
     return NULL;
 }
 
+
+/* ---------------------------------------------------------------- Record */
+
+/* stats.Record as a C type without garbage-collector support. A step's records live from
+   their hooks to the step's end, through many young collections, so every Python Record
+   reached the collector's oldest generation, and with ~15,000 of them per step (every
+   module of a deep model) they brought a full collection of the whole process (0.16 s
+   with torch loaded) every few steps. A record only refers to strings, ints, tuples of
+   floats or a framework tensor, and nothing refers back to it from those: it can be in no
+   reference cycle, so the collector has nothing to find in it. Same constructor,
+   attributes and methods as the Python class (stats.py), which is used where this is not
+   built. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *vpp_stage, *name, *scope, *micro_step, *vector, *nans, *numel, *zeros;
+    char listed;
+} RecordObject;
+
+static PyTypeObject RecordType;
+
+static void record_dealloc(RecordObject *self) {
+    Py_XDECREF(self->vpp_stage);
+    Py_XDECREF(self->name);
+    Py_XDECREF(self->scope);
+    Py_XDECREF(self->micro_step);
+    Py_XDECREF(self->vector);
+    Py_XDECREF(self->nans);
+    Py_XDECREF(self->numel);
+    Py_XDECREF(self->zeros);
+    PyObject_Free(self);
+}
+
+static RecordObject *record_alloc(void) {
+    RecordObject *r = PyObject_New(RecordObject, &RecordType);
+    if (r == NULL)
+        return NULL;
+    r->vpp_stage = r->name = r->scope = r->micro_step = r->vector = r->nans = r->numel = r->zeros = NULL;
+    r->listed = 0;
+    return r;
+}
+
+#define SET_REF(field, value) do { Py_INCREF(value); field = (value); } while (0)
+
+/* a list is kept as a tuple and read back as a list (see stats.Record) */
+static int record_store_vector(RecordObject *r, PyObject *vector) {
+    if (PyList_CheckExact(vector)) {
+        PyObject *t = PyList_AsTuple(vector);
+        if (t == NULL)
+            return -1;
+        Py_XSETREF(r->vector, t);
+        r->listed = 1;
+    } else {
+        Py_INCREF(vector);
+        Py_XSETREF(r->vector, vector);
+        r->listed = 0;
+    }
+    return 0;
+}
+
+static PyObject *record_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"vpp_stage", "name", "scope", "micro_step", "vector", "nans", "numel", "zeros", NULL};
+    PyObject *vpp, *name, *scope, *micro, *vector, *nans, *numel, *zeros = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOO|O:Record", kwlist, &vpp, &name, &scope, &micro, &vector,
+                                     &nans, &numel, &zeros))
+        return NULL;
+    RecordObject *r = record_alloc();
+    if (r == NULL)
+        return NULL;
+    SET_REF(r->vpp_stage, vpp);
+    SET_REF(r->name, name);
+    SET_REF(r->scope, scope);
+    SET_REF(r->micro_step, micro);
+    SET_REF(r->nans, nans);
+    SET_REF(r->numel, numel);
+    SET_REF(r->zeros, zeros);
+    if (record_store_vector(r, vector) < 0) {
+        Py_DECREF(r);
+        return NULL;
+    }
+    return (PyObject *)r;
+}
+
+static PyObject *record_get_vector(RecordObject *self, void *closure) {
+    if (self->listed)
+        return PySequence_List(self->vector);
+    Py_INCREF(self->vector);
+    return self->vector;
+}
+
+static int record_set_vector(RecordObject *self, PyObject *value, void *closure) {
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "vector cannot be deleted");
+        return -1;
+    }
+    return record_store_vector(self, value);
+}
+
+static PyObject *record_get_key(RecordObject *self, void *closure) {
+    return PyTuple_Pack(4, self->vpp_stage, self->name, self->scope, self->micro_step);
+}
+
+/* host(key, vector, nans, numel, zeros): host statistics under the row key ``key``, the
+   vector already a tuple (read back as a list) */
+static PyObject *record_host(PyObject *cls, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 4) {
+        PyErr_SetString(PyExc_TypeError, "Record.host(key, vector, nans, numel, zeros): key is a 4-tuple");
+        return NULL;
+    }
+    RecordObject *r = record_alloc();
+    if (r == NULL)
+        return NULL;
+    PyObject *key = args[0];
+    SET_REF(r->vpp_stage, PyTuple_GET_ITEM(key, 0));
+    SET_REF(r->name, PyTuple_GET_ITEM(key, 1));
+    SET_REF(r->scope, PyTuple_GET_ITEM(key, 2));
+    SET_REF(r->micro_step, PyTuple_GET_ITEM(key, 3));
+    SET_REF(r->vector, args[1]);
+    r->listed = 1;
+    SET_REF(r->nans, args[2]);
+    SET_REF(r->numel, args[3]);
+    SET_REF(r->zeros, args[4]);
+    return (PyObject *)r;
+}
+
+/* relabelled(vpp_stage, name, scope, micro_step): the statistics under another row key */
+static PyObject *record_relabelled(RecordObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "relabelled(vpp_stage, name, scope, micro_step)");
+        return NULL;
+    }
+    RecordObject *r = record_alloc();
+    if (r == NULL)
+        return NULL;
+    SET_REF(r->vpp_stage, args[0]);
+    SET_REF(r->name, args[1]);
+    SET_REF(r->scope, args[2]);
+    SET_REF(r->micro_step, args[3]);
+    SET_REF(r->vector, self->vector);
+    r->listed = self->listed;
+    SET_REF(r->nans, self->nans);
+    SET_REF(r->numel, self->numel);
+    SET_REF(r->zeros, self->zeros);
+    return (PyObject *)r;
+}
+
+static PyObject *record_repr(RecordObject *self) {
+    PyObject *vector = record_get_vector(self, NULL);
+    if (vector == NULL)
+        return NULL;
+    PyObject *out = PyUnicode_FromFormat(
+        "Record(vpp_stage=%R, name=%R, scope=%R, micro_step=%R, vector=%R, nans=%R, numel=%R, zeros=%R)",
+        self->vpp_stage, self->name, self->scope, self->micro_step, vector, self->nans, self->numel, self->zeros);
+    Py_DECREF(vector);
+    return out;
+}
+
+static PyMemberDef record_members[] = {
+    {"vpp_stage", T_OBJECT, offsetof(RecordObject, vpp_stage), 0, NULL},
+    {"name", T_OBJECT, offsetof(RecordObject, name), 0, NULL},
+    {"scope", T_OBJECT, offsetof(RecordObject, scope), 0, NULL},
+    {"micro_step", T_OBJECT, offsetof(RecordObject, micro_step), 0, NULL},
+    {"nans", T_OBJECT, offsetof(RecordObject, nans), 0, NULL},
+    {"numel", T_OBJECT, offsetof(RecordObject, numel), 0, NULL},
+    {"zeros", T_OBJECT, offsetof(RecordObject, zeros), 0, NULL},
+    {"_vector", T_OBJECT, offsetof(RecordObject, vector), READONLY, NULL},
+    {"_listed", T_BOOL, offsetof(RecordObject, listed), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef record_getset[] = {
+    {"vector", (getter)record_get_vector, (setter)record_set_vector, NULL, NULL},
+    {"key", (getter)record_get_key, NULL, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef record_methods[] = {
+    {"host", (PyCFunction)(void (*)(void))record_host, METH_FASTCALL | METH_CLASS, NULL},
+    {"relabelled", (PyCFunction)(void (*)(void))record_relabelled, METH_FASTCALL, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject RecordType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "_msprobe_monitor_native.Record",
+    .tp_basicsize = sizeof(RecordObject),
+    .tp_dealloc = (destructor)record_dealloc,
+    .tp_repr = (reprfunc)record_repr,
+    .tp_flags = Py_TPFLAGS_DEFAULT, /* no Py_TPFLAGS_HAVE_GC: see above */
+    .tp_doc = "One observation of one tensor, before it reaches the host (stats.Record).",
+    .tp_methods = record_methods,
+    .tp_members = record_members,
+    .tp_getset = record_getset,
+    .tp_new = record_new,
+};
+
+/* ------------------------------------------------------------ merge_fields */
+
+/* A field of a record: the C type's own, another object's attribute (new reference). */
+static PyObject *field(PyObject *rec, size_t offset, const char *attr) {
+    if (Py_IS_TYPE(rec, &RecordType)) {
+        PyObject *v = *(PyObject **)((char *)rec + offset);
+        Py_XINCREF(v);
+        if (v == NULL)
+            PyErr_SetString(PyExc_TypeError, "merge_fields: an uninitialised record");
+        return v;
+    }
+    return PyObject_GetAttrString(rec, attr);
+}
+
+/* int(value or 0), as stats.merge_fields counts NaNs and zeros */
+static PyObject *count_of(PyObject *value) {
+    if (PyLong_CheckExact(value)) {
+        Py_INCREF(value);
+        return value;
+    }
+    int truth = PyObject_IsTrue(value);
+    if (truth < 0)
+        return NULL;
+    return truth ? PyNumber_Long(value) : PyLong_FromLong(0);
+}
+
+static int vector_float(PyObject *vector, Py_ssize_t i, double *out) {
+    PyObject *item = PyTuple_GET_ITEM(vector, i);
+    if (!PyFloat_CheckExact(item)) {
+        PyErr_SetString(PyExc_TypeError, "merge_fields: a statistic is not a float");
+        return -1;
+    }
+    *out = PyFloat_AS_DOUBLE(item);
+    return 0;
+}
+
+static double nan_min(double a, double b) { return (isnan(a) || isnan(b)) ? Py_NAN : (a <= b ? a : b); }
+static double nan_max(double a, double b) { return (isnan(a) || isnan(b)) ? Py_NAN : (a >= b ? a : b); }
+
+/* merge_fields(records) -> [(vpp_stage, name, scope, micro_step, numel, min, max, total,
+   sumsq, nans, zeros), ...]: stats.merge_fields, for host vectors that are tuples of
+   floats (anything else raises TypeError before a row is returned; the caller then
+   merges in Python). */
+static PyObject *py_merge_fields(PyObject *self, PyObject *records) {
+    if (!PyList_Check(records)) {
+        PyErr_SetString(PyExc_TypeError, "merge_fields: a list of records expected");
+        return NULL;
+    }
+    PyObject *rows = PyDict_New();
+    if (rows == NULL)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(records);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *rec = PyList_GET_ITEM(records, i);
+        PyObject *vector = NULL, *nans = NULL, *zeros = NULL, *numel = NULL, *key = NULL, *row = NULL;
+        PyObject *vpp = NULL, *name = NULL, *scope = NULL, *micro = NULL, *raw = NULL;
+        int ok = 0;
+        vector = field(rec, offsetof(RecordObject, vector), "_vector");
+        if (vector == NULL)
+            goto next;
+        if (vector == Py_None) {
+            ok = 1;
+            goto next;
+        }
+        if (!PyTuple_CheckExact(vector) || PyTuple_GET_SIZE(vector) < 4) {
+            PyErr_SetString(PyExc_TypeError, "merge_fields: a vector is not a host tuple");
+            goto next;
+        }
+        if ((raw = field(rec, offsetof(RecordObject, nans), "nans")) == NULL || (nans = count_of(raw)) == NULL)
+            goto next;
+        Py_CLEAR(raw);
+        if ((raw = field(rec, offsetof(RecordObject, zeros), "zeros")) == NULL || (zeros = count_of(raw)) == NULL)
+            goto next;
+        if ((numel = field(rec, offsetof(RecordObject, numel), "numel")) == NULL)
+            goto next;
+        if (!PyLong_CheckExact(numel)) {
+            PyErr_SetString(PyExc_TypeError, "merge_fields: an element count is not an int");
+            goto next;
+        }
+        double mn, mx, total, norm;
+        if (vector_float(vector, 0, &mn) < 0 || vector_float(vector, 1, &mx) < 0 ||
+            vector_float(vector, 2, &total) < 0 || vector_float(vector, 3, &norm) < 0)
+            goto next;
+        int has_nans = PyObject_IsTrue(nans);
+        if (has_nans < 0)
+            goto next;
+        if (has_nans)
+            mn = mx = Py_NAN;
+        if ((vpp = field(rec, offsetof(RecordObject, vpp_stage), "vpp_stage")) == NULL ||
+            (name = field(rec, offsetof(RecordObject, name), "name")) == NULL ||
+            (scope = field(rec, offsetof(RecordObject, scope), "scope")) == NULL ||
+            (micro = field(rec, offsetof(RecordObject, micro_step), "micro_step")) == NULL)
+            goto next;
+        key = PyTuple_Pack(4, vpp, name, scope, micro);
+        if (key == NULL)
+            goto next;
+        PyObject *old = PyDict_GetItemWithError(rows, key); /* borrowed */
+        if (old == NULL) {
+            if (PyErr_Occurred())
+                goto next;
+            row = Py_BuildValue("(OOOOOdddd" "OO)", vpp, name, scope, micro, numel, mn, mx, total, norm * norm,
+                                nans, zeros);
+        } else {
+            int numel_true = PyObject_IsTrue(numel);
+            if (numel_true < 0)
+                goto next;
+            if (!numel_true) { /* an empty record adds nothing */
+                ok = 1;
+                goto next;
+            }
+            PyObject *old_numel = PyTuple_GET_ITEM(old, 4);
+            int old_empty = PyObject_Not(old_numel);
+            if (old_empty < 0)
+                goto next;
+            double merged_min = old_empty ? mn : nan_min(PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(old, 5)), mn);
+            double merged_max = old_empty ? mx : nan_max(PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(old, 6)), mx);
+            PyObject *sum_numel = PyNumber_Add(old_numel, numel);
+            PyObject *sum_nans = sum_numel ? PyNumber_Add(PyTuple_GET_ITEM(old, 9), nans) : NULL;
+            PyObject *sum_zeros = sum_nans ? PyNumber_Add(PyTuple_GET_ITEM(old, 10), zeros) : NULL;
+            if (sum_zeros != NULL)
+                row = Py_BuildValue("(OOOOOdddd" "OO)", vpp, name, scope, micro, sum_numel, merged_min, merged_max,
+                                    PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(old, 7)) + total,
+                                    PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(old, 8)) + norm * norm, sum_nans, sum_zeros);
+            Py_XDECREF(sum_numel);
+            Py_XDECREF(sum_nans);
+            Py_XDECREF(sum_zeros);
+        }
+        if (row == NULL || PyDict_SetItem(rows, key, row) < 0)
+            goto next;
+        ok = 1;
+    next:
+        Py_XDECREF(vector);
+        Py_XDECREF(raw);
+        Py_XDECREF(nans);
+        Py_XDECREF(zeros);
+        Py_XDECREF(numel);
+        Py_XDECREF(key);
+        Py_XDECREF(row);
+        Py_XDECREF(vpp);
+        Py_XDECREF(name);
+        Py_XDECREF(scope);
+        Py_XDECREF(micro);
+        if (!ok) {
+            Py_DECREF(rows);
+            return NULL;
+        }
+    }
+    PyObject *values = PyDict_Values(rows);
+    Py_DECREF(rows);
+    return values;
+}
+
 static PyObject *py_dtypes(PyObject *self, PyObject *unused) {
     return PyLong_FromLong(msprobe_stats_dtypes());
 }
@@ -376,6 +724,7 @@ static PyMethodDef methods[] = {
     {"stats_zeros", (PyCFunction)(void (*)(void))py_stats_zeros, METH_FASTCALL, "one buffer, with zeros"},
     {"stats_many", (PyCFunction)(void (*)(void))py_stats_many, METH_FASTCALL, "many buffers"},
     {"format_rows", (PyCFunction)(void (*)(void))py_format_rows, METH_FASTCALL, "CSV rows"},
+    {"merge_fields", py_merge_fields, METH_O, "stats.merge_fields"},
     {"dtypes", py_dtypes, METH_NOARGS, "bit mask of the dtype codes this build reduces"},
     {NULL, NULL, 0, NULL},
 };
@@ -383,5 +732,16 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_msprobe_monitor_native", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__msprobe_monitor_native(void) {
-    return PyModule_Create(&module);
+    if (PyType_Ready(&RecordType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&RecordType);
+    if (PyModule_AddObject(m, "Record", (PyObject *)&RecordType) < 0) {
+        Py_DECREF(&RecordType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

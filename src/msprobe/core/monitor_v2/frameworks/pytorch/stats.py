@@ -58,7 +58,7 @@ import torch
 from ... import native
 from ...logonce import LogOnce
 from ...monitor import short_error
-from ...stats import EMPTY_VECTOR, Record, StatPlan
+from ...stats import EMPTY_VECTOR, Record, StatPlan, record_type
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
@@ -187,6 +187,8 @@ def _prepared(t: torch.Tensor) -> torch.Tensor:
 class TorchStatsEngine:
     def __init__(self, use_native: bool = True) -> None:
         self._native = native.load() if use_native else None
+        # the extension's records where it is built (outside the garbage collector)
+        self._Record = record_type() if self._native is not None else Record
         self._zeros: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = {}
         # The module monitor often observes one tensor object twice in a step (a block's
         # output is the next block's input; the root's output is the head's output). With
@@ -367,7 +369,7 @@ class TorchStatsEngine:
                     return seen[2].relabelled(vpp_stage, name, scope, micro_step)
         # the memory key holds _data_pointer(t): the kernel's checks need not find it again
         vector, nans, numel, zeros = self._compute(t, plan, name, memory_key[0] if memory_key is not None else None)
-        rec = Record(vpp_stage, name, scope, micro_step, vector, nans, numel, zeros)
+        rec = self._Record(vpp_stage, name, scope, micro_step, vector, nans, numel, zeros)
         if cacheable and numel:
             # the cache keeps the first record: its statistics, not a second copy of them
             try:
@@ -455,7 +457,7 @@ class TorchStatsEngine:
         take ``_compute``'s ATen path one by one, in their place in the result."""
         kernel = self._native
         if kernel is None:
-            return [Record(*key, *self._compute_aten(t, plan, key[1])) for t, key in zip(tensors, keys)]
+            return [self._Record(*key, *self._compute_aten(t, plan, key[1])) for t, key in zip(tensors, keys)]
         records: List[Any] = []
         batched: List[int] = []  # indices in ``records`` of the kernel's buffers
         pointers: List[int] = []
@@ -470,12 +472,12 @@ class TorchStatsEngine:
             numel = t.numel()
             if (code is None or not numel or not t.is_cpu or type(t) not in _PLAIN or t.layout is not strided
                     or t.is_nested or not t.is_contiguous() or t.is_neg() or t.is_conj()):
-                records.append(Record(*key, *self._compute_aten(t, plan, key[1])))
+                records.append(self._Record(*key, *self._compute_aten(t, plan, key[1])))
                 continue
             try:
                 pointer = t.data_ptr()
             except RuntimeError:  # a storage-less wrapper that looks like a plain tensor
-                records.append(Record(*key, *self._compute_aten(t, plan, key[1])))
+                records.append(self._Record(*key, *self._compute_aten(t, plan, key[1])))
                 continue
             batched.append(len(records))
             records.append(key)  # replaced below
@@ -484,7 +486,7 @@ class TorchStatsEngine:
             codes.append(code)
         if batched:
             vectors, nans, zeros = kernel.stats_many(pointers, counts, codes, torch.get_num_threads(), plan.zeros)
-            host = Record.host
+            host = self._Record.host
             if not plan.nans:
                 nans = [None] * len(batched)
             if zeros is None:
