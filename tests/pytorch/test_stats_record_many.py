@@ -80,3 +80,50 @@ def test_stats_many_gives_each_buffer_what_stats_of_it_alone_gives():
             assert (_bits(vectors[i]), nans[i], zeros[i]) == (_bits(vector), nan_count, zero_count)
         assert kernel.stats_many(pointers, counts, codes, threads)[2] is None
     assert kernel.stats_many([], [], []) == ([], [], None)
+
+
+def _kernel_tensors():
+    """Only tensors the one-pass kernel reads: ``record_many`` takes its one-pass path."""
+    g = torch.Generator().manual_seed(1)
+    with_nan = torch.randn(40, generator=g)
+    with_nan[3] = math.nan
+    return [torch.randn(32, 32, generator=g), torch.randn(700, generator=g).bfloat16(), with_nan,
+            torch.randn(9, generator=g).half(), torch.nn.Parameter(torch.randn(3, generator=g)),
+            torch.zeros(5)]
+
+
+_ONE_THE_KERNEL_DOES_NOT_READ = {
+    "empty": lambda: torch.empty(0),
+    "integer": lambda: torch.arange(6),
+    "fp64": lambda: torch.randn(6).double(),
+    "not contiguous": lambda: torch.randn(4, 4).t(),
+    "negative bit": lambda: torch._neg_view(torch.randn(6)),
+    "meta": lambda: torch.empty(3, device="meta"),
+    "complex": lambda: torch.randn(4, dtype=torch.complex64),
+    "sparse": lambda: torch.randn(3, 3).to_sparse(),
+    "nested": lambda: torch.nested.nested_tensor([torch.randn(2), torch.randn(3)], layout=torch.jagged),
+}
+
+
+@pytest.mark.parametrize("odd", [None] + list(_ONE_THE_KERNEL_DOES_NOT_READ), ids=str)
+def test_one_tensor_the_kernel_does_not_read_sends_the_list_down_the_general_path(odd):
+    """Every tensor the kernel reads: one pass over the list and one kernel call; one it
+    does not read anywhere in the list: the general path, each record still what
+    ``record`` of its tensor alone gives."""
+    if native.load() is None:
+        pytest.fail("the one-pass kernel did not build: is a C compiler (gcc) installed?")
+    tensors = _kernel_tensors()
+    if odd is not None:
+        tensors.insert(2, _ONE_THE_KERNEL_DOES_NOT_READ[odd]())
+    plan = StatPlan.from_ops(["min", "max", "mean", "norm", "nans", "zeros"])
+    keys = [(0, f"t{i}", "param", None) for i in range(len(tensors))]
+    many_engine, single_engine = TorchStatsEngine(), TorchStatsEngine()
+    many = many_engine.record_many(tensors, plan, keys)
+    single = [single_engine.record(t, plan, *key) for t, key in zip(tensors, keys)]
+    many_engine.to_host(many)
+    single_engine.to_host(single)
+    for got, want in zip(many, single):
+        assert (_bits(got.vector), _bits(got.nans), got.numel, _bits(got.zeros)) == \
+            (_bits(want.vector), _bits(want.nans), want.numel, _bits(want.zeros)), got.name
+    assert many[0].vector[0] == float(tensors[0].min())  # and against the tensor itself
+    assert many[0].vector[3] == pytest.approx(float(tensors[0].double().norm()), rel=1e-6)

@@ -49,6 +49,7 @@ import dataclasses
 import functools
 import logging
 import math
+import operator
 import weakref
 from collections import defaultdict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -143,6 +144,36 @@ def _data_pointer(t: torch.Tensor) -> Optional[int]:
         return t.data_ptr()
     except RuntimeError:
         return None
+
+
+_PLAIN_TYPES = frozenset(_PLAIN)
+_dtype_of = operator.attrgetter("dtype")
+_is_cpu = operator.attrgetter("is_cpu")
+_layout_of = operator.attrgetter("layout")
+_is_nested = operator.attrgetter("is_nested")
+
+
+def _kernel_buffers(tensors: Sequence[torch.Tensor],
+                    allowed: Dict[torch.dtype, int]) -> Optional[Tuple[List[int], List[int], List[int]]]:
+    """``(pointers, counts, dtype codes)`` when the one-pass kernel reads every one of
+    ``tensors`` (``_data_pointer``'s and ``_native_buffer``'s checks, each over the whole
+    list in one C-level pass: a Python loop over thousands of small tensors cost more than
+    the kernel itself), else None. The conjugate bit needs no check: only complex tensors
+    carry it, and no complex dtype is in ``allowed``."""
+    if not tensors or not set(map(type, tensors)) <= _PLAIN_TYPES:
+        return None
+    codes = list(map(allowed.get, map(_dtype_of, tensors)))
+    if None in codes or not all(map(_is_cpu, tensors)) or set(map(_layout_of, tensors)) != {torch.strided}:
+        return None
+    counts = list(map(torch.Tensor.numel, tensors))
+    if 0 in counts or any(map(_is_nested, tensors)) or not all(map(torch.Tensor.is_contiguous, tensors)) or any(
+            map(torch.Tensor.is_neg, tensors)):
+        return None
+    try:
+        pointers = list(map(torch.Tensor.data_ptr, tensors))
+    except RuntimeError:  # a storage-less wrapper that looks like a plain tensor
+        return None
+    return pointers, counts, codes
 
 
 def _memory_key(t: torch.Tensor, plan: StatPlan) -> Optional[Tuple[int, int, torch.dtype, StatPlan]]:
@@ -458,12 +489,19 @@ class TorchStatsEngine:
         kernel = self._native
         if kernel is None:
             return [self._Record(*key, *self._compute_aten(t, plan, key[1])) for t, key in zip(tensors, keys)]
+        allowed = {d: c for d, c in _NATIVE_CODES.items() if c in kernel.dtype_codes}
+        buffers = _kernel_buffers(tensors, allowed)
+        if buffers is not None:  # the common case: every tensor is one the kernel reads
+            pointers, counts, codes = buffers
+            vectors, nans, zeros = kernel.stats_many(pointers, counts, codes, torch.get_num_threads(), plan.zeros)
+            n = len(vectors)
+            return list(map(self._Record.host, keys, vectors, nans if plan.nans else [None] * n, counts,
+                            zeros if zeros is not None else [None] * n))
         records: List[Any] = []
         batched: List[int] = []  # indices in ``records`` of the kernel's buffers
         pointers: List[int] = []
         counts: List[int] = []
         codes: List[int] = []
-        allowed = {d: c for d, c in _NATIVE_CODES.items() if c in kernel.dtype_codes}
         strided = torch.strided
         # _native_buffer and _data_pointer inlined: this loop runs once per tensor of the
         # model for each scope, where every Python call is a measurable share
