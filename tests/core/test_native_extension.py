@@ -222,3 +222,23 @@ def test_a_record_the_c_merge_does_not_take_is_merged_in_python(extension):
         extension.ext.merge_fields([device_vector])
     ints = extension.ext.Record(0, "w", "forward", None, (1, 2, 3, 4), 0, 4)  # ints, not floats
     assert stats.merge_fields([ints]) == stats._merge_fields([ints]) == [(0, "w", "forward", None, 4, 1, 2, 3, 16, 0, 0)]
+
+
+def test_each_float_cell_is_pythons_format_9g(extension):
+    """The compiled formatter's fast path (nine digits in long double, proven rounding)
+    and its fallback together give ``format(x, ".9g")`` for every double: random bit
+    patterns, fp32 values of every magnitude, powers of two and ten, halves, and decimal
+    numbers with ten digits whose tenth is 5 (ties of the rounding)."""
+    cell = extension.ext._format_float
+    rng = np.random.default_rng(11)
+    n = 60_000
+    with np.errstate(over="ignore", invalid="ignore"):
+        values = list(rng.integers(0, 2 ** 64, size=n, dtype=np.uint64).view(np.float64))
+        values += list((rng.standard_normal(n) * 10.0 ** rng.integers(-45, 39, size=n)).astype(np.float32))
+    values += list(rng.standard_normal(n) * 10.0 ** rng.integers(-12, 12, size=n))
+    values += [float(f"{rng.integers(10 ** 8, 10 ** 9)}5e{rng.integers(-30, 30)}") for _ in range(20_000)]
+    values += [float(f"{rng.integers(10 ** 9, 10 ** 10)}e{rng.integers(-30, 30)}") for _ in range(20_000)]
+    values += [i * 0.5 for i in range(-3000, 3000)] + [2.0 ** i for i in range(-1074, 1024)]
+    values += [10.0 ** i for i in range(-323, 309)] + [5e-324, -0.0, 0.0, 1e-5, 1e-4, 99999999.95, 999999999.5]
+    wrong = [(v, cell(float(v)), format(float(v), ".9g")) for v in values if cell(float(v)) != format(float(v), ".9g")]
+    assert wrong == [], wrong[:5]

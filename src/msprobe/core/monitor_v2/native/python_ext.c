@@ -14,6 +14,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <float.h>
+#include <stdlib.h>
 
 #include "stats_kernel.c"
 
@@ -246,9 +248,115 @@ static int append_int(buffer_t *b, PyObject *value) {
     long long v = PyLong_AsLongLong(value);
     if (v == -1 && PyErr_Occurred())
         return -1;
-    char s[32];
-    int n = snprintf(s, sizeof s, "%lld", v);
-    return append(b, s, n);
+    char s[24];
+    int n = sizeof s;
+    unsigned long long u = v < 0 ? 0ull - (unsigned long long)v : (unsigned long long)v;
+    do { /* snprintf's parsing costs more than the digits */
+        s[--n] = (char)('0' + u % 10);
+        u /= 10;
+    } while (u);
+    if (v < 0)
+        s[--n] = '-';
+    return append(b, s + n, (Py_ssize_t)sizeof s - n);
+}
+
+/* Nine significant digits, fast: the digits of |value| x 10^(8 - exponent) rounded to an
+   integer, in long double (64-bit mantissa or more), where the product's relative error
+   is below 2e-19, so that its absolute error on a 9-digit integer is below 1e-9. Where
+   the fraction is within 1e-6 of one half (a tie, or too close to tell), or long double
+   is not wider than double, -1 is returned and the caller asks PyOS_double_to_string,
+   the routine behind format(value, ".9g"), which also decides every other case exactly:
+   this path only takes the cases whose rounding it can prove. 0 on success. */
+#if LDBL_MANT_DIG >= 64
+#define POW10_MIN (-340)
+#define POW10_MAX 340
+static long double pow10_table[POW10_MAX - POW10_MIN + 1];
+
+static void pow10_init(void) {
+    char text[16];
+    for (int k = POW10_MIN; k <= POW10_MAX; k++) {
+        snprintf(text, sizeof text, "1e%d", k);
+        pow10_table[k - POW10_MIN] = strtold(text, NULL); /* correctly rounded */
+    }
+}
+
+static int nine_digits(double a, uint64_t *digits, int *exponent) {
+    int e = (int)floor(log10(a));
+    for (int attempt = 0; attempt < 3; attempt++) {
+        int k = 8 - e;
+        if (k < POW10_MIN || k > POW10_MAX)
+            return -1;
+        long double scaled = (long double)a * pow10_table[k - POW10_MIN];
+        if (scaled >= 1e9L) {
+            e++;
+            continue;
+        }
+        if (scaled < 1e8L) {
+            e--;
+            continue;
+        }
+        long double whole = floorl(scaled);
+        long double frac = scaled - whole;
+        if (fabsl(frac - 0.5L) < 1e-6L)
+            return -1;
+        uint64_t d = (uint64_t)whole + (frac > 0.5L);
+        if (d == 1000000000u) {
+            d = 100000000u;
+            e++;
+        }
+        *digits = d;
+        *exponent = e;
+        return 0;
+    }
+    return -1;
+}
+#else
+static void pow10_init(void) {}
+static int nine_digits(double a, uint64_t *digits, int *exponent) { return -1; }
+#endif
+
+/* format(value, ".9g") from its digits: fixed notation for exponents -4..8, else
+   d.ddde+XX (at least two exponent digits), trailing zeros and a bare point left out. */
+static int append_g9(buffer_t *b, int negative, uint64_t digits, int e) {
+    char d[9];
+    for (int i = 8; i >= 0; i--) {
+        d[i] = (char)('0' + digits % 10);
+        digits /= 10;
+    }
+    int k = 9;
+    while (k > 1 && d[k - 1] == '0')
+        k--;
+    char out[40];
+    int n = 0;
+    if (negative)
+        out[n++] = '-';
+    if (e >= -4 && e < 9) {
+        if (e >= 0) {
+            for (int i = 0; i <= e; i++)
+                out[n++] = i < k ? d[i] : '0';
+            if (k > e + 1) {
+                out[n++] = '.';
+                for (int i = e + 1; i < k; i++)
+                    out[n++] = d[i];
+            }
+        } else {
+            out[n++] = '0';
+            out[n++] = '.';
+            for (int i = 0; i < -e - 1; i++)
+                out[n++] = '0';
+            for (int i = 0; i < k; i++)
+                out[n++] = d[i];
+        }
+    } else {
+        out[n++] = d[0];
+        if (k > 1) {
+            out[n++] = '.';
+            for (int i = 1; i < k; i++)
+                out[n++] = d[i];
+        }
+        n += snprintf(out + n, sizeof out - n, "e%c%02d", e < 0 ? '-' : '+', e < 0 ? -e : e);
+    }
+    return append(b, out, n);
 }
 
 /* format(value, ".9g"): nan (of either sign), inf and -inf as Python writes them. */
@@ -257,12 +365,33 @@ static int append_float(buffer_t *b, double value) {
         return append(b, "nan", 3);
     if (isinf(value))
         return value > 0 ? append(b, "inf", 3) : append(b, "-inf", 4);
+    if (value == 0.0)
+        return signbit(value) ? append(b, "-0", 2) : append(b, "0", 1);
+    uint64_t digits;
+    int e;
+    if (nine_digits(fabs(value), &digits, &e) == 0)
+        return append_g9(b, value < 0, digits, e);
     char *s = PyOS_double_to_string(value, 'g', 9, 0, NULL);
     if (s == NULL)
         return -1;
     int failed = append(b, s, (Py_ssize_t)strlen(s));
     PyMem_Free(s);
     return failed;
+}
+
+/* _format_float(value) -> str: one cell as format_rows writes it (for the tests). */
+static PyObject *py_format_float(PyObject *self, PyObject *value) {
+    double v = PyFloat_AsDouble(value);
+    if (v == -1.0 && PyErr_Occurred())
+        return NULL;
+    buffer_t b = {NULL, 0, 0};
+    if (append_float(&b, v) < 0) {
+        PyMem_Free(b.data);
+        return NULL;
+    }
+    PyObject *out = PyUnicode_FromStringAndSize(b.data, b.len);
+    PyMem_Free(b.data);
+    return out;
 }
 
 static int float_item(PyObject *row, Py_ssize_t i, double *out) {
@@ -602,6 +731,35 @@ static int vector_float(PyObject *vector, Py_ssize_t i, double *out) {
 static double nan_min(double a, double b) { return (isnan(a) || isnan(b)) ? Py_NAN : (a <= b ? a : b); }
 static double nan_max(double a, double b) { return (isnan(a) || isnan(b)) ? Py_NAN : (a >= b ? a : b); }
 
+/* key + (numel, min, max, total, sumsq, nans, zeros) */
+static PyObject *row_tuple(PyObject *key, PyObject *numel, double mn, double mx, double total, double sumsq,
+                           PyObject *nans, PyObject *zeros) {
+    PyObject *row = PyTuple_New(11);
+    if (row == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < 4; i++) {
+        PyObject *item = PyTuple_GET_ITEM(key, i);
+        Py_INCREF(item);
+        PyTuple_SET_ITEM(row, i, item);
+    }
+    Py_INCREF(numel);
+    PyTuple_SET_ITEM(row, 4, numel);
+    double values[4] = {mn, mx, total, sumsq};
+    for (Py_ssize_t i = 0; i < 4; i++) {
+        PyObject *f = PyFloat_FromDouble(values[i]);
+        if (f == NULL) {
+            Py_DECREF(row);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(row, 5 + i, f);
+    }
+    Py_INCREF(nans);
+    PyTuple_SET_ITEM(row, 9, nans);
+    Py_INCREF(zeros);
+    PyTuple_SET_ITEM(row, 10, zeros);
+    return row;
+}
+
 /* merge_fields(records) -> [(vpp_stage, name, scope, micro_step, numel, min, max, total,
    sumsq, nans, zeros), ...]: stats.merge_fields, for host vectors that are tuples of
    floats (anything else raises TypeError before a row is returned; the caller then
@@ -663,8 +821,7 @@ static PyObject *py_merge_fields(PyObject *self, PyObject *records) {
         if (old == NULL) {
             if (PyErr_Occurred())
                 goto next;
-            row = Py_BuildValue("(OOOOOdddd" "OO)", vpp, name, scope, micro, numel, mn, mx, total, norm * norm,
-                                nans, zeros);
+            row = row_tuple(key, numel, mn, mx, total, norm * norm, nans, zeros);
         } else {
             int numel_true = PyObject_IsTrue(numel);
             if (numel_true < 0)
@@ -683,9 +840,8 @@ static PyObject *py_merge_fields(PyObject *self, PyObject *records) {
             PyObject *sum_nans = sum_numel ? PyNumber_Add(PyTuple_GET_ITEM(old, 9), nans) : NULL;
             PyObject *sum_zeros = sum_nans ? PyNumber_Add(PyTuple_GET_ITEM(old, 10), zeros) : NULL;
             if (sum_zeros != NULL)
-                row = Py_BuildValue("(OOOOOdddd" "OO)", vpp, name, scope, micro, sum_numel, merged_min, merged_max,
-                                    PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(old, 7)) + total,
-                                    PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(old, 8)) + norm * norm, sum_nans, sum_zeros);
+                row = row_tuple(key, sum_numel, merged_min, merged_max, PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(old, 7)) + total,
+                                PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(old, 8)) + norm * norm, sum_nans, sum_zeros);
             Py_XDECREF(sum_numel);
             Py_XDECREF(sum_nans);
             Py_XDECREF(sum_zeros);
@@ -725,6 +881,7 @@ static PyMethodDef methods[] = {
     {"stats_many", (PyCFunction)(void (*)(void))py_stats_many, METH_FASTCALL, "many buffers"},
     {"format_rows", (PyCFunction)(void (*)(void))py_format_rows, METH_FASTCALL, "CSV rows"},
     {"merge_fields", py_merge_fields, METH_O, "stats.merge_fields"},
+    {"_format_float", py_format_float, METH_O, "one float cell, as format_rows writes it"},
     {"dtypes", py_dtypes, METH_NOARGS, "bit mask of the dtype codes this build reduces"},
     {NULL, NULL, 0, NULL},
 };
@@ -734,6 +891,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_msprobe_monitor_nat
 PyMODINIT_FUNC PyInit__msprobe_monitor_native(void) {
     if (PyType_Ready(&RecordType) < 0)
         return NULL;
+    pow10_init();
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
