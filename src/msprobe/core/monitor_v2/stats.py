@@ -13,7 +13,7 @@ the monitor's ``ops`` do not ask for it; counts are summed when rows merge.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from . import native
@@ -122,6 +122,12 @@ class StatPlan:
     norm: bool
     nans: bool
     zeros: bool = False  # the optional count of elements equal to zero
+    # the fields as a tuple: a cache key that hashes in C (a dataclass's hash is a Python
+    # call, and the same-tensor cache hashes its keys several times per module tensor)
+    key: Tuple[bool, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", (self.minmax, self.total, self.norm, self.nans, self.zeros))
 
     @classmethod
     def from_ops(cls, ops: Sequence[str]) -> "StatPlan":

@@ -176,10 +176,10 @@ def _kernel_buffers(tensors: Sequence[torch.Tensor],
     return pointers, counts, codes
 
 
-def _memory_key(t: torch.Tensor, plan: StatPlan) -> Optional[Tuple[int, int, torch.dtype, StatPlan]]:
+def _memory_key(t: torch.Tensor, plan: StatPlan) -> Optional[Tuple[int, int, torch.dtype, Tuple[bool, ...]]]:
     """Where a tensor's values live; the same key means the same values."""
     pointer = _data_pointer(t)
-    return None if pointer is None else (pointer, t.numel(), t.dtype, plan)
+    return None if pointer is None else (pointer, t.numel(), t.dtype, plan.key)
 
 
 def unobservable(t: torch.Tensor) -> Optional[str]:
@@ -220,6 +220,9 @@ class TorchStatsEngine:
         self._native = native.load() if use_native else None
         # the extension's records where it is built (outside the garbage collector)
         self._Record = record_type() if self._native is not None else Record
+        # dtype -> the kernel's code, for the dtypes this build reduces
+        self._kernel_codes: Dict[torch.dtype, int] = {} if self._native is None else {
+            d: c for d, c in _NATIVE_CODES.items() if c in self._native.dtype_codes}
         self._zeros: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = {}
         # The module monitor often observes one tensor object twice in a step (a block's
         # output is the next block's input; the root's output is the head's output). With
@@ -228,7 +231,7 @@ class TorchStatsEngine:
         # new tensor that reuses a dead one's id, is computed again. Collectives write
         # into tensors from C++ without moving the version counter, so the cc monitor
         # clears the cache after each of them (``forget``). Cleared at every step end.
-        self._seen: Dict[Tuple[int, StatPlan], Tuple["weakref.ref", int, Record]] = {}
+        self._seen: Dict[Tuple[int, Tuple[bool, ...]], Tuple["weakref.ref", int, Record]] = {}
         # The same memory also comes back through other tensor objects: in backward,
         # autograd hands a module's output gradient on as a view of another shape (the
         # gradient of a 3-D Linear output is reshaped to 2-D for the matmul). A view
@@ -237,7 +240,7 @@ class TorchStatsEngine:
         # tensor first seen is alive (so the memory cannot have been freed and reused)
         # and neither it nor the new view has been modified since. With ``module`` on
         # every module of the benchmark's model this reads 12 % fewer elements per step.
-        self._seen_memory: Dict[Tuple[int, int, torch.dtype, StatPlan], Tuple["weakref.ref", int, Record]] = {}
+        self._seen_memory: Dict[Tuple[int, int, torch.dtype, Tuple[bool, ...]], Tuple["weakref.ref", int, Record]] = {}
         self._unobserved = LogOnce()
 
     def _zero(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -384,10 +387,26 @@ class TorchStatsEngine:
     ) -> Record:
         """Statistics of one tensor, computed now (inside a hook): kept on the device, or
         host values where the one-pass kernel read a CPU tensor."""
+        # A tensor the kernel reads (the common case on the CPU: every module activation and
+        # gradient) takes one set of checks, ``_data_pointer``'s and ``_native_buffer``'s
+        # inlined, instead of five calls that each read the tensor's metadata again.
+        if self._native is not None and type(t) in _PLAIN_TYPES and t.is_cpu:
+            code = self._kernel_codes.get(t.dtype)
+            if (code is not None and t.layout is torch.strided and not t.is_nested and t.is_contiguous()
+                    and not t.is_neg()):
+                numel = t.numel()
+                if numel:
+                    try:
+                        pointer = t.data_ptr()
+                    except RuntimeError:  # a storage-less wrapper that looks like a plain tensor
+                        pointer = 0
+                    if pointer:
+                        return self._record_read(t, plan, vpp_stage, name, scope, micro_step, cache, pointer,
+                                                 numel, code)
         cacheable = cache and not t.is_inference()  # inference tensors have no version counter
         key = memory_key = None
         if cacheable:
-            key = (id(t), plan)
+            key = (id(t), plan.key)
             seen = self._seen.get(key)
             if seen is not None and seen[0]() is t and seen[1] == t._version:
                 return seen[2].relabelled(vpp_stage, name, scope, micro_step)
@@ -411,6 +430,42 @@ class TorchStatsEngine:
             if memory_key is not None:
                 self._seen_memory[memory_key] = entry
         return rec
+
+    def _record_read(self, t: torch.Tensor, plan: StatPlan, vpp_stage: int, name: str, scope: str,
+                     micro_step: Optional[int], cache: bool, pointer: int, numel: int, code: int) -> Record:
+        """``record`` of a tensor the one-pass kernel reads at ``pointer`` (the same cache
+        and the same statistics as the general path, without its repeated checks)."""
+        cacheable = cache and not t.is_inference()  # inference tensors have no version counter
+        if cacheable:
+            key = (id(t), plan.key)
+            seen = self._seen.get(key)
+            if seen is not None and seen[0]() is t and seen[1] == t._version:
+                return seen[2].relabelled(vpp_stage, name, scope, micro_step)
+            memory_key = (pointer, numel, t.dtype, plan.key)
+            seen = self._seen_memory.get(memory_key)
+            if seen is not None:
+                first = seen[0]()
+                if first is not None and seen[1] == first._version == t._version and first.data_ptr() == pointer:
+                    return seen[2].relabelled(vpp_stage, name, scope, micro_step)
+        vector, nans, zeros = self._kernel_read(pointer, numel, code, plan)
+        rec = self._Record(vpp_stage, name, scope, micro_step, vector, nans, numel, zeros)
+        if cacheable:
+            # the cache keeps the first record: its statistics, not a second copy of them
+            try:
+                entry = (weakref.ref(t), t._version, rec)
+            except TypeError:  # a tensor subclass without weak references: no caching
+                return rec
+            self._seen[key] = entry
+            self._seen_memory[memory_key] = entry
+        return rec
+
+    def _kernel_read(self, pointer: int, numel: int, code: int, plan: StatPlan) -> Tuple[List[float], Any, Any]:
+        """``(vector, nans or None, zeros or None)`` of a buffer, from the one-pass kernel."""
+        if plan.zeros:
+            vector, nans, zeros = self._native.stats_zeros(pointer, numel, code, torch.get_num_threads())
+            return vector, nans if plan.nans else None, zeros
+        vector, nans = self._native.stats(pointer, numel, code, torch.get_num_threads())
+        return vector, nans if plan.nans else None, None
 
     def _compute(self, t: torch.Tensor, plan: StatPlan, name: str = "",
                  pointer: Optional[int] = None) -> Tuple[Any, Any, int, Any]:
@@ -489,7 +544,7 @@ class TorchStatsEngine:
         kernel = self._native
         if kernel is None:
             return [self._Record(*key, *self._compute_aten(t, plan, key[1])) for t, key in zip(tensors, keys)]
-        allowed = {d: c for d, c in _NATIVE_CODES.items() if c in kernel.dtype_codes}
+        allowed = self._kernel_codes
         buffers = _kernel_buffers(tensors, allowed)
         if buffers is not None:  # the common case: every tensor is one the kernel reads
             pointers, counts, codes = buffers
