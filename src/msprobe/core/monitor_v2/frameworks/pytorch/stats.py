@@ -147,6 +147,7 @@ def _data_pointer(t: torch.Tensor) -> Optional[int]:
 
 
 _PLAIN_TYPES = frozenset(_PLAIN)
+_HOST_COUNTS = frozenset((int, type(None)))  # a host record's NaN and zero counts
 _dtype_of = operator.attrgetter("dtype")
 _is_cpu = operator.attrgetter("is_cpu")
 _layout_of = operator.attrgetter("layout")
@@ -606,6 +607,11 @@ class TorchStatsEngine:
         nan_groups: Dict[torch.device, List[Record]] = defaultdict(list)
         zero_groups: Dict[torch.device, List[Record]] = defaultdict(list)
         tensor = torch.Tensor
+        # the kernel's records are host ones already (a tuple, counts int or None): one
+        # pass finds the others, if any
+        host = _HOST_COUNTS
+        records = [rec for rec in records if type(rec._vector) is not tuple or type(rec.nans) not in host
+                   or type(rec.zeros) not in host]
         for rec in records:
             vector = rec._vector  # as stored: ``vector`` builds a list of a host tuple
             if isinstance(vector, tensor):
