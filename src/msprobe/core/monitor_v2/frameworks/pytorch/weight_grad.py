@@ -171,6 +171,9 @@ class WeightGradMonitor(Monitor):
         # the graph task whose end reads them (-1: no read queued)
         self._pending: List[GradSource] = []
         self._queued_task = -1
+        # the backward pass whose hooks last ran, and whether it runs under compiled autograd
+        self._checked_task = -2
+        self._task_compiled = False
 
     def begin_step(self, step: int, active: bool) -> None:
         super().begin_step(step, active)
@@ -218,15 +221,19 @@ class WeightGradMonitor(Monitor):
             return
         hooks = getattr(tensor, "_post_accumulate_grad_hooks", None)
         task = _graph_task_id()
+        if self._checked_task != task:  # once per backward pass: what holds for all its hooks
+            self._checked_task = task
+            self._task_compiled = _in_compiled_autograd()
+            if self._batched and task >= 0 and _multi_process():
+                # A data-parallel wrapper around the model given to start() (or one made
+                # after it) would all-reduce .grad during backward: from now on, read in
+                # the hook.
+                self._batched = False
+                logger.info("monitor_v2 weight_grad: %d processes train: 'unreduced' gradients are read in each "
+                            "parameter's hook, not in one batch per backward pass", world_size())
         # Another post-accumulate hook may change .grad before the pass ends (an optimizer
         # step in backward zeroes it), and compiled autograd runs hooks at trace time.
-        if self._batched and self._queued_task != task and task >= 0 and _multi_process():
-            # A data-parallel wrapper around the model given to start() (or one made after
-            # it) would all-reduce .grad during backward: from now on, read in the hook.
-            self._batched = False
-            logger.info("monitor_v2 weight_grad: %d processes train: 'unreduced' gradients are read in each "
-                        "parameter's hook, not in one batch per backward pass", world_size())
-        if not self._batched or hooks is None or len(hooks) > 1 or task < 0 or _in_compiled_autograd():
+        if not self._batched or hooks is None or len(hooks) > 1 or task < 0 or self._task_compiled:
             if tensor.grad is not None:
                 self._record(source, tensor.grad, 0)
             return
