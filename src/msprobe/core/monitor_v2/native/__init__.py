@@ -216,7 +216,12 @@ def _cache_dir() -> str:
 
 
 def _python_include() -> Optional[str]:
-    """The directory of this interpreter's ``Python.h``, None where it is not installed."""
+    """The directory of this interpreter's ``Python.h``, None where it is not installed or
+    the extension is not built for this interpreter: another implementation than CPython,
+    or a free-threaded build, where importing an extension that does not declare itself
+    free-threading-safe would turn the GIL back on for the whole training process."""
+    if platform.python_implementation() != "CPython" or sysconfig.get_config_var("Py_GIL_DISABLED"):
+        return None
     include = sysconfig.get_paths().get("include")
     return include if include and os.path.isfile(os.path.join(include, "Python.h")) else None
 
