@@ -72,7 +72,7 @@ static int parse_buffer(PyObject *const *args, const void **data, int64_t *n, in
     *threads = args[3] == NULL ? 1 : (int)PyLong_AsLong(args[3]);
     if (*threads == -1 && PyErr_Occurred())
         return -1;
-    if (*n <= 0 || *data == NULL || *dtype < F32 || *dtype > F16) {
+    if (*n <= 0 || *data == NULL || *dtype < F32 || *dtype > F16 || !(msprobe_stats_dtypes() & (1 << *dtype))) {
         PyErr_SetString(PyExc_ValueError, "stats: a non-empty buffer of a known dtype code is required");
         return -1;
     }
