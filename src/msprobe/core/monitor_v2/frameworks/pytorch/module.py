@@ -270,6 +270,34 @@ class _NodeHook:
                 monitor.errors.report(site, exc)
 
 
+def _edges_into(target: Tuple[Any, int], outputs: Sequence[torch.Tensor], boundary: int) -> List[Tuple[Any, int]]:
+    """``(node, edge index)`` of each edge equal to ``target`` met walking the graph from
+    the outputs' nodes, through nodes numbered from ``boundary`` on: the general walk of
+    ``ModuleMonitor._grad_input_edges`` for one input made by one edge, in the same order."""
+    found: List[Tuple[Any, int]] = []
+    visited = set()
+    accumulate = _ACCUMULATE_GRAD
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node in visited:
+            continue
+        visited.add(node)
+        for e, edge in enumerate(node.next_functions):
+            if edge == target:
+                found.append((node, e))
+                continue
+            child = edge[0]
+            if child is None:
+                continue
+            is_leaf = accumulate.get(type(child))
+            if is_leaf is None:
+                is_leaf = _is_accumulate_grad(child)
+            if not is_leaf and child._sequence_nr() >= boundary and child not in visited:
+                stack.append(child)
+    return found
+
+
 def _node_hook(monitor: "ModuleMonitor", nodes: Dict[int, _NodeHook], node: Any) -> _NodeHook:
     """The monitor's hook object of ``node`` in this thread's pass, new if it has none.
     Looked up by the node's sequence number: a node's Python object may be freed and
@@ -498,6 +526,21 @@ class ModuleMonitor(Monitor):
         """Walk the graph from the outputs back to the inputs' producers, stopping at
         nodes created before the call, and add the edges that lead into an input to their
         node's hook (``touched`` gets each hook and its node)."""
+        inputs = call.inputs
+        if len(inputs) == 1 and type(inputs[0]) is tuple and len(inputs[0]) == 1 and _get_sequence_nr is not None:
+            # The common call: one input, made by one edge. The same walk without the
+            # input tables, the counts and the accumulators' table.
+            found_one = _edges_into(inputs[0][0], outputs, call.boundary)
+            if found_one:
+                name = names.grad_input(0)
+                acc = _GradInputSum(len(found_one), vpp, name) if len(found_one) > 1 else None
+                site = names.grad_input_site
+                for node, e in found_one:
+                    hook = _node_hook(self, nodes, node)
+                    hook.ins += ((vpp, e, name, acc, site),)
+                    touched.append(hook)
+                    touched.append(node)
+            return
         edge_targets: Dict[Tuple[Any, int], int] = {}
         leaf_targets: Dict[int, int] = {}
         boundary = call.boundary
