@@ -8,13 +8,18 @@ autograd function, and any in-place op on them afterwards (``ReLU(inplace=True)`
 ``x += y``) is then a hard error. Instead, hooks go on the autograd graph the forward
 pass built, which leaves the graph as it is:
 
-- ``grad_output``: a pre-hook on each output's ``grad_fn`` node receives the gradient
-  with respect to that output (even if the output is modified in place later).
+- ``grad_output``: each output's ``grad_fn`` node receives the gradient with respect to
+  that output (even if the output is modified in place later), in a pre-hook or as a
+  post-hook's second argument.
 - ``grad_input``: the gradient the module sends to each input. The forward hook walks
   the graph from the outputs back to the inputs' producers, stopping at nodes created
   before the module ran, and hooks the nodes whose edges lead into an input. When an
   input is used several times inside the module, the contributions are summed (a
   temporary of the gradient's size, freed at once) before statistics are taken.
+
+A node serves several modules (a Linear's output node gives its ``grad_output``, its
+``grad_input`` and its block's ``grad_input``): the monitor puts one hook object on it
+for all of them (``_NodeHook``).
 
 Recomputation (activation checkpointing) runs forward hooks again during the
 backward pass; those calls record no forward statistics, so nothing is counted twice.
@@ -64,6 +69,7 @@ _perf_counter = time.perf_counter
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _NO_ARGUMENT = object()
+_NO_SEQUENCE_NR = 2 ** 64 - 1  # UINT64_MAX: the number of nodes outside the sequence
 
 
 def _is_evaluation(module: torch.nn.Module) -> bool:
@@ -198,7 +204,7 @@ class _NodeHook:
     One object per node rather than a pre-hook and a post-hook per module: a Linear's
     output node is where its ``grad_output`` and its ``grad_input`` come from, and the
     same node serves the enclosing block's ``grad_input`` (and a wrapper's ``grad_output``):
-    registering a node hook is most of the cost of a module call. Where the node gets a
+    each registration costs torch a hook dictionary and a handle. Where the node gets a
     ``grad_input`` edge the object is a post-hook only, and reads the ``grad_output``
     slots from the post-hook's second argument (the node's incoming gradients, the ones a
     pre-hook would be given); a node with ``grad_output`` slots only gets a pre-hook (a
@@ -208,9 +214,10 @@ class _NodeHook:
 
     Like ``monitor.ContainedHook``: it returns at once while its monitor is not active,
     an error in one slot is logged once per site (the module's grad_output or grad_input
-    hook) and never reaches training, and the time is counted in ``busy``. Tuples of
-    strings and ints: the garbage collector stops tracking them, and these objects live
-    from the forward pass to the backward pass of every written step."""
+    hook) and never reaches training, and the time is counted in ``busy``. The slots are
+    tuples (of strings and ints, which the garbage collector stops tracking, but for the
+    sums): these objects live from the forward pass to the backward pass of every
+    written step."""
 
     __slots__ = ("monitor", "kind", "outs", "ins", "pre", "post")
 
@@ -300,10 +307,13 @@ def _edges_into(target: Tuple[Any, int], outputs: Sequence[torch.Tensor], bounda
 
 def _node_hook(monitor: "ModuleMonitor", nodes: Dict[int, _NodeHook], node: Any) -> _NodeHook:
     """The monitor's hook object of ``node`` in this thread's pass, new if it has none.
-    Looked up by the node's sequence number: a node's Python object may be freed and
-    made again between two module calls (its address then differs, or is another node's),
-    its number stays (unique within the thread that made it; the type is checked too)."""
+    Looked up by the node's sequence number, not its Python object: in some torch
+    versions that object is freed and made again between two module calls (its address
+    then differs, or is another node's); the number stays (unique within the thread that
+    made the node; the type is checked too)."""
     seq = node._sequence_nr()
+    if seq == _NO_SEQUENCE_NR:  # a node type that shares this number (AccumulateGrad's): no lookup
+        return _NodeHook(monitor, type(node))
     hook = nodes.get(seq)
     if hook is None or hook.kind is not type(node):
         hook = nodes[seq] = _NodeHook(monitor, type(node))
@@ -615,3 +625,4 @@ class ModuleMonitor(Monitor):
         self._hooks.remove_all()
         self._calls.clear()
         self._pending.clear()
+        self._pass.nodes = None
