@@ -69,6 +69,7 @@ _perf_counter = time.perf_counter
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _NO_ARGUMENT = object()
+_NODE_HOOK_SITE = "module graph hook"
 _NO_SEQUENCE_NR = 2 ** 64 - 1  # UINT64_MAX: the number of nodes outside the sequence
 
 
@@ -233,14 +234,18 @@ class _NodeHook:
         monitor = self.monitor
         if not monitor.active or not monitor.attached:
             return None
+        errors = monitor.errors
         start = _perf_counter()
-        if grad_outputs is _NO_ARGUMENT:  # the pre-hook: ``grads`` are the node's incoming gradients
-            self._outputs(monitor, grads)
-        else:
-            if not self.pre:
-                self._outputs(monitor, grad_outputs)
-            self._inputs(monitor, grads)
-        monitor.errors.busy += _perf_counter() - start
+        try:
+            if grad_outputs is _NO_ARGUMENT:  # the pre-hook: ``grads`` are the node's incoming gradients
+                self._outputs(monitor, grads)
+            else:
+                if not self.pre:
+                    self._outputs(monitor, grad_outputs)
+                self._inputs(monitor, grads)
+        except Exception as exc:  # noqa: BLE001 - outside any one slot (each slot has its own site)
+            errors.report(_NODE_HOOK_SITE, exc)
+        errors.busy += _perf_counter() - start
         return None  # a hook that returns a value could replace a tensor
 
     def _outputs(self, monitor: "ModuleMonitor", grad_outputs: Tuple) -> None:
