@@ -6,6 +6,7 @@ written; without errors their rows match gradients computed independently."""
 import copy
 import logging
 
+import pytest
 import torch
 
 from support import TinyMLP, assert_row_matches, find_row, loss_fn, make_batches, numpy_stats, rows_of
@@ -69,3 +70,91 @@ def test_graph_hook_rows_match_independent_gradients(write_config):
     grad_in = next(r for n, r in backward.items() if "input" in n)
     assert_row_matches(grad_out, numpy_stats(out.grad))
     assert_row_matches(grad_in, numpy_stats(hidden.grad))
+
+
+class _Inner(torch.nn.Module):
+    """Reads a tensor its parent did not pass it: its output's node has an edge into the
+    parent's input, so that node carries this module's grad_output and the parent's
+    grad_input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 6)
+        self.context = None
+
+    def forward(self, y):
+        return self.fc(y) * self.context
+
+
+class _Shared(torch.nn.Module):
+    """Nodes shared by several modules' graph hooks: ``x`` reaches the root's graph by
+    three edges (inner's product, pre's matmul, the sum), ``wrap``'s output is its
+    Linear's; with ``extra`` the call has two inputs (the general walk, not the one-input
+    one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = torch.nn.Linear(6, 6)
+        self.inner = _Inner()
+        self.wrap = torch.nn.Sequential(torch.nn.Linear(6, 6))
+
+    def forward(self, x, extra=None):
+        self.inner.context = x
+        p = self.pre(x)
+        h = self.inner(p)
+        s = h + x
+        o = self.wrap(s)
+        if extra is not None:
+            o = o + 0.0 * extra
+        return o
+
+
+@pytest.mark.parametrize("two_inputs", [False, True])
+def test_nodes_shared_by_several_modules_give_their_gradients(write_config, two_inputs, tmp_path):
+    torch.manual_seed(3)
+    model = _Shared()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    inp = torch.randn(4, 6, requires_grad=True)
+    extra = torch.randn(4, 6, requires_grad=True)
+    mon = TrainerMonitorV2(write_config({"monitors": {"module": {"enabled": True, "targets": []}}}))
+    mon.start(model=model, optimizer=opt)
+    x = inp * 2
+    out = model(x, extra) if two_inputs else model(x)
+    out.pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    mon.stop()
+    assert mon.errors.count == 0
+
+    # the reference: the same computation without the monitor, gradients from autograd
+    x = inp.detach() * 2
+    x.requires_grad_(True)
+    p = ref.pre(x)
+    f = ref.inner.fc(p)
+    h = f * x
+    s = h + x
+    o = ref.wrap(s)
+    loss = o.pow(2).mean()
+    g_x, g_p, g_f, g_h, g_s, g_o = torch.autograd.grad(loss, [x, p, f, h, s, o], retain_graph=True)
+    g_x_pre, = torch.autograd.grad(p, x, g_p)  # what pre alone sends to its input
+
+    rows = rows_of(mon.config.output_dir, "module")
+    backward = {r["module_name"]: r for r in rows if r["scope"] == "backward"}
+    root = "_Shared"
+    want = {
+        f"{root}.grad_output.0": g_o, f"{root}.grad_input.0": g_x,  # a sum of three parts
+        "pre.grad_output.0": g_p, "pre.grad_input.0": g_x_pre,
+        "inner.grad_output.0": g_h, "inner.grad_input.0": g_p,
+        "inner.fc.grad_output.0": g_f, "inner.fc.grad_input.0": g_p,
+        "wrap.grad_output.0": g_o, "wrap.grad_input.0": g_s,
+        "wrap.0.grad_output.0": g_o, "wrap.0.grad_input.0": g_s,
+    }
+    if two_inputs:
+        want[f"{root}.grad_input.1"] = torch.zeros(4, 6)
+    assert set(backward) == set(want)
+    for name, g in want.items():
+        assert_row_matches(backward[name], numpy_stats(g), rtol=1e-5, atol=1e-7)
+    # each node's grad_output rows come before its grad_input rows, as separate hooks gave them
+    order = [r["module_name"] for r in rows if r["scope"] == "backward"]
+    assert order.index("wrap.0.grad_output.0") < order.index("wrap.grad_output.0") < order.index("wrap.0.grad_input.0")

@@ -8,13 +8,18 @@ autograd function, and any in-place op on them afterwards (``ReLU(inplace=True)`
 ``x += y``) is then a hard error. Instead, hooks go on the autograd graph the forward
 pass built, which leaves the graph as it is:
 
-- ``grad_output``: a pre-hook on each output's ``grad_fn`` node receives the gradient
-  with respect to that output (even if the output is modified in place later).
+- ``grad_output``: each output's ``grad_fn`` node receives the gradient with respect to
+  that output (even if the output is modified in place later), in a pre-hook or as a
+  post-hook's second argument.
 - ``grad_input``: the gradient the module sends to each input. The forward hook walks
   the graph from the outputs back to the inputs' producers, stopping at nodes created
   before the module ran, and hooks the nodes whose edges lead into an input. When an
   input is used several times inside the module, the contributions are summed (a
   temporary of the gradient's size, freed at once) before statistics are taken.
+
+A node serves several modules (a Linear's output node gives its ``grad_output``, its
+``grad_input`` and its block's ``grad_input``): the monitor puts one hook object on it
+for all of them (``_NodeHook``).
 
 Recomputation (activation checkpointing) runs forward hooks again during the
 backward pass; those calls record no forward statistics, so nothing is counted twice.
@@ -42,6 +47,7 @@ monitored module, and the hooks run eagerly on the real tensors there.
 
 import logging
 import threading
+import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -59,6 +65,14 @@ from .stats import StatPlan
 logger = logging.getLogger("msprobe.monitor_v2")
 
 _get_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)
+_perf_counter = time.perf_counter
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_NO_ARGUMENT = object()
+_NODE_HOOK_SITE = "module graph hook"
+_NO_SEQUENCE_NR = 2 ** 64 - 1  # UINT64_MAX: the number of nodes outside the sequence
+
+
 def _is_evaluation(module: torch.nn.Module) -> bool:
     return not torch.is_grad_enabled() or not module.training
 
@@ -84,42 +98,45 @@ def _in_backward() -> bool:
     return torch._C._current_autograd_node() is not None
 
 
-def _grad_edges(t: torch.Tensor) -> List[Tuple[Any, int]]:
+def _grad_edges(t: torch.Tensor) -> Tuple[Tuple[Any, int], ...]:
     """The graph edges through which a gradient with respect to ``t`` can flow.
 
     An in-place op on a view (``x += y`` after a ``Linear`` on a 3-D input, whose output
     is a view of a 2-D matmul) takes the view's own node out of the graph: the gradient
     then flows into the node of the view's base. A view with as many elements as its
     base is a reshape, so the gradient of the base has the same statistics."""
-    edges = [(t.grad_fn, t.output_nr)]
+    own = (t.grad_fn, t.output_nr)
     if t._is_view():
         base = t._base
         if base is not None and base.grad_fn is not None and base.numel() == t.numel():
-            edges.append((base.grad_fn, base.output_nr))
-    return edges
+            return own, (base.grad_fn, base.output_nr)
+    return (own,)
 
 
 class _Call:
     """State of one module call between its pre-hook and its forward hook: for each
-    input, its producer edges (or the leaf tensor itself), and the sequence number from
-    which autograd nodes belong to this call."""
+    input, its producer edges (or the leaf tensor itself), the sequence number from
+    which autograd nodes belong to this call, and the call of the same module and
+    thread it is nested in (a stack without a list per module)."""
 
-    __slots__ = ("inputs", "boundary", "scope")
+    __slots__ = ("inputs", "boundary", "scope", "outer")
 
-    def __init__(self, inputs: List[Any], boundary: int, scope: str) -> None:
+    def __init__(self, inputs: List[Any], boundary: int, scope: str, outer: Optional["_Call"]) -> None:
         self.inputs = inputs
         self.boundary = boundary
         self.scope = scope
+        self.outer = outer
 
 
 class _Pass(threading.local):
     """One thread's pass: nesting of model chunk calls in progress, whether the
-    outermost one is an evaluation pass, and nesting of framework-internal chunk calls
-    (passes.py)."""
+    outermost one is an evaluation pass, nesting of framework-internal chunk calls
+    (passes.py), and the graph hooks put on nodes of this thread's pass (``_NodeHook``)."""
 
     depth = 0
     evaluation = False
     internal = 0
+    nodes: Optional[Dict[int, "_NodeHook"]] = None
 
 
 class _Names:
@@ -127,7 +144,7 @@ class _Names:
     name's first use) instead of on every call: the hooks run for every module on
     every written step."""
 
-    __slots__ = ("tag", "input_prefix", "output_prefix", "output_0", "grad_output_prefix",
+    __slots__ = ("tag", "input_prefix", "output_prefix", "output_0", "grad_output_prefix", "grad_output_0",
                  "_inputs", "_grad_outputs", "_grad_inputs", "grad_output_site", "grad_input_site")
 
     def __init__(self, tag: str) -> None:
@@ -139,6 +156,8 @@ class _Names:
         self._inputs: List[str] = []
         self._grad_outputs: Dict[str, str] = {}
         self._grad_inputs: List[str] = []
+        # the name of a single tensor output's gradient (output_0's suffix)
+        self.grad_output_0 = self.grad_output(self.output_0[len(self.output_prefix) + 1:])
         self.grad_output_site = f"module grad_output hook of {tag}"
         self.grad_input_site = f"module grad_input hook of {tag}"
 
@@ -162,58 +181,183 @@ class _Names:
 
 
 class _GradInputSum:
-    """Collects the contributions of several graph edges to one input's gradient."""
+    """The gradient one input receives through several graph edges: a running sum of
+    the parts in the order they arrive (``((p0 + p1) + p2)``, the order ``sum`` adds in),
+    one temporary of the gradient's size, recorded and dropped when the last part is in
+    (or at ``collect`` when some part never came)."""
 
-    __slots__ = ("expected", "parts")
+    __slots__ = ("expected", "count", "total", "vpp", "name")
 
-    def __init__(self, expected: int) -> None:
+    def __init__(self, expected: int, vpp: int, name: str) -> None:
         self.expected = expected
-        self.parts: List[torch.Tensor] = []
-
-
-class _GradOutputHook(ContainedHook):
-    """The ``grad_output`` pre-hook of one graph node: the gradients of the outputs in
-    ``slots`` (``(output number, row name)``). A ``ContainedHook``: these are built for
-    every monitored module on every written step and live until the backward pass, long
-    enough for the garbage collector to move them to its oldest generation, whose full
-    collections they then bring forward (a closure in a wrapper was seven objects)."""
-
-    __slots__ = ("vpp", "slots")
-
-    def __init__(self, monitor: "ModuleMonitor", vpp: int, slots: List[Tuple[int, str]], site: str) -> None:
-        super().__init__(monitor, site)
+        self.count = 0
+        self.total: Optional[torch.Tensor] = None
         self.vpp = vpp
-        self.slots = slots
+        self.name = name
 
-    def run(self, grad_outputs: Tuple) -> None:
+
+class _NodeHook:
+    """All of the monitor's hooks on one autograd node, as one object: ``outs`` the
+    ``grad_output`` slots ``(vpp, output number, row name, site)`` and ``ins`` the
+    ``grad_input`` edges ``(vpp, edge index, row name, sum or None, site)`` of every module
+    whose rows come from this node, in the order the modules' forward hooks put them.
+
+    One object per node rather than a pre-hook and a post-hook per module: a Linear's
+    output node is where its ``grad_output`` and its ``grad_input`` come from, and the
+    same node serves the enclosing block's ``grad_input`` (and a wrapper's ``grad_output``):
+    each registration costs torch a hook dictionary and a handle. Where the node gets a
+    ``grad_input`` edge the object is a post-hook only, and reads the ``grad_output``
+    slots from the post-hook's second argument (the node's incoming gradients, the ones a
+    pre-hook would be given); a node with ``grad_output`` slots only gets a pre-hook (a
+    post-hook makes the engine keep the incoming gradients while the node runs). The
+    rows come in the order separate hooks gave: every ``grad_output`` of the node, then
+    every ``grad_input``.
+
+    Like ``monitor.ContainedHook``: it returns at once while its monitor is not active,
+    an error in one slot is logged once per site (the module's grad_output or grad_input
+    hook) and never reaches training, and the time is counted in ``busy``. The slots are
+    tuples (of strings and ints, which the garbage collector stops tracking, but for the
+    sums): these objects live from the forward pass to the backward pass of every
+    written step."""
+
+    __slots__ = ("monitor", "kind", "outs", "ins", "pre", "post")
+
+    def __init__(self, monitor: "ModuleMonitor", kind: type) -> None:
+        self.monitor = monitor
+        self.kind = kind
+        self.outs: Tuple[Tuple[int, int, str, str], ...] = ()
+        self.ins: Tuple[Tuple[int, int, str, Optional[_GradInputSum], str], ...] = ()
+        self.pre = False  # registered as a pre-hook: the ``outs`` are recorded there
+        self.post = False
+
+    def __call__(self, grads: Tuple, grad_outputs: Any = _NO_ARGUMENT) -> None:
         monitor = self.monitor
-        if not monitor.attached:
-            return
-        engine, plan, records, vpp = monitor.session.engine, monitor.plan, monitor._records, self.vpp
-        for nr, name in self.slots:
-            g = grad_outputs[nr]
-            if g is not None:
-                records.append(engine.record(g, plan, vpp, name, rows.BACKWARD, cache=True))
+        if not monitor.active or not monitor.attached:
+            return None
+        errors = monitor.errors
+        start = _perf_counter()
+        try:
+            if grad_outputs is _NO_ARGUMENT:  # the pre-hook: ``grads`` are the node's incoming gradients
+                self._outputs(monitor, grads)
+            else:
+                if not self.pre:
+                    self._outputs(monitor, grad_outputs)
+                self._inputs(monitor, grads)
+        except Exception as exc:  # noqa: BLE001 - outside any one slot (each slot has its own site)
+            errors.report(_NODE_HOOK_SITE, exc)
+        errors.busy += _perf_counter() - start
+        return None  # a hook that returns a value could replace a tensor
+
+    def _outputs(self, monitor: "ModuleMonitor", grad_outputs: Tuple) -> None:
+        engine, plan, records = monitor.session.engine, monitor.plan, monitor._records
+        for vpp, nr, name, site in self.outs:
+            try:
+                g = grad_outputs[nr]
+                if g is not None:
+                    records.append(engine.record(g, plan, vpp, name, rows.BACKWARD, cache=True))
+            except Exception as exc:  # noqa: BLE001 - containment is the point
+                monitor.errors.report(site, exc)
+
+    def _inputs(self, monitor: "ModuleMonitor", grad_inputs: Tuple) -> None:
+        engine, plan, records = monitor.session.engine, monitor.plan, monitor._records
+        for vpp, e, name, acc, site in self.ins:
+            try:
+                g = grad_inputs[e]
+                if g is None:
+                    continue
+                if acc is None:
+                    records.append(engine.record(g, plan, vpp, name, rows.BACKWARD, cache=True))
+                    continue
+                total = acc.total
+                if total is None:
+                    acc.total = g
+                    monitor._pending[id(acc)] = acc
+                else:
+                    # Parts through a view's node and through its base's node differ only in shape.
+                    acc.total = total + (g if g.shape == total.shape else g.reshape(total.shape))
+                acc.count += 1
+                if acc.count == acc.expected:
+                    monitor._flush(acc)
+            except Exception as exc:  # noqa: BLE001 - containment is the point
+                monitor.errors.report(site, exc)
 
 
-class _GradInputHook(ContainedHook):
-    """The ``grad_input`` post-hook of one graph node (``_GradOutputHook``'s reasons):
-    ``edges`` are ``(edge index, input index, row name)``, ``sums`` the accumulators of
-    inputs reached by several edges."""
+def _edges_into(target: Tuple[Any, int], outputs: Sequence[torch.Tensor], boundary: int) -> List[Tuple[Any, int]]:
+    """``(node, edge index)`` of each edge equal to ``target`` met walking the graph from
+    the outputs' nodes, through nodes numbered from ``boundary`` on: the general walk of
+    ``ModuleMonitor._grad_input_edges`` for one input made by one edge, in the same order."""
+    found: List[Tuple[Any, int]] = []
+    visited = set()
+    accumulate = _ACCUMULATE_GRAD
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node in visited:
+            continue
+        visited.add(node)
+        for e, edge in enumerate(node.next_functions):
+            if edge == target:
+                found.append((node, e))
+                continue
+            child = edge[0]
+            if child is None:
+                continue
+            is_leaf = accumulate.get(type(child))
+            if is_leaf is None:
+                is_leaf = _is_accumulate_grad(child)
+            if not is_leaf and child._sequence_nr() >= boundary and child not in visited:
+                stack.append(child)
+    return found
 
-    __slots__ = ("vpp", "edges", "sums")
 
-    def __init__(self, monitor: "ModuleMonitor", vpp: int, edges: List[Tuple[int, int, str]],
-                 sums: Dict[int, _GradInputSum], site: str) -> None:
-        super().__init__(monitor, site)
+def _node_hook(monitor: "ModuleMonitor", nodes: Dict[int, _NodeHook], node: Any) -> _NodeHook:
+    """The monitor's hook object of ``node`` in this thread's pass, new if it has none.
+    Looked up by the node's sequence number, not its Python object: in some torch
+    versions that object is freed and made again between two module calls (its address
+    then differs, or is another node's); the number stays (unique within the thread that
+    made the node; the type is checked too)."""
+    seq = node._sequence_nr()
+    if seq == _NO_SEQUENCE_NR:  # a node type that shares this number (AccumulateGrad's): no lookup
+        return _NodeHook(monitor, type(node))
+    hook = nodes.get(seq)
+    if hook is None or hook.kind is not type(node):
+        hook = nodes[seq] = _NodeHook(monitor, type(node))
+    return hook
+
+
+class _ForwardPreHook(ContainedHook):
+    """A module's forward pre-hook (``ContainedHook``: contained, timed, gated on the
+    monitor being active): one object per module, built at attach time."""
+
+    __slots__ = ("vpp", "names", "key")
+
+    def __init__(self, monitor: "ModuleMonitor", vpp: int, names: _Names, module: torch.nn.Module) -> None:
+        super().__init__(monitor, f"module forward pre-hook of {names.tag}")
         self.vpp = vpp
-        self.edges = edges
-        self.sums = sums
+        self.names = names
+        self.key = id(module)
 
-    def run(self, grad_inputs: Tuple, grad_outputs: Tuple) -> None:
+    def run(self, module: torch.nn.Module, args: Tuple, kwargs: Dict) -> None:
         monitor = self.monitor
-        if monitor.attached:
-            monitor._grad_inputs(self.vpp, self.edges, self.sums, grad_inputs)
+        if not monitor._pass.internal:
+            monitor._before_forward(self.key, self.vpp, self.names, args, kwargs)
+
+
+class _ForwardHook(ContainedHook):
+    """A module's forward hook (``_ForwardPreHook``'s reasons)."""
+
+    __slots__ = ("vpp", "names", "key")
+
+    def __init__(self, monitor: "ModuleMonitor", vpp: int, names: _Names, module: torch.nn.Module) -> None:
+        super().__init__(monitor, f"module forward hook of {names.tag}")
+        self.vpp = vpp
+        self.names = names
+        self.key = id(module)
+
+    def run(self, module: torch.nn.Module, args: Tuple, kwargs: Dict, output: Any) -> None:
+        monitor = self.monitor
+        if not monitor._pass.internal:
+            monitor._after_forward(self.key, self.vpp, self.names, output)
 
 
 class ModuleMonitor(Monitor):
@@ -223,8 +367,8 @@ class ModuleMonitor(Monitor):
         self.plan = StatPlan.from_ops(self.settings.ops)
         targets: Sequence[str] = self.settings.get("targets")
         self._hooks = ModuleHooks()
-        self._calls: Dict[Tuple[int, int], List[_Call]] = {}  # (thread, module) -> calls in progress
-        self._pending: Dict[int, Tuple[_GradInputSum, Tuple[int, str]]] = {}
+        self._calls: Dict[Tuple[int, int], _Call] = {}  # (thread, module) -> innermost call in progress
+        self._pending: Dict[int, _GradInputSum] = {}
         self._once = LogOnce()
         self._pass = _Pass()  # per thread: a background evaluation never joins the training pass
         self.attached = True
@@ -261,6 +405,9 @@ class ModuleMonitor(Monitor):
             state = self._pass
             if state.depth:
                 state.depth -= 1
+                if not state.depth:
+                    # the chunk's graph hooks are all in place: none is looked up again
+                    state.nodes = None
             if state.internal:
                 state.internal -= 1
 
@@ -281,26 +428,17 @@ class ModuleMonitor(Monitor):
 
     def _hook(self, module: torch.nn.Module, vpp: int, tag: str) -> None:
         names = _Names(tag)
-
-        def pre_hook(mod: torch.nn.Module, args: Tuple, kwargs: Dict) -> None:
-            if self.active and not self._pass.internal:
-                self._before_forward(mod, vpp, names, args, kwargs)
-
+        # owner=self: on steps that are not written the hooks return before any other call.
         # always_call: the post-hook also runs when forward raises (non-reentrant
         # checkpointing stops its recomputation that way), so the call state is dropped.
-        def post_hook(mod: torch.nn.Module, args: Tuple, kwargs: Dict, output: Any) -> None:
-            if self.active and not self._pass.internal:
-                self._after_forward(mod, vpp, names, output)
-
-        # owner=self: on steps that are not written the hooks return before any other call
-        self._hooks.forward_pre(module, eager_hook(self.errors.wrap(f"module forward pre-hook of {tag}", pre_hook),
-                                                   self), with_kwargs=True)
-        self._hooks.forward(module, eager_hook(self.errors.wrap(f"module forward hook of {tag}", post_hook), self),
+        self._hooks.forward_pre(module, eager_hook(_ForwardPreHook(self, vpp, names, module), self),
+                                with_kwargs=True)
+        self._hooks.forward(module, eager_hook(_ForwardHook(self, vpp, names, module), self),
                             with_kwargs=True, always_call=True)
 
     # ------------------------------------------------------------------ forward
-    def _before_forward(self, module: torch.nn.Module, vpp: int, names: _Names, args: Tuple, kwargs: Dict) -> None:
-        if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+    def _before_forward(self, key: int, vpp: int, names: _Names, args: Tuple, kwargs: Dict) -> None:
+        if not kwargs and len(args) == 1 and isinstance(args[0], _Tensor):
             inputs: List[Any] = [args[0]]  # the common call, without the general walk
         else:
             inputs = flatten_tensors((args, kwargs), _is_tensor, names.input_prefix)
@@ -315,21 +453,28 @@ class ModuleMonitor(Monitor):
         # producers as they are now, before any in-place op inside the module.
         boundary = _get_sequence_nr() if _get_sequence_nr is not None else -1
         producers = [_grad_edges(t) if t.grad_fn is not None else t for t in inputs]
-        key = (threading.get_ident(), id(module))
-        stack = self._calls.get(key)  # not setdefault: its default list would be built on every call
-        if stack is None:
-            stack = self._calls[key] = []
-        stack.append(_Call(producers, boundary, scope))
+        calls = self._calls
+        call_key = (threading.get_ident(), key)
+        calls[call_key] = _Call(producers, boundary, scope, calls.get(call_key))
 
-    def _after_forward(self, module: torch.nn.Module, vpp: int, names: _Names, output: Any) -> None:
-        stack = self._calls.get((threading.get_ident(), id(module)))
-        call = stack.pop() if stack else None
-        if isinstance(output, torch.Tensor):  # the common output, without the general walk
-            named: List[Tuple[str, Any]] = [(names.output_0, output)]
-            outputs = [output]
-        else:
-            named = named_outputs(output, _is_tensor, names.output_prefix)  # a dict output by key: structure.py
-            outputs = [t for _, t in named]
+    def _after_forward(self, key: int, vpp: int, names: _Names, output: Any) -> None:
+        calls = self._calls
+        call_key = (threading.get_ident(), key)
+        call = calls.get(call_key)
+        if call is not None:
+            if call.outer is None:
+                del calls[call_key]
+            else:
+                calls[call_key] = call.outer
+        if isinstance(output, _Tensor):  # the common output, without the general walk
+            if not _in_backward():
+                scope = call.scope if call is not None else self._forward_scope(vpp)
+                self._records.append(self.session.engine.record(output, self.plan, vpp, names.output_0, scope,
+                                                                cache=True))
+            if output.requires_grad and torch.is_grad_enabled():
+                self._hook_graph(vpp, names, (output,), (names.grad_output_0,), call)
+            return
+        named = named_outputs(output, _is_tensor, names.output_prefix)  # a dict output by key: structure.py
         if not _in_backward():
             engine = self.session.engine
             plan = self.plan
@@ -337,45 +482,85 @@ class ModuleMonitor(Monitor):
             scope = call.scope if call is not None else self._forward_scope(vpp)
             for name, t in named:
                 records.append(engine.record(t, plan, vpp, name, scope, cache=True))
-        if torch.is_grad_enabled() and (outputs[0].requires_grad if len(outputs) == 1
-                                        else any(t.requires_grad for t in outputs)):
+        if torch.is_grad_enabled() and any(t.requires_grad for _, t in named):
             cut = len(names.output_prefix) + 1  # after "<prefix>."
-            grad_names = [names.grad_output(name[cut:]) for name, _ in named]
-            self._hook_grad_outputs(vpp, names, outputs, call, grad_names)
-            if call is not None:
-                self._hook_grad_inputs(vpp, names, call, outputs)
+            self._hook_graph(vpp, names, [t for _, t in named], [names.grad_output(name[cut:]) for name, _ in named],
+                             call)
 
     # ----------------------------------------------------------------- backward
-    def _hook_grad_outputs(self, vpp: int, names: _Names, outputs: List[torch.Tensor], call: Optional[_Call],
-                           grad_names: Sequence[str]) -> None:
-        by_node: Dict[Any, List[Tuple[int, str]]] = {}
+    def _hook_graph(self, vpp: int, names: _Names, outputs: Sequence[torch.Tensor], grad_names: Sequence[str],
+                    call: Optional[_Call]) -> None:
+        """The graph hooks of one module call: its ``grad_output`` slots on its outputs'
+        nodes, and its ``grad_input`` edges (when the call's inputs are known) on the nodes
+        found by ``_grad_input_edges``, added to the ``_NodeHook`` of each node."""
+        state = self._pass
+        nodes = state.nodes
+        if nodes is None:
+            nodes = state.nodes = {}
+        touched: List[_NodeHook] = []
+        site = names.grad_output_site
         for j, t in enumerate(outputs):
             if not t.requires_grad:
                 continue
-            if t.grad_fn is None:
+            own = t.grad_fn
+            if own is None:
                 # A Parameter passed through as an output (Megatron's linear layers return
                 # their bias with skip_bias_add): its gradient is the parameter's own,
                 # reported by weight_grad, so there is nothing to say about it here.
-                if not isinstance(t, torch.nn.Parameter):
+                if not isinstance(t, _Parameter):
                     tag = names.tag
                     suffix = grad_names[j][len(names.grad_output_prefix) + 1:]
                     self._warn_once(f"{tag}.leaf", f"output {suffix} of {tag} is a leaf tensor; its gradient "
                                     f"is not observed")
                 continue
-            node, nr = _grad_edges(t)[-1]
-            if call is not None and node is not t.grad_fn and node._sequence_nr() < call.boundary:
-                node, nr = t.grad_fn, t.output_nr  # the base is not this module's own result
-            by_node.setdefault(node, []).append((nr, grad_names[j]))
-        site = names.grad_output_site
-        for node, slots in by_node.items():
-            node.register_prehook(_GradOutputHook(self, vpp, slots, site))
+            node, nr = own, t.output_nr
+            if t._is_view():
+                base = t._base
+                if base is not None and base.grad_fn is not None and base.numel() == t.numel():
+                    node, nr = base.grad_fn, base.output_nr
+                    if call is not None and node is not own and node._sequence_nr() < call.boundary:
+                        node, nr = own, t.output_nr  # the base is not this module's own result
+            hook = _node_hook(self, nodes, node)
+            hook.outs += ((vpp, nr, grad_names[j], site),)
+            touched.append(hook)
+            touched.append(node)
+        if call is not None:
+            self._grad_input_edges(vpp, names, call, outputs, nodes, touched)
+        for k in range(0, len(touched), 2):
+            hook, node = touched[k], touched[k + 1]
+            if hook.ins:
+                if not hook.post:
+                    hook.post = True
+                    node.register_hook(hook)
+            elif not hook.pre and not hook.post:
+                hook.pre = True
+                node.register_prehook(hook)
 
-    def _hook_grad_inputs(self, vpp: int, names: _Names, call: _Call, outputs: List[torch.Tensor]) -> None:
+    def _grad_input_edges(self, vpp: int, names: _Names, call: _Call, outputs: Sequence[torch.Tensor],
+                          nodes: Dict[int, _NodeHook], touched: List[Any]) -> None:
+        """Walk the graph from the outputs back to the inputs' producers, stopping at
+        nodes created before the call, and add the edges that lead into an input to their
+        node's hook (``touched`` gets each hook and its node)."""
+        inputs = call.inputs
+        if len(inputs) == 1 and type(inputs[0]) is tuple and len(inputs[0]) == 1 and _get_sequence_nr is not None:
+            # The common call: one input, made by one edge. The same walk without the
+            # input tables, the counts and the accumulators' table.
+            found_one = _edges_into(inputs[0][0], outputs, call.boundary)
+            if found_one:
+                name = names.grad_input(0)
+                acc = _GradInputSum(len(found_one), vpp, name) if len(found_one) > 1 else None
+                site = names.grad_input_site
+                for node, e in found_one:
+                    hook = _node_hook(self, nodes, node)
+                    hook.ins += ((vpp, e, name, acc, site),)
+                    touched.append(hook)
+                    touched.append(node)
+            return
         edge_targets: Dict[Tuple[Any, int], int] = {}
         leaf_targets: Dict[int, int] = {}
         boundary = call.boundary
         for i, producer in enumerate(call.inputs):
-            if isinstance(producer, list):
+            if type(producer) is tuple:
                 for edge in producer:
                     edge_targets[edge] = i
                     if _get_sequence_nr is None:
@@ -384,7 +569,7 @@ class ModuleMonitor(Monitor):
                 leaf_targets[id(producer)] = i
         if not edge_targets and not leaf_targets:
             return
-        hooks: Dict[Any, List[Tuple[int, int, str]]] = {}  # node -> [(edge index, input index, row name)]
+        found: List[Tuple[Any, int, int]] = []  # (node, edge index, input index)
         counts: Dict[int, int] = {}
         visited = set()
         accumulate = _ACCUMULATE_GRAD
@@ -394,49 +579,35 @@ class ModuleMonitor(Monitor):
             if node in visited:
                 continue
             visited.add(node)
-            for e, (child, nr) in enumerate(node.next_functions):
+            for e, edge in enumerate(node.next_functions):
+                child = edge[0]
                 if child is None:
                     continue
-                i = edge_targets.get((child, nr))
+                i = edge_targets.get(edge)
                 is_leaf = accumulate.get(type(child))
                 if is_leaf is None:
                     is_leaf = _is_accumulate_grad(child)
                 if i is None and is_leaf and leaf_targets:  # ``variable`` builds a Python object
                     i = leaf_targets.get(id(child.variable))
                 if i is not None:
-                    hooks.setdefault(node, []).append((e, i, names.grad_input(i)))
+                    found.append((node, e, i))
                     counts[i] = counts.get(i, 0) + 1
                 elif not is_leaf and child._sequence_nr() >= boundary and child not in visited:
                     stack.append(child)
         # An input reached by several edges gets one accumulator shared by their hooks.
-        sums = {i: _GradInputSum(c) for i, c in counts.items() if c > 1}
+        sums = {i: _GradInputSum(c, vpp, names.grad_input(i)) for i, c in counts.items() if c > 1}
         site = names.grad_input_site
-        for node, edges in hooks.items():
-            node.register_hook(_GradInputHook(self, vpp, edges, sums, site))
+        for node, e, i in found:
+            hook = _node_hook(self, nodes, node)
+            hook.ins += ((vpp, e, names.grad_input(i), sums.get(i), site),)
+            touched.append(hook)
+            touched.append(node)
 
-    def _grad_inputs(self, vpp: int, edges: List[Tuple[int, int, str]], sums: Dict[int, _GradInputSum],
-                     grad_inputs: Tuple) -> None:
-        """The body of a ``grad_input`` hook: each edge's gradient, or its part of a sum."""
-        for e, i, name in edges:
-            g = grad_inputs[e]
-            if g is None:
-                continue
-            acc = sums.get(i)
-            if acc is None:
-                self._records.append(self.session.engine.record(g, self.plan, vpp, name, rows.BACKWARD, cache=True))
-                continue
-            acc.parts.append(g)
-            self._pending[id(acc)] = (acc, (vpp, name))
-            if len(acc.parts) == acc.expected:
-                self._flush(acc, vpp, name)
-
-    def _flush(self, acc: _GradInputSum, vpp: int, name: str) -> None:
+    def _flush(self, acc: _GradInputSum) -> None:
         self._pending.pop(id(acc), None)
-        parts, acc.parts = acc.parts, []
-        if parts:
-            # Parts through a view's node and through its base's node differ only in shape.
-            total = parts[0] if len(parts) == 1 else sum((p.reshape(parts[0].shape) for p in parts[1:]), parts[0])
-            self._records.append(self.session.engine.record(total, self.plan, vpp, name, rows.BACKWARD))
+        total, acc.total, acc.count = acc.total, None, 0
+        if total is not None:
+            self._records.append(self.session.engine.record(total, self.plan, acc.vpp, acc.name, rows.BACKWARD))
 
     def _warn_once(self, key: str, message: str) -> None:
         self._once.warning(key, "monitor_v2 module: %s (logged once)", message)
@@ -447,10 +618,11 @@ class ModuleMonitor(Monitor):
         self._calls.clear()
         self._pass.depth = 0  # no model call of this thread spans a step boundary; never let a count drift
         self._pass.internal = 0
+        self._pass.nodes = None
 
     def collect(self) -> List[Record]:
-        for acc, (vpp, name) in list(self._pending.values()):
-            self._flush(acc, vpp, name)
+        for acc in list(self._pending.values()):
+            self._flush(acc)
         return super().collect()
 
     def detach(self) -> None:
@@ -458,3 +630,4 @@ class ModuleMonitor(Monitor):
         self._hooks.remove_all()
         self._calls.clear()
         self._pending.clear()
+        self._pass.nodes = None
