@@ -242,3 +242,16 @@ def test_each_float_cell_is_pythons_format_9g(extension):
     values += [10.0 ** i for i in range(-323, 309)] + [5e-324, -0.0, 0.0, 1e-5, 1e-4, 99999999.95, 999999999.5]
     wrong = [(v, cell(float(v)), format(float(v), ".9g")) for v in values if cell(float(v)) != format(float(v), ".9g")]
     assert wrong == [], wrong[:5]
+
+
+def test_not_on_host_finds_the_records_to_host_must_move(extension):
+    from msprobe.core.monitor_v2 import stats
+
+    C = extension.ext.Record
+    host = [C(0, "a", "s", None, (1.0, 2.0, 3.0, 4.0), 0, 4), C(0, "b", "s", None, [1.0, 2.0, 3.0, 4.0], None, 4, 2)]
+    device = np.array([1.0, 2.0, 3.0, 4.0])  # stands in for a framework tensor
+    moved = [C(0, "c", "s", None, device, 0, 4), C(0, "d", "s", None, (1.0, 2.0, 3.0, 4.0), device[0:1], 4),
+             C(0, "e", "s", None, (1.0, 2.0, 3.0, 4.0), 0, 4, zeros=device[0:1]),
+             stats.Record(0, "f", "s", None, (1.0, 2.0, 3.0, 4.0), 0, 4)]  # another class: looked at by to_host
+    got = extension.ext.not_on_host(host[:1] + moved[:2] + host[1:] + moved[2:])
+    assert [r.name for r in got] == ["c", "d", "e", "f"]

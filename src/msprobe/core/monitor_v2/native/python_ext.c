@@ -871,6 +871,37 @@ static PyObject *py_merge_fields(PyObject *self, PyObject *records) {
     return values;
 }
 
+/* not_on_host(records) -> the records whose vector is not a host tuple, or whose NaN or
+   zero count is neither an int nor None (those to_host moves); the kernel's records are
+   host ones already, and a step of the deep benchmark holds 9,000 of them. */
+static PyObject *py_not_on_host(PyObject *self, PyObject *records) {
+    if (!PyList_Check(records)) {
+        PyErr_SetString(PyExc_TypeError, "not_on_host: a list of records expected");
+        return NULL;
+    }
+    PyObject *out = PyList_New(0);
+    if (out == NULL)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(records);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *rec = PyList_GET_ITEM(records, i);
+        int host;
+        if (Py_IS_TYPE(rec, &RecordType)) {
+            RecordObject *r = (RecordObject *)rec;
+            host = r->vector != NULL && PyTuple_CheckExact(r->vector) && r->nans != NULL &&
+                   (r->nans == Py_None || PyLong_CheckExact(r->nans)) && r->zeros != NULL &&
+                   (r->zeros == Py_None || PyLong_CheckExact(r->zeros));
+        } else {
+            host = 0; /* another class: to_host looks at it */
+        }
+        if (!host && PyList_Append(out, rec) < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    return out;
+}
+
 static PyObject *py_dtypes(PyObject *self, PyObject *unused) {
     return PyLong_FromLong(msprobe_stats_dtypes());
 }
@@ -881,6 +912,7 @@ static PyMethodDef methods[] = {
     {"stats_many", (PyCFunction)(void (*)(void))py_stats_many, METH_FASTCALL, "many buffers"},
     {"format_rows", (PyCFunction)(void (*)(void))py_format_rows, METH_FASTCALL, "CSV rows"},
     {"merge_fields", py_merge_fields, METH_O, "stats.merge_fields"},
+    {"not_on_host", py_not_on_host, METH_O, "the records to_host moves"},
     {"_format_float", py_format_float, METH_O, "one float cell, as format_rows writes it"},
     {"dtypes", py_dtypes, METH_NOARGS, "bit mask of the dtype codes this build reduces"},
     {NULL, NULL, 0, NULL},

@@ -609,9 +609,13 @@ class TorchStatsEngine:
         tensor = torch.Tensor
         # the kernel's records are host ones already (a tuple, counts int or None): one
         # pass finds the others, if any
-        host = _HOST_COUNTS
-        records = [rec for rec in records if type(rec._vector) is not tuple or type(rec.nans) not in host
-                   or type(rec.zeros) not in host]
+        ext = self._native.ext if self._native is not None else None
+        if ext is not None and type(records) is list:
+            records = ext.not_on_host(records)
+        else:
+            host = _HOST_COUNTS
+            records = [rec for rec in records if type(rec._vector) is not tuple or type(rec.nans) not in host
+                       or type(rec.zeros) not in host]
         for rec in records:
             vector = rec._vector  # as stored: ``vector`` builds a list of a host tuple
             if isinstance(vector, tensor):
