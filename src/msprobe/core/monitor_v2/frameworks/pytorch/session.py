@@ -85,6 +85,7 @@ class TorchSession:
         """FSDP1 flat parameters (by id) and the FSDP2 modules of the model chunks; the
         ids of parameters whose ``unreduced`` gradient is not read on the parameter."""
         self.flat_layouts: Dict[int, Tuple[int, FlatParamLayout]] = {}
+        self._row_keys: Dict[Tuple[str, str], Dict[int, Tuple[int, str, str, None]]] = {}  # see expand
         self.fsdp2_modules: List[Tuple[int, torch.nn.Module]] = []
         self.fsdp_managed: set = set()
         # The chunks as given: an FSDP1 root is a pure wrapper above its root (``self.roots``)
@@ -111,10 +112,17 @@ class TorchSession:
         tensors, keys = [], []
         flat_layouts = self.flat_layouts
         plain = (torch.Tensor, torch.nn.Parameter)
+        # a parameter's row key for a scope is the same at every step: built once
+        known = self._row_keys.get((scope, suffix))
+        if known is None:
+            known = self._row_keys[(scope, suffix)] = {}
         for info, t in items:
             if type(t) in plain and not flat_layouts:  # the common case, without the lookups below
                 tensors.append(t)
-                keys.append((info.vpp_stage, info.name + suffix, scope, None))
+                key = known.get(info.index)
+                if key is None:
+                    key = known[info.index] = (info.vpp_stage, info.name + suffix, scope, None)
+                keys.append(key)
                 continue
             flat = flat_layouts.get(id(info.param))
             if flat is not None:
