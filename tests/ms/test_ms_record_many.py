@@ -231,3 +231,52 @@ def test_training_rows_equal_those_written_without_batching(tmp_path, monkeypatc
              and r["scope"] == "param_updated"}
     for name, value in w_on.items():
         assert float(final[name]["norm"]) == pytest.approx(float(np.linalg.norm(value.astype(np.float64))), rel=1e-5)
+
+
+class TwoBranches(nn.Cell):
+    """A trunk of four Dense layers and a head."""
+
+    def __init__(self):
+        super().__init__()
+        rng = np.random.default_rng(11)
+        self.trunk = nn.SequentialCell([nn.Dense(4, 4) for _ in range(4)])
+        for name, p in self.trunk.parameters_and_names():
+            p.set_data(ms.Tensor((rng.standard_normal(p.shape) * 0.5).astype(np.float32)))
+        self.head = nn.Dense(4, 3)
+
+    def construct(self, x):
+        return self.head(self.trunk(x))
+
+
+def test_parameters_with_fewer_passes_than_announced_are_read_in_one_call(tmp_path):
+    """``grad_acc_steps=2``, the second micro-batch differentiated with respect to the
+    head only: the trunk's eight parameters get one pass, and their ``unreduced`` rows
+    (read at the optimizer step, in one ``record_many``) hold that pass; the head's rows
+    the sum of both."""
+    net = TwoBranches()
+    opt = nn.SGD(net.trainable_params(), learning_rate=0.1)
+    head = [p for p in opt.parameters if p.name.startswith("head.")]
+    grad_all = ms.value_and_grad(mse(net), None, opt.parameters)
+    grad_head = ms.value_and_grad(mse(net), None, head)
+    names = [n for n, _ in net.parameters_and_names()]
+    assert names == [p.name for p in opt.parameters]  # the gradients' order
+    out = tmp_path / "out"
+    mon = TrainerMonitorV2({"output_dir": str(out), "monitors": {"weight_grad": {"enabled": True}}}, fr="ms")
+    mon.start(model=net, optimizer=opt, grad_acc_steps=2)
+    (x1, y1), (x2, y2) = batches(2)
+    _, g1 = grad_all(ms.Tensor(x1), ms.Tensor(y1))
+    first = [t.asnumpy().copy() for t in g1]
+    _, g2 = grad_head(ms.Tensor(x2), ms.Tensor(y2))
+    second = [t.asnumpy().copy() for t in g2]
+    totals = list(first)
+    totals[-2] = totals[-2] + second[0]
+    totals[-1] = totals[-1] + second[1]
+    opt(tuple(ms.Tensor(t) for t in totals))
+    mon.stop()
+    rows = {r["module_name"]: r for r in rows_of(out, "weight_grad") if r["scope"] == "unreduced"}
+    assert set(rows) == set(names) and names[-2:] == ["head.weight", "head.bias"]
+    for i, name in enumerate(names):
+        want = np_stats(totals[i] if name.startswith("head.") else first[i])
+        for op in ("min", "max", "mean", "norm"):
+            assert float(rows[name][op]) == pytest.approx(want[op], rel=1e-5, abs=1e-7), (name, op)
+    assert sum(name.startswith("trunk.") for name in names) == 8
