@@ -171,8 +171,8 @@ class MsModuleMonitor(Monitor):
         else:
             named = [(rows.module_row(tag, kind, i), t)
                      for i, t in enumerate(flatten_tensors(values, _is_tensor, rows.module_prefix(tag, kind)))]
-        for name, t in named:
-            into.append(engine.record(t, self.plan, vpp, name, scope))
+        # one call for all of the hook's tensors (the engine batches a cell's many outputs)
+        into += engine.record_many([t for _, t in named], self.plan, [(vpp, name, scope, None) for name, _ in named])
 
     def _hook(self, cell: Any, vpp: int, tag: str) -> List[Any]:
         def pre(c: Any, inputs: Tuple, kwargs: Dict = None) -> None:
@@ -196,11 +196,10 @@ class MsModuleMonitor(Monitor):
 
     def _emit_indexed(self, grads: Any, vpp: int, tag: str, kind: str) -> None:
         # A None gradient (an input that needs none) keeps its index, as in PyTorch.
-        engine = self.session.engine
         items = grads if isinstance(grads, (tuple, list)) else (grads,)
-        for i, g in enumerate(items):
-            if _is_tensor(g):
-                self._records.append(engine.record(g, self.plan, vpp, rows.module_row(tag, kind, i), rows.BACKWARD))
+        indexed = [(i, g) for i, g in enumerate(items) if _is_tensor(g)]
+        keys = [(vpp, rows.module_row(tag, kind, i), rows.BACKWARD, None) for i, _ in indexed]
+        self._records += self.session.engine.record_many([g for _, g in indexed], self.plan, keys)
 
     def detach(self) -> None:
         remove_all(self._handles)

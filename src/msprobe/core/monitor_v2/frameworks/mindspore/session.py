@@ -131,8 +131,9 @@ class MsSession:
     def optimizer_states(self) -> Iterator[Tuple[ParamInfo, str, Any]]:
         """``(param info, state name, tensor)`` for each per-parameter state tensor."""
         infos = self.table.optimizer_params()
+        states = optimizer_states(self.optimizer, len(infos))  # once: it walks the optimizer's attributes
         for i, info in enumerate(infos):
-            for state_name, values in optimizer_states(self.optimizer, len(infos)):
+            for state_name, values in states:
                 yield info, state_name, values[i]
 
     def install_step_hooks(self, before: Callable[[], None], after: Callable[[], None]) -> Patch:

@@ -103,11 +103,14 @@ class MsWeightGradMonitor(Monitor):
 
     def _read_short_sums(self) -> None:
         """Parameters that got fewer passes than announced: their sum so far."""
-        for index, total in self._sums.items():
-            if (index, 0) not in self._unreduced:
-                info = self.session.table.params[index]
-                self._unreduced[(index, 0)] = self.session.engine.record(
-                    total, self.plan, info.vpp_stage, info.name, rows.UNREDUCED)
+        short = [(index, total) for index, total in self._sums.items() if (index, 0) not in self._unreduced]
+        if not short:
+            return
+        params = self.session.table.params
+        keys = [(params[i].vpp_stage, params[i].name, rows.UNREDUCED, None) for i, _ in short]
+        records = self.session.engine.record_many([total for _, total in short], self.plan, keys)
+        for (index, _), rec in zip(short, records):
+            self._unreduced[(index, 0)] = rec
 
     def collect(self) -> List[Record]:
         self._read_short_sums()
