@@ -41,7 +41,7 @@ from mindspore import ops
 from ... import native
 from ...logonce import LogOnce
 from ...monitor import short_error
-from ...stats import EMPTY_VECTOR, Record, StatPlan
+from ...stats import EMPTY_VECTOR, Record, StatPlan, record_type
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
@@ -95,6 +95,8 @@ class MsStatsEngine:
         self._codes_by_dtype: Dict[np.dtype, Optional[int]] = {}
         self._threads = _kernel_threads()
         self._unobserved = LogOnce()
+        # the extension's records where it is built (outside the garbage collector)
+        self._Record = record_type() if kernel is not None else Record
 
     def _zero(self, dtype) -> ms.Tensor:
         z = self._zeros.get(dtype)
@@ -121,16 +123,16 @@ class MsStatsEngine:
         """Statistics of ``a``, the host view of a tensor, under the row key ``key``."""
         numel = a.size
         if numel == 0:
-            return Record(*key, EMPTY_VECTOR, 0, 0, 0 if want_zeros else None)
+            return self._Record(*key, EMPTY_VECTOR, 0, 0, 0 if want_zeros else None)
         code = self._code(a.dtype)
         if code is not None:
             if not a.flags.c_contiguous:
                 a = np.ascontiguousarray(a)
             if want_zeros:
                 vector, nans, zeros = self._native.stats_zeros(a.ctypes.data, numel, code, self._threads)
-                return Record(*key, vector, nans, numel, zeros)
+                return self._Record(*key, vector, nans, numel, zeros)
             vector, nans = self._native.stats(a.ctypes.data, numel, code, self._threads)
-            return Record(*key, vector, nans, numel)
+            return self._Record(*key, vector, nans, numel)
         x = a.reshape(-1)
         # counted before the cast: exact for every dtype (bool False and integer 0 included)
         zeros = int(np.count_nonzero(x == 0)) if want_zeros else None
@@ -144,7 +146,7 @@ class MsStatsEngine:
         else:
             with np.errstate(invalid="ignore", over="ignore"):
                 vector = [float(x.min()), float(x.max()), float(x.sum()), math.sqrt(float(np.dot(x, x)))]
-        return Record(*key, vector, nans, numel, zeros)
+        return self._Record(*key, vector, nans, numel, zeros)
 
     def _vector(self, t: ms.Tensor, plan: StatPlan) -> Tuple[ms.Tensor, Optional[ms.Tensor], Optional[ms.Tensor]]:
         if t.dtype in _COMPLEX:
@@ -188,9 +190,9 @@ class MsStatsEngine:
             return self._host_record(t, vpp_stage, name, scope, micro_step, plan.zeros)
         numel = int(t.size)
         if numel == 0:
-            return Record(vpp_stage, name, scope, micro_step, EMPTY_VECTOR, 0, 0, 0 if plan.zeros else None)
+            return self._Record(vpp_stage, name, scope, micro_step, EMPTY_VECTOR, 0, 0, 0 if plan.zeros else None)
         vector, nans, zeros = self._vector(t, plan)
-        return Record(vpp_stage, name, scope, micro_step, vector, nans, numel, zeros)
+        return self._Record(vpp_stage, name, scope, micro_step, vector, nans, numel, zeros)
 
     def record_many(self, tensors: Sequence[ms.Tensor], plan: StatPlan,
                     keys: Sequence[Tuple[int, str, str, Optional[int]]]) -> List[Record]:
@@ -248,7 +250,7 @@ class MsStatsEngine:
                 return records
             if zeros is None:
                 zeros = [None] * len(batched)
-            host = Record.host
+            host = self._Record.host
             for i, vector, nan_count, numel, zero_count in zip(batched, vectors, nans, counts, zeros):
                 records[i] = host(records[i], vector, nan_count, numel, zero_count)
         return records
@@ -256,7 +258,7 @@ class MsStatsEngine:
     def _unobserved_record(self, t: ms.Tensor, key: Tuple[int, str, str, Optional[int]],
                            exc: BaseException) -> Record:
         self._warn_unobserved(key[1], str(t.dtype), short_error(exc))
-        return Record(*key, None, None, 0)
+        return self._Record(*key, None, None, 0)
 
     def forget(self) -> None:
         """Nothing is cached in MindSpore; the same interface as the PyTorch engine."""
