@@ -79,10 +79,10 @@ static int parse_buffer(PyObject *const *args, const void **data, int64_t *n, in
     return 0;
 }
 
-/* stats(pointer, count, dtype_code[, threads=1]) -> ([min, max, sum, norm], nans) */
-static PyObject *py_stats(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+/* stats / stats_zeros: one buffer; with `with_zeros` the zero count too. */
+static PyObject *one_buffer(PyObject *const *args, Py_ssize_t nargs, int with_zeros) {
     const void *data;
-    int64_t n;
+    int64_t n, zeros = 0;
     int dtype, threads;
     if (nargs != 3 && nargs != 4) {
         PyErr_SetString(PyExc_TypeError, "stats takes 3 or 4 arguments");
@@ -92,31 +92,23 @@ static PyObject *py_stats(PyObject *self, PyObject *const *args, Py_ssize_t narg
     if (parse_buffer(given, &data, &n, &dtype, &threads) < 0)
         return NULL;
     double out[4];
-    int64_t nans = run_stats(data, n, dtype, threads, out, NULL);
+    int64_t nans = run_stats(data, n, dtype, threads, out, with_zeros ? &zeros : NULL);
     PyObject *v = vector_object(out, nans, 0);
     if (v == NULL)
         return NULL;
+    if (with_zeros)
+        return Py_BuildValue("(NLL)", v, (long long)nans, (long long)zeros);
     return Py_BuildValue("(NL)", v, (long long)nans);
+}
+
+/* stats(pointer, count, dtype_code[, threads=1]) -> ([min, max, sum, norm], nans) */
+static PyObject *py_stats(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return one_buffer(args, nargs, 0);
 }
 
 /* stats_zeros(pointer, count, dtype_code[, threads=1]) -> ([min, max, sum, norm], nans, zeros) */
 static PyObject *py_stats_zeros(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    const void *data;
-    int64_t n, zeros = 0;
-    int dtype, threads;
-    if (nargs != 3 && nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "stats_zeros takes 3 or 4 arguments");
-        return NULL;
-    }
-    PyObject *given[4] = {args[0], args[1], args[2], nargs == 4 ? args[3] : NULL};
-    if (parse_buffer(given, &data, &n, &dtype, &threads) < 0)
-        return NULL;
-    double out[4];
-    int64_t nans = run_stats(data, n, dtype, threads, out, &zeros);
-    PyObject *v = vector_object(out, nans, 0);
-    if (v == NULL)
-        return NULL;
-    return Py_BuildValue("(NLL)", v, (long long)nans, (long long)zeros);
+    return one_buffer(args, nargs, 1);
 }
 
 /* stats_many(pointers, counts, dtype_codes, threads, zeros) ->
