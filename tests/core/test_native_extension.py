@@ -255,3 +255,21 @@ def test_not_on_host_finds_the_records_to_host_must_move(extension):
              stats.Record(0, "f", "s", None, (1.0, 2.0, 3.0, 4.0), 0, 4)]  # another class: looked at by to_host
     got = extension.ext.not_on_host(host[:1] + moved[:2] + host[1:] + moved[2:])
     assert [r.name for r in got] == ["c", "d", "e", "f"]
+
+
+def test_records_many_builds_what_stats_many_and_record_host_build(extension):
+    from msprobe.core.monitor_v2 import stats
+
+    buffers = _buffers()
+    keys = [(0, f"t{i}", "param", None if i % 2 else 3) for i in range(len(buffers))]
+    args = ([a.ctypes.data for a, _ in buffers], [a.size for a, _ in buffers], [c for _, c in buffers], 1)
+    for nans, zeros in ((True, False), (False, True), (True, True)):
+        got = extension.ext.records_many(keys, *args, nans, zeros)
+        vectors, nan_counts, zero_counts = extension.stats_many(*args, zeros)
+        for rec, key, vector, n, count, z in zip(got, keys, vectors, nan_counts, args[1], zero_counts or [None] * 99):
+            want = stats.Record.host(key, vector, n if nans else None, count, z)
+            assert type(rec) is extension.ext.Record
+            assert _same([rec.key, rec.vector, rec.nans, rec.numel, rec.zeros],
+                         [want.key, want.vector, want.nans, want.numel, want.zeros])
+    with pytest.raises(TypeError):
+        extension.ext.records_many([("not", "a key")] * len(buffers), *args, True, False)

@@ -684,6 +684,88 @@ static PyTypeObject RecordType = {
     .tp_new = record_new,
 };
 
+
+/* records_many(keys, pointers, counts, dtype_codes, threads, nans, zeros) -> [Record, ...]:
+   stats_many and Record.host in one call, the records built here (key i a 4-tuple row key;
+   the NaN count kept where `nans` is true, the zero count counted where `zeros` is), each
+   exactly what Record.host(key, vector, nans, numel, zeros) of stats_many's item i gives. */
+static PyObject *py_records_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "records_many takes 7 arguments");
+        return NULL;
+    }
+    PyObject *keys = PySequence_Fast(args[0], "records_many: keys must be a sequence");
+    PyObject *ptrs = keys ? PySequence_Fast(args[1], "records_many: pointers must be a sequence") : NULL;
+    PyObject *counts = ptrs ? PySequence_Fast(args[2], "records_many: counts must be a sequence") : NULL;
+    PyObject *codes = counts ? PySequence_Fast(args[3], "records_many: dtype codes must be a sequence") : NULL;
+    PyObject *out = NULL;
+    if (codes == NULL)
+        goto done;
+    int threads = (int)PyLong_AsLong(args[4]);
+    int want_nans = PyObject_IsTrue(args[5]);
+    int want_zeros = PyObject_IsTrue(args[6]);
+    if ((threads == -1 && PyErr_Occurred()) || want_nans < 0 || want_zeros < 0)
+        goto done;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(keys);
+    if (PySequence_Fast_GET_SIZE(ptrs) != m || PySequence_Fast_GET_SIZE(counts) != m ||
+        PySequence_Fast_GET_SIZE(codes) != m) {
+        PyErr_SetString(PyExc_ValueError, "records_many: keys, pointers, counts and dtype codes differ in length");
+        goto done;
+    }
+    out = PyList_New(m);
+    if (out == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        PyObject *key = PySequence_Fast_GET_ITEM(keys, i);
+        PyObject *count = PySequence_Fast_GET_ITEM(counts, i);
+        if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 4) {
+            PyErr_SetString(PyExc_TypeError, "records_many: a key is not a 4-tuple");
+            goto fail;
+        }
+        PyObject *item_args[4] = {PySequence_Fast_GET_ITEM(ptrs, i), count, PySequence_Fast_GET_ITEM(codes, i),
+                                  args[4]};
+        const void *data;
+        int64_t n, zeros = 0;
+        int dtype, unused;
+        if (parse_buffer(item_args, &data, &n, &dtype, &unused) < 0)
+            goto fail;
+        double stats_out[4];
+        int64_t nans = run_stats(data, n, dtype, threads, stats_out, want_zeros ? &zeros : NULL);
+        RecordObject *r = record_alloc();
+        if (r == NULL)
+            goto fail;
+        PyList_SET_ITEM(out, i, (PyObject *)r); /* the list owns it from here */
+        SET_REF(r->vpp_stage, PyTuple_GET_ITEM(key, 0));
+        SET_REF(r->name, PyTuple_GET_ITEM(key, 1));
+        SET_REF(r->scope, PyTuple_GET_ITEM(key, 2));
+        SET_REF(r->micro_step, PyTuple_GET_ITEM(key, 3));
+        SET_REF(r->numel, count);
+        r->listed = 1;
+        r->vector = vector_object(stats_out, nans, 1);
+        if (want_nans) {
+            r->nans = PyLong_FromLongLong(nans);
+        } else {
+            SET_REF(r->nans, Py_None);
+        }
+        if (want_zeros) {
+            r->zeros = PyLong_FromLongLong(zeros);
+        } else {
+            SET_REF(r->zeros, Py_None);
+        }
+        if (r->vector == NULL || r->nans == NULL || r->zeros == NULL)
+            goto fail;
+    }
+    goto done;
+fail:
+    Py_CLEAR(out);
+done:
+    Py_XDECREF(keys);
+    Py_XDECREF(ptrs);
+    Py_XDECREF(counts);
+    Py_XDECREF(codes);
+    return out;
+}
+
 /* ------------------------------------------------------------ merge_fields */
 
 /* A field of a record: the C type's own, another object's attribute (new reference). */
@@ -904,6 +986,7 @@ static PyMethodDef methods[] = {
     {"stats_many", (PyCFunction)(void (*)(void))py_stats_many, METH_FASTCALL, "many buffers"},
     {"format_rows", (PyCFunction)(void (*)(void))py_format_rows, METH_FASTCALL, "CSV rows"},
     {"merge_fields", py_merge_fields, METH_O, "stats.merge_fields"},
+    {"records_many", (PyCFunction)(void (*)(void))py_records_many, METH_FASTCALL, "stats_many and Record.host"},
     {"not_on_host", py_not_on_host, METH_O, "the records to_host moves"},
     {"_format_float", py_format_float, METH_O, "one float cell, as format_rows writes it"},
     {"dtypes", py_dtypes, METH_NOARGS, "bit mask of the dtype codes this build reduces"},

@@ -549,6 +549,10 @@ class TorchStatsEngine:
         buffers = _kernel_buffers(tensors, allowed)
         if buffers is not None:  # the common case: every tensor is one the kernel reads
             pointers, counts, codes = buffers
+            ext = kernel.ext
+            if ext is not None and self._Record is ext.Record:  # the records built in the same call
+                return ext.records_many(keys, pointers, counts, codes, torch.get_num_threads(), plan.nans,
+                                        plan.zeros)
             vectors, nans, zeros = kernel.stats_many(pointers, counts, codes, torch.get_num_threads(), plan.zeros)
             n = len(vectors)
             return list(map(self._Record.host, keys, vectors, nans if plan.nans else [None] * n, counts,

@@ -63,7 +63,7 @@ class GradSource:
     """A tensor whose gradient is read for ``unreduced`` rows, and the rows it yields:
     ``(vpp_stage, name, segment)``; ``segment`` None means the whole gradient."""
 
-    __slots__ = ("index", "rows", "plain_param", "reduces", "key")
+    __slots__ = ("index", "rows", "plain_param", "reduces", "key", "slot")
 
     def __init__(self, index: int, rows: Sequence[Tuple[int, str, Optional[FlatSegment]]],
                  plain_param: Optional[torch.Tensor] = None,
@@ -77,6 +77,7 @@ class GradSource:
         # the row key of a whole-tensor source's accumulated row, built once (batched reads)
         vpp, name, _ = self.rows[0]
         self.key = (vpp, name, UNREDUCED, None)
+        self.slot = (index, 0, 0)  # its accumulated row's place in WeightGradMonitor._unreduced
 
 
 class WeightGradMonitor(Monitor):
@@ -246,18 +247,13 @@ class WeightGradMonitor(Monitor):
         """At the end of a backward pass: the gradients its hooks noted, in one batch."""
         self._queued_task = -1
         pending, self._pending = self._pending, []
-        grads, keys, indices = [], [], []
-        for source in pending:
-            grad = source.plain_param.grad
-            if grad is not None:
-                grads.append(grad)
-                keys.append(source.key)
-                indices.append(source.index)
-        if not grads:
+        read = [(source, source.plain_param.grad) for source in pending]
+        read = [(source, grad) for source, grad in read if grad is not None]
+        if not read:
             return
-        unreduced = self._unreduced
-        for index, rec in zip(indices, self.session.engine.record_many(grads, self.plan, keys)):
-            unreduced[(index, 0, 0)] = rec
+        records = self.session.engine.record_many([grad for _, grad in read], self.plan,
+                                                  [source.key for source, _ in read])
+        self._unreduced.update(zip([source.slot for source, _ in read], records))
 
     def _read_batch_late(self) -> None:
         """Notes whose end-of-pass read never ran (the backward pass raised, or an engine
