@@ -122,7 +122,7 @@ class TrainingStack:
         return None
 
     def reduced_grads(self, table: ParamTable) -> List[Tuple[ParamInfo, torch.Tensor]]:
-        return [(i, i.param.grad) for i in table.optimizer_params() if i.param.grad is not None]
+        return [(i, g) for i in table.optimizer_params() if (g := i.param.grad) is not None]
 
     # ------------------------------------------------------ optimizer, params
     def param_values(self, table: ParamTable) -> List[Tuple[ParamInfo, torch.Tensor]]:
