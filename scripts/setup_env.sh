@@ -11,8 +11,8 @@
 #                                    accelerate and lightning (integration tests, CPU)
 # Both profiles install polars (the analysis engine of msprobe-monitor summary/anomalies)
 # and matplotlib (plot): the demo ends with those commands.
-# Both profiles install gcc where no C compiler exists: the monitor builds its one-pass
-# statistics kernel with it.
+# Both profiles install gcc where no C compiler exists, and python3-dev where Debian's
+# interpreter lacks Python.h: the monitor builds its one-pass statistics kernel with them.
 # numpy stays <2: MindSpore's C++ is built against NumPy 1.x.
 #
 # torch: a torch the interpreter already has is reused, not downloaded again (demo: any
@@ -143,6 +143,17 @@ apt_install() {
 if ! command -v cc >/dev/null 2>&1 && ! command -v gcc >/dev/null 2>&1; then
   apt_install gcc "about 40 MB with the packages it needs" \
     "the monitor's one-pass statistics kernel is built with it (without it, statistics are about 3x slower and its tests fail)"
+fi
+# Python's headers: the kernel is built as a CPython extension with them (faster calls, rows
+# formatted in C); without them the ctypes build is used. Only Debian's own interpreter
+# gets them from apt (python3-dev); another one (pyenv, conda) ships its own.
+if ! .venv/bin/python -c "import os, sysconfig; raise SystemExit(not os.path.isfile(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" 2>/dev/null; then
+  if .venv/bin/python -c "import sys; raise SystemExit(not sys.base_prefix == '/usr')" 2>/dev/null; then
+    apt_install python3-dev "about 30 MB with the packages it needs" \
+      "the monitor builds its statistics kernel as a Python extension with Python's headers (without them: the ctypes build, the same numbers at a higher cost per tensor, and the extension's tests fail)"
+  else
+    echo "setup_env: this interpreter has no Python.h; the monitor uses the ctypes build of its kernel (the extension's tests fail)" >&2
+  fi
 fi
 if [ "$profile" = test ] && ! command -v chromium >/dev/null 2>&1; then
   apt_install chromium "an 81 MB package plus the libraries it needs on a minimal system" \
