@@ -110,3 +110,28 @@ def test_ddp_keeps_the_per_parameter_read(write_config, tmp_path):
     rows = rows_of(mon.config.output_dir, "weight_grad")
     for name, g in want.items():
         assert_row_matches(find_row(rows, module_name=name, scope="unreduced"), numpy_stats(g))
+
+
+def test_a_gradient_dropped_later_in_the_same_pass_is_said_once_and_the_others_are_written(write_config, caplog):
+    """A tensor hook of the user's code that runs later in the backward pass sets an already
+    accumulated parameter's .grad to None: the end-of-pass read finds nothing there. It
+    says so once, naming the parameter; every other parameter's row is the gradient."""
+    model = TinyMLP()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMonitorV2(write_config({"monitors": {"weight_grad": {"enabled": True}}}))
+    mon.start(model=model, optimizer=opt)
+    x, y = make_batches(1)[0]
+    want = reference_grads(ref, [(x, y)])
+    hidden = model.fc1(x)  # fc2's gradients accumulate before this activation's gradient is computed
+    hidden.register_hook(lambda g: setattr(model.fc2.weight, "grad", None))
+    with caplog.at_level("WARNING", logger="msprobe.monitor_v2"):
+        torch.nn.functional.mse_loss(model.fc2(torch.relu(hidden)), y).backward()
+        opt.step()
+        mon.stop()
+    said = [r.getMessage() for r in caplog.records if "set to None" in r.getMessage()]
+    assert len(said) == 1 and "fc2.weight" in said[0], said
+    rows = rows_of(mon.config.output_dir, "weight_grad")
+    assert [r for r in rows if r["module_name"] == "fc2.weight" and r["scope"] == "unreduced"] == []
+    for name in ("fc1.weight", "fc1.bias", "fc2.bias"):
+        assert_row_matches(find_row(rows, module_name=name, scope="unreduced"), numpy_stats(want[name]))

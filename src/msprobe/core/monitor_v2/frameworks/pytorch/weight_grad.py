@@ -247,13 +247,23 @@ class WeightGradMonitor(Monitor):
         """At the end of a backward pass: the gradients its hooks noted, in one batch."""
         self._queued_task = -1
         pending, self._pending = self._pending, []
-        read = [(source, source.plain_param.grad) for source in pending]
-        read = [(source, grad) for source, grad in read if grad is not None]
-        if not read:
+        # lists of references, not of pairs: a pass over thousands of parameters allocates
+        # no tuple per parameter (each would be one more object for the collector)
+        grads = [source.plain_param.grad for source in pending]
+        if any(grad is None for grad in grads):
+            dropped = [source for source, grad in zip(pending, grads) if grad is None]
+            self._once.warning(
+                "batch-dropped",
+                "monitor_v2 weight_grad: at step %d the gradient of %d parameter(s) (e.g. %s) was set to None "
+                "after it was accumulated and before its backward pass ended (by a hook of the user's code); "
+                "their 'unreduced' rows of that pass are not written. Logged once.",
+                self.step, len(dropped), dropped[0].rows[0][1])
+            pending = [source for source, grad in zip(pending, grads) if grad is not None]
+            grads = [grad for grad in grads if grad is not None]
+        if not grads:
             return
-        records = self.session.engine.record_many([grad for _, grad in read], self.plan,
-                                                  [source.key for source, _ in read])
-        self._unreduced.update(zip([source.slot for source, _ in read], records))
+        records = self.session.engine.record_many(grads, self.plan, [source.key for source in pending])
+        self._unreduced.update(zip([source.slot for source in pending], records))
 
     def _read_batch_late(self) -> None:
         """Notes whose end-of-pass read never ran (the backward pass raised, or an engine
