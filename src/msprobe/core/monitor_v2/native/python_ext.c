@@ -111,6 +111,49 @@ static PyObject *py_stats_zeros(PyObject *self, PyObject *const *args, Py_ssize_
     return one_buffer(args, nargs, 1);
 }
 
+/* The pointer, count and dtype-code sequences of a call over many buffers (stats_many,
+   records_many): opened and checked once, read buffer by buffer. */
+typedef struct {
+    PyObject *ptrs, *counts, *codes;
+    Py_ssize_t n;
+} batch_t;
+
+static void batch_close(batch_t *b) {
+    Py_XDECREF(b->ptrs);
+    Py_XDECREF(b->counts);
+    Py_XDECREF(b->codes);
+}
+
+/* 0, or -1 with an exception set (the batch is closed either way by batch_close). */
+static int batch_open(batch_t *b, PyObject *ptrs, PyObject *counts, PyObject *codes, Py_ssize_t n_keys,
+                      const char *fn) {
+    b->ptrs = PySequence_Fast(ptrs, "pointers must be a sequence");
+    b->counts = b->ptrs ? PySequence_Fast(counts, "counts must be a sequence") : NULL;
+    b->codes = b->counts ? PySequence_Fast(codes, "dtype codes must be a sequence") : NULL;
+    if (b->codes == NULL)
+        return -1;
+    b->n = PySequence_Fast_GET_SIZE(b->ptrs);
+    if (PySequence_Fast_GET_SIZE(b->counts) != b->n || PySequence_Fast_GET_SIZE(b->codes) != b->n ||
+        (n_keys >= 0 && n_keys != b->n)) {
+        PyErr_Format(PyExc_ValueError, "%s: the sequences differ in length", fn);
+        return -1;
+    }
+    return 0;
+}
+
+/* Buffer i's statistics into out (and *zeros unless NULL): its NaN count, or -1 with an
+   exception set. */
+static int64_t batch_read(batch_t *b, Py_ssize_t i, int threads, double *out, int64_t *zeros) {
+    PyObject *item_args[4] = {PySequence_Fast_GET_ITEM(b->ptrs, i), PySequence_Fast_GET_ITEM(b->counts, i),
+                              PySequence_Fast_GET_ITEM(b->codes, i), NULL};
+    const void *data;
+    int64_t n;
+    int dtype, unused;
+    if (parse_buffer(item_args, &data, &n, &dtype, &unused) < 0)
+        return -1;
+    return run_stats(data, n, dtype, threads, out, zeros);
+}
+
 /* stats_many(pointers, counts, dtype_codes, threads, zeros) ->
    ([(min, max, sum, norm), ...], [nans, ...], [zeros, ...] or None) */
 static PyObject *py_stats_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -118,36 +161,25 @@ static PyObject *py_stats_many(PyObject *self, PyObject *const *args, Py_ssize_t
         PyErr_SetString(PyExc_TypeError, "stats_many takes 5 arguments");
         return NULL;
     }
-    PyObject *ptrs = PySequence_Fast(args[0], "stats_many: pointers must be a sequence");
-    PyObject *counts = ptrs ? PySequence_Fast(args[1], "stats_many: counts must be a sequence") : NULL;
-    PyObject *codes = counts ? PySequence_Fast(args[2], "stats_many: dtype codes must be a sequence") : NULL;
+    batch_t batch = {NULL, NULL, NULL, 0};
     PyObject *vectors = NULL, *nan_list = NULL, *zero_list = NULL, *result = NULL;
-    if (codes == NULL)
-        goto done;
     int threads = (int)PyLong_AsLong(args[3]);
     int want_zeros = PyObject_IsTrue(args[4]);
-    if ((threads == -1 && PyErr_Occurred()) || want_zeros < 0)
+    if ((threads == -1 && PyErr_Occurred()) || want_zeros < 0 ||
+        batch_open(&batch, args[0], args[1], args[2], -1, "stats_many") < 0)
         goto done;
-    Py_ssize_t m = PySequence_Fast_GET_SIZE(ptrs);
-    if (PySequence_Fast_GET_SIZE(counts) != m || PySequence_Fast_GET_SIZE(codes) != m) {
-        PyErr_SetString(PyExc_ValueError, "stats_many: pointers, counts and dtype codes differ in length");
-        goto done;
-    }
+    Py_ssize_t m = batch.n;
     vectors = PyList_New(m);
     nan_list = PyList_New(m);
     zero_list = want_zeros ? PyList_New(m) : NULL;
     if (vectors == NULL || nan_list == NULL || (want_zeros && zero_list == NULL))
         goto done;
     for (Py_ssize_t i = 0; i < m; i++) {
-        PyObject *item_args[4] = {PySequence_Fast_GET_ITEM(ptrs, i), PySequence_Fast_GET_ITEM(counts, i),
-                                  PySequence_Fast_GET_ITEM(codes, i), args[3]};
-        const void *data;
-        int64_t n, zeros = 0;
-        int dtype, unused;
-        if (parse_buffer(item_args, &data, &n, &dtype, &unused) < 0)
-            goto done;
         double out[4];
-        int64_t nans = run_stats(data, n, dtype, threads, out, want_zeros ? &zeros : NULL);
+        int64_t zeros = 0;
+        int64_t nans = batch_read(&batch, i, threads, out, want_zeros ? &zeros : NULL);
+        if (nans < 0)
+            goto done;
         PyObject *v = vector_object(out, nans, 1);
         PyObject *nn = v ? PyLong_FromLongLong(nans) : NULL;
         if (nn == NULL) {
@@ -165,9 +197,7 @@ static PyObject *py_stats_many(PyObject *self, PyObject *const *args, Py_ssize_t
     }
     result = PyTuple_Pack(3, vectors, nan_list, want_zeros ? zero_list : Py_None);
 done:
-    Py_XDECREF(ptrs);
-    Py_XDECREF(counts);
-    Py_XDECREF(codes);
+    batch_close(&batch);
     Py_XDECREF(vectors);
     Py_XDECREF(nan_list);
     Py_XDECREF(zero_list);
@@ -592,25 +622,40 @@ static PyObject *record_get_key(RecordObject *self, void *closure) {
 
 /* host(key, vector, nans, numel, zeros): host statistics under the row key ``key``, the
    vector already a tuple (read back as a list) */
-static PyObject *record_host(PyObject *cls, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 4) {
-        PyErr_SetString(PyExc_TypeError, "Record.host(key, vector, nans, numel, zeros): key is a 4-tuple");
+/* A new reference to None (Py_NewRef is Python 3.10's; the package supports 3.9). */
+static PyObject *none_ref(void) {
+    Py_INCREF(Py_None);
+    return Py_None;
+}
+
+/* A record of host statistics under the 4-tuple row key ``key`` (references taken, none
+   stolen): Record.host's and records_many's. */
+static PyObject *record_of(PyObject *key, PyObject *vector, PyObject *nans, PyObject *numel, PyObject *zeros) {
+    if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 4) {
+        PyErr_SetString(PyExc_TypeError, "a record's key is a 4-tuple (vpp_stage, name, scope, micro_step)");
         return NULL;
     }
     RecordObject *r = record_alloc();
     if (r == NULL)
         return NULL;
-    PyObject *key = args[0];
     SET_REF(r->vpp_stage, PyTuple_GET_ITEM(key, 0));
     SET_REF(r->name, PyTuple_GET_ITEM(key, 1));
     SET_REF(r->scope, PyTuple_GET_ITEM(key, 2));
     SET_REF(r->micro_step, PyTuple_GET_ITEM(key, 3));
-    SET_REF(r->vector, args[1]);
+    SET_REF(r->vector, vector);
     r->listed = 1;
-    SET_REF(r->nans, args[2]);
-    SET_REF(r->numel, args[3]);
-    SET_REF(r->zeros, args[4]);
+    SET_REF(r->nans, nans);
+    SET_REF(r->numel, numel);
+    SET_REF(r->zeros, zeros);
     return (PyObject *)r;
+}
+
+static PyObject *record_host(PyObject *cls, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "Record.host(key, vector, nans, numel, zeros)");
+        return NULL;
+    }
+    return record_of(args[0], args[1], args[2], args[3], args[4]);
 }
 
 /* relabelled(vpp_stage, name, scope, micro_step): the statistics under another row key */
@@ -694,75 +739,43 @@ static PyObject *py_records_many(PyObject *self, PyObject *const *args, Py_ssize
         PyErr_SetString(PyExc_TypeError, "records_many takes 7 arguments");
         return NULL;
     }
-    PyObject *keys = PySequence_Fast(args[0], "records_many: keys must be a sequence");
-    PyObject *ptrs = keys ? PySequence_Fast(args[1], "records_many: pointers must be a sequence") : NULL;
-    PyObject *counts = ptrs ? PySequence_Fast(args[2], "records_many: counts must be a sequence") : NULL;
-    PyObject *codes = counts ? PySequence_Fast(args[3], "records_many: dtype codes must be a sequence") : NULL;
+    batch_t batch = {NULL, NULL, NULL, 0};
     PyObject *out = NULL;
-    if (codes == NULL)
-        goto done;
+    PyObject *keys = PySequence_Fast(args[0], "records_many: keys must be a sequence");
     int threads = (int)PyLong_AsLong(args[4]);
     int want_nans = PyObject_IsTrue(args[5]);
     int want_zeros = PyObject_IsTrue(args[6]);
-    if ((threads == -1 && PyErr_Occurred()) || want_nans < 0 || want_zeros < 0)
+    if (keys == NULL || (threads == -1 && PyErr_Occurred()) || want_nans < 0 || want_zeros < 0 ||
+        batch_open(&batch, args[1], args[2], args[3], PySequence_Fast_GET_SIZE(keys), "records_many") < 0)
         goto done;
-    Py_ssize_t m = PySequence_Fast_GET_SIZE(keys);
-    if (PySequence_Fast_GET_SIZE(ptrs) != m || PySequence_Fast_GET_SIZE(counts) != m ||
-        PySequence_Fast_GET_SIZE(codes) != m) {
-        PyErr_SetString(PyExc_ValueError, "records_many: keys, pointers, counts and dtype codes differ in length");
-        goto done;
-    }
-    out = PyList_New(m);
+    out = PyList_New(batch.n);
     if (out == NULL)
         goto done;
-    for (Py_ssize_t i = 0; i < m; i++) {
-        PyObject *key = PySequence_Fast_GET_ITEM(keys, i);
-        PyObject *count = PySequence_Fast_GET_ITEM(counts, i);
-        if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 4) {
-            PyErr_SetString(PyExc_TypeError, "records_many: a key is not a 4-tuple");
-            goto fail;
-        }
-        PyObject *item_args[4] = {PySequence_Fast_GET_ITEM(ptrs, i), count, PySequence_Fast_GET_ITEM(codes, i),
-                                  args[4]};
-        const void *data;
-        int64_t n, zeros = 0;
-        int dtype, unused;
-        if (parse_buffer(item_args, &data, &n, &dtype, &unused) < 0)
-            goto fail;
+    for (Py_ssize_t i = 0; i < batch.n; i++) {
         double stats_out[4];
-        int64_t nans = run_stats(data, n, dtype, threads, stats_out, want_zeros ? &zeros : NULL);
-        RecordObject *r = record_alloc();
-        if (r == NULL)
+        int64_t zeros = 0;
+        int64_t nans = batch_read(&batch, i, threads, stats_out, want_zeros ? &zeros : NULL);
+        if (nans < 0)
             goto fail;
-        PyList_SET_ITEM(out, i, (PyObject *)r); /* the list owns it from here */
-        SET_REF(r->vpp_stage, PyTuple_GET_ITEM(key, 0));
-        SET_REF(r->name, PyTuple_GET_ITEM(key, 1));
-        SET_REF(r->scope, PyTuple_GET_ITEM(key, 2));
-        SET_REF(r->micro_step, PyTuple_GET_ITEM(key, 3));
-        SET_REF(r->numel, count);
-        r->listed = 1;
-        r->vector = vector_object(stats_out, nans, 1);
-        if (want_nans) {
-            r->nans = PyLong_FromLongLong(nans);
-        } else {
-            SET_REF(r->nans, Py_None);
-        }
-        if (want_zeros) {
-            r->zeros = PyLong_FromLongLong(zeros);
-        } else {
-            SET_REF(r->zeros, Py_None);
-        }
-        if (r->vector == NULL || r->nans == NULL || r->zeros == NULL)
+        PyObject *vector = vector_object(stats_out, nans, 1);
+        PyObject *nan_count = want_nans ? PyLong_FromLongLong(nans) : none_ref();
+        PyObject *zero_count = want_zeros ? PyLong_FromLongLong(zeros) : none_ref();
+        PyObject *rec = vector && nan_count && zero_count ?
+            record_of(PySequence_Fast_GET_ITEM(keys, i), vector, nan_count, PySequence_Fast_GET_ITEM(batch.counts, i),
+                      zero_count) : NULL;
+        Py_XDECREF(vector);
+        Py_XDECREF(nan_count);
+        Py_XDECREF(zero_count);
+        if (rec == NULL)
             goto fail;
+        PyList_SET_ITEM(out, i, rec);
     }
     goto done;
 fail:
     Py_CLEAR(out);
 done:
     Py_XDECREF(keys);
-    Py_XDECREF(ptrs);
-    Py_XDECREF(counts);
-    Py_XDECREF(codes);
+    batch_close(&batch);
     return out;
 }
 
