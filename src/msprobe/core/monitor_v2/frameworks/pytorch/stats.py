@@ -276,38 +276,28 @@ class TorchStatsEngine:
         zeros = torch.stack(zero_counts).sum() if plan.zeros else None
         return torch.stack((p[:, 0].min(), p[:, 1].max(), total, norm)), norm, zeros
 
-    def _native_buffer(self, t: torch.Tensor, pointer: Optional[int] = None) -> Optional[Tuple[int, int, int]]:
+    def _native_buffer(self, t: torch.Tensor) -> Optional[Tuple[int, int, int]]:
         """``(data pointer, element count, dtype code)`` of a raw (unprepared) tensor the
         one-pass kernel reads, or None where it does not apply. It touches nothing but the
         tensor's metadata: hooks run between large kernels, with the CPU caches cold,
         where every skipped Python call (detach, no_grad) is worth several microseconds."""
-        kernel = self._native
-        if kernel is None or not t.is_cpu:
+        if self._native is None or not t.is_cpu:
             return None
-        code = _NATIVE_CODES.get(t.dtype)
-        if code not in kernel.dtype_codes:
+        code = self._kernel_codes.get(t.dtype)
+        if code is None:
             return None
         numel = t.numel()
         if not numel:
             return None
-        if pointer is None:  # ``pointer``: _data_pointer(t), when the caller has it already
-            pointer = _data_pointer(t)
+        pointer = _data_pointer(t)
         return None if pointer is None else (pointer, numel, code)
 
-    def _native_vector(self, t: torch.Tensor, plan: StatPlan,
-                       pointer: Optional[int] = None) -> Optional[Tuple[List[float], Optional[int], Optional[int]]]:
+    def _native_vector(self, t: torch.Tensor, plan: StatPlan) -> Optional[Tuple[List[float], Optional[int],
+                                                                                 Optional[int]]]:
         """Host statistics of a raw tensor from the one-pass kernel, or None where it
         does not apply (see ``_native_buffer``)."""
-        buffer = self._native_buffer(t, pointer)
-        if buffer is None:
-            return None
-        kernel = self._native
-        pointer, numel, code = buffer
-        if plan.zeros:
-            vector, nans, zeros = kernel.stats_zeros(pointer, numel, code, torch.get_num_threads())
-            return vector, nans if plan.nans else None, zeros
-        vector, nans = kernel.stats(pointer, numel, code, torch.get_num_threads())
-        return vector, nans if plan.nans else None, None
+        buffer = self._native_buffer(t)
+        return None if buffer is None else self._kernel_read(*buffer, plan)
 
     def _vector(self, t: torch.Tensor, plan: StatPlan) -> Tuple[Any, Any, Any]:
         """``(vector, nans, zeros)`` of a prepared, non-empty tensor."""
@@ -388,22 +378,9 @@ class TorchStatsEngine:
     ) -> Record:
         """Statistics of one tensor, computed now (inside a hook): kept on the device, or
         host values where the one-pass kernel read a CPU tensor."""
-        # A tensor the kernel reads (the common case on the CPU: every module activation and
-        # gradient) takes one set of checks, ``_data_pointer``'s and ``_native_buffer``'s
-        # inlined, instead of five calls that each read the tensor's metadata again.
-        if self._native is not None and type(t) in _PLAIN_TYPES and t.is_cpu:
-            code = self._kernel_codes.get(t.dtype)
-            if (code is not None and t.layout is torch.strided and not t.is_nested and t.is_contiguous()
-                    and not t.is_neg()):
-                numel = t.numel()
-                if numel:
-                    try:
-                        pointer = t.data_ptr()
-                    except RuntimeError:  # a storage-less wrapper that looks like a plain tensor
-                        pointer = 0
-                    if pointer:
-                        return self._record_read(t, plan, vpp_stage, name, scope, micro_step, cache, pointer,
-                                                 numel, code)
+        buffer = self._native_buffer(t)
+        if buffer is not None:  # the common case on the CPU: every module activation and gradient
+            return self._record_read(t, plan, vpp_stage, name, scope, micro_step, cache, *buffer)
         cacheable = cache and not t.is_inference()  # inference tensors have no version counter
         key = memory_key = None
         if cacheable:
@@ -418,8 +395,7 @@ class TorchStatsEngine:
                 if (first is not None and seen[1] == first._version == t._version
                         and first.data_ptr() == memory_key[0]):
                     return seen[2].relabelled(vpp_stage, name, scope, micro_step)
-        # the memory key holds _data_pointer(t): the kernel's checks need not find it again
-        vector, nans, numel, zeros = self._compute(t, plan, name, memory_key[0] if memory_key is not None else None)
+        vector, nans, numel, zeros = self._compute_aten(t, plan, name)  # not one the kernel reads
         rec = self._Record(vpp_stage, name, scope, micro_step, vector, nans, numel, zeros)
         if cacheable and numel:
             # the cache keeps the first record: its statistics, not a second copy of them
@@ -468,13 +444,12 @@ class TorchStatsEngine:
         vector, nans = self._native.stats(pointer, numel, code, torch.get_num_threads())
         return vector, nans if plan.nans else None, None
 
-    def _compute(self, t: torch.Tensor, plan: StatPlan, name: str = "",
-                 pointer: Optional[int] = None) -> Tuple[Any, Any, int, Any]:
+    def _compute(self, t: torch.Tensor, plan: StatPlan, name: str = "") -> Tuple[Any, Any, int, Any]:
         """``(vector, nans, numel, zeros)`` of one tensor: the one-pass kernel where it
         applies, else ATen reductions on the prepared tensor. ``zeros`` is None unless
         ``plan.zeros``; ``(None, None, 0, None)`` for a tensor without statistics (see
         ``unobservable``)."""
-        host = self._native_vector(t, plan, pointer)
+        host = self._native_vector(t, plan)
         if host is not None:
             return host[0], host[1], t.numel(), host[2]
         return self._compute_aten(t, plan, name)
@@ -545,43 +520,26 @@ class TorchStatsEngine:
         kernel = self._native
         if kernel is None:
             return [self._Record(*key, *self._compute_aten(t, plan, key[1])) for t, key in zip(tensors, keys)]
-        allowed = self._kernel_codes
-        buffers = _kernel_buffers(tensors, allowed)
+        buffers = _kernel_buffers(tensors, self._kernel_codes)
         if buffers is not None:  # the common case: every tensor is one the kernel reads
             pointers, counts, codes = buffers
-            ext = kernel.ext
-            if ext is not None and self._Record is ext.Record:  # the records built in the same call
-                return ext.records_many(keys, pointers, counts, codes, torch.get_num_threads(), plan.nans,
-                                        plan.zeros)
-            vectors, nans, zeros = kernel.stats_many(pointers, counts, codes, torch.get_num_threads(), plan.zeros)
-            n = len(vectors)
-            return list(map(self._Record.host, keys, vectors, nans if plan.nans else [None] * n, counts,
-                            zeros if zeros is not None else [None] * n))
-        records: List[Any] = []
-        batched: List[int] = []  # indices in ``records`` of the kernel's buffers
-        pointers: List[int] = []
-        counts: List[int] = []
-        codes: List[int] = []
-        strided = torch.strided
-        # _native_buffer and _data_pointer inlined: this loop runs once per tensor of the
-        # model for each scope, where every Python call is a measurable share
-        for t, key in zip(tensors, keys):
-            code = allowed.get(t.dtype)
-            numel = t.numel()
-            if (code is None or not numel or not t.is_cpu or type(t) not in _PLAIN or t.layout is not strided
-                    or t.is_nested or not t.is_contiguous() or t.is_neg() or t.is_conj()):
-                records.append(self._Record(*key, *self._compute_aten(t, plan, key[1])))
-                continue
-            try:
-                pointer = t.data_ptr()
-            except RuntimeError:  # a storage-less wrapper that looks like a plain tensor
-                records.append(self._Record(*key, *self._compute_aten(t, plan, key[1])))
-                continue
-            batched.append(len(records))
-            records.append(key)  # replaced below
-            pointers.append(pointer)
-            counts.append(numel)
-            codes.append(code)
+            if kernel.ext is not None:  # the records built in the same call (self._Record is the extension's)
+                return kernel.ext.records_many(keys, pointers, counts, codes, torch.get_num_threads(), plan.nans,
+                                               plan.zeros)
+            records: List[Any] = list(keys)  # replaced below
+            batched: Sequence[int] = range(len(records))  # indices in ``records`` of the kernel's buffers
+        else:  # a tensor the kernel does not read in the list: each tensor on its own path
+            records, batched, pointers, counts, codes = [], [], [], [], []
+            for t, key in zip(tensors, keys):
+                buffer = self._native_buffer(t)
+                if buffer is None:
+                    records.append(self._Record(*key, *self._compute_aten(t, plan, key[1])))
+                    continue
+                batched.append(len(records))
+                records.append(key)  # replaced below
+                pointers.append(buffer[0])
+                counts.append(buffer[1])
+                codes.append(buffer[2])
         if batched:
             vectors, nans, zeros = kernel.stats_many(pointers, counts, codes, torch.get_num_threads(), plan.zeros)
             host = self._Record.host
