@@ -768,8 +768,8 @@ def _counting_engine(monkeypatch):
     """An engine whose reductions (on either path: the kernel's, or ATen's) are counted in ``calls``."""
     engine = TorchStatsEngine()
     calls = []
-    real = engine._compute
-    monkeypatch.setattr(engine, "_compute", lambda t, *a, **k: calls.append(1) or real(t, *a, **k))
+    real = engine._compute_aten
+    monkeypatch.setattr(engine, "_compute_aten", lambda t, *a, **k: calls.append(1) or real(t, *a, **k))
     read = engine._kernel_read
     monkeypatch.setattr(engine, "_kernel_read", lambda *a, **k: calls.append(1) or read(*a, **k))
     return engine, StatPlan.from_ops(ALL_OPS), calls

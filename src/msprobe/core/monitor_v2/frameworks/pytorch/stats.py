@@ -280,17 +280,23 @@ class TorchStatsEngine:
         """``(data pointer, element count, dtype code)`` of a raw (unprepared) tensor the
         one-pass kernel reads, or None where it does not apply. It touches nothing but the
         tensor's metadata: hooks run between large kernels, with the CPU caches cold,
-        where every skipped Python call (detach, no_grad) is worth several microseconds."""
-        if self._native is None or not t.is_cpu:
+        where every skipped Python call (detach, no_grad) is worth several microseconds.
+        ``_data_pointer``'s checks are written out here rather than called (every module
+        activation and gradient comes through), without its conjugate bit: only complex
+        tensors carry it, and the kernel reads no complex dtype."""
+        if self._native is None or type(t) not in _PLAIN_TYPES or not t.is_cpu:
             return None
         code = self._kernel_codes.get(t.dtype)
-        if code is None:
+        if (code is None or t.layout is not torch.strided or t.is_nested or not t.is_contiguous()
+                or t.is_neg()):
             return None
         numel = t.numel()
         if not numel:
             return None
-        pointer = _data_pointer(t)
-        return None if pointer is None else (pointer, numel, code)
+        try:
+            return t.data_ptr(), numel, code
+        except RuntimeError:  # a storage-less wrapper that looks like a plain tensor
+            return None
 
     def _native_vector(self, t: torch.Tensor, plan: StatPlan) -> Optional[Tuple[List[float], Optional[int],
                                                                                  Optional[int]]]:
