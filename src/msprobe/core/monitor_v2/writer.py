@@ -212,7 +212,7 @@ class CsvWriter:
         # rows formatted in C where the kernel's extension is built (None: in Python); the
         # cells it has written so far, by text
         kernel = native.load()
-        self._format_rows = kernel.format_rows if kernel is not None else None
+        self._format_rows = kernel.ext.format_rows if kernel is not None and kernel.ext is not None else None
         self._cells: Dict[str, str] = {}
         self._make_rank_dir()
 

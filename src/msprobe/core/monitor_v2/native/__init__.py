@@ -74,24 +74,21 @@ class NativeStats:
 
     ``ext`` is the kernel built as a CPython extension (``python_ext.c``), where the Python
     headers were there to build it: the same reductions at a fraction of a ctypes call's
-    fixed cost, and ``format_rows`` for the writer. Without it, ``lib`` (the ctypes
-    library of ``stats_kernel.c``) serves the statistics and ``format_rows`` is None."""
+    fixed cost, with the records, merging and row formatting the rest of the package uses
+    from it (``ext.Record``, ``ext.merge_fields``, ``ext.format_rows``...). Without it,
+    ``lib`` (the ctypes library of ``stats_kernel.c``) serves the statistics alone."""
 
     def __init__(self, lib: Optional[ctypes.CDLL], path: str, ext: Any = None) -> None:
         self.path = path
         self.ext = ext
-        self.format_rows: Optional[Callable[..., bytes]] = None
         if ext is not None:
-            self.format_rows = ext.format_rows
             mask = ext.dtypes()
             self.dtype_codes = frozenset(code for code in (F32, BF16, F16) if mask & (1 << code))
             # the binding's methods replaced by the extension's, with the same results
             self.stats = ext.stats  # type: ignore[method-assign]
             self.stats_zeros = ext.stats_zeros  # type: ignore[method-assign]
-            self._ext_many = ext.stats_many
             return
         assert lib is not None
-        self._ext_many = None
         self._fn = lib.msprobe_stats
         self._fn.restype = ctypes.c_int64
         self._fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
@@ -141,8 +138,8 @@ class NativeStats:
         item ``i`` exactly what ``stats`` of buffer ``i`` alone gives (its vector as a
         tuple: records keep host vectors as tuples, and building a list first is one
         more object per tensor)."""
-        if self._ext_many is not None:
-            return self._ext_many(pointers, counts, dtype_codes, threads, zeros)
+        if self.ext is not None:
+            return self.ext.stats_many(pointers, counts, dtype_codes, threads, zeros)
         n = len(pointers)
         out = (ctypes.c_double * (4 * n))()
         nans = (ctypes.c_int64 * n)()
