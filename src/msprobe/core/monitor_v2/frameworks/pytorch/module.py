@@ -47,7 +47,6 @@ monitored module, and the hooks run eagerly on the real tensors there.
 
 import logging
 import threading
-import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -65,7 +64,6 @@ from .stats import StatPlan
 logger = logging.getLogger("msprobe.monitor_v2")
 
 _get_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)
-_perf_counter = time.perf_counter
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _NO_ARGUMENT = object()
@@ -196,7 +194,7 @@ class _GradInputSum:
         self.name = name
 
 
-class _NodeHook:
+class _NodeHook(ContainedHook):
     """All of the monitor's hooks on one autograd node, as one object: ``outs`` the
     ``grad_output`` slots ``(vpp, output number, row name, site)`` and ``ins`` the
     ``grad_input`` edges ``(vpp, edge index, row name, sum or None, site)`` of every module
@@ -213,40 +211,33 @@ class _NodeHook:
     rows come in the order separate hooks gave: every ``grad_output`` of the node, then
     every ``grad_input``.
 
-    Like ``monitor.ContainedHook``: it returns at once while its monitor is not active,
-    an error in one slot is logged once per site (the module's grad_output or grad_input
-    hook) and never reaches training, and the time is counted in ``busy``. The slots are
-    tuples (of strings and ints, which the garbage collector stops tracking, but for the
-    sums): these objects live from the forward pass to the backward pass of every
-    written step."""
+    A ``monitor.ContainedHook``: it returns at once while its monitor is not active, an
+    error in one slot is logged once per site (the module's grad_output or grad_input
+    hook; an error outside the slots under ``module graph hook``) and never reaches
+    training, and the time is counted in ``busy``. The slots are tuples (of strings and
+    ints, which the garbage collector stops tracking, but for the sums): these objects
+    live from the forward pass to the backward pass of every written step."""
 
-    __slots__ = ("monitor", "kind", "outs", "ins", "pre", "post")
+    __slots__ = ("kind", "outs", "ins", "pre", "post")
 
     def __init__(self, monitor: "ModuleMonitor", kind: type) -> None:
-        self.monitor = monitor
+        super().__init__(monitor, _NODE_HOOK_SITE)
         self.kind = kind
         self.outs: Tuple[Tuple[int, int, str, str], ...] = ()
         self.ins: Tuple[Tuple[int, int, str, Optional[_GradInputSum], str], ...] = ()
         self.pre = False  # registered as a pre-hook: the ``outs`` are recorded there
         self.post = False
 
-    def __call__(self, grads: Tuple, grad_outputs: Any = _NO_ARGUMENT) -> None:
+    def run(self, grads: Tuple, grad_outputs: Any = _NO_ARGUMENT) -> None:
         monitor = self.monitor
-        if not monitor.active or not monitor.attached:
-            return None
-        errors = monitor.errors
-        start = _perf_counter()
-        try:
-            if grad_outputs is _NO_ARGUMENT:  # the pre-hook: ``grads`` are the node's incoming gradients
-                self._outputs(monitor, grads)
-            else:
-                if not self.pre:
-                    self._outputs(monitor, grad_outputs)
-                self._inputs(monitor, grads)
-        except Exception as exc:  # noqa: BLE001 - outside any one slot (each slot has its own site)
-            errors.report(_NODE_HOOK_SITE, exc)
-        errors.busy += _perf_counter() - start
-        return None  # a hook that returns a value could replace a tensor
+        if not monitor.attached:
+            return
+        if grad_outputs is _NO_ARGUMENT:  # the pre-hook: ``grads`` are the node's incoming gradients
+            self._outputs(monitor, grads)
+            return
+        if not self.pre:
+            self._outputs(monitor, grad_outputs)
+        self._inputs(monitor, grads)
 
     def _outputs(self, monitor: "ModuleMonitor", grad_outputs: Tuple) -> None:
         engine, plan, records = monitor.session.engine, monitor.plan, monitor._records
@@ -513,13 +504,10 @@ class ModuleMonitor(Monitor):
                     self._warn_once(f"{tag}.leaf", f"output {suffix} of {tag} is a leaf tensor; its gradient "
                                     f"is not observed")
                 continue
-            node, nr = own, t.output_nr
-            if t._is_view():
-                base = t._base
-                if base is not None and base.grad_fn is not None and base.numel() == t.numel():
-                    node, nr = base.grad_fn, base.output_nr
-                    if call is not None and node is not own and node._sequence_nr() < call.boundary:
-                        node, nr = own, t.output_nr  # the base is not this module's own result
+            edges = _grad_edges(t)
+            node, nr = edges[-1]
+            if call is not None and node is not own and node._sequence_nr() < call.boundary:
+                node, nr = edges[0]  # the base is not this module's own result
             hook = _node_hook(self, nodes, node)
             hook.outs += ((vpp, nr, grad_names[j], site),)
             touched.append(hook)
