@@ -164,6 +164,22 @@ class NativeStats:
         return vectors, nan_list, zero_counts[:] if zero_counts is not None else None
 
 
+    def host_records(self, keys: Sequence[Any], pointers: Sequence[int], counts: Sequence[int],
+                     dtype_codes: Sequence[int], threads: int, nans: bool, zeros: bool,
+                     host: Callable[..., Any]) -> List[Any]:
+        """The records of many buffers, record ``i`` under row key ``keys[i]``: built in
+        the kernel's call where the extension is (its ``Record``, ``records_many``), else
+        ``host(key, vector, nan_count, count, zero_count)`` of ``stats_many``'s items (an
+        engine's ``Record.host``). The NaN count is kept where ``nans`` is true, the zero
+        count counted where ``zeros`` is. Both engines' batches end here."""
+        if self.ext is not None:
+            return self.ext.records_many(keys, pointers, counts, dtype_codes, threads, nans, zeros)
+        vectors, nan_counts, zero_counts = self.stats_many(pointers, counts, dtype_codes, threads, zeros)
+        n = len(vectors)
+        return list(map(host, keys, vectors, nan_counts if nans else [None] * n, counts,
+                        zero_counts if zero_counts is not None else [None] * n))
+
+
 _lock = threading.Lock()
 _loaded: Optional[NativeStats] = None
 _tried = False

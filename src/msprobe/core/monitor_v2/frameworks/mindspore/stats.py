@@ -22,7 +22,7 @@ count is therefore also taken when ``min``/``max`` are asked for, and the host s
 reports NaN min/max for any tensor that holds a NaN.
 
 ``record_many`` (parameters, gradients, optimizer states) sends all the host views the
-kernel reads to it in one call (``stats_many``), the same numbers as one call each.
+kernel reads to it in one call (``NativeStats.host_records``), the same numbers as one call each.
 
 The optional ``zeros`` count (asked for in ``ops``) comes from the same read on the CPU
 (the C kernel's zero-counting variant, or ``np.count_nonzero(x == 0)`` on the NumPy
@@ -239,8 +239,9 @@ class MsStatsEngine:
             counts.append(numel)
             codes.append(code)
         if batched:
-            try:
-                vectors, nans, zeros = kernel.stats_many(pointers, counts, codes, self._threads, want_zeros)
+            try:  # NaN counts kept, as ``record`` keeps them
+                read = kernel.host_records([records[i] for i in batched], pointers, counts, codes, self._threads,
+                                           True, want_zeros, self._Record.host)
             except (TypeError, RuntimeError, ValueError):  # each buffer alone, as ``record`` would
                 for i, a in zip(batched, views):
                     try:
@@ -248,11 +249,8 @@ class MsStatsEngine:
                     except (TypeError, RuntimeError, ValueError) as exc:
                         records[i] = self._unobserved_record(tensors[i], records[i], exc)
                 return records
-            if zeros is None:
-                zeros = [None] * len(batched)
-            host = self._Record.host
-            for i, vector, nan_count, numel, zero_count in zip(batched, vectors, nans, counts, zeros):
-                records[i] = host(records[i], vector, nan_count, numel, zero_count)
+            for i, rec in zip(batched, read):
+                records[i] = rec
         return records
 
     def _unobserved_record(self, t: ms.Tensor, key: Tuple[int, str, str, Optional[int]],

@@ -526,35 +526,31 @@ class TorchStatsEngine:
         kernel = self._native
         if kernel is None:
             return [self._Record(*key, *self._compute_aten(t, plan, key[1])) for t, key in zip(tensors, keys)]
+        threads = torch.get_num_threads()
         buffers = _kernel_buffers(tensors, self._kernel_codes)
         if buffers is not None:  # the common case: every tensor is one the kernel reads
-            pointers, counts, codes = buffers
-            if kernel.ext is not None:  # the records built in the same call (self._Record is the extension's)
-                return kernel.ext.records_many(keys, pointers, counts, codes, torch.get_num_threads(), plan.nans,
-                                               plan.zeros)
-            records: List[Any] = list(keys)  # replaced below
-            batched: Sequence[int] = range(len(records))  # indices in ``records`` of the kernel's buffers
-        else:  # a tensor the kernel does not read in the list: each tensor on its own path
-            records, batched, pointers, counts, codes = [], [], [], [], []
-            for t, key in zip(tensors, keys):
-                buffer = self._native_buffer(t)
-                if buffer is None:
-                    records.append(self._Record(*key, *self._compute_aten(t, plan, key[1])))
-                    continue
-                batched.append(len(records))
-                records.append(key)  # replaced below
-                pointers.append(buffer[0])
-                counts.append(buffer[1])
-                codes.append(buffer[2])
+            return kernel.host_records(keys, *buffers, threads, plan.nans, plan.zeros, self._Record.host)
+        # a tensor the kernel does not read in the list: each tensor on its own path
+        records: List[Any] = []
+        batched: List[int] = []  # indices in ``records`` of the kernel's buffers
+        pointers: List[int] = []
+        counts: List[int] = []
+        codes: List[int] = []
+        for t, key in zip(tensors, keys):
+            buffer = self._native_buffer(t)
+            if buffer is None:
+                records.append(self._Record(*key, *self._compute_aten(t, plan, key[1])))
+                continue
+            batched.append(len(records))
+            records.append(key)  # replaced below
+            pointers.append(buffer[0])
+            counts.append(buffer[1])
+            codes.append(buffer[2])
         if batched:
-            vectors, nans, zeros = kernel.stats_many(pointers, counts, codes, torch.get_num_threads(), plan.zeros)
-            host = self._Record.host
-            if not plan.nans:
-                nans = [None] * len(batched)
-            if zeros is None:
-                zeros = [None] * len(batched)
-            for i, vector, nan_count, numel, zero_count in zip(batched, vectors, nans, counts, zeros):
-                records[i] = host(records[i], vector, nan_count, numel, zero_count)
+            read = kernel.host_records([records[i] for i in batched], pointers, counts, codes, threads, plan.nans,
+                                       plan.zeros, self._Record.host)
+            for i, rec in zip(batched, read):
+                records[i] = rec
         return records
 
     def warn_unobserved(self, name: str, why: str) -> None:
