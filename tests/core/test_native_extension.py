@@ -213,6 +213,26 @@ def test_merging_in_c_gives_the_python_merges_tuples_to_the_bit(extension):
             assert _same(stats.merge_fields(records), want)
 
 
+@pytest.mark.parametrize("with_micro_step", [False, True])
+def test_records_merged_and_formatted_in_one_call_are_the_python_writers_bytes(tmp_path, extension, with_micro_step):
+    """``format_records`` (the writer's path when no alert or dashboard needs row objects)
+    writes exactly what Python's merge and formatter write for the same records: repeated
+    keys merged, unobserved and empty records, NaN counts that hide min and max."""
+    from msprobe.core.monitor_v2 import stats
+
+    out = MonitorOutput("weight_grad", ("min", "max", "mean", "norm", "nans", "zeros"), with_micro_step)
+    writer = CsvWriter(str(tmp_path / "rank_0"), StepSchedule(), [out])
+    for seed in range(3):
+        for records in (_random_records(extension.ext.Record, 3000, seed),
+                        _random_records(extension.ext.Record, 1500, seed) + _random_records(stats.Record, 1500, seed)):
+            want_rows = stats._merge_fields(records)
+            formatted, n = writer._formatted_records("weight_grad", 7, records)
+            assert n == len(want_rows) < len(records) - 100
+            assert formatted(False) == CsvWriter._format_python(out, 7, want_rows)
+            assert formatted(True).startswith((",".join(out.header) + "\n").encode())
+    writer.close()
+
+
 def test_a_record_the_c_merge_does_not_take_is_merged_in_python(extension):
     from msprobe.core.monitor_v2 import stats
 
@@ -220,6 +240,8 @@ def test_a_record_the_c_merge_does_not_take_is_merged_in_python(extension):
     device_vector = extension.ext.Record(0, "w", "forward", None, np.array([1.0, 2.0, 3.0, 4.0]), 0, 4)
     with pytest.raises(TypeError):
         extension.ext.merge_fields([device_vector])
+    with pytest.raises(TypeError):
+        extension.ext.format_records([device_vector], "1", b"\x00", False, {}, str)
     ints = extension.ext.Record(0, "w", "forward", None, (1, 2, 3, 4), 0, 4)  # ints, not floats
     assert stats.merge_fields([ints]) == stats._merge_fields([ints]) == [(0, "w", "forward", None, 4, 1, 2, 3, 16, 0, 0)]
 

@@ -67,7 +67,7 @@ summed in a way the stack did not name) rather than report a disagreement.
 
 import json
 import os
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import rows
 from .errors import OutputError
@@ -186,11 +186,11 @@ def validate(doc: Any, source: str = FILE_NAME) -> Dict[str, Any]:
     return doc
 
 
-def write_layout(rank_dir: str, doc: Mapping[str, Any]) -> str:
+def write_layout(rank_dir: str, doc: Union[Mapping[str, Any], str]) -> str:
     """Write ``rank_dir/layout.json`` whole (a temporary file renamed over it, 0640, never
-    through a link) and return its path."""
+    through a link) and return its path; ``doc`` may be ``render``'s text already."""
     path = os.path.join(rank_dir, FILE_NAME)
-    data = render(doc).encode("utf-8")
+    data = (doc if isinstance(doc, str) else render(doc)).encode("utf-8")
     try:
         with replace_file(path) as fh:
             fh.write(data)
@@ -199,10 +199,13 @@ def write_layout(rank_dir: str, doc: Mapping[str, Any]) -> str:
     return path
 
 
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+
+
 def render(doc: Mapping[str, Any]) -> str:
     """JSON with one top-level key, one parameter and one module per line: small for
     10,000 parameters, and readable with ``grep``."""
-    dump = lambda v: json.dumps(v, separators=(",", ":"))  # noqa: E731
+    dump = _COMPACT.encode  # one encoder: json.dumps with separators makes one per call
     lines = []
     for key, value in doc.items():
         if key in ("params", "modules") and isinstance(value, dict) and value:

@@ -233,12 +233,12 @@ def weight_grad_rows(unreduced: Mapping[Tuple, Record], reduced: List[Record], p
     and ``reduced`` rows carry the step's number of micro-batches: the most backward
     passes any parameter saw, or the announced number when none ran."""
     micro = max(passes.values(), default=0) or announced
-    records = []
-    for key, rec in sorted(unreduced.items()):  # keys are unique: records are never compared
+    keys = sorted(unreduced)  # the keys alone: no (key, record) pair built and compared
+    records = list(map(unreduced.__getitem__, keys))
+    for key, rec in zip(keys, records):
         if key[1] == 0:
             rec.micro_step = micro
-        records.append(rec)
     for rec in reduced:
         rec.micro_step = micro
-        records.append(rec)
+    records += reduced
     return records

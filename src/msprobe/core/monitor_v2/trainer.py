@@ -29,7 +29,7 @@ from .dynamic import (ConfigWatch, MonitorPlan, auto_target, describe_planned, r
                       schedule_text, timed_names)
 from .errors import ConfigError, MonitorStateError, NonFiniteGradientError
 from .frameworks import load_backend
-from .layout import write_layout
+from .layout import render, write_layout
 from .model_structure import write_structure
 from .monitor import ContainedErrors, Monitor, module_tags
 from .logonce import LogOnce
@@ -195,7 +195,8 @@ class TrainerMonitorV2:
                            "not written and 'msprobe-monitor merge' cannot combine this rank's rows", exc)
             return
         rank_dir = self.rank_dir
-        writer.before_first_file = lambda: write_layout(rank_dir, doc)
+        text = render(doc)  # now, at start(): the first written step only writes the file
+        writer.before_first_file = lambda: write_layout(rank_dir, text)
 
     # ------------------------------------------ alert.dump / stop_on_nonfinite
     def _make_guard(self, backend: Any, session: Session) -> Any:

@@ -213,6 +213,7 @@ class CsvWriter:
         # cells it has written so far, by text
         kernel = native.load()
         self._format_rows = kernel.ext.format_rows if kernel is not None and kernel.ext is not None else None
+        self._format_records = kernel.ext.format_records if kernel is not None and kernel.ext is not None else None
         self._cells: Dict[str, str] = {}
         self._make_rank_dir()
 
@@ -344,13 +345,16 @@ class CsvWriter:
                            path, expected)
 
     # ------------------------------------------------------------------ rows
+    def _header(self, monitor: str, with_header: bool) -> bytes:
+        if not with_header:
+            return b""
+        buf = io.StringIO()
+        csv.writer(buf, lineterminator="\n").writerow(self.outputs[monitor].header)
+        return buf.getvalue().encode("utf-8")
+
     def _format(self, monitor: str, step: int, rows: Sequence[RowFields], with_header: bool) -> bytes:
         out = self.outputs[monitor]
-        head = b""
-        if with_header:
-            buf = io.StringIO()
-            csv.writer(buf, lineterminator="\n").writerow(out.header)
-            head = buf.getvalue().encode("utf-8")
+        head = self._header(monitor, with_header)
         fast = self._format_rows
         if fast is not None:
             if len(self._cells) > _CELL_CACHE_LIMIT:
@@ -384,13 +388,33 @@ class CsvWriter:
                 lines.append(f"{vpp_stage},{step},{_row_cell(name)},{_row_cell(scope)},{cells}\n")
         return "".join(lines).encode("utf-8", errors="backslashreplace")
 
+    def _formatted_records(self, monitor: str, step: int, records: List[Record]) -> Tuple[Callable[[bool], bytes], int]:
+        """``(format, rows)``: the merged rows of ``records`` and a function that gives their
+        bytes (with the header or not). Merged and formatted in one call of the extension
+        where it is built (no row tuple per row); else as ``merge_fields`` and ``_format``."""
+        fast = self._format_records
+        if fast is not None:
+            out = self.outputs[monitor]
+            if len(self._cells) > _CELL_CACHE_LIMIT:
+                self._cells.clear()
+            try:
+                data, n = fast(records if type(records) is list else list(records), str(step), out.stat_codes,
+                               out.with_micro_step, self._cells, _row_cell)
+                return (lambda with_header: self._header(monitor, with_header) + data), n
+            except (TypeError, ValueError, OverflowError):  # device vectors or other types: the general path
+                pass
+        rows = merge_fields(records)
+        return (lambda with_header: self._format(monitor, step, rows, with_header)), len(rows)
+
     def write_rows(self, monitor: str, step: int, rows: Sequence[RowFields]) -> None:
         """Append ``rows`` in one write; on failure the file is left as it was (a new file
         is removed again) and the error is raised."""
-        if not rows:
-            return
+        if rows:
+            self._write(monitor, step, lambda with_header: self._format(monitor, step, rows, with_header))
+
+    def _write(self, monitor: str, step: int, formatted: Callable[[bool], bytes]) -> None:
         opened, new = self._open(monitor, step)
-        data = self._format(monitor, step, rows, new)
+        data = formatted(new)
         before = 0 if new else os.fstat(opened.fd).st_size
         try:
             _write_all(opened.fd, data)
@@ -415,6 +439,9 @@ class CsvWriter:
     def write_step(self, step: int, records: Dict[str, List[Record]]) -> None:
         """Records carry host vectors; merge them into rows and write each monitor's file.
         Never raises for an output problem: it is logged and counted (see ``close``)."""
+        if self.alerter is None and self.sinks is None:  # the rows are needed as bytes only
+            self._write_records(step, records)
+            return
         # rows as plain tuples: only the alerter and the sinks need Row objects
         fields = [(monitor, merge_fields(recs)) for monitor, recs in records.items()]
         merged: List[Tuple[str, List[Row]]] = []
@@ -440,11 +467,34 @@ class CsvWriter:
                     self.written_steps.add(step)
             except Exception as exc:  # noqa: BLE001 - output problems are counted, never raised
                 failure = failure or exc
-                self.lost_rows += len(rows)
-                if isinstance(exc, UnsafePathError):
-                    self._note_refused(monitor, exc)
-                if not isinstance(exc, OSError) and self._first_error is None:
-                    logger.error("monitor_v2: writing %s rows of step %s failed", monitor, step, exc_info=exc)
+                self._count_lost(monitor, step, len(rows), exc)
+        self._after_write(step, failure)
+
+    def _write_records(self, step: int, records: Dict[str, List[Record]]) -> None:
+        """``write_step`` where nothing needs the rows as objects: each monitor's records
+        merged and formatted in one call."""
+        failure: Optional[BaseException] = None
+        for monitor, recs in records.items():
+            n = 0
+            try:
+                formatted, n = self._formatted_records(monitor, step, recs)
+                if n:
+                    self._write(monitor, step, formatted)
+                    self.written_rows += n
+                    self.written_steps.add(step)
+            except Exception as exc:  # noqa: BLE001 - output problems are counted, never raised
+                failure = failure or exc
+                self._count_lost(monitor, step, n or _merged_count(recs), exc)
+        self._after_write(step, failure)
+
+    def _count_lost(self, monitor: str, step: int, rows: int, exc: BaseException) -> None:
+        self.lost_rows += rows
+        if isinstance(exc, UnsafePathError):
+            self._note_refused(monitor, exc)
+        if not isinstance(exc, OSError) and self._first_error is None:
+            logger.error("monitor_v2: writing %s rows of step %s failed", monitor, step, exc_info=exc)
+
+    def _after_write(self, step: int, failure: Optional[BaseException]) -> None:
         if failure is not None:
             self._on_failure(step, failure)
         elif self._failing:
@@ -508,6 +558,15 @@ class CsvWriter:
                 len(self.lost_steps), self.lost_rows, self.rank_dir, _ranges(self.lost_steps),
                 self._first_error,
             )
+
+
+def _merged_count(records: List[Record]) -> int:
+    """The rows ``records`` merge into (0 where even that fails: the rows are counted as
+    written or lost by what could be merged)."""
+    try:
+        return len(merge_fields(records))
+    except Exception:  # noqa: BLE001
+        return 0
 
 
 class AsyncCsvWriter:

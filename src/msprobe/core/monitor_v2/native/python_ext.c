@@ -16,6 +16,7 @@
 #include <structmember.h>
 #include <float.h>
 #include <stdlib.h>
+#include <time.h>
 
 #include "stats_kernel.c"
 
@@ -428,32 +429,101 @@ static int float_item(PyObject *row, Py_ssize_t i, double *out) {
 
 enum { OP_MIN, OP_MAX, OP_MEAN, OP_NORM, OP_NANS, OP_ZEROS };
 
+/* The columns every row of one file shares: the step's text, the statistic columns
+   (one OP_* each), whether a micro_step column is written, and the cell cache. */
+typedef struct {
+    const char *step_text;
+    Py_ssize_t step_len;
+    const char *op;
+    Py_ssize_t n_ops;
+    int with_micro;
+    PyObject *cells, *cell_fn;
+} row_format_t;
+
+/* Parse (step_text, op_codes, with_micro_step, cells, cell_fn) of format_rows and
+   format_records. */
+static int row_format_parse(PyObject *const *args, row_format_t *f) {
+    PyObject *step = args[0], *ops = args[1];
+    f->with_micro = PyObject_IsTrue(args[2]);
+    if (f->with_micro < 0)
+        return -1;
+    f->cells = args[3];
+    f->cell_fn = args[4];
+    if (!PyUnicode_Check(step) || !PyBytes_Check(ops) || !PyDict_Check(f->cells)) {
+        PyErr_SetString(PyExc_TypeError, "format_rows: (list, str, bytes, bool, dict, callable) expected");
+        return -1;
+    }
+    f->step_text = PyUnicode_AsUTF8AndSize(step, &f->step_len);
+    if (f->step_text == NULL)
+        return -1;
+    f->op = PyBytes_AS_STRING(ops);
+    f->n_ops = PyBytes_GET_SIZE(ops);
+    return 0;
+}
+
+/* One row "vpp,step,name,scope,[micro,]<stats>\n", exactly as the writer's Python
+   formatter writes it. */
+static int format_one(buffer_t *b, const row_format_t *f, PyObject *vpp, PyObject *name, PyObject *scope,
+                      PyObject *micro, long long numel, double mn, double mx, double total, double sumsq,
+                      PyObject *nans, PyObject *zeros) {
+    if (append_int(b, vpp) < 0 || append(b, ",", 1) < 0 || append(b, f->step_text, f->step_len) < 0 ||
+        append(b, ",", 1) < 0 || append_cell(b, name, f->cells, f->cell_fn) < 0 || append(b, ",", 1) < 0 ||
+        append_cell(b, scope, f->cells, f->cell_fn) < 0 || append(b, ",", 1) < 0)
+        return -1;
+    if (f->with_micro && ((micro != Py_None && append_int(b, micro) < 0) || append(b, ",", 1) < 0))
+        return -1;
+    for (Py_ssize_t k = 0; k < f->n_ops; k++) {
+        if (k && append(b, ",", 1) < 0)
+            return -1;
+        int failed;
+        switch (f->op[k]) {
+        case OP_MIN: failed = append_float(b, numel ? mn : Py_NAN); break;
+        case OP_MAX: failed = append_float(b, numel ? mx : Py_NAN); break;
+        case OP_MEAN: failed = append_float(b, numel ? total / (double)numel : Py_NAN); break;
+        case OP_NORM:
+            if (sumsq < 0) { /* math.sqrt raises here: let Python say so */
+                PyErr_SetString(PyExc_ValueError, "format_rows: a negative sum of squares");
+                return -1;
+            }
+            failed = append_float(b, sqrt(sumsq));
+            break;
+        case OP_NANS: failed = append_int(b, nans); break;
+        case OP_ZEROS: failed = append_int(b, zeros); break;
+        default:
+            PyErr_SetString(PyExc_ValueError, "format_rows: unknown op code");
+            return -1;
+        }
+        if (failed < 0)
+            return -1;
+    }
+    return append(b, "\n", 1);
+}
+
+static PyObject *buffer_bytes(buffer_t *b) {
+    PyObject *result = PyBytes_FromStringAndSize(b->data ? b->data : "", b->len);
+    PyMem_Free(b->data);
+    return result;
+}
+
 /* format_rows(rows, step_text, op_codes, with_micro_step, cells, cell_fn) -> bytes
 
    rows: a list of tuples (vpp_stage, name, scope, micro_step, numel, min, max, total,
    sumsq, nans, zeros), as stats.merge_fields gives them; op_codes: bytes, one OP_* per
-   statistic column. Each row is "vpp,step,name,scope,[micro,]<stats>\n" exactly as the
-   writer's Python formatter writes it. A row of another shape or types raises TypeError
-   (the caller then formats in Python). */
+   statistic column. A row of another shape or types raises TypeError (the caller then
+   formats in Python). */
 static PyObject *py_format_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6) {
         PyErr_SetString(PyExc_TypeError, "format_rows takes 6 arguments");
         return NULL;
     }
-    PyObject *rows = args[0], *step = args[1], *ops = args[2], *cells = args[4], *cell_fn = args[5];
-    int with_micro = PyObject_IsTrue(args[3]);
-    if (with_micro < 0)
+    PyObject *rows = args[0];
+    row_format_t f;
+    if (row_format_parse(args + 1, &f) < 0)
         return NULL;
-    if (!PyList_Check(rows) || !PyUnicode_Check(step) || !PyBytes_Check(ops) || !PyDict_Check(cells)) {
+    if (!PyList_Check(rows)) {
         PyErr_SetString(PyExc_TypeError, "format_rows: (list, str, bytes, bool, dict, callable) expected");
         return NULL;
     }
-    Py_ssize_t step_len;
-    const char *step_text = PyUnicode_AsUTF8AndSize(step, &step_len);
-    if (step_text == NULL)
-        return NULL;
-    const char *op = PyBytes_AS_STRING(ops);
-    Py_ssize_t n_ops = PyBytes_GET_SIZE(ops);
     buffer_t b = {NULL, 0, 0};
     Py_ssize_t n_rows = PyList_GET_SIZE(rows);
     for (Py_ssize_t r = 0; r < n_rows; r++) {
@@ -461,16 +531,6 @@ static PyObject *py_format_rows(PyObject *self, PyObject *const *args, Py_ssize_
         if (!PyTuple_CheckExact(row) || PyTuple_GET_SIZE(row) != 11) {
             PyErr_SetString(PyExc_TypeError, "format_rows: a row is not an 11-tuple");
             goto fail;
-        }
-        if (append_int(&b, PyTuple_GET_ITEM(row, 0)) < 0 || append(&b, ",", 1) < 0 ||
-            append(&b, step_text, step_len) < 0 || append(&b, ",", 1) < 0 ||
-            append_cell(&b, PyTuple_GET_ITEM(row, 1), cells, cell_fn) < 0 || append(&b, ",", 1) < 0 ||
-            append_cell(&b, PyTuple_GET_ITEM(row, 2), cells, cell_fn) < 0 || append(&b, ",", 1) < 0)
-            goto fail;
-        if (with_micro) {
-            PyObject *micro = PyTuple_GET_ITEM(row, 3);
-            if ((micro != Py_None && append_int(&b, micro) < 0) || append(&b, ",", 1) < 0)
-                goto fail;
         }
         PyObject *numel_obj = PyTuple_GET_ITEM(row, 4);
         if (!PyLong_CheckExact(numel_obj)) {
@@ -484,36 +544,12 @@ static PyObject *py_format_rows(PyObject *self, PyObject *const *args, Py_ssize_
         if (float_item(row, 5, &mn) < 0 || float_item(row, 6, &mx) < 0 || float_item(row, 7, &total) < 0 ||
             float_item(row, 8, &sumsq) < 0)
             goto fail;
-        for (Py_ssize_t k = 0; k < n_ops; k++) {
-            if (k && append(&b, ",", 1) < 0)
-                goto fail;
-            int failed;
-            switch (op[k]) {
-            case OP_MIN: failed = append_float(&b, numel ? mn : Py_NAN); break;
-            case OP_MAX: failed = append_float(&b, numel ? mx : Py_NAN); break;
-            case OP_MEAN: failed = append_float(&b, numel ? total / (double)numel : Py_NAN); break;
-            case OP_NORM:
-                if (sumsq < 0) { /* math.sqrt raises here: let Python say so */
-                    PyErr_SetString(PyExc_ValueError, "format_rows: a negative sum of squares");
-                    goto fail;
-                }
-                failed = append_float(&b, sqrt(sumsq));
-                break;
-            case OP_NANS: failed = append_int(&b, PyTuple_GET_ITEM(row, 9)); break;
-            case OP_ZEROS: failed = append_int(&b, PyTuple_GET_ITEM(row, 10)); break;
-            default:
-                PyErr_SetString(PyExc_ValueError, "format_rows: unknown op code");
-                goto fail;
-            }
-            if (failed < 0)
-                goto fail;
-        }
-        if (append(&b, "\n", 1) < 0)
+        if (format_one(&b, &f, PyTuple_GET_ITEM(row, 0), PyTuple_GET_ITEM(row, 1), PyTuple_GET_ITEM(row, 2),
+                       PyTuple_GET_ITEM(row, 3), numel, mn, mx, total, sumsq, PyTuple_GET_ITEM(row, 9),
+                       PyTuple_GET_ITEM(row, 10)) < 0)
             goto fail;
     }
-    PyObject *result = PyBytes_FromStringAndSize(b.data ? b.data : "", b.len);
-    PyMem_Free(b.data);
-    return result;
+    return buffer_bytes(&b);
 fail:
     PyMem_Free(b.data);
     return NULL;
@@ -847,115 +883,227 @@ static PyObject *row_tuple(PyObject *key, PyObject *numel, double mn, double mx,
     return row;
 }
 
-/* merge_fields(records) -> [(vpp_stage, name, scope, micro_step, numel, min, max, total,
-   sumsq, nans, zeros), ...]: stats.merge_fields, for host vectors that are tuples of
-   floats (anything else raises TypeError before a row is returned; the caller then
-   merges in Python). */
-static PyObject *py_merge_fields(PyObject *self, PyObject *records) {
+/* A merged row, in C: merge_fields builds its tuple, format_records formats it directly
+   (no tuple and no float objects per row). The object fields are owned references. */
+typedef struct {
+    PyObject *key; /* (vpp_stage, name, scope, micro_step) */
+    PyObject *numel, *nans, *zeros;
+    double mn, mx, total, sumsq;
+} merged_t;
+
+typedef struct {
+    merged_t *rows;
+    Py_ssize_t n, cap;
+} merged_list_t;
+
+static void merged_free(merged_list_t *m) {
+    for (Py_ssize_t i = 0; i < m->n; i++) {
+        Py_XDECREF(m->rows[i].key);
+        Py_XDECREF(m->rows[i].numel);
+        Py_XDECREF(m->rows[i].nans);
+        Py_XDECREF(m->rows[i].zeros);
+    }
+    PyMem_Free(m->rows);
+    m->rows = NULL;
+    m->n = m->cap = 0;
+}
+
+/* Merge one record into `m` (its row found by key in `index`: key -> position). */
+static int merge_one(PyObject *rec, PyObject *index, merged_list_t *m) {
+    PyObject *vector = NULL, *nans = NULL, *zeros = NULL, *numel = NULL, *key = NULL, *raw = NULL;
+    PyObject *vpp = NULL, *name = NULL, *scope = NULL, *micro = NULL;
+    int ok = 0;
+    vector = field(rec, offsetof(RecordObject, vector), "_vector");
+    if (vector == NULL)
+        goto done;
+    if (vector == Py_None) { /* unobserved: no row */
+        ok = 1;
+        goto done;
+    }
+    if (!PyTuple_CheckExact(vector) || PyTuple_GET_SIZE(vector) < 4) {
+        PyErr_SetString(PyExc_TypeError, "merge_fields: a vector is not a host tuple");
+        goto done;
+    }
+    if ((raw = field(rec, offsetof(RecordObject, nans), "nans")) == NULL || (nans = count_of(raw)) == NULL)
+        goto done;
+    Py_CLEAR(raw);
+    if ((raw = field(rec, offsetof(RecordObject, zeros), "zeros")) == NULL || (zeros = count_of(raw)) == NULL)
+        goto done;
+    if ((numel = field(rec, offsetof(RecordObject, numel), "numel")) == NULL)
+        goto done;
+    if (!PyLong_CheckExact(numel)) {
+        PyErr_SetString(PyExc_TypeError, "merge_fields: an element count is not an int");
+        goto done;
+    }
+    double mn, mx, total, norm;
+    if (vector_float(vector, 0, &mn) < 0 || vector_float(vector, 1, &mx) < 0 ||
+        vector_float(vector, 2, &total) < 0 || vector_float(vector, 3, &norm) < 0)
+        goto done;
+    int has_nans = PyObject_IsTrue(nans);
+    if (has_nans < 0)
+        goto done;
+    if (has_nans) /* some kernels skip NaN in min/max; the spec never hides it */
+        mn = mx = Py_NAN;
+    if ((vpp = field(rec, offsetof(RecordObject, vpp_stage), "vpp_stage")) == NULL ||
+        (name = field(rec, offsetof(RecordObject, name), "name")) == NULL ||
+        (scope = field(rec, offsetof(RecordObject, scope), "scope")) == NULL ||
+        (micro = field(rec, offsetof(RecordObject, micro_step), "micro_step")) == NULL)
+        goto done;
+    key = PyTuple_Pack(4, vpp, name, scope, micro);
+    if (key == NULL)
+        goto done;
+    PyObject *where = PyDict_GetItemWithError(index, key); /* borrowed */
+    if (where == NULL) {
+        if (PyErr_Occurred())
+            goto done;
+        if (m->n == m->cap) {
+            Py_ssize_t cap = m->cap ? 2 * m->cap : 256;
+            merged_t *grown = PyMem_Realloc(m->rows, cap * sizeof *grown);
+            if (grown == NULL) {
+                PyErr_NoMemory();
+                goto done;
+            }
+            m->rows = grown;
+            m->cap = cap;
+        }
+        PyObject *position = PyLong_FromSsize_t(m->n);
+        if (position == NULL)
+            goto done;
+        int failed = PyDict_SetItem(index, key, position);
+        Py_DECREF(position);
+        if (failed < 0)
+            goto done;
+        merged_t *row = &m->rows[m->n++];
+        row->key = key; /* references moved into the row */
+        row->numel = numel;
+        row->nans = nans;
+        row->zeros = zeros;
+        key = numel = nans = zeros = NULL;
+        row->mn = mn;
+        row->mx = mx;
+        row->total = total;
+        row->sumsq = norm * norm;
+        ok = 1;
+        goto done;
+    }
+    /* Stat.merge: the same row key seen again */
+    merged_t *row = &m->rows[PyLong_AsSsize_t(where)];
+    int numel_true = PyObject_IsTrue(numel);
+    if (numel_true < 0)
+        goto done;
+    if (!numel_true) { /* an empty record adds nothing */
+        ok = 1;
+        goto done;
+    }
+    int old_empty = PyObject_Not(row->numel);
+    if (old_empty < 0)
+        goto done;
+    PyObject *sum_numel = PyNumber_Add(row->numel, numel);
+    PyObject *sum_nans = sum_numel ? PyNumber_Add(row->nans, nans) : NULL;
+    PyObject *sum_zeros = sum_nans ? PyNumber_Add(row->zeros, zeros) : NULL;
+    if (sum_zeros == NULL) {
+        Py_XDECREF(sum_numel);
+        Py_XDECREF(sum_nans);
+        goto done;
+    }
+    row->mn = old_empty ? mn : nan_min(row->mn, mn);
+    row->mx = old_empty ? mx : nan_max(row->mx, mx);
+    row->total += total;
+    row->sumsq += norm * norm;
+    Py_SETREF(row->numel, sum_numel);
+    Py_SETREF(row->nans, sum_nans);
+    Py_SETREF(row->zeros, sum_zeros);
+    ok = 1;
+done:
+    Py_XDECREF(vector);
+    Py_XDECREF(raw);
+    Py_XDECREF(nans);
+    Py_XDECREF(zeros);
+    Py_XDECREF(numel);
+    Py_XDECREF(key);
+    Py_XDECREF(vpp);
+    Py_XDECREF(name);
+    Py_XDECREF(scope);
+    Py_XDECREF(micro);
+    return ok ? 0 : -1;
+}
+
+/* stats.merge_fields's merge of `records` (a list) into `m`, rows in the order their
+   keys first appear; host vectors that are tuples of floats only (anything else raises
+   TypeError; the caller then merges in Python). */
+static int merge_records(PyObject *records, merged_list_t *m) {
     if (!PyList_Check(records)) {
         PyErr_SetString(PyExc_TypeError, "merge_fields: a list of records expected");
+        return -1;
+    }
+    PyObject *index = PyDict_New();
+    if (index == NULL)
+        return -1;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(records); i++) {
+        if (merge_one(PyList_GET_ITEM(records, i), index, m) < 0) {
+            Py_DECREF(index);
+            merged_free(m);
+            return -1;
+        }
+    }
+    Py_DECREF(index);
+    return 0;
+}
+
+/* merge_fields(records) -> [(vpp_stage, name, scope, micro_step, numel, min, max, total,
+   sumsq, nans, zeros), ...]: stats.merge_fields. */
+static PyObject *py_merge_fields(PyObject *self, PyObject *records) {
+    merged_list_t m = {NULL, 0, 0};
+    if (merge_records(records, &m) < 0)
+        return NULL;
+    PyObject *rows = PyList_New(m.n);
+    for (Py_ssize_t i = 0; rows != NULL && i < m.n; i++) {
+        merged_t *r = &m.rows[i];
+        PyObject *row = row_tuple(r->key, r->numel, r->mn, r->mx, r->total, r->sumsq, r->nans, r->zeros);
+        if (row == NULL)
+            Py_CLEAR(rows);
+        else
+            PyList_SET_ITEM(rows, i, row);
+    }
+    merged_free(&m);
+    return rows;
+}
+
+/* format_records(records, step_text, op_codes, with_micro_step, cells, cell_fn) ->
+   (bytes, rows): merge_fields and format_rows in one call, the merged rows formatted
+   from C (the writer's path when no alert or dashboard needs the rows as objects). The
+   bytes are those format_rows gives for merge_fields(records). */
+static PyObject *py_format_records(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "format_records takes 6 arguments");
         return NULL;
     }
-    PyObject *rows = PyDict_New();
-    if (rows == NULL)
+    row_format_t f;
+    if (row_format_parse(args + 1, &f) < 0)
         return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(records);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *rec = PyList_GET_ITEM(records, i);
-        PyObject *vector = NULL, *nans = NULL, *zeros = NULL, *numel = NULL, *key = NULL, *row = NULL;
-        PyObject *vpp = NULL, *name = NULL, *scope = NULL, *micro = NULL, *raw = NULL;
-        int ok = 0;
-        vector = field(rec, offsetof(RecordObject, vector), "_vector");
-        if (vector == NULL)
-            goto next;
-        if (vector == Py_None) {
-            ok = 1;
-            goto next;
-        }
-        if (!PyTuple_CheckExact(vector) || PyTuple_GET_SIZE(vector) < 4) {
-            PyErr_SetString(PyExc_TypeError, "merge_fields: a vector is not a host tuple");
-            goto next;
-        }
-        if ((raw = field(rec, offsetof(RecordObject, nans), "nans")) == NULL || (nans = count_of(raw)) == NULL)
-            goto next;
-        Py_CLEAR(raw);
-        if ((raw = field(rec, offsetof(RecordObject, zeros), "zeros")) == NULL || (zeros = count_of(raw)) == NULL)
-            goto next;
-        if ((numel = field(rec, offsetof(RecordObject, numel), "numel")) == NULL)
-            goto next;
-        if (!PyLong_CheckExact(numel)) {
-            PyErr_SetString(PyExc_TypeError, "merge_fields: an element count is not an int");
-            goto next;
-        }
-        double mn, mx, total, norm;
-        if (vector_float(vector, 0, &mn) < 0 || vector_float(vector, 1, &mx) < 0 ||
-            vector_float(vector, 2, &total) < 0 || vector_float(vector, 3, &norm) < 0)
-            goto next;
-        int has_nans = PyObject_IsTrue(nans);
-        if (has_nans < 0)
-            goto next;
-        if (has_nans)
-            mn = mx = Py_NAN;
-        if ((vpp = field(rec, offsetof(RecordObject, vpp_stage), "vpp_stage")) == NULL ||
-            (name = field(rec, offsetof(RecordObject, name), "name")) == NULL ||
-            (scope = field(rec, offsetof(RecordObject, scope), "scope")) == NULL ||
-            (micro = field(rec, offsetof(RecordObject, micro_step), "micro_step")) == NULL)
-            goto next;
-        key = PyTuple_Pack(4, vpp, name, scope, micro);
-        if (key == NULL)
-            goto next;
-        PyObject *old = PyDict_GetItemWithError(rows, key); /* borrowed */
-        if (old == NULL) {
-            if (PyErr_Occurred())
-                goto next;
-            row = row_tuple(key, numel, mn, mx, total, norm * norm, nans, zeros);
-        } else {
-            int numel_true = PyObject_IsTrue(numel);
-            if (numel_true < 0)
-                goto next;
-            if (!numel_true) { /* an empty record adds nothing */
-                ok = 1;
-                goto next;
-            }
-            PyObject *old_numel = PyTuple_GET_ITEM(old, 4);
-            int old_empty = PyObject_Not(old_numel);
-            if (old_empty < 0)
-                goto next;
-            double merged_min = old_empty ? mn : nan_min(PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(old, 5)), mn);
-            double merged_max = old_empty ? mx : nan_max(PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(old, 6)), mx);
-            PyObject *sum_numel = PyNumber_Add(old_numel, numel);
-            PyObject *sum_nans = sum_numel ? PyNumber_Add(PyTuple_GET_ITEM(old, 9), nans) : NULL;
-            PyObject *sum_zeros = sum_nans ? PyNumber_Add(PyTuple_GET_ITEM(old, 10), zeros) : NULL;
-            if (sum_zeros != NULL)
-                row = row_tuple(key, sum_numel, merged_min, merged_max, PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(old, 7)) + total,
-                                PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(old, 8)) + norm * norm, sum_nans, sum_zeros);
-            Py_XDECREF(sum_numel);
-            Py_XDECREF(sum_nans);
-            Py_XDECREF(sum_zeros);
-        }
-        if (row == NULL || PyDict_SetItem(rows, key, row) < 0)
-            goto next;
-        ok = 1;
-    next:
-        Py_XDECREF(vector);
-        Py_XDECREF(raw);
-        Py_XDECREF(nans);
-        Py_XDECREF(zeros);
-        Py_XDECREF(numel);
-        Py_XDECREF(key);
-        Py_XDECREF(row);
-        Py_XDECREF(vpp);
-        Py_XDECREF(name);
-        Py_XDECREF(scope);
-        Py_XDECREF(micro);
-        if (!ok) {
-            Py_DECREF(rows);
+    merged_list_t m = {NULL, 0, 0};
+    if (merge_records(args[0], &m) < 0)
+        return NULL;
+    buffer_t b = {NULL, 0, 0};
+    for (Py_ssize_t i = 0; i < m.n; i++) {
+        merged_t *r = &m.rows[i];
+        long long numel = PyLong_AsLongLong(r->numel);
+        if ((numel == -1 && PyErr_Occurred()) ||
+            format_one(&b, &f, PyTuple_GET_ITEM(r->key, 0), PyTuple_GET_ITEM(r->key, 1),
+                       PyTuple_GET_ITEM(r->key, 2), PyTuple_GET_ITEM(r->key, 3), numel, r->mn, r->mx, r->total,
+                       r->sumsq, r->nans, r->zeros) < 0) {
+            PyMem_Free(b.data);
+            merged_free(&m);
             return NULL;
         }
     }
-    PyObject *values = PyDict_Values(rows);
-    Py_DECREF(rows);
-    return values;
+    Py_ssize_t n = m.n;
+    merged_free(&m);
+    PyObject *data = buffer_bytes(&b);
+    if (data == NULL)
+        return NULL;
+    PyObject *result = Py_BuildValue("(Nn)", data, n);
+    return result;
 }
 
 /* not_on_host(records) -> the records whose vector is not a host tuple, or whose NaN or
@@ -989,6 +1137,233 @@ static PyObject *py_not_on_host(PyObject *self, PyObject *records) {
     return out;
 }
 
+/* ------------------------------------------------------------------ batched grad notes
+ * weight_grad's post-accumulate hook of a batched parameter (weight_grad.py,
+ * _BatchedGradHook) runs for every parameter in every backward pass; in Python it costs
+ * about 2 us, more than the statistics of a small tensor. GradNote is the steady-state
+ * part of that hook: once the Python hook has checked the running backward pass (its
+ * graph task) and queued the end-of-pass read, it arms the shared NoteState with the
+ * pass's task id, and every later hook of that pass only counts the pass and notes the
+ * parameter's source here. Anything else (the monitor not active, another graph task, a
+ * second post-accumulate hook on the tensor, an error) goes to the Python hook, which
+ * does the whole work as before. Both types can sit in reference cycles (monitor ->
+ * source -> parameter -> its hooks -> GradNote -> monitor), so they take part in GC. */
+typedef struct {
+    PyObject_HEAD
+    long long task;          /* the graph task the notes are armed for; -1: disarmed */
+    long long micro_batches; /* a source is noted from this pass count on */
+    PyObject *pending;       /* list: the sources noted in the armed pass */
+    PyObject *passes;        /* dict: source index -> passes counted this step */
+    PyObject *task_id;       /* callable: the running graph task's id */
+    double busy;             /* seconds spent in armed notes, taken by the monitor */
+} NoteStateObject;
+
+static int note_state_traverse(NoteStateObject *self, visitproc visit, void *arg) {
+    Py_VISIT(self->pending);
+    Py_VISIT(self->passes);
+    Py_VISIT(self->task_id);
+    return 0;
+}
+
+static int note_state_clear(NoteStateObject *self) {
+    Py_CLEAR(self->pending);
+    Py_CLEAR(self->passes);
+    Py_CLEAR(self->task_id);
+    return 0;
+}
+
+static void note_state_dealloc(NoteStateObject *self) {
+    PyObject_GC_UnTrack(self);
+    note_state_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *note_state_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"task_id", NULL};
+    PyObject *task_id;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O:NoteState", kwlist, &task_id))
+        return NULL;
+    NoteStateObject *s = (NoteStateObject *)type->tp_alloc(type, 0);
+    if (s == NULL)
+        return NULL;
+    s->task = -1;
+    s->micro_batches = 1;
+    s->busy = 0.0;
+    s->pending = PyList_New(0);
+    s->passes = PyDict_New();
+    Py_INCREF(task_id);
+    s->task_id = task_id;
+    if (s->pending == NULL || s->passes == NULL) {
+        Py_DECREF(s);
+        return NULL;
+    }
+    return (PyObject *)s;
+}
+
+static PyMemberDef note_state_members[] = {
+    {"task", T_LONGLONG, offsetof(NoteStateObject, task), 0, "armed graph task id, -1 disarmed"},
+    {"micro_batches", T_LONGLONG, offsetof(NoteStateObject, micro_batches), 0, NULL},
+    {"pending", T_OBJECT_EX, offsetof(NoteStateObject, pending), 0, "list of noted sources"},
+    {"passes", T_OBJECT_EX, offsetof(NoteStateObject, passes), 0, "dict: source index -> passes"},
+    {"busy", T_DOUBLE, offsetof(NoteStateObject, busy), 0, "seconds in armed notes"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject NoteStateType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "_msprobe_monitor_native.NoteState",
+    .tp_basicsize = sizeof(NoteStateObject),
+    .tp_dealloc = (destructor)note_state_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The state GradNote hooks share: armed task, pending sources, pass counts.",
+    .tp_traverse = (traverseproc)note_state_traverse,
+    .tp_clear = (inquiry)note_state_clear,
+    .tp_members = note_state_members,
+    .tp_new = note_state_new,
+};
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *monitor; /* read for ``active`` */
+    PyObject *source;  /* appended to state.pending */
+    PyObject *index;   /* source.index, the key in state.passes */
+    PyObject *state;   /* NoteState */
+    PyObject *slow;    /* the Python hook: everything but the armed case */
+} GradNoteObject;
+
+static PyObject *str_active, *str_hooks_attr;
+
+static int grad_note_traverse(GradNoteObject *self, visitproc visit, void *arg) {
+    Py_VISIT(self->monitor);
+    Py_VISIT(self->source);
+    Py_VISIT(self->index);
+    Py_VISIT(self->state);
+    Py_VISIT(self->slow);
+    return 0;
+}
+
+static int grad_note_clear(GradNoteObject *self) {
+    Py_CLEAR(self->monitor);
+    Py_CLEAR(self->source);
+    Py_CLEAR(self->index);
+    Py_CLEAR(self->state);
+    Py_CLEAR(self->slow);
+    return 0;
+}
+
+static void grad_note_dealloc(GradNoteObject *self) {
+    PyObject_GC_UnTrack(self);
+    grad_note_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *grad_note_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"monitor", "source", "index", "state", "slow", NULL};
+    PyObject *monitor, *source, *index, *state, *slow;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO!O:GradNote", kwlist, &monitor, &source, &index,
+                                     &NoteStateType, &state, &slow))
+        return NULL;
+    GradNoteObject *n = (GradNoteObject *)type->tp_alloc(type, 0);
+    if (n == NULL)
+        return NULL;
+    Py_INCREF(monitor);
+    n->monitor = monitor;
+    Py_INCREF(source);
+    n->source = source;
+    Py_INCREF(index);
+    n->index = index;
+    Py_INCREF(state);
+    n->state = state;
+    Py_INCREF(slow);
+    n->slow = slow;
+    return (PyObject *)n;
+}
+
+static double monotonic_seconds(void) {
+#ifdef CLOCK_MONOTONIC
+    struct timespec ts;
+    if (clock_gettime(CLOCK_MONOTONIC, &ts) == 0)
+        return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+#endif
+    return 0.0;
+}
+
+/* 1: noted here; 0: not the armed case, the Python hook decides; -1: an error (set) */
+static int grad_note_armed(GradNoteObject *self, PyObject *tensor) {
+    NoteStateObject *state = (NoteStateObject *)self->state;
+    PyObject *task_obj = PyObject_CallNoArgs(state->task_id);
+    if (task_obj == NULL)
+        return -1;
+    long long task = PyLong_AsLongLong(task_obj);
+    Py_DECREF(task_obj);
+    if (task == -1 && PyErr_Occurred())
+        return -1;
+    if (task != state->task)
+        return 0;
+    /* a second post-accumulate hook may change .grad before the pass ends */
+    PyObject *hooks = PyObject_GetAttr(tensor, str_hooks_attr);
+    if (hooks == NULL)
+        return -1;
+    Py_ssize_t n_hooks = hooks == Py_None ? 0 : PyObject_Size(hooks);
+    Py_DECREF(hooks);
+    if (n_hooks < 0)
+        return -1;
+    if (n_hooks > 1)
+        return 0;
+    if (!PyList_CheckExact(state->pending) || !PyDict_CheckExact(state->passes))
+        return 0;
+    PyObject *count = PyDict_GetItemWithError(state->passes, self->index); /* borrowed */
+    if (count == NULL && PyErr_Occurred())
+        return -1;
+    long long passes = count == NULL ? 1 : PyLong_AsLongLong(count) + 1;
+    if (passes == 0 && PyErr_Occurred())
+        return -1;
+    PyObject *updated = PyLong_FromLongLong(passes);
+    if (updated == NULL)
+        return -1;
+    int failed = PyDict_SetItem(state->passes, self->index, updated);
+    Py_DECREF(updated);
+    if (failed < 0)
+        return -1;
+    if (passes >= state->micro_batches && PyList_Append(state->pending, self->source) < 0)
+        return -1;
+    return 1;
+}
+
+static PyObject *grad_note_call(GradNoteObject *self, PyObject *args, PyObject *kwds) {
+    if (kwds == NULL && PyTuple_GET_SIZE(args) == 1 && ((NoteStateObject *)self->state)->task >= 0) {
+        PyObject *active = PyObject_GetAttr(self->monitor, str_active);
+        int is_active = active == NULL ? -1 : PyObject_IsTrue(active);
+        Py_XDECREF(active);
+        if (is_active == 0)
+            Py_RETURN_NONE;
+        if (is_active > 0) {
+            double start = monotonic_seconds();
+            int noted = grad_note_armed(self, PyTuple_GET_ITEM(args, 0));
+            if (noted > 0) {
+                ((NoteStateObject *)self->state)->busy += monotonic_seconds() - start;
+                Py_RETURN_NONE;
+            }
+        }
+        /* an error here is the Python hook's to meet again, and to contain */
+        PyErr_Clear();
+    }
+    return PyObject_Call(self->slow, args, kwds);
+}
+
+static PyTypeObject GradNoteType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "_msprobe_monitor_native.GradNote",
+    .tp_basicsize = sizeof(GradNoteObject),
+    .tp_dealloc = (destructor)grad_note_dealloc,
+    .tp_call = (ternaryfunc)grad_note_call,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "weight_grad's batched post-accumulate hook, armed case in C (see weight_grad.py).",
+    .tp_traverse = (traverseproc)grad_note_traverse,
+    .tp_clear = (inquiry)grad_note_clear,
+    .tp_new = grad_note_new,
+};
+
 static PyObject *py_dtypes(PyObject *self, PyObject *unused) {
     return PyLong_FromLong(msprobe_stats_dtypes());
 }
@@ -999,6 +1374,7 @@ static PyMethodDef methods[] = {
     {"stats_many", (PyCFunction)(void (*)(void))py_stats_many, METH_FASTCALL, "many buffers"},
     {"format_rows", (PyCFunction)(void (*)(void))py_format_rows, METH_FASTCALL, "CSV rows"},
     {"merge_fields", py_merge_fields, METH_O, "stats.merge_fields"},
+    {"format_records", (PyCFunction)(void (*)(void))py_format_records, METH_FASTCALL, "merge_fields and format_rows"},
     {"records_many", (PyCFunction)(void (*)(void))py_records_many, METH_FASTCALL, "stats_many and Record.host"},
     {"not_on_host", py_not_on_host, METH_O, "the records to_host moves"},
     {"_format_float", py_format_float, METH_O, "one float cell, as format_rows writes it"},
@@ -1009,17 +1385,25 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_msprobe_monitor_native", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__msprobe_monitor_native(void) {
-    if (PyType_Ready(&RecordType) < 0)
+    if (PyType_Ready(&RecordType) < 0 || PyType_Ready(&NoteStateType) < 0 || PyType_Ready(&GradNoteType) < 0)
+        return NULL;
+    str_active = PyUnicode_InternFromString("active");
+    str_hooks_attr = PyUnicode_InternFromString("_post_accumulate_grad_hooks");
+    if (str_active == NULL || str_hooks_attr == NULL)
         return NULL;
     pow10_init();
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    Py_INCREF(&RecordType);
-    if (PyModule_AddObject(m, "Record", (PyObject *)&RecordType) < 0) {
-        Py_DECREF(&RecordType);
-        Py_DECREF(m);
-        return NULL;
+    PyTypeObject *types[] = {&RecordType, &NoteStateType, &GradNoteType};
+    const char *names[] = {"Record", "NoteState", "GradNote"};
+    for (int i = 0; i < 3; i++) {
+        Py_INCREF(types[i]);
+        if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
+            Py_DECREF(types[i]);
+            Py_DECREF(m);
+            return NULL;
+        }
     }
     return m;
 }

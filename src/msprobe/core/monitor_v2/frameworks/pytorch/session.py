@@ -21,6 +21,8 @@ from .naming import class_name, named_parameters, unwrap
 from .stacks import TrainingStack, detect_stack
 from .stats import TorchStatsEngine
 
+_PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
+
 logger = logging.getLogger("msprobe.monitor_v2")
 
 
@@ -109,13 +111,24 @@ class TorchSession:
         FSDP1 original parameter's under ``use_orig_params=True``) are left out. A
         parameter without elements (``numel() == 0``) keeps its rows, as in every monitor:
         ``nan`` min/max/mean, 0 norm and NaNs."""
-        tensors, keys = [], []
         flat_layouts = self.flat_layouts
         plain = (torch.Tensor, torch.nn.Parameter)
         # a parameter's row key for a scope is the same at every step: built once
         known = self._row_keys.get((scope, suffix))
         if known is None:
             known = self._row_keys[(scope, suffix)] = {}
+        if not flat_layouts:
+            # the common case in list passes (thousands of parameters: a loop with a type
+            # check and a lookup per item cost more than the statistics of a small tensor)
+            tensors = [t for _, t in items]
+            if set(map(type, tensors)) <= _PLAIN_TYPES:
+                keys = list(map(known.get, [info.index for info, _ in items]))
+                if None in keys:
+                    keys = [key if key is not None else known.setdefault(
+                        info.index, (info.vpp_stage, info.name + suffix, scope, None))
+                        for key, (info, _) in zip(keys, items)]
+                return tensors, keys
+        tensors, keys = [], []
         for info, t in items:
             if type(t) in plain and not flat_layouts:  # the common case, without the lookups below
                 tensors.append(t)

@@ -43,6 +43,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from ... import native
 from ...config import resolve_micro_batches
 from ...monitor import ContainedHook, Monitor, weight_grad_rows
 from ...logonce import LogOnce
@@ -93,6 +94,7 @@ class WeightGradMonitor(Monitor):
         self._hooked: Set[int] = set()
         session = self.session
         self._once = LogOnce()
+        self._notes: Any = None  # the extension's NoteState, where batched hooks note in C
         self._reset()
         self.sources: List[GradSource] = []
         self._adapter_sources: Dict[int, GradSource] = {}
@@ -105,6 +107,11 @@ class WeightGradMonitor(Monitor):
             self._attach_capture(capture)
             return
         self._batched = not self.per_micro_batch and _batchable(session)
+        ext = _extension() if self._batched else None
+        if ext is not None:
+            self._notes = ext.NoteState(_graph_task_id)
+            self._notes.micro_batches = self.micro_batches
+            self._sync_notes()
         infos = table.model_params() or [i for i in table.optimizer_params() if i.param.requires_grad]
         for info in infos:
             if id(info.param) in session.fsdp_managed:
@@ -147,7 +154,10 @@ class WeightGradMonitor(Monitor):
             self._handles.append(tensor.register_hook(self.errors.wrap(site, hook)))
         else:
             if self._batched and source.plain_param is tensor and len(source.rows) == 1:
-                self._handles.append(tensor.register_post_accumulate_grad_hook(_BatchedGradHook(self, source, site)))
+                hook: Callable[[torch.Tensor], None] = _BatchedGradHook(self, source, site)
+                if self._notes is not None:
+                    hook = _extension().GradNote(self, source, source.index, self._notes, hook)
+                self._handles.append(tensor.register_post_accumulate_grad_hook(hook))
                 return
             hook = functools.partial(self._on_accumulated_grad, source)
             self._handles.append(tensor.register_post_accumulate_grad_hook(self.errors.wrap(site, hook)))
@@ -175,6 +185,16 @@ class WeightGradMonitor(Monitor):
         # the backward pass whose hooks last ran, and whether it runs under compiled autograd
         self._checked_task = -2
         self._task_compiled = False
+        self._sync_notes()
+
+    def _sync_notes(self) -> None:
+        """Hand the step's pass counts and pending list to the extension's notes, disarmed
+        (the next hook of a pass runs in Python and arms them again)."""
+        notes = self._notes
+        if notes is not None:
+            notes.task = -1
+            notes.passes = self._passes
+            notes.pending = self._pending
 
     def begin_step(self, step: int, active: bool) -> None:
         super().begin_step(step, active)
@@ -230,6 +250,7 @@ class WeightGradMonitor(Monitor):
                 # after it) would all-reduce .grad during backward: from now on, read in
                 # the hook.
                 self._batched = False
+                self._sync_notes()
                 logger.info("monitor_v2 weight_grad: %d processes train: 'unreduced' gradients are read in each "
                             "parameter's hook, not in one batch per backward pass", world_size())
         # Another post-accumulate hook may change .grad before the pass ends (an optimizer
@@ -242,11 +263,18 @@ class WeightGradMonitor(Monitor):
         if self._queued_task != task:
             self._queued_task = task
             _ENGINE.queue_callback(self._batch_site)
+        if self._notes is not None:  # the rest of this pass's hooks note in C (GradNote)
+            self._notes.task = task
 
     def _read_batch(self) -> None:
         """At the end of a backward pass: the gradients its hooks noted, in one batch."""
         self._queued_task = -1
         pending, self._pending = self._pending, []
+        notes = self._notes
+        if notes is not None:
+            self._sync_notes()
+            self.errors.busy += notes.busy  # the notes' own time, counted as the hooks' is
+            notes.busy = 0.0
         # lists of references, not of pairs: a pass over thousands of parameters allocates
         # no tuple per parameter (each would be one more object for the collector)
         grads = [source.plain_param.grad for source in pending]
@@ -350,6 +378,12 @@ class _BatchedGradHook(ContainedHook):
 
 _ENGINE = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
 _graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
+def _extension() -> Any:
+    """The kernel's CPython extension where it is built (its ``GradNote`` hooks), else None."""
+    kernel = native.load()
+    return None if kernel is None else kernel.ext
 
 
 def _in_compiled_autograd() -> bool:
