@@ -135,3 +135,44 @@ def test_a_gradient_dropped_later_in_the_same_pass_is_said_once_and_the_others_a
     assert [r for r in rows if r["module_name"] == "fc2.weight" and r["scope"] == "unreduced"] == []
     for name in ("fc1.weight", "fc1.bias", "fc2.bias"):
         assert_row_matches(find_row(rows, module_name=name, scope="unreduced"), numpy_stats(want[name]))
+
+
+def test_with_the_extension_one_python_hook_per_pass_arms_the_rest_in_c(write_config, monkeypatch):
+    """Where the kernel's extension is built, the first post-accumulate hook of a backward
+    pass runs in Python (it checks the pass and queues the end-of-pass read) and the other
+    parameters' hooks only note their source in C (``GradNote``); a second hook on a
+    parameter sends that one back to Python. The rows are the accumulated gradients."""
+    import gc
+
+    from msprobe.core.monitor_v2 import native
+    from msprobe.core.monitor_v2.frameworks.pytorch.weight_grad import WeightGradMonitor
+
+    kernel = native.load()
+    assert kernel is not None and kernel.ext is not None, "the extension is built on the test machines"
+    calls = []
+    original = WeightGradMonitor._on_accumulated_grad_batched
+    monkeypatch.setattr(WeightGradMonitor, "_on_accumulated_grad_batched",
+                        lambda self, source, tensor: calls.append(source.rows[0][1]) or original(self, source, tensor))
+    model = TinyMLP()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMonitorV2(write_config({"monitors": {"weight_grad": {"enabled": True}}}))
+    mon.start(model=model, optimizer=opt, grad_acc_steps=2)
+    hooks = [h for p in model.parameters() for h in p._post_accumulate_grad_hooks.values()]
+    assert {type(h).__name__ for h in hooks} == {"GradNote"} and all(gc.is_tracked(h) for h in hooks)
+    assert weight_grad_monitor(mon) in gc.get_referents(hooks[0]), "the collector sees the hook's references"
+    x, y = make_batches(1)[0]
+    want = reference_grads(ref, [(x, y), (x, y)])
+    loss_fn(model, x, y).backward()
+    assert len(calls) == 1, calls
+    extra = model.fc1.bias.register_post_accumulate_grad_hook(lambda p: None)  # fc1.bias: Python again
+    loss_fn(model, x, y).backward()
+    extra.remove()
+    assert len(calls) == 3 and calls[2] == "fc1.bias", calls
+    opt.step()
+    mon.stop()
+    rows = rows_of(mon.config.output_dir, "weight_grad")
+    for name, g in want.items():
+        row = find_row(rows, module_name=name, scope="unreduced")
+        assert row["micro_step"] == "2"
+        assert_row_matches(row, numpy_stats(g))

@@ -1228,7 +1228,7 @@ typedef struct {
     PyObject *source;  /* appended to state.pending */
     PyObject *index;   /* source.index, the key in state.passes */
     PyObject *state;   /* NoteState */
-    PyObject *slow;    /* the Python hook: everything but the armed case */
+    PyObject *slow;    /* the Python hook, slow(source, tensor): everything but the armed case */
 } GradNoteObject;
 
 static PyObject *str_active, *str_hooks_attr;
@@ -1348,7 +1348,21 @@ static PyObject *grad_note_call(GradNoteObject *self, PyObject *args, PyObject *
         /* an error here is the Python hook's to meet again, and to contain */
         PyErr_Clear();
     }
-    return PyObject_Call(self->slow, args, kwds);
+    /* slow(source, *args): one Python hook for all parameters */
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    PyObject *with_source = PyTuple_New(n + 1);
+    if (with_source == NULL)
+        return NULL;
+    Py_INCREF(self->source);
+    PyTuple_SET_ITEM(with_source, 0, self->source);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyTuple_GET_ITEM(args, i);
+        Py_INCREF(item);
+        PyTuple_SET_ITEM(with_source, i + 1, item);
+    }
+    PyObject *result = PyObject_Call(self->slow, with_source, kwds);
+    Py_DECREF(with_source);
+    return result;
 }
 
 static PyTypeObject GradNoteType = {

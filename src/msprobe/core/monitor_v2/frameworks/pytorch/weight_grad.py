@@ -95,6 +95,7 @@ class WeightGradMonitor(Monitor):
         session = self.session
         self._once = LogOnce()
         self._notes: Any = None  # the extension's NoteState, where batched hooks note in C
+        self._slow_note: Optional["_BatchedGradHook"] = None  # what their GradNotes call otherwise
         self._reset()
         self.sources: List[GradSource] = []
         self._adapter_sources: Dict[int, GradSource] = {}
@@ -154,9 +155,13 @@ class WeightGradMonitor(Monitor):
             self._handles.append(tensor.register_hook(self.errors.wrap(site, hook)))
         else:
             if self._batched and source.plain_param is tensor and len(source.rows) == 1:
-                hook: Callable[[torch.Tensor], None] = _BatchedGradHook(self, source, site)
-                if self._notes is not None:
-                    hook = _extension().GradNote(self, source, source.index, self._notes, hook)
+                if self._notes is not None:  # one Python hook for all of them, called with the source
+                    if self._slow_note is None:
+                        self._slow_note = _BatchedGradHook(self, None, site)
+                    hook: Callable[[torch.Tensor], None] = _extension().GradNote(
+                        self, source, source.index, self._notes, self._slow_note)
+                else:
+                    hook = _BatchedGradHook(self, source, site)
                 self._handles.append(tensor.register_post_accumulate_grad_hook(hook))
                 return
             hook = functools.partial(self._on_accumulated_grad, source)
@@ -238,9 +243,6 @@ class WeightGradMonitor(Monitor):
         """``_on_accumulated_grad`` for a plain parameter, read at the end of the pass."""
         n = self._passes.get(source.index, 0) + 1
         self._passes[source.index] = n
-        if n < self.micro_batches:
-            return
-        hooks = getattr(tensor, "_post_accumulate_grad_hooks", None)
         task = _graph_task_id()
         if self._checked_task != task:  # once per backward pass: what holds for all its hooks
             self._checked_task = task
@@ -253,18 +255,24 @@ class WeightGradMonitor(Monitor):
                 self._sync_notes()
                 logger.info("monitor_v2 weight_grad: %d processes train: 'unreduced' gradients are read in each "
                             "parameter's hook, not in one batch per backward pass", world_size())
+        # compiled autograd runs hooks at trace time
+        batched = self._batched and task >= 0 and not self._task_compiled
+        if batched:
+            if self._queued_task != task:  # queued in every pass (a pass that reads nothing ends at once)
+                self._queued_task = task
+                _ENGINE.queue_callback(self._batch_site)
+            if self._notes is not None:  # the rest of this pass's hooks note in C (GradNote)
+                self._notes.task = task
+        if n < self.micro_batches:
+            return
         # Another post-accumulate hook may change .grad before the pass ends (an optimizer
-        # step in backward zeroes it), and compiled autograd runs hooks at trace time.
-        if not self._batched or hooks is None or len(hooks) > 1 or task < 0 or self._task_compiled:
+        # step in backward zeroes it).
+        hooks = getattr(tensor, "_post_accumulate_grad_hooks", None)
+        if not batched or hooks is None or len(hooks) > 1:
             if tensor.grad is not None:
                 self._record(source, tensor.grad, 0)
             return
         self._pending.append(source)
-        if self._queued_task != task:
-            self._queued_task = task
-            _ENGINE.queue_callback(self._batch_site)
-        if self._notes is not None:  # the rest of this pass's hooks note in C (GradNote)
-            self._notes.task = task
 
     def _read_batch(self) -> None:
         """At the end of a backward pass: the gradients its hooks noted, in one batch."""
@@ -364,16 +372,22 @@ class WeightGradMonitor(Monitor):
 class _BatchedGradHook(ContainedHook):
     """The post-accumulate hook of a batched source (``_on_accumulated_grad_batched``): it
     runs for every parameter in every backward pass, and returns before any work on a
-    step that is not written."""
+    step that is not written. Without a ``source`` it is the one hook the extension's
+    ``GradNote`` hooks call as ``hook(source, tensor)`` outside their armed case."""
 
     __slots__ = ("source",)
 
-    def __init__(self, monitor: "WeightGradMonitor", source: GradSource, site: str) -> None:
+    def __init__(self, monitor: "WeightGradMonitor", source: Optional[GradSource], site: str) -> None:
         super().__init__(monitor, site)
         self.source = source
 
-    def run(self, tensor: torch.Tensor) -> None:
-        self.monitor._on_accumulated_grad_batched(self.source, tensor)
+    def run(self, *args: Any) -> None:
+        source = self.source
+        if source is None:
+            source, tensor = args
+        else:
+            (tensor,) = args
+        self.monitor._on_accumulated_grad_batched(source, tensor)
 
 
 _ENGINE = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
