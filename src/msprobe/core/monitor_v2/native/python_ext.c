@@ -854,20 +854,37 @@ static int vector_float(PyObject *vector, Py_ssize_t i, double *out) {
 static double nan_min(double a, double b) { return (isnan(a) || isnan(b)) ? Py_NAN : (a <= b ? a : b); }
 static double nan_max(double a, double b) { return (isnan(a) || isnan(b)) ? Py_NAN : (a >= b ? a : b); }
 
+/* A merged row, in C: merge_fields builds its tuple, format_records formats it directly
+   (no tuple and no float objects per row). The object fields are owned references. */
+typedef struct {
+    PyObject *key[4]; /* vpp_stage, name, scope, micro_step */
+    Py_hash_t hash;   /* of the key, as a tuple's items hash */
+    PyObject *numel, *nans, *zeros;
+    double mn, mx, total, sumsq;
+} merged_t;
+
+/* The merged rows in the order their keys first appear, and an open-addressing table of
+   their positions by key (the keys compare as the 4-tuples stats.merge_fields uses as
+   dict keys: same hash, items equal by identity or ==). No object is made per record. */
+typedef struct {
+    merged_t *rows;
+    Py_ssize_t n, cap;
+    Py_ssize_t *table; /* position + 1; 0: empty */
+    size_t mask;
+} merged_list_t;
+
 /* key + (numel, min, max, total, sumsq, nans, zeros) */
-static PyObject *row_tuple(PyObject *key, PyObject *numel, double mn, double mx, double total, double sumsq,
-                           PyObject *nans, PyObject *zeros) {
+static PyObject *row_tuple(const merged_t *r) {
     PyObject *row = PyTuple_New(11);
     if (row == NULL)
         return NULL;
     for (Py_ssize_t i = 0; i < 4; i++) {
-        PyObject *item = PyTuple_GET_ITEM(key, i);
-        Py_INCREF(item);
-        PyTuple_SET_ITEM(row, i, item);
+        Py_INCREF(r->key[i]);
+        PyTuple_SET_ITEM(row, i, r->key[i]);
     }
-    Py_INCREF(numel);
-    PyTuple_SET_ITEM(row, 4, numel);
-    double values[4] = {mn, mx, total, sumsq};
+    Py_INCREF(r->numel);
+    PyTuple_SET_ITEM(row, 4, r->numel);
+    double values[4] = {r->mn, r->mx, r->total, r->sumsq};
     for (Py_ssize_t i = 0; i < 4; i++) {
         PyObject *f = PyFloat_FromDouble(values[i]);
         if (f == NULL) {
@@ -876,42 +893,60 @@ static PyObject *row_tuple(PyObject *key, PyObject *numel, double mn, double mx,
         }
         PyTuple_SET_ITEM(row, 5 + i, f);
     }
-    Py_INCREF(nans);
-    PyTuple_SET_ITEM(row, 9, nans);
-    Py_INCREF(zeros);
-    PyTuple_SET_ITEM(row, 10, zeros);
+    Py_INCREF(r->nans);
+    PyTuple_SET_ITEM(row, 9, r->nans);
+    Py_INCREF(r->zeros);
+    PyTuple_SET_ITEM(row, 10, r->zeros);
     return row;
 }
 
-/* A merged row, in C: merge_fields builds its tuple, format_records formats it directly
-   (no tuple and no float objects per row). The object fields are owned references. */
-typedef struct {
-    PyObject *key; /* (vpp_stage, name, scope, micro_step) */
-    PyObject *numel, *nans, *zeros;
-    double mn, mx, total, sumsq;
-} merged_t;
-
-typedef struct {
-    merged_t *rows;
-    Py_ssize_t n, cap;
-} merged_list_t;
-
 static void merged_free(merged_list_t *m) {
     for (Py_ssize_t i = 0; i < m->n; i++) {
-        Py_XDECREF(m->rows[i].key);
+        for (int k = 0; k < 4; k++)
+            Py_XDECREF(m->rows[i].key[k]);
         Py_XDECREF(m->rows[i].numel);
         Py_XDECREF(m->rows[i].nans);
         Py_XDECREF(m->rows[i].zeros);
     }
     PyMem_Free(m->rows);
+    PyMem_Free(m->table);
     m->rows = NULL;
+    m->table = NULL;
     m->n = m->cap = 0;
+    m->mask = 0;
 }
 
-/* Merge one record into `m` (its row found by key in `index`: key -> position). */
-static int merge_one(PyObject *rec, PyObject *index, merged_list_t *m) {
-    PyObject *vector = NULL, *nans = NULL, *zeros = NULL, *numel = NULL, *key = NULL, *raw = NULL;
-    PyObject *vpp = NULL, *name = NULL, *scope = NULL, *micro = NULL;
+/* The row of `key` (hash `hash`): its position, or -1 with *slot the empty slot to put
+   it in; -2 on an error (an item's == raised). */
+static Py_ssize_t merged_find(merged_list_t *m, PyObject *const key[4], Py_hash_t hash, size_t *slot) {
+    size_t i = (size_t)hash & m->mask;
+    for (;;) {
+        Py_ssize_t at = m->table[i];
+        if (at == 0) {
+            *slot = i;
+            return -1;
+        }
+        merged_t *row = &m->rows[at - 1];
+        if (row->hash == hash) {
+            int equal = 1;
+            for (int k = 0; k < 4 && equal; k++) {
+                if (row->key[k] != key[k]) {
+                    equal = PyObject_RichCompareBool(row->key[k], key[k], Py_EQ);
+                    if (equal < 0)
+                        return -2;
+                }
+            }
+            if (equal)
+                return at - 1;
+        }
+        i = (i + 1) & m->mask;
+    }
+}
+
+/* Merge one record into `m`. */
+static int merge_one(PyObject *rec, merged_list_t *m) {
+    PyObject *vector = NULL, *nans = NULL, *zeros = NULL, *numel = NULL, *raw = NULL;
+    PyObject *key[4] = {NULL, NULL, NULL, NULL};
     int ok = 0;
     vector = field(rec, offsetof(RecordObject, vector), "_vector");
     if (vector == NULL)
@@ -944,41 +979,35 @@ static int merge_one(PyObject *rec, PyObject *index, merged_list_t *m) {
         goto done;
     if (has_nans) /* some kernels skip NaN in min/max; the spec never hides it */
         mn = mx = Py_NAN;
-    if ((vpp = field(rec, offsetof(RecordObject, vpp_stage), "vpp_stage")) == NULL ||
-        (name = field(rec, offsetof(RecordObject, name), "name")) == NULL ||
-        (scope = field(rec, offsetof(RecordObject, scope), "scope")) == NULL ||
-        (micro = field(rec, offsetof(RecordObject, micro_step), "micro_step")) == NULL)
+    if ((key[0] = field(rec, offsetof(RecordObject, vpp_stage), "vpp_stage")) == NULL ||
+        (key[1] = field(rec, offsetof(RecordObject, name), "name")) == NULL ||
+        (key[2] = field(rec, offsetof(RecordObject, scope), "scope")) == NULL ||
+        (key[3] = field(rec, offsetof(RecordObject, micro_step), "micro_step")) == NULL)
         goto done;
-    key = PyTuple_Pack(4, vpp, name, scope, micro);
-    if (key == NULL)
+    Py_uhash_t acc = 0x345678UL; /* mixed as tuple items are, so equal keys hash equal */
+    for (int k = 0; k < 4; k++) {
+        Py_hash_t h = PyObject_Hash(key[k]);
+        if (h == -1)
+            goto done;
+        acc = (acc ^ (Py_uhash_t)h) * 1000003UL;
+    }
+    Py_hash_t hash = (Py_hash_t)acc;
+    size_t slot;
+    Py_ssize_t at = merged_find(m, key, hash, &slot);
+    if (at == -2)
         goto done;
-    PyObject *where = PyDict_GetItemWithError(index, key); /* borrowed */
-    if (where == NULL) {
-        if (PyErr_Occurred())
-            goto done;
-        if (m->n == m->cap) {
-            Py_ssize_t cap = m->cap ? 2 * m->cap : 256;
-            merged_t *grown = PyMem_Realloc(m->rows, cap * sizeof *grown);
-            if (grown == NULL) {
-                PyErr_NoMemory();
-                goto done;
-            }
-            m->rows = grown;
-            m->cap = cap;
-        }
-        PyObject *position = PyLong_FromSsize_t(m->n);
-        if (position == NULL)
-            goto done;
-        int failed = PyDict_SetItem(index, key, position);
-        Py_DECREF(position);
-        if (failed < 0)
-            goto done;
+    if (at == -1) {
         merged_t *row = &m->rows[m->n++];
-        row->key = key; /* references moved into the row */
+        m->table[slot] = m->n;
+        for (int k = 0; k < 4; k++) { /* references moved into the row */
+            row->key[k] = key[k];
+            key[k] = NULL;
+        }
+        row->hash = hash;
         row->numel = numel;
         row->nans = nans;
         row->zeros = zeros;
-        key = numel = nans = zeros = NULL;
+        numel = nans = zeros = NULL;
         row->mn = mn;
         row->mx = mx;
         row->total = total;
@@ -987,7 +1016,7 @@ static int merge_one(PyObject *rec, PyObject *index, merged_list_t *m) {
         goto done;
     }
     /* Stat.merge: the same row key seen again */
-    merged_t *row = &m->rows[PyLong_AsSsize_t(where)];
+    merged_t *row = &m->rows[at];
     int numel_true = PyObject_IsTrue(numel);
     if (numel_true < 0)
         goto done;
@@ -1020,11 +1049,8 @@ done:
     Py_XDECREF(nans);
     Py_XDECREF(zeros);
     Py_XDECREF(numel);
-    Py_XDECREF(key);
-    Py_XDECREF(vpp);
-    Py_XDECREF(name);
-    Py_XDECREF(scope);
-    Py_XDECREF(micro);
+    for (int k = 0; k < 4; k++)
+        Py_XDECREF(key[k]);
     return ok ? 0 : -1;
 }
 
@@ -1036,30 +1062,42 @@ static int merge_records(PyObject *records, merged_list_t *m) {
         PyErr_SetString(PyExc_TypeError, "merge_fields: a list of records expected");
         return -1;
     }
-    PyObject *index = PyDict_New();
-    if (index == NULL)
+    Py_ssize_t n = PyList_GET_SIZE(records);
+    size_t size = 16;
+    while (size < 2 * (size_t)n) /* at most half full: short probes */
+        size *= 2;
+    m->rows = PyMem_Malloc((n ? n : 1) * sizeof *m->rows);
+    m->table = PyMem_Calloc(size, sizeof *m->table);
+    m->cap = n;
+    m->mask = size - 1;
+    if (m->rows == NULL || m->table == NULL) {
+        merged_free(m);
+        PyErr_NoMemory();
         return -1;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(records); i++) {
-        if (merge_one(PyList_GET_ITEM(records, i), index, m) < 0) {
-            Py_DECREF(index);
+    }
+    /* a record's == (a key item of another type) may run Python code: the list is held */
+    Py_INCREF(records);
+    for (Py_ssize_t i = 0; i < n && i < PyList_GET_SIZE(records); i++) {
+        if (merge_one(PyList_GET_ITEM(records, i), m) < 0) {
+            Py_DECREF(records);
             merged_free(m);
             return -1;
         }
     }
-    Py_DECREF(index);
+    Py_DECREF(records);
     return 0;
 }
 
 /* merge_fields(records) -> [(vpp_stage, name, scope, micro_step, numel, min, max, total,
    sumsq, nans, zeros), ...]: stats.merge_fields. */
 static PyObject *py_merge_fields(PyObject *self, PyObject *records) {
-    merged_list_t m = {NULL, 0, 0};
+    merged_list_t m = {NULL, 0, 0, NULL, 0};
     if (merge_records(records, &m) < 0)
         return NULL;
     PyObject *rows = PyList_New(m.n);
     for (Py_ssize_t i = 0; rows != NULL && i < m.n; i++) {
         merged_t *r = &m.rows[i];
-        PyObject *row = row_tuple(r->key, r->numel, r->mn, r->mx, r->total, r->sumsq, r->nans, r->zeros);
+        PyObject *row = row_tuple(r);
         if (row == NULL)
             Py_CLEAR(rows);
         else
@@ -1081,7 +1119,7 @@ static PyObject *py_format_records(PyObject *self, PyObject *const *args, Py_ssi
     row_format_t f;
     if (row_format_parse(args + 1, &f) < 0)
         return NULL;
-    merged_list_t m = {NULL, 0, 0};
+    merged_list_t m = {NULL, 0, 0, NULL, 0};
     if (merge_records(args[0], &m) < 0)
         return NULL;
     buffer_t b = {NULL, 0, 0};
@@ -1089,8 +1127,7 @@ static PyObject *py_format_records(PyObject *self, PyObject *const *args, Py_ssi
         merged_t *r = &m.rows[i];
         long long numel = PyLong_AsLongLong(r->numel);
         if ((numel == -1 && PyErr_Occurred()) ||
-            format_one(&b, &f, PyTuple_GET_ITEM(r->key, 0), PyTuple_GET_ITEM(r->key, 1),
-                       PyTuple_GET_ITEM(r->key, 2), PyTuple_GET_ITEM(r->key, 3), numel, r->mn, r->mx, r->total,
+            format_one(&b, &f, r->key[0], r->key[1], r->key[2], r->key[3], numel, r->mn, r->mx, r->total,
                        r->sumsq, r->nans, r->zeros) < 0) {
             PyMem_Free(b.data);
             merged_free(&m);

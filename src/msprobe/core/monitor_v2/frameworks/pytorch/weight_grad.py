@@ -339,6 +339,8 @@ class WeightGradMonitor(Monitor):
         self._reduced = self.session.engine.record_many(tensors, self.plan, keys)
 
     def _read_short_sources(self) -> None:
+        if self.micro_batches <= 1:  # every pass that reached a source was its last: none is short
+            return
         short = [
             s for s in self.sources
             if 0 < self._passes.get(s.index, 0) < self.micro_batches and (s.index, 0, 0) not in self._unreduced
