@@ -10,7 +10,8 @@ more recompilations.
 """
 
 import logging
-from typing import Any, List
+import sys
+from typing import Any, Callable, List, Optional
 
 import torch
 
@@ -22,6 +23,7 @@ _compiler = getattr(torch, "compiler", None)
 _compiler_disable = getattr(_compiler, "disable", None)
 _is_compiling = getattr(_compiler, "is_compiling", None)
 _skipped_codes: List[bool] = []
+_UNKNOWN = object()
 
 
 def _skip_frame_and_callees(code: Any) -> None:
@@ -104,11 +106,44 @@ def eager_hook(body: Any, owner: Any = None) -> Any:
     return hook
 
 
-def warn_if_already_compiled() -> None:
-    # Frames Dynamo compiled since the process started or torch._dynamo.reset() (private).
+def compiled_anything() -> bool:
+    """Whether Dynamo compiled a frame since the process started or ``torch._dynamo.reset()``
+    (private; unknown counts as yes)."""
+    if "torch._dynamo" not in sys.modules:
+        return False
     convert_frame = getattr(getattr(torch, "_dynamo", None), "convert_frame", None)
-    compiled = getattr(getattr(convert_frame, "input_codes", None), "seen_ids", None)
-    if not compiled:
+    compiled = getattr(getattr(convert_frame, "input_codes", None), "seen_ids", _UNKNOWN)
+    return compiled is _UNKNOWN or bool(compiled)
+
+
+def on_next_compile(fn: Callable[[], None]) -> Optional[Callable[[], None]]:
+    """Call ``fn()`` once when Dynamo next starts to compile a frame (before it traces
+    anything), and return the function that cancels it; None where this torch has no
+    such callback (private ``torch._dynamo.callback``)."""
+    try:
+        from torch._dynamo.callback import callback_handler  # type: ignore
+    except Exception:  # noqa: BLE001 - another torch version
+        return None
+    if not (hasattr(callback_handler, "register_start_callback") and
+            hasattr(callback_handler, "remove_start_callback")):
+        return None
+
+    def cancel() -> None:
+        try:
+            callback_handler.remove_start_callback(started)
+        except ValueError:  # already removed
+            pass
+
+    def started(_args: Any) -> None:
+        cancel()
+        fn()
+
+    callback_handler.register_start_callback(started)
+    return cancel
+
+
+def warn_if_already_compiled() -> None:
+    if not compiled_anything():
         return
     logger.warning(
         "monitor_v2 module: torch.compile already compiled code in this process before start(). If it compiled "

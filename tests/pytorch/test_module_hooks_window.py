@@ -1,0 +1,96 @@
+"""The module monitor's forward hooks are on the modules for written steps only: a module
+with any forward hook takes PyTorch's slow call path (about 5 us per call even for a hook
+that returns at once), so a step outside the window runs the model as it is without the
+monitor. Compiled code does not see hooks added or removed after it was compiled, so
+they go back on before Dynamo compiles anything, and stay on.
+
+Each case runs in a fresh interpreter: whether Dynamo compiled anything must not depend
+on which tests ran before in this process."""
+
+import json
+import subprocess
+import sys
+
+from support import assert_row_matches, find_row, numpy_stats, rows_of
+from support.launch import worker_env
+
+SCRIPT = r"""
+import copy, json, sys
+import torch
+from support import TinyMLP, loss_fn, make_batches
+from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
+
+mode = sys.argv[2]
+if mode == "compiled-before":  # Dynamo compiled other code before start()
+    torch.compile(lambda t: t * 2, backend="eager")(torch.ones(2))
+model = TinyMLP()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+mon = TrainerMonitorV2({"output_dir": sys.argv[1], "step_interval": 2,
+                        "monitors": {"module": {"enabled": True, "targets": []}}})
+mon.start(model=model, optimizer=opt)
+seen = []
+for step, (x, y) in enumerate(make_batches(4)):
+    hooks = {name: len(m._forward_hooks) + len(m._forward_pre_hooks) for name, m in model.named_modules()}
+    with torch.no_grad():  # the reference: an unmonitored copy with this step's weights
+        want = copy.deepcopy(model).fc1(x)
+    assert not copy.deepcopy(model).fc1._forward_hooks, "copies never carry the monitor's hooks"
+    if mode == "compile-later" and step == 1:  # compiled on a step that is not written
+        compiled = torch.compile(model, backend="eager")
+    run = compiled if mode == "compile-later" and step >= 1 else model
+    loss_fn(run, x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    mon.step()
+    seen.append({"hooks": hooks, "fc1_output": want.tolist()})
+mon.stop()
+after = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+print(json.dumps({"steps": seen, "after_stop": after}))
+"""
+
+
+def _run(tmp_path, mode):
+    out = tmp_path / mode
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(out), mode], env=worker_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), str(out)
+
+
+def test_hooks_are_on_the_modules_for_written_steps_only(tmp_path):
+    import torch
+
+    result, out = _run(tmp_path, "eager")
+    steps = result["steps"]
+    # step_interval 2: steps 0 and 2 are written; every module (the root too) is hooked then
+    for step in (0, 2):
+        assert min(steps[step]["hooks"].values()) >= 2, steps[step]
+    for step in (1, 3):
+        assert set(steps[step]["hooks"].values()) == {0}, (step, steps[step]["hooks"])
+    assert result["after_stop"] == 0
+    rows = rows_of(out, "module")
+    assert {int(r["step"]) for r in rows} == {0, 2}
+    for step in (0, 2):
+        want = numpy_stats(torch.tensor(steps[step]["fc1_output"]))
+        assert_row_matches(find_row(rows, step=step, module_name="fc1.output.0", scope="forward"), want)
+
+
+def test_after_dynamo_compiled_anything_the_hooks_stay_on(tmp_path):
+    result, out = _run(tmp_path, "compiled-before")
+    for step in range(4):
+        assert min(result["steps"][step]["hooks"].values()) >= 2, (step, result["steps"][step]["hooks"])
+    assert result["after_stop"] == 0
+    assert {int(r["step"]) for r in rows_of(out, "module")} == {0, 2}
+
+
+def test_a_model_compiled_while_the_hooks_are_off_gets_them_back_before_it_is_traced(tmp_path):
+    """Compiled on step 1 (not written): the hooks go back on when Dynamo starts, so the
+    compiled model runs them (graph breaks at each module), and step 2's rows are there."""
+    import torch
+
+    result, out = _run(tmp_path, "compile-later")
+    assert set(result["steps"][1]["hooks"].values()) == {0}, "off until the compile starts"
+    assert min(result["steps"][3]["hooks"].values()) >= 2, "and on from then on"
+    rows = rows_of(out, "module")
+    assert {int(r["step"]) for r in rows} == {0, 2}
+    want = numpy_stats(torch.tensor(result["steps"][2]["fc1_output"]))
+    assert_row_matches(find_row(rows, step=2, module_name="fc1.output.0", scope="forward"), want)
