@@ -28,6 +28,8 @@ opt = torch.optim.SGD(model.parameters(), lr=0.1)
 mon = TrainerMonitorV2({"output_dir": sys.argv[1], "step_interval": 2,
                         "monitors": {"module": {"enabled": True, "targets": []}}})
 mon.start(model=model, optimizer=opt)
+if mode == "user-hook":  # registered after start(): it doubles fc1's input, after the monitor's pre-hook
+    model.fc1.register_forward_pre_hook(lambda module, args: (args[0] * 2,))
 seen = []
 for step, (x, y) in enumerate(make_batches(4)):
     hooks = {name: len(m._forward_hooks) + len(m._forward_pre_hooks) for name, m in model.named_modules()}
@@ -41,7 +43,7 @@ for step, (x, y) in enumerate(make_batches(4)):
     opt.step()
     opt.zero_grad()
     mon.step()
-    seen.append({"hooks": hooks, "fc1_output": want.tolist()})
+    seen.append({"hooks": hooks, "fc1_output": want.tolist(), "x": x.tolist()})
 mon.stop()
 after = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 print(json.dumps({"steps": seen, "after_stop": after}))
@@ -94,3 +96,41 @@ def test_a_model_compiled_while_the_hooks_are_off_gets_them_back_before_it_is_tr
     assert {int(r["step"]) for r in rows} == {0, 2}
     want = numpy_stats(torch.tensor(result["steps"][2]["fc1_output"]))
     assert_row_matches(find_row(rows, step=2, module_name="fc1.output.0", scope="forward"), want)
+
+
+def test_hooks_put_back_run_where_they_ran_among_the_modules_other_hooks(tmp_path):
+    """A pre-hook the user registers after start() changes fc1's input: the monitor's
+    pre-hook ran before it at start(), and still does after the hooks were off on step 1,
+    so fc1's input rows are the input the model was given on steps 0 and 2."""
+    import torch
+
+    result, out = _run(tmp_path, "user-hook")
+    assert result["steps"][1]["hooks"]["fc1"] == 1, "the user's hook alone on a step that is not written"
+    rows = rows_of(out, "module")
+    for step in (0, 2):
+        x = torch.tensor(result["steps"][step]["x"])
+        assert_row_matches(find_row(rows, step=step, module_name="fc1.input.0", scope="forward"), numpy_stats(x))
+
+
+def test_restore_order_puts_a_hook_back_in_its_place_and_keeps_what_changed_meanwhile():
+    import torch
+
+    from msprobe.core.monitor_v2.frameworks.pytorch.copies import hook_order, restore_order
+
+    ran = []
+    m = torch.nn.Identity()
+    mark = lambda tag: (lambda module, args: ran.append(tag))  # noqa: E731
+    first = m.register_forward_pre_hook(mark("first"))
+    ours = m.register_forward_pre_hook(mark("ours"))
+    gone = m.register_forward_pre_hook(mark("gone"))
+    m.register_forward_pre_hook(mark("last"))
+    order = hook_order(m)
+    ours.remove()
+    gone.remove()  # removed while ours was off: stays removed
+    m.register_forward_pre_hook(mark("new"))  # appended meanwhile: after the hooks that were there
+    m.register_forward_pre_hook(mark("front"), prepend=True)  # prepended meanwhile: first
+    again = m.register_forward_pre_hook(mark("ours"))
+    restore_order(m, order, {ours.id: again.id})
+    m(torch.ones(1))
+    assert ran == ["front", "first", "ours", "last", "new"]
+    assert first.id in m._forward_pre_hooks

@@ -63,6 +63,46 @@ class ModuleHooks:
         self._states.clear()
         self._ids.clear()
 
+    def handle_ids(self) -> List[int]:
+        """The ids of the hooks added here, in the order they were added."""
+        return [h.id for h in self._handles]
+
+    def modules(self) -> List[torch.nn.Module]:
+        """The modules that carry hooks added here."""
+        return [state.owner for state in self._states.values()]
+
     def remove(self) -> None:
         """The same ``remove()`` as a ``patching.Patch``: a ``ModuleHooks`` sits in a list of handles."""
         self.remove_all()
+
+
+# The dictionaries whose order is the order a module's forward hooks run in.
+_ORDERED_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
+
+
+def hook_order(module: torch.nn.Module) -> Dict[str, List[int]]:
+    """The order of ``module``'s forward hooks (handle ids), to give back with ``restore_order``."""
+    return {name: list(getattr(module, name, None) or ()) for name in _ORDERED_HOOK_DICTS}
+
+
+def restore_order(module: torch.nn.Module, order: Dict[str, List[int]], renamed: Dict[int, int]) -> None:
+    """Put ``module``'s forward hooks back in ``order`` (``hook_order``'s, taken when some
+    of them were removed), where ``renamed`` maps a removed hook's id to the id of the same
+    hook added again: each runs where it ran before, as if it had never been removed.
+    Hooks added since go where they went: first if they were prepended before every hook
+    of ``order``, else after them; hooks removed since stay removed."""
+    for name, before in order.items():
+        hooks = getattr(module, name, None)
+        if not isinstance(hooks, dict) or not hooks:
+            continue
+        current = list(hooks)
+        kept = [renamed.get(k, k) for k in before]
+        kept = [k for k in kept if k in hooks]
+        known = set(kept)
+        first = next((i for i, k in enumerate(current) if k in known), len(current))
+        wanted = ([k for k in current[:first] if k not in known] + kept +
+                  [k for k in current[first:] if k not in known])
+        if wanted != current:
+            items = [(k, hooks[k]) for k in wanted]
+            hooks.clear()
+            hooks.update(items)

@@ -57,7 +57,7 @@ from ...monitor import ContainedHook, Monitor, select_modules
 from ...stats import Record
 from ...structure import flatten_tensors, named_outputs
 from .compile import compiled_anything, eager_hook, on_next_compile, warn_if_already_compiled
-from .copies import ModuleHooks
+from .copies import ModuleHooks, hook_order, restore_order
 from .passes import internal_pass
 from .stats import StatPlan
 
@@ -364,6 +364,7 @@ class ModuleMonitor(Monitor):
         self._call_hooks_on = False
         self._keep_call_hooks = False  # set once Dynamo compiles (see _set_call_hooks)
         self._cancel_on_compile: Optional[Any] = None
+        self._removed: Optional[Tuple[List[int], List[Tuple[torch.nn.Module, Any]]]] = None  # see _set_call_hooks
         self._calls: Dict[Tuple[int, int], _Call] = {}  # (thread, module) -> innermost call in progress
         self._pending: Dict[int, _GradInputSum] = {}
         self._once = LogOnce()
@@ -374,6 +375,9 @@ class ModuleMonitor(Monitor):
         roots = {id(r): r for r in self.session.roots}
         for root in roots.values():
             self._track_passes(root)
+        # on at start(), where they always were: a step that is not written takes them off
+        # and puts them back in this place among the modules' hooks
+        self._set_call_hooks(True)
         warn_if_already_compiled()
 
     def _track_passes(self, root: torch.nn.Module) -> None:
@@ -447,8 +451,10 @@ class ModuleMonitor(Monitor):
         compiles anything: compiled code does not see hooks added or removed after it was
         compiled (``skip_nnmodule_hook_guards``), so they are put back before Dynamo traces
         its first frame (its compile-start callback) and kept. Where that callback does not
-        exist, or code was compiled before, they are never taken off. Put on again, they
-        run after the hooks the module has by then."""
+        exist, or code was compiled before, they are never taken off. Put on again, each
+        runs where it ran among the module's other hooks (``copies.restore_order``): the
+        pre-hook still sees the inputs before a hook registered after ``start()`` changes
+        them."""
         if on == self._call_hooks_on or (not on and self._keep_call_hooks):
             return
         if not on:
@@ -458,10 +464,22 @@ class ModuleMonitor(Monitor):
                 self._keep_call_hooks = True
                 return
             self._call_hooks_on = False
+            # where they ran among the modules' other hooks, to put them back there
+            self._removed = (self._call_hooks.handle_ids(),
+                             [(m, hook_order(m)) for m in self._call_hooks.modules()])
             self._call_hooks.remove_all()
             return
         self._call_hooks_on = True
         hooks = self._call_hooks
+        self._add_call_hooks(hooks)
+        if self._removed is not None:
+            old_ids, orders = self._removed
+            self._removed = None
+            renamed = dict(zip(old_ids, hooks.handle_ids()))  # added in the same order as before
+            for module, order in orders:
+                restore_order(module, order, renamed)
+
+    def _add_call_hooks(self, hooks: ModuleHooks) -> None:
         for module, pre, post in self._call_hook_specs:
             hooks.forward_pre(module, pre, with_kwargs=True)
             hooks.forward(module, post, with_kwargs=True, always_call=True)
