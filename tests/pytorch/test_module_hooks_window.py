@@ -1,7 +1,8 @@
-"""The module monitor's forward hooks are on the modules for written steps only: a module
-with any forward hook takes PyTorch's slow call path (about 5 us per call even for a hook
-that returns at once), so a step outside the window runs the model as it is without the
-monitor. Compiled code does not see hooks added or removed after it was compiled, so
+"""The module monitor's forward hooks come off the modules where the next written step
+is at least four steps away: a module with any forward hook takes PyTorch's slow call
+path (about 5 us per call even for a hook that returns at once), so those steps run the
+model as it is without the monitor. Put back, they run where they ran among the module's
+other hooks. Compiled code does not see hooks added or removed after it was compiled, so
 they go back on before Dynamo compiles anything, and stay on.
 
 Each case runs in a fresh interpreter: whether Dynamo compiled anything must not depend
@@ -25,13 +26,13 @@ if mode == "compiled-before":  # Dynamo compiled other code before start()
     torch.compile(lambda t: t * 2, backend="eager")(torch.ones(2))
 model = TinyMLP()
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
-mon = TrainerMonitorV2({"output_dir": sys.argv[1], "step_interval": 2,
+mon = TrainerMonitorV2({"output_dir": sys.argv[1], "step_interval": int(sys.argv[3]),
                         "monitors": {"module": {"enabled": True, "targets": []}}})
 mon.start(model=model, optimizer=opt)
 if mode == "user-hook":  # registered after start(): it doubles fc1's input, after the monitor's pre-hook
     model.fc1.register_forward_pre_hook(lambda module, args: (args[0] * 2,))
 seen = []
-for step, (x, y) in enumerate(make_batches(4)):
+for step, (x, y) in enumerate(make_batches(6)):
     hooks = {name: len(m._forward_hooks) + len(m._forward_pre_hooks) for name, m in model.named_modules()}
     with torch.no_grad():  # the reference: an unmonitored copy with this step's weights
         want = copy.deepcopy(model).fc1(x)
@@ -50,64 +51,72 @@ print(json.dumps({"steps": seen, "after_stop": after}))
 """
 
 
-def _run(tmp_path, mode):
-    out = tmp_path / mode
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(out), mode], env=worker_env(),
+def _run(tmp_path, mode, interval=5):
+    out = tmp_path / f"{mode}-{interval}"
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(out), mode, str(interval)], env=worker_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1]), str(out)
 
 
-def test_hooks_are_on_the_modules_for_written_steps_only(tmp_path):
+def test_hooks_are_off_the_modules_between_written_steps_far_apart(tmp_path):
+    """step_interval 5: steps 0 and 5 are written; from step 1 the next four steps are not,
+    so the hooks come off there (taking them off and on costs about three steps' worth)."""
     import torch
 
     result, out = _run(tmp_path, "eager")
     steps = result["steps"]
-    # step_interval 2: steps 0 and 2 are written; every module (the root too) is hooked then
-    for step in (0, 2):
+    for step in (0, 5):  # every module (the root too) is hooked
         assert min(steps[step]["hooks"].values()) >= 2, steps[step]
-    for step in (1, 3):
+    for step in (1, 2, 3, 4):
         assert set(steps[step]["hooks"].values()) == {0}, (step, steps[step]["hooks"])
     assert result["after_stop"] == 0
     rows = rows_of(out, "module")
-    assert {int(r["step"]) for r in rows} == {0, 2}
-    for step in (0, 2):
+    assert {int(r["step"]) for r in rows} == {0, 5}
+    for step in (0, 5):
         want = numpy_stats(torch.tensor(steps[step]["fc1_output"]))
         assert_row_matches(find_row(rows, step=step, module_name="fc1.output.0", scope="forward"), want)
 
 
+def test_hooks_stay_on_across_a_short_gap(tmp_path):
+    result, out = _run(tmp_path, "eager", interval=2)
+    for step in range(6):
+        assert min(result["steps"][step]["hooks"].values()) >= 2, (step, result["steps"][step]["hooks"])
+    assert {int(r["step"]) for r in rows_of(out, "module")} == {0, 2, 4}
+
+
 def test_after_dynamo_compiled_anything_the_hooks_stay_on(tmp_path):
     result, out = _run(tmp_path, "compiled-before")
-    for step in range(4):
+    for step in range(6):
         assert min(result["steps"][step]["hooks"].values()) >= 2, (step, result["steps"][step]["hooks"])
     assert result["after_stop"] == 0
-    assert {int(r["step"]) for r in rows_of(out, "module")} == {0, 2}
+    assert {int(r["step"]) for r in rows_of(out, "module")} == {0, 5}
 
 
 def test_a_model_compiled_while_the_hooks_are_off_gets_them_back_before_it_is_traced(tmp_path):
     """Compiled on step 1 (not written): the hooks go back on when Dynamo starts, so the
-    compiled model runs them (graph breaks at each module), and step 2's rows are there."""
+    compiled model runs them (graph breaks at each module), and step 5's rows are there."""
     import torch
 
     result, out = _run(tmp_path, "compile-later")
     assert set(result["steps"][1]["hooks"].values()) == {0}, "off until the compile starts"
     assert min(result["steps"][3]["hooks"].values()) >= 2, "and on from then on"
     rows = rows_of(out, "module")
-    assert {int(r["step"]) for r in rows} == {0, 2}
-    want = numpy_stats(torch.tensor(result["steps"][2]["fc1_output"]))
-    assert_row_matches(find_row(rows, step=2, module_name="fc1.output.0", scope="forward"), want)
+    assert {int(r["step"]) for r in rows} == {0, 5}
+    want = numpy_stats(torch.tensor(result["steps"][5]["fc1_output"]))
+    assert_row_matches(find_row(rows, step=5, module_name="fc1.output.0", scope="forward"), want)
 
 
 def test_hooks_put_back_run_where_they_ran_among_the_modules_other_hooks(tmp_path):
     """A pre-hook the user registers after start() changes fc1's input: the monitor's
-    pre-hook ran before it at start(), and still does after the hooks were off on step 1,
-    so fc1's input rows are the input the model was given on steps 0 and 2."""
+    pre-hook ran before it at start(), and still does after the hooks were off on steps 1
+    to 4, so fc1's input rows are the input the model was given on steps 0 and 5."""
     import torch
 
     result, out = _run(tmp_path, "user-hook")
     assert result["steps"][1]["hooks"]["fc1"] == 1, "the user's hook alone on a step that is not written"
     rows = rows_of(out, "module")
-    for step in (0, 2):
+    for step in (0, 5):
         x = torch.tensor(result["steps"][step]["x"])
         assert_row_matches(find_row(rows, step=step, module_name="fc1.input.0", scope="forward"), numpy_stats(x))
 

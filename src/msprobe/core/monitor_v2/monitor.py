@@ -142,6 +142,9 @@ class Monitor:
         self.errors = errors
         self.active = False
         self.step = 0
+        # steps from this one that will not be written, as the schedule says now (set by the
+        # trainer before begin_step; 0 on a written step)
+        self.idle_ahead = 0
         self._records: List[Record] = []  # what the hooks gathered during the current step
 
     @property

@@ -244,8 +244,18 @@ class TrainerMonitorV2:
         written = self.schedule.is_written(step)
         timed = self._timed  # monitors on for a number of steps are written on each of them
         self._active = written or bool(timed)
+        idle = 0 if written else self._steps_not_written(step)
         for m in self.monitors:
+            m.idle_ahead = 0 if m.name in timed else idle
             m.begin_step(step, written or m.name in timed)
+
+    def _steps_not_written(self, step: int, horizon: int = 8) -> int:
+        """How many steps from ``step`` on the schedule does not write (at most ``horizon``):
+        what a monitor weighs when taking hooks off costs more than it saves for one step."""
+        n = 0
+        while n < horizon and not self.schedule.is_written(step + n):
+            n += 1
+        return n
 
     def _in_child(self) -> None:
         """After ``os.fork()``, in the child: record nothing, write nothing."""
