@@ -1368,12 +1368,12 @@ static int grad_note_armed(GradNoteObject *self, PyObject *tensor) {
 }
 
 static PyObject *grad_note_call(GradNoteObject *self, PyObject *args, PyObject *kwds) {
+    PyObject *active = PyObject_GetAttr(self->monitor, str_active);
+    int is_active = active == NULL ? -1 : PyObject_IsTrue(active);
+    Py_XDECREF(active);
+    if (is_active == 0) /* a step that is not written: nothing to do, as in the Python hook */
+        Py_RETURN_NONE;
     if (kwds == NULL && PyTuple_GET_SIZE(args) == 1 && ((NoteStateObject *)self->state)->task >= 0) {
-        PyObject *active = PyObject_GetAttr(self->monitor, str_active);
-        int is_active = active == NULL ? -1 : PyObject_IsTrue(active);
-        Py_XDECREF(active);
-        if (is_active == 0)
-            Py_RETURN_NONE;
         if (is_active > 0) {
             double start = monotonic_seconds();
             int noted = grad_note_armed(self, PyTuple_GET_ITEM(args, 0));
