@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh machine: installs what it needs, then runs pytest.
-# Measured on a quiet 2-core CI-size machine from a fresh clone: the first run about 13-15 min
-# (setup 148-170 s from pip's cache, pytest 618-632 s), later runs about 8-12 min (pytest 485 s); a loaded machine
+# Measured on a quiet 2-core CI-size machine from a fresh clone: the first run about 13-16 min
+# (setup 148-215 s from pip's cache, pytest 618-730 s), later runs about 8-12 min (pytest 485 s); a loaded machine
 # takes several times that.
 set -euo pipefail
 cd "$(dirname "$0")/.."
