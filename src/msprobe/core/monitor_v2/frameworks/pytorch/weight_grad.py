@@ -37,7 +37,9 @@ after it: checked again at each backward pass).
 """
 
 import functools
+import itertools
 import logging
+import operator
 import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -285,8 +287,8 @@ class WeightGradMonitor(Monitor):
             notes.busy = 0.0
         # lists of references, not of pairs: a pass over thousands of parameters allocates
         # no tuple per parameter (each would be one more object for the collector)
-        grads = [source.plain_param.grad for source in pending]
-        if any(grad is None for grad in grads):
+        grads = list(map(_grad_of, map(_param_of, pending)))
+        if any(map(operator.is_, grads, itertools.repeat(None))):
             dropped = [source for source, grad in zip(pending, grads) if grad is None]
             self._once.warning(
                 "batch-dropped",
@@ -298,8 +300,8 @@ class WeightGradMonitor(Monitor):
             grads = [grad for grad in grads if grad is not None]
         if not grads:
             return
-        records = self.session.engine.record_many(grads, self.plan, [source.key for source in pending])
-        self._unreduced.update(zip([source.slot for source in pending], records))
+        records = self.session.engine.record_many(grads, self.plan, list(map(_key_of, pending)))
+        self._unreduced.update(zip(map(_slot_of, pending), records))
 
     def _read_batch_late(self) -> None:
         """Notes whose end-of-pass read never ran (the backward pass raised, or an engine
@@ -393,6 +395,11 @@ class _BatchedGradHook(ContainedHook):
 
 
 _ENGINE = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
+# the batch's reads over its sources, each one C-level pass (thousands of parameters)
+_param_of = operator.attrgetter("plain_param")
+_grad_of = operator.attrgetter("grad")
+_key_of = operator.attrgetter("key")
+_slot_of = operator.attrgetter("slot")
 _graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
