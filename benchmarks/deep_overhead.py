@@ -18,8 +18,10 @@ steps without and with the monitor in one process, the order flipped every round
 median ratio (with / without) and its spread over rounds, the median ratio of the
 process's CPU time (steadier on a shared machine), the plain step time, the
 monitor's own time per written step (timed inside it) and that time divided by the
-number of parameter tensors, and the machine's load average at the end of the row
-(the numbers are only comparable at the same load).
+number of parameter tensors, the same per tensor for the steps after each window's
+first (which makes the window's files and caches: the steady state of a long run), and
+the machine's load average at the end of the row (the numbers are only comparable at
+the same load).
 """
 
 import argparse
@@ -105,6 +107,9 @@ class DeepBench:
         self.batch = torch.randn(args.batch, args.width, generator=g).to(self.device)
         self.out = tempfile.mkdtemp(prefix="msprobe_deep_bench_")
         self.busy = 0.0  # seconds the last monitored window spent in the monitor's code
+        # the monitor's seconds per step after each monitored window's first step (the first
+        # makes the window's files and caches): the steady state of a long run
+        self.later_steps: List[float] = []
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -129,15 +134,21 @@ class DeepBench:
             mon.start(model=self.model, optimizer=self.opt)
         self.sync()
         t0, c0 = time.perf_counter(), time.process_time()
-        self.train_steps(self.args.steps_per_window)
+        steps = self.args.steps_per_window
+        self.train_steps(1)
+        after_first = mon.busy_seconds if mon is not None else 0.0  # an attribute read: nothing to time
+        self.train_steps(steps - 1)
         self.sync()
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         if mon is not None:
             self.busy = mon.busy_seconds
+            if steps > 1:
+                self.later_steps.append((self.busy - after_first) / (steps - 1))
             mon.stop()
         return elapsed, cpu
 
     def run_config(self, name: str, cfg: dict) -> dict:
+        self.later_steps = []
         timed = alternate(lambda monitored: self.window(cfg if monitored else None), lambda: self.busy,
                           self.args.rounds, self.args.steps_per_window)
         own_ms = timed.busy_ms  # per step (the window's steps are all written, or none)
@@ -151,6 +162,9 @@ class DeepBench:
             "plain_ms": timed.plain_median * 1e3,
             "own_ms": own_ms,
             "own_us_per_tensor": own_ms * 1e3 / self.tensors,
+            # NaN with one step per window (--smoke)
+            "later_us_per_tensor": (statistics.median(self.later_steps) * 1e6 / self.tensors
+                                    if self.later_steps else float("nan")),
             "load": load_average(),
         }
 
@@ -210,18 +224,20 @@ def main(argv: Optional[List[str]] = None) -> int:
                 row = bench.run_config(name, cfg)
                 rows.append(row)
                 print(f"  {tensors} tensors, {name:<26} ratio {row['median']:.3f} "
-                      f"({row['min']:.3f}..{row['max']:.3f}); {row['own_us_per_tensor']:.1f} us per tensor; "
-                      f"load {row['load']:.2f}", flush=True)
+                      f"({row['min']:.3f}..{row['max']:.3f}); {row['own_us_per_tensor']:.1f} us per tensor "
+                      f"({row['later_us_per_tensor']:.1f} after a window's first step); load {row['load']:.2f}",
+                      flush=True)
         finally:
             bench.close()
     print()
     print("| tensors | config | median ratio (with / without) | spread (min..max) | CPU-time ratio | plain step | "
-          "monitor per step | monitor per tensor | load |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "monitor per step | monitor per tensor | per tensor after a window's first step | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
+        later = row["later_us_per_tensor"]
         print(f"| {row['tensors']} | {row['config']} | {row['median']:.3f} | {row['min']:.3f}..{row['max']:.3f} | "
               f"{row['cpu_median']:.3f} | {row['plain_ms']:.1f} ms | {row['own_ms']:.2f} ms | {row['own_us_per_tensor']:.1f} us | "
-              f"{row['load']:.2f} |")
+              f"{'-' if later != later else f'{later:.1f} us'} | {row['load']:.2f} |")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"torch": torch.__version__, "kernel": kernel, "rounds": args.rounds,
