@@ -295,3 +295,21 @@ def test_records_many_builds_what_stats_many_and_record_host_build(extension):
                          [want.key, want.vector, want.nans, want.numel, want.zeros])
     with pytest.raises(TypeError):
         extension.ext.records_many([("not", "a key")] * len(buffers), *args, True, False)
+
+
+def test_a_grad_note_that_cannot_read_its_monitor_hands_over_to_the_python_hook(extension):
+    """``GradNote`` reads its monitor's ``active`` first; where that raises (or the note is
+    not armed), the one Python hook gets ``(source, *args)`` with no error left pending, and
+    the pass is not counted in C."""
+    class Broken:
+        @property
+        def active(self):
+            raise RuntimeError("no such state")
+
+    for armed in (7, -1):  # armed for the running task, and not armed
+        calls = []
+        state = extension.ext.NoteState(lambda: 7)
+        state.task = armed
+        note = extension.ext.GradNote(Broken(), "source", 3, state, lambda *args: calls.append(args))
+        assert note("tensor") is None
+        assert calls == [("source", "tensor")] and state.passes == {} and state.pending == []

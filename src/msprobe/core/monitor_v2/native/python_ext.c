@@ -1373,18 +1373,18 @@ static PyObject *grad_note_call(GradNoteObject *self, PyObject *args, PyObject *
     Py_XDECREF(active);
     if (is_active == 0) /* a step that is not written: nothing to do, as in the Python hook */
         Py_RETURN_NONE;
-    if (kwds == NULL && PyTuple_GET_SIZE(args) == 1 && ((NoteStateObject *)self->state)->task >= 0) {
-        if (is_active > 0) {
-            double start = monotonic_seconds();
-            int noted = grad_note_armed(self, PyTuple_GET_ITEM(args, 0));
-            if (noted > 0) {
-                ((NoteStateObject *)self->state)->busy += monotonic_seconds() - start;
-                Py_RETURN_NONE;
-            }
+    if (is_active > 0 && kwds == NULL && PyTuple_GET_SIZE(args) == 1 &&
+        ((NoteStateObject *)self->state)->task >= 0) {
+        double start = monotonic_seconds();
+        int noted = grad_note_armed(self, PyTuple_GET_ITEM(args, 0));
+        if (noted > 0) {
+            ((NoteStateObject *)self->state)->busy += monotonic_seconds() - start;
+            Py_RETURN_NONE;
         }
-        /* an error here is the Python hook's to meet again, and to contain */
-        PyErr_Clear();
     }
+    /* an error above (reading `active` included) is the Python hook's to meet again, and to
+       contain: it must not be left set when the hook is called */
+    PyErr_Clear();
     /* slow(source, *args): one Python hook for all parameters */
     Py_ssize_t n = PyTuple_GET_SIZE(args);
     PyObject *with_source = PyTuple_New(n + 1);
