@@ -388,10 +388,15 @@ class CsvWriter:
                 lines.append(f"{vpp_stage},{step},{_row_cell(name)},{_row_cell(scope)},{cells}\n")
         return "".join(lines).encode("utf-8", errors="backslashreplace")
 
+    def _formatted_rows(self, monitor: str, step: int, rows: Sequence[RowFields]) -> Tuple[Callable[[bool], bytes], int]:
+        """``(format, rows)``: a function that gives the bytes of ``rows`` (with the header or
+        not), and how many rows they are."""
+        return (lambda with_header: self._format(monitor, step, rows, with_header)), len(rows)
+
     def _formatted_records(self, monitor: str, step: int, records: List[Record]) -> Tuple[Callable[[bool], bytes], int]:
-        """``(format, rows)``: the merged rows of ``records`` and a function that gives their
-        bytes (with the header or not). Merged and formatted in one call of the extension
-        where it is built (no row tuple per row); else as ``merge_fields`` and ``_format``."""
+        """``_formatted_rows`` of the merged rows of ``records``: merged and formatted in one
+        call of the extension where it is built (no row tuple per row); else as
+        ``merge_fields`` and ``_format``."""
         fast = self._format_records
         if fast is not None:
             out = self.outputs[monitor]
@@ -403,16 +408,11 @@ class CsvWriter:
                 return (lambda with_header: self._header(monitor, with_header) + data), n
             except (TypeError, ValueError, OverflowError):  # device vectors or other types: the general path
                 pass
-        rows = merge_fields(records)
-        return (lambda with_header: self._format(monitor, step, rows, with_header)), len(rows)
-
-    def write_rows(self, monitor: str, step: int, rows: Sequence[RowFields]) -> None:
-        """Append ``rows`` in one write; on failure the file is left as it was (a new file
-        is removed again) and the error is raised."""
-        if rows:
-            self._write(monitor, step, lambda with_header: self._format(monitor, step, rows, with_header))
+        return self._formatted_rows(monitor, step, merge_fields(records))
 
     def _write(self, monitor: str, step: int, formatted: Callable[[bool], bytes]) -> None:
+        """Append ``formatted``'s bytes in one write; on failure the file is left as it was
+        (a new file is removed again) and the error is raised."""
         opened, new = self._open(monitor, step)
         data = formatted(new)
         before = 0 if new else os.fstat(opened.fd).st_size
@@ -439,62 +439,43 @@ class CsvWriter:
     def write_step(self, step: int, records: Dict[str, List[Record]]) -> None:
         """Records carry host vectors; merge them into rows and write each monitor's file.
         Never raises for an output problem: it is logged and counted (see ``close``)."""
-        if self.alerter is None and self.sinks is None:  # the rows are needed as bytes only
-            self._write_records(step, records)
-            return
-        # rows as plain tuples: only the alerter and the sinks need Row objects
-        fields = [(monitor, merge_fields(recs)) for monitor, recs in records.items()]
-        merged: List[Tuple[str, List[Row]]] = []
+        fields: Optional[Dict[str, List[RowFields]]] = None
         if self.alerter is not None or self.sinks is not None:
-            merged = [(monitor, [Row.from_fields(step, row) for row in rows]) for monitor, rows in fields]
-        if self.alerter is not None:
-            try:
-                self.alerter.check_step(step, merged)
-            except Exception as exc:  # noqa: BLE001 - an alert must never cost the rows
-                logger.error("monitor_v2: alert check failed at step %s: %r", step, exc)
-        if self.sinks is not None:
-            try:
-                self.sinks.send(step, merged)
-            except Exception as exc:  # noqa: BLE001 - a dashboard must never cost the rows
-                logger.error("monitor_v2: handing step %s to the sinks failed: %r", step, exc)
-        del merged
-        failure: Optional[BaseException] = None
-        for monitor, rows in fields:
-            try:
-                self.write_rows(monitor, step, rows)
-                if rows:
-                    self.written_rows += len(rows)
-                    self.written_steps.add(step)
-            except Exception as exc:  # noqa: BLE001 - output problems are counted, never raised
-                failure = failure or exc
-                self._count_lost(monitor, step, len(rows), exc)
-        self._after_write(step, failure)
-
-    def _write_records(self, step: int, records: Dict[str, List[Record]]) -> None:
-        """``write_step`` where nothing needs the rows as objects: each monitor's records
-        merged and formatted in one call."""
+            # rows as plain tuples, merged once for the alerter, the sinks and the files; only
+            # the alerter and the sinks need Row objects. Without them the rows are needed as
+            # bytes only: each monitor's records are merged and formatted in one call.
+            fields = {monitor: merge_fields(recs) for monitor, recs in records.items()}
+            merged = [(monitor, [Row.from_fields(step, row) for row in rows]) for monitor, rows in fields.items()]
+            if self.alerter is not None:
+                try:
+                    self.alerter.check_step(step, merged)
+                except Exception as exc:  # noqa: BLE001 - an alert must never cost the rows
+                    logger.error("monitor_v2: alert check failed at step %s: %r", step, exc)
+            if self.sinks is not None:
+                try:
+                    self.sinks.send(step, merged)
+                except Exception as exc:  # noqa: BLE001 - a dashboard must never cost the rows
+                    logger.error("monitor_v2: handing step %s to the sinks failed: %r", step, exc)
+            del merged
         failure: Optional[BaseException] = None
         for monitor, recs in records.items():
             n = 0
             try:
-                formatted, n = self._formatted_records(monitor, step, recs)
+                if fields is None:
+                    formatted, n = self._formatted_records(monitor, step, recs)
+                else:
+                    formatted, n = self._formatted_rows(monitor, step, fields[monitor])
                 if n:
                     self._write(monitor, step, formatted)
                     self.written_rows += n
                     self.written_steps.add(step)
             except Exception as exc:  # noqa: BLE001 - output problems are counted, never raised
                 failure = failure or exc
-                self._count_lost(monitor, step, n or _merged_count(recs), exc)
-        self._after_write(step, failure)
-
-    def _count_lost(self, monitor: str, step: int, rows: int, exc: BaseException) -> None:
-        self.lost_rows += rows
-        if isinstance(exc, UnsafePathError):
-            self._note_refused(monitor, exc)
-        if not isinstance(exc, OSError) and self._first_error is None:
-            logger.error("monitor_v2: writing %s rows of step %s failed", monitor, step, exc_info=exc)
-
-    def _after_write(self, step: int, failure: Optional[BaseException]) -> None:
+                self.lost_rows += n or _merged_count(recs)
+                if isinstance(exc, UnsafePathError):
+                    self._note_refused(monitor, exc)
+                if not isinstance(exc, OSError) and self._first_error is None:
+                    logger.error("monitor_v2: writing %s rows of step %s failed", monitor, step, exc_info=exc)
         if failure is not None:
             self._on_failure(step, failure)
         elif self._failing:
