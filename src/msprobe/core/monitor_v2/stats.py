@@ -145,8 +145,8 @@ def record_type() -> type:
     """The class the engines make records of: the extension's ``Record`` (the same
     interface, but outside the garbage collector: see native/python_ext.c) where it is
     built, else ``Record``."""
-    kernel = native.load()
-    return kernel.ext.Record if kernel is not None and kernel.ext is not None else Record
+    ext = native.extension()
+    return Record if ext is None else ext.Record
 
 
 # Empty tensors never reach the device: their statistics are known.
@@ -272,11 +272,11 @@ RowFields = Tuple[int, str, str, Optional[int], int, float, float, float, float,
 def merge_fields(records: Iterable[Record]) -> List[RowFields]:
     """``merge_records`` without the step, each row a ``RowFields`` tuple (merged in C
     where the kernel's extension is built: the same tuples, see ``_merge_fields``)."""
-    kernel = native.load()
-    if kernel is not None and kernel.ext is not None:
+    ext = native.extension()
+    if ext is not None:
         listed = records if type(records) is list else list(records)
         try:
-            return kernel.ext.merge_fields(listed)
+            return ext.merge_fields(listed)
         except TypeError:  # a device vector, or values of other types: merged in Python
             records = listed
     return _merge_fields(records)

@@ -211,9 +211,9 @@ class CsvWriter:
         self._file_mode = safe_fs.file_mode()
         # rows formatted in C where the kernel's extension is built (None: in Python); the
         # cells it has written so far, by text
-        kernel = native.load()
-        self._format_rows = kernel.ext.format_rows if kernel is not None and kernel.ext is not None else None
-        self._format_records = kernel.ext.format_records if kernel is not None and kernel.ext is not None else None
+        ext = native.extension()
+        self._format_rows = None if ext is None else ext.format_rows
+        self._format_records = None if ext is None else ext.format_records
         self._cells: Dict[str, str] = {}
         self._make_rank_dir()
 

@@ -163,7 +163,6 @@ class NativeStats:
         ]
         return vectors, nan_list, zero_counts[:] if zero_counts is not None else None
 
-
     def host_records(self, keys: Sequence[Any], pointers: Sequence[int], counts: Sequence[int],
                      dtype_codes: Sequence[int], threads: int, nans: bool, zeros: bool,
                      host: Callable[..., Any]) -> List[Any]:
@@ -203,6 +202,13 @@ def load() -> Optional[NativeStats]:
                 logger.warning("monitor_v2: the one-pass statistics kernel failed to load (%s: %s); "
                                "using framework reductions.", type(exc).__name__, exc)
         return _loaded
+
+
+def extension() -> Any:
+    """The kernel's CPython extension module (its ``Record``, ``merge_fields``,
+    ``format_rows``, ``GradNote``...) where ``load()`` built it, else None."""
+    kernel = load()
+    return None if kernel is None else kernel.ext
 
 
 class _Unavailable(Exception):

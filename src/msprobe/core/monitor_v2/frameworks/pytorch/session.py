@@ -19,9 +19,7 @@ from .stacks.fsdp import FlatParamLayout, fsdp1_layouts, fsdp2_modules, fsdp2_sh
 from . import naming
 from .naming import class_name, named_parameters, unwrap
 from .stacks import TrainingStack, detect_stack
-from .stats import TorchStatsEngine
-
-_PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
+from .stats import _PLAIN_TYPES, TorchStatsEngine
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
@@ -112,7 +110,6 @@ class TorchSession:
         parameter without elements (``numel() == 0``) keeps its rows, as in every monitor:
         ``nan`` min/max/mean, 0 norm and NaNs."""
         flat_layouts = self.flat_layouts
-        plain = (torch.Tensor, torch.nn.Parameter)
         # a parameter's row key for a scope is the same at every step: built once
         known = self._row_keys.get((scope, suffix))
         if known is None:
@@ -130,7 +127,7 @@ class TorchSession:
                 return tensors, keys
         tensors, keys = [], []
         for info, t in items:
-            if type(t) in plain and not flat_layouts:  # the common case, without the lookups below
+            if type(t) in _PLAIN_TYPES and not flat_layouts:  # plain tensors of a mixed list
                 tensors.append(t)
                 key = known.get(info.index)
                 if key is None:

@@ -97,6 +97,7 @@ class WeightGradMonitor(Monitor):
         session = self.session
         self._once = LogOnce()
         self._notes: Any = None  # the extension's NoteState, where batched hooks note in C
+        self._grad_note: Any = None  # the extension's GradNote type
         self._slow_note: Optional["_BatchedGradHook"] = None  # what their GradNotes call otherwise
         self._reset()
         self.sources: List[GradSource] = []
@@ -110,8 +111,9 @@ class WeightGradMonitor(Monitor):
             self._attach_capture(capture)
             return
         self._batched = not self.per_micro_batch and _batchable(session)
-        ext = _extension() if self._batched else None
+        ext = native.extension() if self._batched else None
         if ext is not None:
+            self._grad_note = ext.GradNote
             self._notes = ext.NoteState(_graph_task_id)
             self._notes.micro_batches = self.micro_batches
             self._sync_notes()
@@ -160,7 +162,7 @@ class WeightGradMonitor(Monitor):
                 if self._notes is not None:  # one Python hook for all of them, called with the source
                     if self._slow_note is None:
                         self._slow_note = _BatchedGradHook(self, None, site)
-                    hook: Callable[[torch.Tensor], None] = _extension().GradNote(
+                    hook: Callable[[torch.Tensor], None] = self._grad_note(
                         self, source, source.index, self._notes, self._slow_note)
                 else:
                     hook = _BatchedGradHook(self, source, site)
@@ -345,7 +347,7 @@ class WeightGradMonitor(Monitor):
             return
         short = [
             s for s in self.sources
-            if 0 < self._passes.get(s.index, 0) < self.micro_batches and (s.index, 0, 0) not in self._unreduced
+            if 0 < self._passes.get(s.index, 0) < self.micro_batches and s.slot not in self._unreduced
         ]
         if not short:
             return
@@ -401,12 +403,6 @@ _grad_of = operator.attrgetter("grad")
 _key_of = operator.attrgetter("key")
 _slot_of = operator.attrgetter("slot")
 _graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
-
-
-def _extension() -> Any:
-    """The kernel's CPython extension where it is built (its ``GradNote`` hooks), else None."""
-    kernel = native.load()
-    return None if kernel is None else kernel.ext
 
 
 def _in_compiled_autograd() -> bool:
