@@ -24,13 +24,18 @@ from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 mode = sys.argv[2]
 if mode == "compiled-before":  # Dynamo compiled other code before start()
     torch.compile(lambda t: t * 2, backend="eager")(torch.ones(2))
+from torch._dynamo.callback import callback_handler  # the compile-start callbacks the monitor may add
+callbacks_before = len(callback_handler.start_callbacks)
 model = TinyMLP()
+ref = TinyMLP()  # trained alike without the monitor: the monitored training must be the same to the bit
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 mon = TrainerMonitorV2({"output_dir": sys.argv[1], "step_interval": int(sys.argv[3]),
                         "monitors": {"module": {"enabled": True, "targets": []}}})
 mon.start(model=model, optimizer=opt)
 if mode == "user-hook":  # registered after start(): it doubles fc1's input, after the monitor's pre-hook
-    model.fc1.register_forward_pre_hook(lambda module, args: (args[0] * 2,))
+    for m in (model, ref):
+        m.fc1.register_forward_pre_hook(lambda module, args: (args[0] * 2,))
 seen = []
 for step, (x, y) in enumerate(make_batches(6)):
     hooks = {name: len(m._forward_hooks) + len(m._forward_pre_hooks) for name, m in model.named_modules()}
@@ -39,15 +44,24 @@ for step, (x, y) in enumerate(make_batches(6)):
     assert not copy.deepcopy(model).fc1._forward_hooks, "copies never carry the monitor's hooks"
     if mode == "compile-later" and step == 1:  # compiled on a step that is not written
         compiled = torch.compile(model, backend="eager")
+    if mode == "broken-register" and step == 1:  # putting the hooks back on step 5 raises: contained
+        def refuse(*args, **kwargs):
+            raise RuntimeError("this module takes no more hooks")
+        model.fc2.register_forward_pre_hook = refuse
     run = compiled if mode == "compile-later" and step >= 1 else model
     loss_fn(run, x, y).backward()
     opt.step()
     opt.zero_grad()
     mon.step()
+    loss_fn(ref, x, y).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
     seen.append({"hooks": hooks, "fc1_output": want.tolist(), "x": x.tolist()})
 mon.stop()
 after = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
-print(json.dumps({"steps": seen, "after_stop": after}))
+same = all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+print(json.dumps({"steps": seen, "after_stop": after, "training_unchanged": same,
+                  "callbacks_left": len(callback_handler.start_callbacks) - callbacks_before}))
 """
 
 
@@ -56,7 +70,13 @@ def _run(tmp_path, mode, interval=5):
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(out), mode, str(interval)], env=worker_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1]), str(out)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    # in every case: training as without the monitor, and stop() leaves no hook of its own
+    # (the user's hook stays) and no callback
+    users = 1 if mode == "user-hook" else 0
+    assert result["training_unchanged"] and result["after_stop"] == users and result["callbacks_left"] == 0, result
+    result["stderr"] = proc.stderr
+    return result, str(out)
 
 
 def test_hooks_are_off_the_modules_between_written_steps_far_apart(tmp_path):
@@ -143,3 +163,15 @@ def test_restore_order_puts_a_hook_back_in_its_place_and_keeps_what_changed_mean
     m(torch.ones(1))
     assert ran == ["front", "first", "ours", "last", "new"]
     assert first.id in m._forward_pre_hooks
+
+
+def test_an_error_putting_the_hooks_back_is_contained_and_said_once(tmp_path):
+    """A module whose ``register_forward_pre_hook`` raises when the hooks go back on (step
+    5): the error is logged once, training goes on unchanged, and the other modules' rows
+    of that step are written."""
+    result, out = _run(tmp_path, "broken-register")
+    said = [line for line in result["stderr"].splitlines() if "module hooks on or off between steps" in line]
+    assert len(said) == 1 and "takes no more hooks" in said[0], result["stderr"][-2000:]
+    rows = rows_of(out, "module")
+    assert {int(r["step"]) for r in rows} == {0, 5}
+    assert any(r["module_name"] == "fc1.input.0" and int(r["step"]) == 5 for r in rows)

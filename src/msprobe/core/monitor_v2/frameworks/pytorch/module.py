@@ -465,7 +465,9 @@ class ModuleMonitor(Monitor):
             return
         if not on:
             if self._cancel_on_compile is None and not compiled_anything():
-                self._cancel_on_compile = on_next_compile(self._compile_started)
+                # contained: it runs inside Dynamo's compilation of the user's code
+                self._cancel_on_compile = on_next_compile(
+                    self.errors.wrap("module hooks at a compile start", self._compile_started))
             if self._cancel_on_compile is None:  # compiled code exists, or its start cannot be seen
                 self._keep_call_hooks = True
                 return
@@ -673,7 +675,10 @@ class ModuleMonitor(Monitor):
         # taking the hooks off and on costs about as much as 3 steps with them (~13 us a
         # module against ~5 us a module call): worth it for a longer gap only
         if active or self.idle_ahead >= _IDLE_STEPS_TO_UNHOOK:
-            self._set_call_hooks(active)
+            try:
+                self._set_call_hooks(active)
+            except Exception as exc:  # noqa: BLE001 - never let the hooks' bookkeeping stop a step
+                self.errors.report("module hooks on or off between steps", exc)
         self._calls.clear()
         self._pass.depth = 0  # no model call of this thread spans a step boundary; never let a count drift
         self._pass.internal = 0
