@@ -297,6 +297,69 @@ def test_records_many_builds_what_stats_many_and_record_host_build(extension):
         extension.ext.records_many([("not", "a key")] * len(buffers), *args, True, False)
 
 
+def _read_records(extension, nans: bool, zeros: bool):
+    """``record_read``'s records of every test buffer, and the same statistics as records
+    built from ``stats``/``stats_zeros``'s list (the engine's path without the call)."""
+    ext = extension.ext
+    inline, listed = [], []
+    for i, (a, code) in enumerate(_buffers()):
+        key = (i % 2, f"t{i % 5}", "forward", None if i % 3 else 2)
+        inline.append(ext.record_read(a.ctypes.data, a.size, code, 1, nans, zeros, *key))
+        if zeros:
+            vector, n, z = extension.stats_zeros(a.ctypes.data, a.size, code, 1)
+        else:
+            (vector, n), z = extension.stats(a.ctypes.data, a.size, code, 1), None
+        listed.append(ext.Record(*key, vector, n if nans else None, a.size, z))
+    return inline, listed
+
+
+@pytest.mark.parametrize("nans, zeros", [(True, False), (False, True), (True, True)])
+def test_record_read_is_stats_and_a_record_in_one_call_with_its_vector_inline(tmp_path, extension, nans, zeros):
+    """``record_read`` (the engine's read of one tensor) keeps the kernel's four statistics
+    in the record itself: the same values, counts, merge and CSV bytes as a record of
+    ``stats``'s list, and no tuple or float objects until a vector is asked for."""
+    import gc
+
+    from msprobe.core.monitor_v2 import stats
+
+    inline, listed = _read_records(extension, nans, zeros)
+    for got, want in zip(inline, listed):
+        assert _same([got.key, got.vector, got._vector, got.nans, got.numel, got.zeros, got._listed],
+                     [want.key, want.vector, want._vector, want.nans, want.numel, want.zeros, True])
+        moved = got.relabelled(1, "other", "backward", None)
+        assert _same([moved.key, moved.vector, moved.nans, moved.zeros],
+                     [(1, "other", "backward", None), want.vector, want.nans, want.zeros])
+        assert repr(got) == repr(want) and not gc.is_tracked(got)
+    assert sum(math.isnan(r.vector[0]) and math.isnan(r.vector[1]) for r in inline) == 1, "a NaN hides min and max"
+    assert _same(extension.ext.merge_fields(inline), stats._merge_fields(listed))
+    assert extension.ext.not_on_host(inline) == [], "an inline vector is on the host"
+    out = MonitorOutput("module", ("min", "max", "mean", "norm", "nans", "zeros"), False)
+    writer = CsvWriter(str(tmp_path / "rank_0"), StepSchedule(), [out])
+    formatted, n = writer._formatted_records("module", 3, inline)
+    assert formatted(False) == CsvWriter._format_python(out, 3, stats._merge_fields(listed))
+    writer.close()
+    inline[0].vector = [1.0, 2.0, 3.0, 4.0]  # set by to_host's way: no longer inline
+    assert inline[0].vector == [1.0, 2.0, 3.0, 4.0] and inline[0]._vector == (1.0, 2.0, 3.0, 4.0)
+
+
+def test_a_cache_entry_is_outside_the_collector_and_lets_its_tensor_go(extension):
+    import gc
+
+    class Tensor:  # any object with weak references stands in for a framework tensor
+        pass
+
+    t = Tensor()
+    rec = extension.ext.record_read(np.ones(4, np.float32).ctypes.data, 4, native.F32, 1, True, False, 0, "a", "f",
+                                    None)
+    entry = extension.ext.cache_entry(t, 3, rec)
+    assert entry[0]() is t and entry[1:] == (3, rec)
+    assert not gc.is_tracked(entry) and not gc.is_tracked(entry[0])
+    del t
+    assert entry[0]() is None, "the entry holds the tensor weakly"
+    with pytest.raises(TypeError):
+        extension.ext.cache_entry(7, 0, rec)  # an object without weak references: the caller caches nothing
+
+
 def test_a_grad_note_that_cannot_read_its_monitor_hands_over_to_the_python_hook(extension):
     """``GradNote`` reads its monitor's ``active`` first; where that raises (or the note is
     not armed), the one Python hook gets ``(source, *args)`` with no error left pending, and

@@ -772,6 +772,9 @@ def _counting_engine(monkeypatch):
     monkeypatch.setattr(engine, "_compute_aten", lambda t, *a, **k: calls.append(1) or real(t, *a, **k))
     read = engine._kernel_read
     monkeypatch.setattr(engine, "_kernel_read", lambda *a, **k: calls.append(1) or read(*a, **k))
+    record_read = engine._record_read_ext  # the extension's read-and-record, where it is built
+    if record_read is not None:
+        monkeypatch.setattr(engine, "_record_read_ext", lambda *a: calls.append(1) or record_read(*a))
     return engine, StatPlan.from_ops(ALL_OPS), calls
 
 

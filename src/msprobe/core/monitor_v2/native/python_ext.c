@@ -567,10 +567,20 @@ fail:
    reference cycle, so the collector has nothing to find in it. Same constructor,
    attributes and methods as the Python class (stats.py), which is used where this is not
    built. */
+/* listed: how the vector is kept. VECTOR_OBJECT: ``vector`` as given (a device tensor,
+   None); VECTOR_TUPLE: a host list kept as a tuple, read back as a list; VECTOR_INLINE:
+   the kernel's four statistics in ``values`` (``vector`` NULL), read back as a list. A
+   record of the kernel's then costs no tuple and no float objects: one record is made
+   for every tensor observed, and each tuple it held was a garbage-collected object
+   that lived until the step was written (with every monitor on, about half of the
+   objects that made the collector run during a written step). */
+enum { VECTOR_OBJECT = 0, VECTOR_TUPLE = 1, VECTOR_INLINE = 2 };
+
 typedef struct {
     PyObject_HEAD
     PyObject *vpp_stage, *name, *scope, *micro_step, *vector, *nans, *numel, *zeros;
     char listed;
+    double values[4]; /* min, max, sum, norm: VECTOR_INLINE */
 } RecordObject;
 
 static PyTypeObject RecordType;
@@ -605,11 +615,11 @@ static int record_store_vector(RecordObject *r, PyObject *vector) {
         if (t == NULL)
             return -1;
         Py_XSETREF(r->vector, t);
-        r->listed = 1;
+        r->listed = VECTOR_TUPLE;
     } else {
         Py_INCREF(vector);
         Py_XSETREF(r->vector, vector);
-        r->listed = 0;
+        r->listed = VECTOR_OBJECT;
     }
     return 0;
 }
@@ -637,11 +647,44 @@ static PyObject *record_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
     return (PyObject *)r;
 }
 
+/* The four inline statistics as a new list or tuple. */
+static PyObject *inline_vector(const RecordObject *self, int as_tuple) {
+    PyObject *v = as_tuple ? PyTuple_New(4) : PyList_New(4);
+    if (v == NULL)
+        return NULL;
+    for (int i = 0; i < 4; i++) {
+        PyObject *f = PyFloat_FromDouble(self->values[i]);
+        if (f == NULL) {
+            Py_DECREF(v);
+            return NULL;
+        }
+        if (as_tuple)
+            PyTuple_SET_ITEM(v, i, f);
+        else
+            PyList_SET_ITEM(v, i, f);
+    }
+    return v;
+}
+
 static PyObject *record_get_vector(RecordObject *self, void *closure) {
-    if (self->listed)
+    if (self->listed == VECTOR_INLINE)
+        return inline_vector(self, 0);
+    if (self->listed == VECTOR_TUPLE)
         return PySequence_List(self->vector);
     Py_INCREF(self->vector);
     return self->vector;
+}
+
+/* ``_vector``: the vector as stored, a host one as a tuple */
+static PyObject *record_get_stored_vector(RecordObject *self, void *closure) {
+    if (self->listed == VECTOR_INLINE)
+        return inline_vector(self, 1);
+    Py_INCREF(self->vector);
+    return self->vector;
+}
+
+static PyObject *record_get_listed(RecordObject *self, void *closure) {
+    return PyBool_FromLong(self->listed != VECTOR_OBJECT);
 }
 
 static int record_set_vector(RecordObject *self, PyObject *value, void *closure) {
@@ -665,7 +708,8 @@ static PyObject *none_ref(void) {
 }
 
 /* A record of host statistics under the 4-tuple row key ``key`` (references taken, none
-   stolen): Record.host's and records_many's. */
+   stolen): Record.host's and records_many's. ``vector`` NULL: an inline vector, its
+   values set by the caller (set_inline). */
 static PyObject *record_of(PyObject *key, PyObject *vector, PyObject *nans, PyObject *numel, PyObject *zeros) {
     if (!PyTuple_Check(key) || PyTuple_GET_SIZE(key) != 4) {
         PyErr_SetString(PyExc_TypeError, "a record's key is a 4-tuple (vpp_stage, name, scope, micro_step)");
@@ -678,8 +722,9 @@ static PyObject *record_of(PyObject *key, PyObject *vector, PyObject *nans, PyOb
     SET_REF(r->name, PyTuple_GET_ITEM(key, 1));
     SET_REF(r->scope, PyTuple_GET_ITEM(key, 2));
     SET_REF(r->micro_step, PyTuple_GET_ITEM(key, 3));
-    SET_REF(r->vector, vector);
-    r->listed = 1;
+    Py_XINCREF(vector);
+    r->vector = vector;
+    r->listed = vector == NULL ? VECTOR_INLINE : VECTOR_TUPLE;
     SET_REF(r->nans, nans);
     SET_REF(r->numel, numel);
     SET_REF(r->zeros, zeros);
@@ -707,8 +752,10 @@ static PyObject *record_relabelled(RecordObject *self, PyObject *const *args, Py
     SET_REF(r->name, args[1]);
     SET_REF(r->scope, args[2]);
     SET_REF(r->micro_step, args[3]);
-    SET_REF(r->vector, self->vector);
+    Py_XINCREF(self->vector);
+    r->vector = self->vector;
     r->listed = self->listed;
+    memcpy(r->values, self->values, sizeof r->values);
     SET_REF(r->nans, self->nans);
     SET_REF(r->numel, self->numel);
     SET_REF(r->zeros, self->zeros);
@@ -734,13 +781,13 @@ static PyMemberDef record_members[] = {
     {"nans", T_OBJECT, offsetof(RecordObject, nans), 0, NULL},
     {"numel", T_OBJECT, offsetof(RecordObject, numel), 0, NULL},
     {"zeros", T_OBJECT, offsetof(RecordObject, zeros), 0, NULL},
-    {"_vector", T_OBJECT, offsetof(RecordObject, vector), READONLY, NULL},
-    {"_listed", T_BOOL, offsetof(RecordObject, listed), READONLY, NULL},
     {NULL, 0, 0, 0, NULL},
 };
 
 static PyGetSetDef record_getset[] = {
     {"vector", (getter)record_get_vector, (setter)record_set_vector, NULL, NULL},
+    {"_vector", (getter)record_get_stored_vector, NULL, NULL, NULL},
+    {"_listed", (getter)record_get_listed, NULL, NULL, NULL},
     {"key", (getter)record_get_key, NULL, NULL, NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
@@ -765,6 +812,56 @@ static PyTypeObject RecordType = {
     .tp_new = record_new,
 };
 
+
+/* The kernel's output as a record's inline vector, as vector_object gives it: min and
+   max NaN when there is a NaN, the norm the square root of the sum of squares. */
+static void set_inline(PyObject *rec, const double *out, int64_t nans) {
+    RecordObject *r = (RecordObject *)rec;
+    r->values[0] = nans ? Py_NAN : out[0];
+    r->values[1] = nans ? Py_NAN : out[1];
+    r->values[2] = out[2];
+    r->values[3] = sqrt(out[3]);
+    r->listed = VECTOR_INLINE;
+}
+
+/* record_read(pointer, count, dtype_code, threads, nans, zeros, vpp_stage, name, scope,
+   micro_step) -> Record: one buffer's statistics as a record with an inline vector (the
+   NaN count kept where ``nans`` is true, the zero count counted where ``zeros`` is): what
+   Record(vpp_stage, name, scope, micro_step, vector, nans, count, zeros) of stats or
+   stats_zeros gives, without the vector's list. */
+static PyObject *py_record_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "record_read takes 10 arguments");
+        return NULL;
+    }
+    const void *data;
+    int64_t n, zeros = 0;
+    int dtype, threads;
+    if (parse_buffer(args, &data, &n, &dtype, &threads) < 0)
+        return NULL;
+    int want_nans = PyObject_IsTrue(args[4]);
+    int want_zeros = PyObject_IsTrue(args[5]);
+    if (want_nans < 0 || want_zeros < 0)
+        return NULL;
+    double out[4];
+    int64_t nans = run_stats(data, n, dtype, threads, out, want_zeros ? &zeros : NULL);
+    RecordObject *r = record_alloc();
+    if (r == NULL)
+        return NULL;
+    SET_REF(r->vpp_stage, args[6]);
+    SET_REF(r->name, args[7]);
+    SET_REF(r->scope, args[8]);
+    SET_REF(r->micro_step, args[9]);
+    SET_REF(r->numel, args[1]);
+    r->nans = want_nans ? PyLong_FromLongLong(nans) : none_ref();
+    r->zeros = want_zeros ? PyLong_FromLongLong(zeros) : none_ref();
+    if (r->nans == NULL || r->zeros == NULL) {
+        Py_DECREF(r);
+        return NULL;
+    }
+    set_inline((PyObject *)r, out, nans);
+    return (PyObject *)r;
+}
 
 /* records_many(keys, pointers, counts, dtype_codes, threads, nans, zeros) -> [Record, ...]:
    stats_many and Record.host in one call, the records built here (key i a 4-tuple row key;
@@ -793,17 +890,16 @@ static PyObject *py_records_many(PyObject *self, PyObject *const *args, Py_ssize
         int64_t nans = batch_read(&batch, i, threads, stats_out, want_zeros ? &zeros : NULL);
         if (nans < 0)
             goto fail;
-        PyObject *vector = vector_object(stats_out, nans, 1);
         PyObject *nan_count = want_nans ? PyLong_FromLongLong(nans) : none_ref();
         PyObject *zero_count = want_zeros ? PyLong_FromLongLong(zeros) : none_ref();
-        PyObject *rec = vector && nan_count && zero_count ?
-            record_of(PySequence_Fast_GET_ITEM(keys, i), vector, nan_count, PySequence_Fast_GET_ITEM(batch.counts, i),
+        PyObject *rec = nan_count && zero_count ?
+            record_of(PySequence_Fast_GET_ITEM(keys, i), NULL, nan_count, PySequence_Fast_GET_ITEM(batch.counts, i),
                       zero_count) : NULL;
-        Py_XDECREF(vector);
         Py_XDECREF(nan_count);
         Py_XDECREF(zero_count);
         if (rec == NULL)
             goto fail;
+        set_inline(rec, stats_out, nans);
         PyList_SET_ITEM(out, i, rec);
     }
     goto done;
@@ -948,14 +1044,18 @@ static int merge_one(PyObject *rec, merged_list_t *m) {
     PyObject *vector = NULL, *nans = NULL, *zeros = NULL, *numel = NULL, *raw = NULL;
     PyObject *key[4] = {NULL, NULL, NULL, NULL};
     int ok = 0;
-    vector = field(rec, offsetof(RecordObject, vector), "_vector");
-    if (vector == NULL)
+    const double *values = NULL; /* an inline vector's */
+    if (Py_IS_TYPE(rec, &RecordType) && ((RecordObject *)rec)->listed == VECTOR_INLINE) {
+        values = ((RecordObject *)rec)->values;
+        vector = Py_None; /* not read: a placeholder past the checks below */
+        Py_INCREF(vector);
+    } else if ((vector = field(rec, offsetof(RecordObject, vector), "_vector")) == NULL) {
         goto done;
-    if (vector == Py_None) { /* unobserved: no row */
+    } else if (vector == Py_None) { /* unobserved: no row */
         ok = 1;
         goto done;
     }
-    if (!PyTuple_CheckExact(vector) || PyTuple_GET_SIZE(vector) < 4) {
+    if (values == NULL && (!PyTuple_CheckExact(vector) || PyTuple_GET_SIZE(vector) < 4)) {
         PyErr_SetString(PyExc_TypeError, "merge_fields: a vector is not a host tuple");
         goto done;
     }
@@ -971,9 +1071,12 @@ static int merge_one(PyObject *rec, merged_list_t *m) {
         goto done;
     }
     double mn, mx, total, norm;
-    if (vector_float(vector, 0, &mn) < 0 || vector_float(vector, 1, &mx) < 0 ||
-        vector_float(vector, 2, &total) < 0 || vector_float(vector, 3, &norm) < 0)
+    if (values != NULL) {
+        mn = values[0], mx = values[1], total = values[2], norm = values[3];
+    } else if (vector_float(vector, 0, &mn) < 0 || vector_float(vector, 1, &mx) < 0 ||
+               vector_float(vector, 2, &total) < 0 || vector_float(vector, 3, &norm) < 0) {
         goto done;
+    }
     int has_nans = PyObject_IsTrue(nans);
     if (has_nans < 0)
         goto done;
@@ -1160,7 +1263,8 @@ static PyObject *py_not_on_host(PyObject *self, PyObject *records) {
         int host;
         if (Py_IS_TYPE(rec, &RecordType)) {
             RecordObject *r = (RecordObject *)rec;
-            host = r->vector != NULL && PyTuple_CheckExact(r->vector) && r->nans != NULL &&
+            host = (r->listed == VECTOR_INLINE || (r->vector != NULL && PyTuple_CheckExact(r->vector))) &&
+                   r->nans != NULL &&
                    (r->nans == Py_None || PyLong_CheckExact(r->nans)) && r->zeros != NULL &&
                    (r->zeros == Py_None || PyLong_CheckExact(r->zeros));
         } else {
@@ -1415,6 +1519,30 @@ static PyTypeObject GradNoteType = {
     .tp_new = grad_note_new,
 };
 
+/* cache_entry(tensor, version, record) -> (weakref.ref(tensor), version, record), the entry
+   of the engines' same-tensor cache, with the weak reference and the tuple outside the
+   garbage collector: an entry lives from a module's hook to the end of the step (one per
+   activation and gradient observed), and a weak reference without a callback, like a
+   tuple of such objects and a record, holds nothing the collector could free. */
+static PyObject *py_cache_entry(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "cache_entry(tensor, version, record)");
+        return NULL;
+    }
+    PyObject *ref = PyWeakref_NewRef(args[0], NULL);
+    if (ref == NULL)
+        return NULL;
+    PyObject *entry = PyTuple_Pack(3, ref, args[1], args[2]);
+    Py_DECREF(ref);
+    if (entry == NULL)
+        return NULL;
+    if (Py_IS_TYPE(args[2], &RecordType) && !PyObject_GC_IsTracked(args[1])) {
+        PyObject_GC_UnTrack(ref);
+        PyObject_GC_UnTrack(entry);
+    }
+    return entry;
+}
+
 static PyObject *py_dtypes(PyObject *self, PyObject *unused) {
     return PyLong_FromLong(msprobe_stats_dtypes());
 }
@@ -1427,6 +1555,8 @@ static PyMethodDef methods[] = {
     {"merge_fields", py_merge_fields, METH_O, "stats.merge_fields"},
     {"format_records", (PyCFunction)(void (*)(void))py_format_records, METH_FASTCALL, "merge_fields and format_rows"},
     {"records_many", (PyCFunction)(void (*)(void))py_records_many, METH_FASTCALL, "stats_many and Record.host"},
+    {"record_read", (PyCFunction)(void (*)(void))py_record_read, METH_FASTCALL, "stats and Record in one call"},
+    {"cache_entry", (PyCFunction)(void (*)(void))py_cache_entry, METH_FASTCALL, "a same-tensor cache entry"},
     {"not_on_host", py_not_on_host, METH_O, "the records to_host moves"},
     {"_format_float", py_format_float, METH_O, "one float cell, as format_rows writes it"},
     {"dtypes", py_dtypes, METH_NOARGS, "bit mask of the dtype codes this build reduces"},

@@ -50,6 +50,7 @@ not trace them (``compile.py``): a compiled model breaks its graph at each
 monitored module, and the hooks run eagerly on the real tensors there.
 """
 
+import itertools
 import logging
 import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -188,14 +189,16 @@ class _GradInputSum:
     """The gradient one input receives through several graph edges: a running sum of
     the parts in the order they arrive (``((p0 + p1) + p2)``, the order ``sum`` adds in),
     one temporary of the gradient's size, recorded and dropped when the last part is in
-    (or at ``collect`` when some part never came)."""
+    (or at ``collect`` when some part never came). Made when the first part arrives:
+    the graph hooks' slots name it by a number (``ModuleMonitor._sums``), so that no
+    object lives from the forward pass to the backward pass for it."""
 
     __slots__ = ("expected", "count", "total", "vpp", "name")
 
-    def __init__(self, expected: int, vpp: int, name: str) -> None:
+    def __init__(self, expected: int, vpp: int, name: str, first: torch.Tensor) -> None:
         self.expected = expected
-        self.count = 0
-        self.total: Optional[torch.Tensor] = None
+        self.count = 1
+        self.total = first
         self.vpp = vpp
         self.name = name
 
@@ -203,7 +206,7 @@ class _GradInputSum:
 class _NodeHook(ContainedHook):
     """All of the monitor's hooks on one autograd node, as one object: ``outs`` the
     ``grad_output`` slots ``(vpp, output number, row name, site)`` and ``ins`` the
-    ``grad_input`` edges ``(vpp, edge index, row name, sum or None, site)`` of every module
+    ``grad_input`` edges ``(vpp, edge index, row name, sum number, parts, site)`` of every module
     whose rows come from this node, in the order the modules' forward hooks put them.
 
     One object per node rather than a pre-hook and a post-hook per module: a Linear's
@@ -220,9 +223,10 @@ class _NodeHook(ContainedHook):
     A ``monitor.ContainedHook``: it returns at once while its monitor is not active, an
     error in one slot is logged once per site (the module's grad_output or grad_input
     hook; an error outside the slots under ``module graph hook``) and never reaches
-    training, and the time is counted in ``busy``. The slots are tuples (of strings and
-    ints, which the garbage collector stops tracking, but for the sums): these objects
-    live from the forward pass to the backward pass of every written step."""
+    training, and the time is counted in ``busy``. The slots are tuples of strings and
+    ints, which the garbage collector stops tracking: they live from the forward pass to
+    the backward pass of every written step (an input reached by several edges has a sum
+    number, -1 for one edge, and the number of parts its sum waits for)."""
 
     __slots__ = ("kind", "outs", "ins", "pre", "post")
 
@@ -230,7 +234,7 @@ class _NodeHook(ContainedHook):
         super().__init__(monitor, _NODE_HOOK_SITE)
         self.kind = kind
         self.outs: Tuple[Tuple[int, int, str, str], ...] = ()
-        self.ins: Tuple[Tuple[int, int, str, Optional[_GradInputSum], str], ...] = ()
+        self.ins: Tuple[Tuple[int, int, str, int, int, str], ...] = ()
         self.pre = False  # registered as a pre-hook: the ``outs`` are recorded there
         self.post = False
 
@@ -257,24 +261,25 @@ class _NodeHook(ContainedHook):
 
     def _inputs(self, monitor: "ModuleMonitor", grad_inputs: Tuple) -> None:
         engine, plan, records = monitor.session.engine, monitor.plan, monitor._records
-        for vpp, e, name, acc, site in self.ins:
+        sums = monitor._sums
+        for vpp, e, name, number, parts, site in self.ins:
             try:
                 g = grad_inputs[e]
                 if g is None:
                     continue
-                if acc is None:
+                if number < 0:
                     records.append(engine.record(g, plan, vpp, name, rows.BACKWARD, cache=True))
                     continue
-                total = acc.total
-                if total is None:
-                    acc.total = g
-                    monitor._pending[id(acc)] = acc
+                acc = sums.get(number)
+                if acc is None:
+                    acc = sums[number] = _GradInputSum(parts, vpp, name, g)
                 else:
+                    total = acc.total
                     # Parts through a view's node and through its base's node differ only in shape.
                     acc.total = total + (g if g.shape == total.shape else g.reshape(total.shape))
-                acc.count += 1
+                    acc.count += 1
                 if acc.count == acc.expected:
-                    monitor._flush(acc)
+                    monitor._flush(number)
             except Exception as exc:  # noqa: BLE001 - containment is the point
                 monitor.errors.report(site, exc)
 
@@ -372,7 +377,8 @@ class ModuleMonitor(Monitor):
         self._cancel_on_compile: Optional[Any] = None
         self._removed: Optional[Tuple[List[int], List[Tuple[torch.nn.Module, Any]]]] = None  # see _set_call_hooks
         self._calls: Dict[Tuple[int, int], _Call] = {}  # (thread, module) -> innermost call in progress
-        self._pending: Dict[int, _GradInputSum] = {}
+        self._sums: Dict[int, _GradInputSum] = {}  # sum number -> the parts summed so far
+        self._sum_numbers = itertools.count()
         self._once = LogOnce()
         self._pass = _Pass()  # per thread: a background evaluation never joins the training pass
         self.attached = True
@@ -605,11 +611,12 @@ class ModuleMonitor(Monitor):
             found_one = _edges_into(inputs[0][0], outputs, call.boundary)
             if found_one:
                 name = names.grad_input(0)
-                acc = _GradInputSum(len(found_one), vpp, name) if len(found_one) > 1 else None
+                parts = len(found_one)
+                number = next(self._sum_numbers) if parts > 1 else -1
                 site = names.grad_input_site
                 for node, e in found_one:
                     hook = _node_hook(self, nodes, node)
-                    hook.ins += ((vpp, e, name, acc, site),)
+                    hook.ins += ((vpp, e, name, number, parts, site),)
                     touched.append(hook)
                     touched.append(node)
             return
@@ -652,19 +659,17 @@ class ModuleMonitor(Monitor):
                 elif not is_leaf and child._sequence_nr() >= boundary and child not in visited:
                     stack.append(child)
         # An input reached by several edges gets one accumulator shared by their hooks.
-        sums = {i: _GradInputSum(c, vpp, names.grad_input(i)) for i, c in counts.items() if c > 1}
+        numbers = {i: next(self._sum_numbers) for i, c in counts.items() if c > 1}
         site = names.grad_input_site
         for node, e, i in found:
             hook = _node_hook(self, nodes, node)
-            hook.ins += ((vpp, e, names.grad_input(i), sums.get(i), site),)
+            hook.ins += ((vpp, e, names.grad_input(i), numbers.get(i, -1), counts[i], site),)
             touched.append(hook)
             touched.append(node)
 
-    def _flush(self, acc: _GradInputSum) -> None:
-        self._pending.pop(id(acc), None)
-        total, acc.total, acc.count = acc.total, None, 0
-        if total is not None:
-            self._records.append(self.session.engine.record(total, self.plan, acc.vpp, acc.name, rows.BACKWARD))
+    def _flush(self, number: int) -> None:
+        acc = self._sums.pop(number)
+        self._records.append(self.session.engine.record(acc.total, self.plan, acc.vpp, acc.name, rows.BACKWARD))
 
     def _warn_once(self, key: str, message: str) -> None:
         self._once.warning(key, "monitor_v2 module: %s (logged once)", message)
@@ -685,8 +690,8 @@ class ModuleMonitor(Monitor):
         self._pass.nodes = None
 
     def collect(self) -> List[Record]:
-        for acc in list(self._pending.values()):
-            self._flush(acc)
+        for number in list(self._sums):
+            self._flush(number)
         return super().collect()
 
     def detach(self) -> None:
@@ -697,5 +702,5 @@ class ModuleMonitor(Monitor):
             self._cancel_on_compile()
             self._cancel_on_compile = None
         self._calls.clear()
-        self._pending.clear()
+        self._sums.clear()
         self._pass.nodes = None

@@ -216,11 +216,22 @@ def _prepared(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _cache_entry(t: torch.Tensor, version: int, rec: Record) -> Tuple[Any, int, Record]:
+    """An entry of the same-tensor cache (the extension's ``cache_entry`` where it is
+    built): a weak reference to the tensor, its version when observed, its record."""
+    return (weakref.ref(t), version, rec)
+
+
 class TorchStatsEngine:
     def __init__(self, use_native: bool = True) -> None:
         self._native = native.load() if use_native else None
         # the extension's records where it is built (outside the garbage collector)
         self._Record = record_type() if self._native is not None else Record
+        ext = native.extension() if self._native is not None else None
+        # one buffer's statistics and its record in one call, the vector kept inline (no
+        # tuple, no float objects); and the cache's entries outside the garbage collector
+        self._record_read_ext = ext.record_read if ext is not None else None
+        self._cache_entry = ext.cache_entry if ext is not None else _cache_entry
         # dtype -> the kernel's code, for the dtypes this build reduces
         self._kernel_codes: Dict[torch.dtype, int] = {} if self._native is None else {
             d: c for d, c in _NATIVE_CODES.items() if c in self._native.dtype_codes}
@@ -406,7 +417,7 @@ class TorchStatsEngine:
         if cacheable and numel:
             # the cache keeps the first record: its statistics, not a second copy of them
             try:
-                entry = (weakref.ref(t), t._version, rec)
+                entry = self._cache_entry(t, t._version, rec)
             except TypeError:  # a tensor subclass without weak references: no caching
                 return rec
             self._seen[key] = entry
@@ -430,12 +441,17 @@ class TorchStatsEngine:
                 first = seen[0]()
                 if first is not None and seen[1] == first._version == t._version and first.data_ptr() == pointer:
                     return seen[2].relabelled(vpp_stage, name, scope, micro_step)
-        vector, nans, zeros = self._kernel_read(pointer, numel, code, plan)
-        rec = self._Record(vpp_stage, name, scope, micro_step, vector, nans, numel, zeros)
+        read = self._record_read_ext
+        if read is not None:
+            rec = read(pointer, numel, code, torch.get_num_threads(), plan.nans, plan.zeros, vpp_stage, name, scope,
+                       micro_step)
+        else:
+            vector, nans, zeros = self._kernel_read(pointer, numel, code, plan)
+            rec = self._Record(vpp_stage, name, scope, micro_step, vector, nans, numel, zeros)
         if cacheable:
             # the cache keeps the first record: its statistics, not a second copy of them
             try:
-                entry = (weakref.ref(t), t._version, rec)
+                entry = self._cache_entry(t, t._version, rec)
             except TypeError:  # a tensor subclass without weak references: no caching
                 return rec
             self._seen[key] = entry
