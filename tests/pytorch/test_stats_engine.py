@@ -775,6 +775,9 @@ def _counting_engine(monkeypatch):
     record_read = engine._record_read_ext  # the extension's read-and-record, where it is built
     if record_read is not None:
         monkeypatch.setattr(engine, "_record_read_ext", lambda *a: calls.append(1) or record_read(*a))
+    # the Python path, where the reads can be counted (the compiled one's cache is tested
+    # by what it returns: test_the_compiled_record_reads_a_tensor_once_per_version)
+    monkeypatch.setattr(engine, "_tensor_record", None)
     return engine, StatPlan.from_ops(ALL_OPS), calls
 
 
@@ -794,6 +797,74 @@ def test_same_tensor_twice_in_a_step_is_computed_once_and_in_place_change_is_see
     engine.to_host([first, second, third, uncached])
     assert first.vector == second.vector
     assert third.vector[0] == -5.0 and first.vector[0] == 0.0
+
+
+def _compiled_engine(stats_path: str) -> TorchStatsEngine:
+    """The engine of this path: the extension's ``tensor_record`` on the native one."""
+    engine = TorchStatsEngine()
+    assert (engine._tensor_record is not None) == (stats_path == "native"), (
+        "the kernel was not built as an extension: are Python's headers (Python.h) installed?")
+    return engine
+
+
+def test_the_compiled_record_reads_a_tensor_once_per_version(stats_path):
+    """The extension's ``tensor_record`` (``record`` of a CPU tensor the kernel reads) keeps
+    the Python path's cache: values written behind the version counter's back (through
+    NumPy, sharing the memory) show only where the tensor is read again. The same holds
+    on the ATen path."""
+    engine, plan = _compiled_engine(stats_path), StatPlan.from_ops(ALL_OPS)
+
+    def read(t, name, cache=True):
+        rec = engine.record(t, plan, 0, name, "forward", cache=cache)
+        engine.to_host([rec])
+        return rec
+
+    t = torch.arange(6, dtype=torch.float32)
+    first = read(t, "a")
+    assert first.vector == [0.0, 5.0, 15.0, math.sqrt(55.0)]
+    t.numpy()[:] = 100.0  # same version: a cache hit keeps the first statistics
+    assert read(t, "b").vector == first.vector
+    assert read(t.view(2, 3), "c").vector == first.vector, "another object over the same memory and version counter"
+    assert read(t, "d", cache=False).vector[0] == 100.0, "without cache=True the tensor is read"
+    assert read(t.view(torch.bfloat16), "e").numel == 12, "the same address as another dtype and count"
+    t.add_(0)  # the version moves: read again
+    assert read(t, "f").vector[0] == 100.0
+    t.numpy()[:] = 7.0
+    engine.forget()
+    assert read(t, "g").vector[0] == 7.0, "forget() drops the cache"
+    with torch.inference_mode():
+        frozen = torch.ones(4)
+    assert read(frozen, "h").vector[0] == 1.0
+    frozen.numpy()[:] = 3.0  # an inference tensor has no version counter: never cached
+    assert read(frozen, "i").vector[0] == 3.0
+
+
+def test_the_compiled_record_gives_the_python_paths_records(stats_path):
+    """Every kind of tensor gives the same record through the extension's ``tensor_record``
+    as through the Python path (the ones it does not take go to the Python path)."""
+    compiled, plan = _compiled_engine(stats_path), StatPlan.from_ops(ALL_OPS + ("zeros",))
+    python = TorchStatsEngine()
+    python._tensor_record = None
+    base = _values((6, 5), torch.float32, seed=3)
+    base[1, 2] = 0.0
+    with_nan = base.clone()
+    with_nan[0, 0] = float("nan")
+
+    class Sub(torch.Tensor):
+        pass
+
+    tensors = [base, base.t(), base[1:], base[:, 1:], with_nan, base.to(torch.bfloat16), base.to(torch.float16),
+               base.double(), _values((7,), torch.int64), torch.empty(0), torch.nn.Parameter(base.clone()),
+               base.clone().requires_grad_(), torch._neg_view(base), base.as_subclass(Sub), base[0, 0],
+               torch.nested.nested_tensor([base[0], base[1, :3]], layout=torch.jagged),
+               torch.zeros(3, 4).to_sparse()]
+    for i, t in enumerate(tensors):
+        for cache in (False, True):
+            got = compiled.record(t, plan, 1, f"t{i}", "forward", 2, cache=cache)
+            want = python.record(t, plan, 1, f"t{i}", "forward", 2, cache=cache)
+            compiled.to_host([got])
+            python.to_host([want])
+            assert repr(got) == repr(want), (i, cache)
 
 
 def test_a_new_tensor_reusing_a_dead_tensors_id_is_not_confused(monkeypatch):

@@ -1543,6 +1543,248 @@ static PyObject *py_cache_entry(PyObject *self, PyObject *const *args, Py_ssize_
     return entry;
 }
 
+/* ------------------------------------------------------------------ tensor_record
+ * The engine's record() of a tensor the kernel reads (TorchStatsEngine._native_buffer's
+ * checks, then _record_read's cache and read), in one call: every module activation and
+ * gradient of a written step comes through here, and in Python its dozen attribute reads
+ * and three calls cost about as much as the statistics of a small tensor. Anything it
+ * does not take (another tensor type, device, dtype, layout; an error while looking)
+ * returns None, and the engine's Python path decides, raises or reads. */
+
+static PyObject *str_is_cpu, *str_dtype, *str_layout, *str_is_nested, *str_is_contiguous, *str_is_neg, *str_numel,
+    *str_data_ptr, *str_is_inference, *str_version;
+
+/* 1 true, 0 false, -1 error: an attribute's truth */
+static int attr_truth(PyObject *obj, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL)
+        return -1;
+    int truth = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return truth;
+}
+
+/* 1 true, 0 false, -1 error: a method's result's truth (no arguments) */
+static int call_truth(PyObject *obj, PyObject *name) {
+    PyObject *v = PyObject_CallMethodNoArgs(obj, name);
+    if (v == NULL)
+        return -1;
+    int truth = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return truth;
+}
+
+/* The tensor's data pointer, element count and dtype (a new reference) where the kernel
+   reads it: 1; 0 where it does not; -1 on an error (set). */
+static int kernel_buffer(PyObject *t, PyObject *plain_types, PyObject *codes, PyObject *strided, void **ptr,
+                         int64_t *n, int *code, PyObject **dtype) {
+    *dtype = NULL;
+    int plain = PySet_Contains(plain_types, (PyObject *)Py_TYPE(t));
+    if (plain <= 0)
+        return plain;
+    int yes = attr_truth(t, str_is_cpu);
+    if (yes <= 0)
+        return yes;
+    PyObject *dt = PyObject_GetAttr(t, str_dtype);
+    if (dt == NULL)
+        return -1;
+    PyObject *code_obj = PyDict_GetItemWithError(codes, dt); /* borrowed */
+    if (code_obj == NULL) {
+        Py_DECREF(dt);
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    *code = (int)PyLong_AsLong(code_obj);
+    if (*code == -1 && PyErr_Occurred()) {
+        Py_DECREF(dt);
+        return -1;
+    }
+    *dtype = dt;
+    PyObject *layout = PyObject_GetAttr(t, str_layout);
+    if (layout == NULL)
+        return -1;
+    Py_DECREF(layout); /* compared by identity only: the object stays alive in torch */
+    if (layout != strided)
+        return 0;
+    if ((yes = attr_truth(t, str_is_nested)) != 0)
+        return yes < 0 ? -1 : 0;
+    if ((yes = call_truth(t, str_is_contiguous)) <= 0)
+        return yes;
+    if ((yes = call_truth(t, str_is_neg)) != 0)
+        return yes < 0 ? -1 : 0;
+    PyObject *count = PyObject_CallMethodNoArgs(t, str_numel);
+    if (count == NULL)
+        return -1;
+    *n = PyLong_AsLongLong(count);
+    Py_DECREF(count);
+    if (*n == -1 && PyErr_Occurred())
+        return -1;
+    if (*n <= 0)
+        return 0;
+    PyObject *pointer = PyObject_CallMethodNoArgs(t, str_data_ptr);
+    if (pointer == NULL)
+        return -1; /* a storage-less wrapper that looks like a plain tensor: RuntimeError */
+    *ptr = PyLong_AsVoidPtr(pointer);
+    Py_DECREF(pointer);
+    if (*ptr == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    return 1;
+}
+
+/* t._version == version (an int object): 1, 0, or -1 on an error */
+static int version_is(PyObject *t, PyObject *version) {
+    PyObject *v = PyObject_GetAttr(t, str_version);
+    if (v == NULL)
+        return -1;
+    int same = PyObject_RichCompareBool(v, version, Py_EQ);
+    Py_DECREF(v);
+    return same;
+}
+
+/* A weak reference's object (a new reference), or NULL, no error set, where it is dead. */
+static PyObject *referent(PyObject *ref) {
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *obj = NULL;
+    if (PyWeakref_GetRef(ref, &obj) < 0)
+        PyErr_Clear();
+    return obj;
+#else
+    PyObject *obj = PyWeakref_GetObject(ref); /* borrowed */
+    if (obj == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    if (obj == Py_None)
+        return NULL;
+    Py_INCREF(obj);
+    return obj;
+#endif
+}
+
+/* The cache's record for this buffer where the tensor first seen there is alive and
+   unchanged, at the same address, of the same dtype and count, and `t` is unchanged too
+   (a borrowed reference; NULL with no error where there is none). */
+static PyObject *cached_record(PyObject *entry, PyObject *t, void *ptr, int64_t n, PyObject *dtype) {
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3 ||
+        !PyWeakref_CheckRef(PyTuple_GET_ITEM(entry, 0)) || !Py_IS_TYPE(PyTuple_GET_ITEM(entry, 2), &RecordType))
+        return NULL;
+    RecordObject *rec = (RecordObject *)PyTuple_GET_ITEM(entry, 2);
+    if (rec->numel == NULL || PyLong_AsLongLong(rec->numel) != n) {
+        PyErr_Clear();
+        return NULL;
+    }
+    PyObject *first = referent(PyTuple_GET_ITEM(entry, 0));
+    if (first == NULL)
+        return NULL;
+    PyObject *version = PyTuple_GET_ITEM(entry, 1), *result = NULL;
+    PyObject *first_dtype = NULL, *first_ptr = NULL;
+    if (version_is(first, version) != 1 || version_is(t, version) != 1)
+        goto done;
+    if ((first_dtype = PyObject_GetAttr(first, str_dtype)) == NULL || first_dtype != dtype)
+        goto done;
+    if ((first_ptr = PyObject_CallMethodNoArgs(first, str_data_ptr)) == NULL || PyLong_AsVoidPtr(first_ptr) != ptr)
+        goto done;
+    result = (PyObject *)rec;
+done:
+    Py_XDECREF(first_dtype);
+    Py_XDECREF(first_ptr);
+    Py_DECREF(first);
+    PyErr_Clear(); /* a failed check is a miss: the tensor is read */
+    return result;
+}
+
+/* tensor_record(t, plain_types, codes, strided, threads, nans, zeros, vpp_stage, name,
+   scope, micro_step, cache) -> Record or None. `cache`: a dict (first element's address ->
+   cache_entry) or None. */
+static PyObject *py_tensor_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 12) {
+        PyErr_SetString(PyExc_TypeError, "tensor_record takes 12 arguments");
+        return NULL;
+    }
+    PyObject *t = args[0], *cache = args[11], *dtype = NULL, *key = NULL, *version = NULL;
+    void *ptr = NULL;
+    int64_t n = 0;
+    int code = 0;
+    if (!PyAnySet_Check(args[1]) || !PyDict_Check(args[2]) || (cache != Py_None && !PyDict_Check(cache))) {
+        PyErr_SetString(PyExc_TypeError, "tensor_record: plain_types a set, codes and cache dicts");
+        return NULL;
+    }
+    int ok = kernel_buffer(t, args[1], args[2], args[3], &ptr, &n, &code, &dtype);
+    if (ok <= 0) {
+        Py_XDECREF(dtype);
+        PyErr_Clear(); /* the Python path looks again, and says what is wrong */
+        Py_RETURN_NONE;
+    }
+    int threads = (int)PyLong_AsLong(args[4]);
+    int want_nans = PyObject_IsTrue(args[5]), want_zeros = PyObject_IsTrue(args[6]);
+    if ((threads == -1 && PyErr_Occurred()) || want_nans < 0 || want_zeros < 0)
+        goto fail;
+    if (cache != Py_None) {
+        int inference = call_truth(t, str_is_inference); /* no version counter: never cached */
+        if (inference < 0)
+            goto fail;
+        if (inference) {
+            cache = Py_None;
+        } else {
+            if ((key = PyLong_FromVoidPtr(ptr)) == NULL)
+                goto fail;
+            PyObject *entry = PyDict_GetItemWithError(cache, key); /* borrowed */
+            if (entry == NULL && PyErr_Occurred())
+                goto fail;
+            PyObject *hit = entry == NULL ? NULL : cached_record(entry, t, ptr, n, dtype);
+            if (hit != NULL) {
+                PyObject *relabel[4] = {args[7], args[8], args[9], args[10]};
+                PyObject *out = record_relabelled((RecordObject *)hit, relabel, 4);
+                Py_DECREF(key);
+                Py_DECREF(dtype);
+                return out;
+            }
+            if ((version = PyObject_GetAttr(t, str_version)) == NULL)
+                goto fail;
+        }
+    }
+    double out[4];
+    int64_t zeros = 0;
+    int64_t nans = run_stats(ptr, n, code, threads, out, want_zeros ? &zeros : NULL);
+    RecordObject *r = record_alloc();
+    if (r == NULL)
+        goto fail;
+    SET_REF(r->vpp_stage, args[7]);
+    SET_REF(r->name, args[8]);
+    SET_REF(r->scope, args[9]);
+    SET_REF(r->micro_step, args[10]);
+    r->numel = PyLong_FromLongLong(n);
+    r->nans = want_nans ? PyLong_FromLongLong(nans) : none_ref();
+    r->zeros = want_zeros ? PyLong_FromLongLong(zeros) : none_ref();
+    if (r->numel == NULL || r->nans == NULL || r->zeros == NULL) {
+        Py_DECREF(r);
+        goto fail;
+    }
+    set_inline((PyObject *)r, out, nans);
+    if (cache != Py_None) {
+        PyObject *pass[3] = {t, version, (PyObject *)r};
+        PyObject *entry = py_cache_entry(NULL, pass, 3);
+        if (entry == NULL) {
+            PyErr_Clear(); /* a tensor subclass without weak references: no caching */
+        } else {
+            int stored = PyDict_SetItem(cache, key, entry);
+            Py_DECREF(entry);
+            if (stored < 0) {
+                Py_DECREF(r);
+                goto fail;
+            }
+        }
+    }
+    Py_XDECREF(key);
+    Py_XDECREF(version);
+    Py_DECREF(dtype);
+    return (PyObject *)r;
+fail:
+    Py_XDECREF(key);
+    Py_XDECREF(version);
+    Py_XDECREF(dtype);
+    return NULL;
+}
+
 static PyObject *py_dtypes(PyObject *self, PyObject *unused) {
     return PyLong_FromLong(msprobe_stats_dtypes());
 }
@@ -1557,6 +1799,7 @@ static PyMethodDef methods[] = {
     {"records_many", (PyCFunction)(void (*)(void))py_records_many, METH_FASTCALL, "stats_many and Record.host"},
     {"record_read", (PyCFunction)(void (*)(void))py_record_read, METH_FASTCALL, "stats and Record in one call"},
     {"cache_entry", (PyCFunction)(void (*)(void))py_cache_entry, METH_FASTCALL, "a same-tensor cache entry"},
+    {"tensor_record", (PyCFunction)(void (*)(void))py_tensor_record, METH_FASTCALL, "the engine's record of a CPU tensor"},
     {"not_on_host", py_not_on_host, METH_O, "the records to_host moves"},
     {"_format_float", py_format_float, METH_O, "one float cell, as format_rows writes it"},
     {"dtypes", py_dtypes, METH_NOARGS, "bit mask of the dtype codes this build reduces"},
@@ -1572,6 +1815,13 @@ PyMODINIT_FUNC PyInit__msprobe_monitor_native(void) {
     str_hooks_attr = PyUnicode_InternFromString("_post_accumulate_grad_hooks");
     if (str_active == NULL || str_hooks_attr == NULL)
         return NULL;
+    PyObject **interned[] = {&str_is_cpu, &str_dtype, &str_layout, &str_is_nested, &str_is_contiguous, &str_is_neg,
+                          &str_numel, &str_data_ptr, &str_is_inference, &str_version};
+    const char *texts[] = {"is_cpu", "dtype", "layout", "is_nested", "is_contiguous", "is_neg", "numel", "data_ptr",
+                           "is_inference", "_version"};
+    for (int i = 0; i < 10; i++)
+        if ((*interned[i] = PyUnicode_InternFromString(texts[i])) == NULL)
+            return NULL;
     pow10_init();
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)

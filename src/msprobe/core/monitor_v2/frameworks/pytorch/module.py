@@ -150,10 +150,12 @@ class _Names:
     every written step."""
 
     __slots__ = ("tag", "input_prefix", "output_prefix", "output_0", "grad_output_prefix", "grad_output_0",
-                 "_inputs", "_grad_outputs", "_grad_inputs", "grad_output_site", "grad_input_site")
+                 "_inputs", "_grad_outputs", "_grad_inputs", "grad_output_site", "grad_input_site", "vpp",
+                 "out_slot_0", "_in_slots")
 
-    def __init__(self, tag: str) -> None:
+    def __init__(self, tag: str, vpp: int) -> None:
         self.tag = tag
+        self.vpp = vpp
         self.input_prefix = rows.module_prefix(tag, rows.INPUT)
         self.output_prefix = rows.module_prefix(tag, rows.OUTPUT)
         self.output_0 = rows.module_row(tag, rows.OUTPUT, 0)
@@ -165,6 +167,17 @@ class _Names:
         self.grad_output_0 = self.grad_output(self.output_0[len(self.output_prefix) + 1:])
         self.grad_output_site = f"module grad_output hook of {tag}"
         self.grad_input_site = f"module grad_input hook of {tag}"
+        # The graph hooks' slots of the common call, made once: every written step puts
+        # them on the nodes again, and a tuple made per step lives until its backward.
+        self.out_slot_0 = (vpp, 0, self.grad_output_0, self.grad_output_site)
+        self._in_slots: Dict[int, Tuple[int, int, str, int, int, str]] = {}
+
+    def in_slot(self, e: int) -> Tuple[int, int, str, int, int, str]:
+        """The ``grad_input`` slot of input 0 reached by the one edge ``e`` of its node."""
+        slot = self._in_slots.get(e)
+        if slot is None:
+            slot = self._in_slots[e] = (self.vpp, e, self.grad_input(0), -1, 1, self.grad_input_site)
+        return slot
 
     def input(self, i: int) -> str:
         names = self._inputs
@@ -439,7 +452,7 @@ class ModuleMonitor(Monitor):
         return rows.EVAL_FORWARD if evaluation else rows.FORWARD
 
     def _hook(self, module: torch.nn.Module, vpp: int, tag: str) -> None:
-        names = _Names(tag)
+        names = _Names(tag, vpp)
         # owner=self: on steps that are not written the hooks return before any other call.
         # always_call: the post-hook also runs when forward raises (non-reentrant
         # checkpointing stops its recomputation that way), so the call state is dropped.
@@ -584,7 +597,9 @@ class ModuleMonitor(Monitor):
             if call is not None and node is not own and node._sequence_nr() < call.boundary:
                 node, nr = edges[0]  # the base is not this module's own result
             hook = _node_hook(self, nodes, node)
-            hook.outs += ((vpp, nr, grad_names[j], site),)
+            name = grad_names[j]
+            hook.outs += ((names.out_slot_0 if nr == 0 and name is names.grad_output_0 and vpp == names.vpp
+                           else (vpp, nr, name, site)),)
             touched.append(hook)
             touched.append(node)
         if call is not None:
@@ -616,7 +631,8 @@ class ModuleMonitor(Monitor):
                 site = names.grad_input_site
                 for node, e in found_one:
                     hook = _node_hook(self, nodes, node)
-                    hook.ins += ((vpp, e, name, number, parts, site),)
+                    hook.ins += ((vpp, e, name, number, parts, site) if number >= 0 or vpp != names.vpp
+                                 else names.in_slot(e),)
                     touched.append(hook)
                     touched.append(node)
             return

@@ -232,6 +232,8 @@ class TorchStatsEngine:
         # tuple, no float objects); and the cache's entries outside the garbage collector
         self._record_read_ext = ext.record_read if ext is not None else None
         self._cache_entry = ext.cache_entry if ext is not None else _cache_entry
+        # ``record`` of a tensor the kernel reads, checks, cache and read in one call
+        self._tensor_record = ext.tensor_record if ext is not None else None
         # dtype -> the kernel's code, for the dtypes this build reduces
         self._kernel_codes: Dict[torch.dtype, int] = {} if self._native is None else {
             d: c for d, c in _NATIVE_CODES.items() if c in self._native.dtype_codes}
@@ -253,6 +255,12 @@ class TorchStatsEngine:
         # and neither it nor the new view has been modified since. With ``module`` on
         # every module of the benchmark's model this reads 12 % fewer elements per step.
         self._seen_memory: Dict[Tuple[int, int, torch.dtype, Tuple[bool, ...]], Tuple["weakref.ref", int, Record]] = {}
+        # The kernel's tensors (``_record_read``: contiguous, on the CPU) have one cache,
+        # by plan then by first element's address: an int key, where the two above make
+        # two tuples per observation that live until the step ends. The entry's tensor
+        # (alive, same address, dtype and version) and record (same count) say the rest of
+        # what the memory key holds; the same object always passes.
+        self._seen_buffers: Dict[Tuple[bool, ...], Dict[int, Tuple["weakref.ref", int, Record]]] = {}
         self._unobserved = LogOnce()
 
     def _zero(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -395,6 +403,17 @@ class TorchStatsEngine:
     ) -> Record:
         """Statistics of one tensor, computed now (inside a hook): kept on the device, or
         host values where the one-pass kernel read a CPU tensor."""
+        fast = self._tensor_record
+        if fast is not None:  # _native_buffer's checks and _record_read in C; None: not one it takes
+            seen_here = None
+            if cache:
+                seen_here = self._seen_buffers.get(plan.key)
+                if seen_here is None:
+                    seen_here = self._seen_buffers[plan.key] = {}
+            rec = fast(t, _PLAIN_TYPES, self._kernel_codes, torch.strided, torch.get_num_threads(), plan.nans,
+                       plan.zeros, vpp_stage, name, scope, micro_step, seen_here)
+            if rec is not None:
+                return rec
         buffer = self._native_buffer(t)
         if buffer is not None:  # the common case on the CPU: every module activation and gradient
             return self._record_read(t, plan, vpp_stage, name, scope, micro_step, cache, *buffer)
@@ -431,16 +450,15 @@ class TorchStatsEngine:
         and the same statistics as the general path, without its repeated checks)."""
         cacheable = cache and not t.is_inference()  # inference tensors have no version counter
         if cacheable:
-            key = (id(t), plan.key)
-            seen = self._seen.get(key)
-            if seen is not None and seen[0]() is t and seen[1] == t._version:
-                return seen[2].relabelled(vpp_stage, name, scope, micro_step)
-            memory_key = (pointer, numel, t.dtype, plan.key)
-            seen = self._seen_memory.get(memory_key)
+            seen_here = self._seen_buffers.get(plan.key)
+            if seen_here is None:
+                seen_here = self._seen_buffers[plan.key] = {}
+            seen = seen_here.get(pointer)
             if seen is not None:
-                first = seen[0]()
-                if first is not None and seen[1] == first._version == t._version and first.data_ptr() == pointer:
-                    return seen[2].relabelled(vpp_stage, name, scope, micro_step)
+                first, rec = seen[0](), seen[2]
+                if (first is not None and seen[1] == first._version == t._version and rec.numel == numel
+                        and first.dtype is t.dtype and first.data_ptr() == pointer):
+                    return rec.relabelled(vpp_stage, name, scope, micro_step)
         read = self._record_read_ext
         if read is not None:
             rec = read(pointer, numel, code, torch.get_num_threads(), plan.nans, plan.zeros, vpp_stage, name, scope,
@@ -451,11 +469,9 @@ class TorchStatsEngine:
         if cacheable:
             # the cache keeps the first record: its statistics, not a second copy of them
             try:
-                entry = self._cache_entry(t, t._version, rec)
+                seen_here[pointer] = self._cache_entry(t, t._version, rec)
             except TypeError:  # a tensor subclass without weak references: no caching
-                return rec
-            self._seen[key] = entry
-            self._seen_memory[memory_key] = entry
+                pass
         return rec
 
     def _kernel_read(self, pointer: int, numel: int, code: int, plan: StatPlan) -> Tuple[List[float], Any, Any]:
@@ -579,6 +595,7 @@ class TorchStatsEngine:
         """Forget the tensors seen so far (step end, or after a collective)."""
         self._seen.clear()
         self._seen_memory.clear()
+        self._seen_buffers.clear()
 
     def to_host(self, records: Sequence[Record]) -> None:
         """Replace the device vectors, NaN and zero counts of ``records`` by host values,
