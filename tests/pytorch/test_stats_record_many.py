@@ -127,3 +127,22 @@ def test_one_tensor_the_kernel_does_not_read_sends_the_list_down_the_general_pat
             (_bits(want.vector), _bits(want.nans), want.numel, _bits(want.zeros)), got.name
     assert many[0].vector[0] == float(tensors[0].min())  # and against the tensor itself
     assert many[0].vector[3] == pytest.approx(float(tensors[0].double().norm()), rel=1e-6)
+
+
+@pytest.mark.parametrize("odd", [None, "fp64", "not contiguous"])
+def test_the_compiled_batch_gives_the_python_batchs_records(odd):
+    """``records_of`` (the extension's ``record_many`` of a list the kernel reads: the
+    checks and the reads in one call) gives the records of the Python path's checks and
+    ``records_many``; a list with one tensor it does not read goes to that path whole."""
+    compiled, python = TorchStatsEngine(), TorchStatsEngine()
+    assert compiled._records_of is not None, "the kernel was not built as an extension (Python's headers?)"
+    python._records_of = None
+    tensors = _kernel_tensors()
+    if odd is not None:
+        tensors.insert(1, _ONE_THE_KERNEL_DOES_NOT_READ[odd]())
+    plan = StatPlan.from_ops(["min", "max", "mean", "norm", "nans", "zeros"])
+    keys = [(i % 2, f"t{i}", "param", None if i % 3 else 1) for i in range(len(tensors))]
+    got, want = compiled.record_many(tensors, plan, keys), python.record_many(tensors, plan, keys)
+    compiled.to_host(got)
+    python.to_host(want)
+    assert [repr(r) for r in got] == [repr(r) for r in want]

@@ -1785,6 +1785,85 @@ fail:
     return NULL;
 }
 
+/* records_of(tensors, plain_types, codes, strided, keys, threads, nans, zeros) -> [Record,
+   ...] or None: record_many's common case in one call, where the kernel reads every one of
+   the tensors (each checked as tensor_record checks it; record i under row key keys[i],
+   with an inline vector); None, no error set, where one of them is not one it reads. */
+static PyObject *py_records_of(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "records_of takes 8 arguments");
+        return NULL;
+    }
+    if (!PyAnySet_Check(args[1]) || !PyDict_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "records_of: plain_types a set, codes a dict");
+        return NULL;
+    }
+    PyObject *tensors = PySequence_Fast(args[0], "records_of: tensors must be a sequence");
+    PyObject *keys = tensors == NULL ? NULL : PySequence_Fast(args[4], "records_of: keys must be a sequence");
+    PyObject *out = NULL;
+    void **ptrs = NULL;
+    int64_t *counts = NULL;
+    int *codes = NULL;
+    if (keys == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(tensors);
+    if (PySequence_Fast_GET_SIZE(keys) != n) {
+        PyErr_SetString(PyExc_ValueError, "records_of: one key per tensor");
+        goto done;
+    }
+    int threads = (int)PyLong_AsLong(args[5]);
+    int want_nans = PyObject_IsTrue(args[6]), want_zeros = PyObject_IsTrue(args[7]);
+    if ((threads == -1 && PyErr_Occurred()) || want_nans < 0 || want_zeros < 0)
+        goto done;
+    ptrs = PyMem_Malloc(sizeof(void *) * (n ? n : 1));
+    counts = PyMem_Malloc(sizeof(int64_t) * (n ? n : 1));
+    codes = PyMem_Malloc(sizeof(int) * (n ? n : 1));
+    if (ptrs == NULL || counts == NULL || codes == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *dtype = NULL;
+        int ok = kernel_buffer(PySequence_Fast_GET_ITEM(tensors, i), args[1], args[2], args[3], &ptrs[i], &counts[i],
+                               &codes[i], &dtype);
+        Py_XDECREF(dtype);
+        if (ok <= 0) { /* the Python path looks at each tensor, and says what is wrong */
+            PyErr_Clear();
+            out = Py_None;
+            Py_INCREF(out);
+            goto done;
+        }
+    }
+    if ((out = PyList_New(n)) == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double stats_out[4];
+        int64_t zeros = 0;
+        int64_t nans = run_stats(ptrs[i], counts[i], codes[i], threads, stats_out, want_zeros ? &zeros : NULL);
+        PyObject *numel = PyLong_FromLongLong(counts[i]);
+        PyObject *nan_count = want_nans ? PyLong_FromLongLong(nans) : none_ref();
+        PyObject *zero_count = want_zeros ? PyLong_FromLongLong(zeros) : none_ref();
+        PyObject *rec = numel && nan_count && zero_count ?
+            record_of(PySequence_Fast_GET_ITEM(keys, i), NULL, nan_count, numel, zero_count) : NULL;
+        Py_XDECREF(numel);
+        Py_XDECREF(nan_count);
+        Py_XDECREF(zero_count);
+        if (rec == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        set_inline(rec, stats_out, nans);
+        PyList_SET_ITEM(out, i, rec);
+    }
+done:
+    PyMem_Free(ptrs);
+    PyMem_Free(counts);
+    PyMem_Free(codes);
+    Py_XDECREF(tensors);
+    Py_XDECREF(keys);
+    return out;
+}
+
 static PyObject *py_dtypes(PyObject *self, PyObject *unused) {
     return PyLong_FromLong(msprobe_stats_dtypes());
 }
@@ -1800,6 +1879,7 @@ static PyMethodDef methods[] = {
     {"record_read", (PyCFunction)(void (*)(void))py_record_read, METH_FASTCALL, "stats and Record in one call"},
     {"cache_entry", (PyCFunction)(void (*)(void))py_cache_entry, METH_FASTCALL, "a same-tensor cache entry"},
     {"tensor_record", (PyCFunction)(void (*)(void))py_tensor_record, METH_FASTCALL, "the engine's record of a CPU tensor"},
+    {"records_of", (PyCFunction)(void (*)(void))py_records_of, METH_FASTCALL, "record_many's common case"},
     {"not_on_host", py_not_on_host, METH_O, "the records to_host moves"},
     {"_format_float", py_format_float, METH_O, "one float cell, as format_rows writes it"},
     {"dtypes", py_dtypes, METH_NOARGS, "bit mask of the dtype codes this build reduces"},

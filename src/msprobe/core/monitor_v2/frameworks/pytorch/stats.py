@@ -234,6 +234,8 @@ class TorchStatsEngine:
         self._cache_entry = ext.cache_entry if ext is not None else _cache_entry
         # ``record`` of a tensor the kernel reads, checks, cache and read in one call
         self._tensor_record = ext.tensor_record if ext is not None else None
+        # ``record_many``'s common case (the kernel reads every tensor) in one call
+        self._records_of = ext.records_of if ext is not None else None
         # dtype -> the kernel's code, for the dtypes this build reduces
         self._kernel_codes: Dict[torch.dtype, int] = {} if self._native is None else {
             d: c for d, c in _NATIVE_CODES.items() if c in self._native.dtype_codes}
@@ -559,6 +561,11 @@ class TorchStatsEngine:
         if kernel is None:
             return [self._Record(*key, *self._compute_aten(t, plan, key[1])) for t, key in zip(tensors, keys)]
         threads = torch.get_num_threads()
+        fast = self._records_of
+        if fast is not None:  # _kernel_buffers' checks and the read in C; None: one it does not read
+            got = fast(tensors, _PLAIN_TYPES, self._kernel_codes, torch.strided, keys, threads, plan.nans, plan.zeros)
+            if got is not None:
+                return got
         buffers = _kernel_buffers(tensors, self._kernel_codes)
         if buffers is not None:  # the common case: every tensor is one the kernel reads
             return kernel.host_records(keys, *buffers, threads, plan.nans, plan.zeros, self._Record.host)
