@@ -132,10 +132,20 @@ class TrainingStack:
         """Every per-parameter tensor the optimizer keeps, under its own name: Adam/AdamW
         ``exp_avg``/``exp_avg_sq`` (and ``max_exp_avg_sq``), SGD ``momentum_buffer``,
         Adagrad ``sum``, RMSprop ``square_avg``... The scalar ``step`` is not state of the
-        parameter's values."""
-        state = self.optimizer.state
+        parameter's values.
+
+        The state is looked up by the parameter's id: ``optimizer.state`` is keyed by the
+        tensors, whose ``__hash__`` is a Python function (a call per parameter per step)."""
+        by_id = {id(p): s for p, s in self.optimizer.state.items()}
+        found: List[Tuple[ParamInfo, str, torch.Tensor]] = []
+        tensor = torch.Tensor
         for info in table.optimizer_params():
-            yield from tensor_states(info, state.get(info.param, {}))
+            state = by_id.get(id(info.param))
+            if state:
+                for key, value in state.items():
+                    if key != "step" and isinstance(value, tensor) and value.dim() > 0:
+                        found.append((info, key, value))
+        return iter(found)
 
 
 def tensor_states(info: ParamInfo, state: Any) -> Iterator[Tuple[ParamInfo, str, torch.Tensor]]:
