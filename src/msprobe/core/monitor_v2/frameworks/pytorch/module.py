@@ -70,6 +70,7 @@ from .stats import StatPlan
 logger = logging.getLogger("msprobe.monitor_v2")
 
 _get_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)
+_current_autograd_node = torch._C._current_autograd_node
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _NO_ARGUMENT = object()
@@ -100,7 +101,7 @@ def _is_accumulate_grad(node: Any) -> bool:
 
 
 def _in_backward() -> bool:
-    return torch._C._current_autograd_node() is not None
+    return _current_autograd_node() is not None
 
 
 def _grad_edges(t: torch.Tensor) -> Tuple[Tuple[Any, int], ...]:
@@ -149,7 +150,7 @@ class _Names:
     name's first use) instead of on every call: the hooks run for every module on
     every written step."""
 
-    __slots__ = ("tag", "input_prefix", "output_prefix", "output_0", "grad_output_prefix", "grad_output_0",
+    __slots__ = ("tag", "input_prefix", "input_0", "output_prefix", "output_0", "grad_output_prefix", "grad_output_0",
                  "_inputs", "_grad_outputs", "_grad_inputs", "grad_output_site", "grad_input_site", "vpp",
                  "out_slot_0", "_in_slots")
 
@@ -157,10 +158,11 @@ class _Names:
         self.tag = tag
         self.vpp = vpp
         self.input_prefix = rows.module_prefix(tag, rows.INPUT)
+        self.input_0 = rows.module_row(tag, rows.INPUT, 0)
         self.output_prefix = rows.module_prefix(tag, rows.OUTPUT)
         self.output_0 = rows.module_row(tag, rows.OUTPUT, 0)
         self.grad_output_prefix = rows.module_prefix(tag, rows.GRAD_OUTPUT)
-        self._inputs: List[str] = []
+        self._inputs: List[str] = [self.input_0]
         self._grad_outputs: Dict[str, str] = {}
         self._grad_inputs: List[str] = []
         # the name of a single tensor output's gradient (output_0's suffix)
@@ -244,7 +246,9 @@ class _NodeHook(ContainedHook):
     __slots__ = ("kind", "outs", "ins", "pre", "post")
 
     def __init__(self, monitor: "ModuleMonitor", kind: type) -> None:
-        super().__init__(monitor, _NODE_HOOK_SITE)
+        # ContainedHook's two fields set here: one made per hooked node per written step
+        self.monitor = monitor
+        self.site = _NODE_HOOK_SITE
         self.kind = kind
         self.outs: Tuple[Tuple[int, int, str, str], ...] = ()
         self.ins: Tuple[Tuple[int, int, str, int, int, str], ...] = ()
@@ -517,21 +521,29 @@ class ModuleMonitor(Monitor):
 
     # ------------------------------------------------------------------ forward
     def _before_forward(self, key: int, vpp: int, names: _Names, args: Tuple, kwargs: Dict) -> None:
+        state = self._pass
+        scope = (rows.EVAL_FORWARD if state.evaluation else rows.FORWARD) if state.depth else self._forward_scope(vpp)
         if not kwargs and len(args) == 1 and isinstance(args[0], _Tensor):
-            inputs: List[Any] = [args[0]]  # the common call, without the general walk
+            # the common call, without the general walk: one tensor input
+            t = args[0]
+            if _current_autograd_node() is None:
+                self._records.append(self.session.engine.record(t, self.plan, vpp, names.input_0, scope, cache=True))
+            # Nodes created from here on belong to this call; grad_input needs the input's
+            # producer as it is now, before any in-place op inside the module.
+            boundary = _get_sequence_nr() if _get_sequence_nr is not None else -1
+            fn = t.grad_fn
+            # what _grad_edges gives, without its second read of grad_fn where t is not a view
+            producers: List[Any] = [t if fn is None else _grad_edges(t) if t._is_view() else ((fn, t.output_nr),)]
         else:
             inputs = flatten_tensors((args, kwargs), _is_tensor, names.input_prefix)
-        scope = self._forward_scope(vpp)
-        if not _in_backward():
-            engine = self.session.engine
-            plan = self.plan
-            records = self._records
-            for i, t in enumerate(inputs):
-                records.append(engine.record(t, plan, vpp, names.input(i), scope, cache=True))
-        # Nodes created from here on belong to this call; grad_input needs the inputs'
-        # producers as they are now, before any in-place op inside the module.
-        boundary = _get_sequence_nr() if _get_sequence_nr is not None else -1
-        producers = [_grad_edges(t) if t.grad_fn is not None else t for t in inputs]
+            if _current_autograd_node() is None:
+                engine = self.session.engine
+                plan = self.plan
+                records = self._records
+                for i, t in enumerate(inputs):
+                    records.append(engine.record(t, plan, vpp, names.input(i), scope, cache=True))
+            boundary = _get_sequence_nr() if _get_sequence_nr is not None else -1
+            producers = [_grad_edges(t) if t.grad_fn is not None else t for t in inputs]
         calls = self._calls
         call_key = (threading.get_ident(), key)
         calls[call_key] = _Call(producers, boundary, scope, calls.get(call_key))
@@ -546,12 +558,16 @@ class ModuleMonitor(Monitor):
             else:
                 calls[call_key] = call.outer
         if isinstance(output, _Tensor):  # the common output, without the general walk
-            if not _in_backward():
+            if _current_autograd_node() is None:
                 scope = call.scope if call is not None else self._forward_scope(vpp)
                 self._records.append(self.session.engine.record(output, self.plan, vpp, names.output_0, scope,
                                                                 cache=True))
             if output.requires_grad and torch.is_grad_enabled():
-                self._hook_graph(vpp, names, (output,), (names.grad_output_0,), call)
+                if (call is not None and output.grad_fn is not None and len(call.inputs) == 1
+                        and type(call.inputs[0]) is tuple and len(call.inputs[0]) == 1 and _get_sequence_nr is not None):
+                    self._hook_graph_one(vpp, names, output, call)
+                else:
+                    self._hook_graph(vpp, names, (output,), (names.grad_output_0,), call)
             return
         named = named_outputs(output, _is_tensor, names.output_prefix)  # a dict output by key: structure.py
         if not _in_backward():
@@ -613,6 +629,50 @@ class ModuleMonitor(Monitor):
             elif not hook.pre and not hook.post:
                 hook.pre = True
                 node.register_prehook(hook)
+
+    def _hook_graph_one(self, vpp: int, names: _Names, output: torch.Tensor, call: _Call) -> None:
+        """``_hook_graph`` of the common call, in one function: one output made by a graph
+        node, one input made by one edge (a Linear, a norm, a block of a deep stack). The
+        same slots on the same nodes, registered the same way."""
+        state = self._pass
+        nodes = state.nodes
+        if nodes is None:
+            nodes = state.nodes = {}
+        own = output.grad_fn
+        if output._is_view():
+            edges = _grad_edges(output)
+            node, nr = edges[-1]
+            if node is not own and node._sequence_nr() < call.boundary:
+                node, nr = edges[0]  # the base is not this module's own result
+        else:
+            node, nr = own, output.output_nr
+        out_hook = _node_hook(self, nodes, node)
+        out_hook.outs += ((names.out_slot_0 if nr == 0 and vpp == names.vpp
+                           else (vpp, nr, names.grad_output_0, names.grad_output_site)),)
+        found = _edges_into(call.inputs[0][0], (output,), call.boundary)
+        in_hooks = []
+        if found:
+            name = names.grad_input(0)
+            parts = len(found)
+            number = next(self._sum_numbers) if parts > 1 else -1
+            site = names.grad_input_site
+            for in_node, e in found:
+                hook = _node_hook(self, nodes, in_node)
+                hook.ins += ((vpp, e, name, number, parts, site) if number >= 0 or vpp != names.vpp
+                             else names.in_slot(e),)
+                in_hooks.append((hook, in_node))
+        # registered as _hook_graph does: the output's node first, then each input edge's
+        if out_hook.ins:
+            if not out_hook.post:
+                out_hook.post = True
+                node.register_hook(out_hook)
+        elif not out_hook.pre and not out_hook.post:
+            out_hook.pre = True
+            node.register_prehook(out_hook)
+        for hook, in_node in in_hooks:
+            if not hook.post:
+                hook.post = True
+                in_node.register_hook(hook)
 
     def _grad_input_edges(self, vpp: int, names: _Names, call: _Call, outputs: Sequence[torch.Tensor],
                           nodes: Dict[int, _NodeHook], touched: List[Any]) -> None:
