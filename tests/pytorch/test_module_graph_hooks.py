@@ -158,3 +158,71 @@ def test_nodes_shared_by_several_modules_give_their_gradients(write_config, two_
     # each node's grad_output rows come before its grad_input rows, as separate hooks gave them
     order = [r["module_name"] for r in rows if r["scope"] == "backward"]
     assert order.index("wrap.0.grad_output.0") < order.index("wrap.grad_output.0") < order.index("wrap.0.grad_input.0")
+
+
+class _Residual(torch.nn.Module):
+    """A block of a deep stack: its call has one input made by one edge and one output,
+    the common call that ``_hook_graph_one`` hooks. ``y += 1`` edits the Linear's output in
+    place, which on a 3-D input is a view of the matmul: the view branch of the hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 6)
+        self.norm = torch.nn.LayerNorm(6)
+
+    def forward(self, x):
+        y = self.linear(x)
+        y += 1.0
+        return x + self.norm(y)
+
+
+def _residual_rows(write_config, out_dir, shape):
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(_Residual(), _Residual())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMonitorV2(write_config({"output_dir": str(out_dir),
+                                         "monitors": {"module": {"enabled": True, "targets": []}}},
+                                        name=f"{out_dir.name}.json"))
+    mon.start(model=model, optimizer=opt)
+    x = torch.randn(*shape, requires_grad=True) * 2  # made by a node: the first block's input has a producer
+    for _ in range(2):
+        model(x).pow(2).mean().backward(retain_graph=True)
+        opt.step()
+        opt.zero_grad()
+    mon.stop()
+    assert mon.errors.count == 0
+    return model, rows_of(out_dir, "module")
+
+
+@pytest.mark.parametrize("shape", [(4, 6), (2, 3, 6)])
+def test_the_common_calls_hooks_give_the_general_walks_rows(write_config, tmp_path, shape, monkeypatch):
+    """``_hook_graph_one`` is a shortcut of ``_hook_graph`` for the common call: with the
+    shortcut routed to the general walk the rows are the same, in the same order, and the
+    blocks' gradients match autograd's."""
+    model, fast = _residual_rows(write_config, tmp_path / "fast", shape)
+    from msprobe.core.monitor_v2.frameworks.pytorch.module import ModuleMonitor
+
+    def general(self, vpp, names, output, call):
+        self._hook_graph(vpp, names, (output,), (names.grad_output_0,), call)
+
+    monkeypatch.setattr(ModuleMonitor, "_hook_graph_one", general)
+    _, slow = _residual_rows(write_config, tmp_path / "slow", shape)
+    assert [r for r in fast if r["scope"] == "backward"]  # the graph hooks wrote rows
+    assert fast == slow
+
+    # the second step's block gradients, independently: autograd on the trained-once model
+    torch.manual_seed(5)
+    ref = torch.nn.Sequential(_Residual(), _Residual())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(*shape, requires_grad=True) * 2
+    ref(x).pow(2).mean().backward(retain_graph=True)
+    ref_opt.step()
+    ref_opt.zero_grad()
+    h = ref[0](x)
+    out = ref[1](h)
+    g_x, g_h, g_out = torch.autograd.grad(out.pow(2).mean(), [x, h, out])
+    second = {r["module_name"]: r for r in fast if r["scope"] == "backward" and r["step"] == "1"}
+    want = {"0.grad_input.0": g_x, "0.grad_output.0": g_h, "1.grad_input.0": g_h, "1.grad_output.0": g_out,
+            "Sequential.grad_input.0": g_x, "Sequential.grad_output.0": g_out}
+    for name, g in want.items():
+        assert_row_matches(second[name], numpy_stats(g), rtol=1e-5, atol=1e-7)
