@@ -36,16 +36,11 @@ static int64_t run_stats(const void *data, int64_t n, int dtype, int threads, do
     return nans;
 }
 
-/* [min, max, sum, norm] as the ctypes binding gives it: min and max NaN when there is a
-   NaN, the norm the square root of the sum of squares. */
-static PyObject *vector_object(const double *out, int64_t nans, int as_tuple) {
-    double mn = out[0], mx = out[1];
-    if (nans)
-        mn = mx = Py_NAN;
+/* Four doubles as a new list or tuple of floats. */
+static PyObject *four_floats(const double *values, int as_tuple) {
     PyObject *v = as_tuple ? PyTuple_New(4) : PyList_New(4);
     if (v == NULL)
         return NULL;
-    double values[4] = {mn, mx, out[2], sqrt(out[3])};
     for (int i = 0; i < 4; i++) {
         PyObject *f = PyFloat_FromDouble(values[i]);
         if (f == NULL) {
@@ -58,6 +53,16 @@ static PyObject *vector_object(const double *out, int64_t nans, int as_tuple) {
             PyList_SET_ITEM(v, i, f);
     }
     return v;
+}
+
+/* [min, max, sum, norm] as the ctypes binding gives it: min and max NaN when there is a
+   NaN, the norm the square root of the sum of squares. */
+static PyObject *vector_object(const double *out, int64_t nans, int as_tuple) {
+    double mn = out[0], mx = out[1];
+    if (nans)
+        mn = mx = Py_NAN;
+    double values[4] = {mn, mx, out[2], sqrt(out[3])};
+    return four_floats(values, as_tuple);
 }
 
 static int parse_buffer(PyObject *const *args, const void **data, int64_t *n, int *dtype, int *threads) {
@@ -649,21 +654,7 @@ static PyObject *record_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
 
 /* The four inline statistics as a new list or tuple. */
 static PyObject *inline_vector(const RecordObject *self, int as_tuple) {
-    PyObject *v = as_tuple ? PyTuple_New(4) : PyList_New(4);
-    if (v == NULL)
-        return NULL;
-    for (int i = 0; i < 4; i++) {
-        PyObject *f = PyFloat_FromDouble(self->values[i]);
-        if (f == NULL) {
-            Py_DECREF(v);
-            return NULL;
-        }
-        if (as_tuple)
-            PyTuple_SET_ITEM(v, i, f);
-        else
-            PyList_SET_ITEM(v, i, f);
-    }
-    return v;
+    return four_floats(self->values, as_tuple);
 }
 
 static PyObject *record_get_vector(RecordObject *self, void *closure) {

@@ -344,6 +344,19 @@ def _node_hook(monitor: "ModuleMonitor", nodes: Dict[int, _NodeHook], node: Any)
     return hook
 
 
+def _register(hook: _NodeHook, node: Any) -> None:
+    """Put ``hook`` on ``node``, once: a post-hook where it has ``grad_input`` slots (it then
+    reads the ``grad_output`` slots from the post-hook's second argument), a pre-hook
+    otherwise. Slots added after it is on are read all the same."""
+    if hook.ins:
+        if not hook.post:
+            hook.post = True
+            node.register_hook(hook)
+    elif not hook.pre and not hook.post:
+        hook.pre = True
+        node.register_prehook(hook)
+
+
 class _ForwardPreHook(ContainedHook):
     """A module's forward pre-hook (``ContainedHook``: contained, timed, gated on the
     monitor being active): one object per module, built at attach time."""
@@ -621,14 +634,7 @@ class ModuleMonitor(Monitor):
         if call is not None:
             self._grad_input_edges(vpp, names, call, outputs, nodes, touched)
         for k in range(0, len(touched), 2):
-            hook, node = touched[k], touched[k + 1]
-            if hook.ins:
-                if not hook.post:
-                    hook.post = True
-                    node.register_hook(hook)
-            elif not hook.pre and not hook.post:
-                hook.pre = True
-                node.register_prehook(hook)
+            _register(touched[k], touched[k + 1])
 
     def _hook_graph_one(self, vpp: int, names: _Names, output: torch.Tensor, call: _Call) -> None:
         """``_hook_graph`` of the common call, in one function: one output made by a graph
@@ -650,29 +656,28 @@ class ModuleMonitor(Monitor):
         out_hook.outs += ((names.out_slot_0 if nr == 0 and vpp == names.vpp
                            else (vpp, nr, names.grad_output_0, names.grad_output_site)),)
         found = _edges_into(call.inputs[0][0], (output,), call.boundary)
-        in_hooks = []
-        if found:
-            name = names.grad_input(0)
-            parts = len(found)
-            number = next(self._sum_numbers) if parts > 1 else -1
-            site = names.grad_input_site
-            for in_node, e in found:
-                hook = _node_hook(self, nodes, in_node)
-                hook.ins += ((vpp, e, name, number, parts, site) if number >= 0 or vpp != names.vpp
-                             else names.in_slot(e),)
-                in_hooks.append((hook, in_node))
+        in_hooks = self._one_input_slots(vpp, names, found, nodes) if found else ()
         # registered as _hook_graph does: the output's node first, then each input edge's
-        if out_hook.ins:
-            if not out_hook.post:
-                out_hook.post = True
-                node.register_hook(out_hook)
-        elif not out_hook.pre and not out_hook.post:
-            out_hook.pre = True
-            node.register_prehook(out_hook)
+        _register(out_hook, node)
         for hook, in_node in in_hooks:
-            if not hook.post:
-                hook.post = True
-                in_node.register_hook(hook)
+            _register(hook, in_node)
+
+    def _one_input_slots(self, vpp: int, names: _Names, found: List[Tuple[Any, int]],
+                         nodes: Dict[int, _NodeHook]) -> List[Tuple[_NodeHook, Any]]:
+        """The ``grad_input`` slots of a call's one input, reached by the edges ``found``
+        (``(node, edge index)``), added to their nodes' hooks; ``(hook, node)`` of each. Several
+        edges share one running sum."""
+        name = names.grad_input(0)
+        parts = len(found)
+        number = next(self._sum_numbers) if parts > 1 else -1
+        site = names.grad_input_site
+        hooks = []
+        for node, e in found:
+            hook = _node_hook(self, nodes, node)
+            hook.ins += ((vpp, e, name, number, parts, site) if number >= 0 or vpp != names.vpp
+                         else names.in_slot(e),)
+            hooks.append((hook, node))
+        return hooks
 
     def _grad_input_edges(self, vpp: int, names: _Names, call: _Call, outputs: Sequence[torch.Tensor],
                           nodes: Dict[int, _NodeHook], touched: List[Any]) -> None:
@@ -685,14 +690,7 @@ class ModuleMonitor(Monitor):
             # input tables, the counts and the accumulators' table.
             found_one = _edges_into(inputs[0][0], outputs, call.boundary)
             if found_one:
-                name = names.grad_input(0)
-                parts = len(found_one)
-                number = next(self._sum_numbers) if parts > 1 else -1
-                site = names.grad_input_site
-                for node, e in found_one:
-                    hook = _node_hook(self, nodes, node)
-                    hook.ins += ((vpp, e, name, number, parts, site) if number >= 0 or vpp != names.vpp
-                                 else names.in_slot(e),)
+                for hook, node in self._one_input_slots(vpp, names, found_one, nodes):
                     touched.append(hook)
                     touched.append(node)
             return
