@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from support import TinyMLP, assert_row_matches, find_row, loss_fn, make_batches, numpy_stats, rows_of
+from msprobe.core.monitor_v2.frameworks.pytorch.module import ModuleMonitor
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
 
@@ -191,7 +192,7 @@ def _residual_rows(write_config, out_dir, shape):
         opt.zero_grad()
     mon.stop()
     assert mon.errors.count == 0
-    return model, rows_of(out_dir, "module")
+    return rows_of(out_dir, "module")
 
 
 @pytest.mark.parametrize("shape", [(4, 6), (2, 3, 6)])
@@ -199,14 +200,13 @@ def test_the_common_calls_hooks_give_the_general_walks_rows(write_config, tmp_pa
     """``_hook_graph_one`` is a shortcut of ``_hook_graph`` for the common call: with the
     shortcut routed to the general walk the rows are the same, in the same order, and the
     blocks' gradients match autograd's."""
-    model, fast = _residual_rows(write_config, tmp_path / "fast", shape)
-    from msprobe.core.monitor_v2.frameworks.pytorch.module import ModuleMonitor
+    fast = _residual_rows(write_config, tmp_path / "fast", shape)
 
-    def general(self, vpp, names, output, call):
+    def general(self, vpp, names, output, own, edge, call):
         self._hook_graph(vpp, names, (output,), (names.grad_output_0,), call)
 
     monkeypatch.setattr(ModuleMonitor, "_hook_graph_one", general)
-    _, slow = _residual_rows(write_config, tmp_path / "slow", shape)
+    slow = _residual_rows(write_config, tmp_path / "slow", shape)
     assert [r for r in fast if r["scope"] == "backward"]  # the graph hooks wrote rows
     assert fast == slow
 

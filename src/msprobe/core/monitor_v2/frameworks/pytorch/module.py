@@ -100,23 +100,51 @@ def _is_accumulate_grad(node: Any) -> bool:
     return known
 
 
-def _in_backward() -> bool:
-    return _current_autograd_node() is not None
-
-
-def _grad_edges(t: torch.Tensor) -> Tuple[Tuple[Any, int], ...]:
-    """The graph edges through which a gradient with respect to ``t`` can flow.
+def _grad_edges(t: torch.Tensor, fn: Any) -> Tuple[Tuple[Any, int], ...]:
+    """The graph edges through which a gradient with respect to ``t`` can flow (``fn``:
+    ``t.grad_fn``, read once by the caller).
 
     An in-place op on a view (``x += y`` after a ``Linear`` on a 3-D input, whose output
     is a view of a 2-D matmul) takes the view's own node out of the graph: the gradient
     then flows into the node of the view's base. A view with as many elements as its
     base is a reshape, so the gradient of the base has the same statistics."""
-    own = (t.grad_fn, t.output_nr)
+    own = (fn, t.output_nr)
     if t._is_view():
         base = t._base
         if base is not None and base.grad_fn is not None and base.numel() == t.numel():
             return own, (base.grad_fn, base.output_nr)
     return (own,)
+
+
+def _producer(t: torch.Tensor) -> Any:
+    """What made a call's input: its graph edges, or the tensor itself where it has no
+    ``grad_fn`` (a leaf, or a tensor that needs no gradient)."""
+    fn = t.grad_fn
+    if fn is None:
+        return t
+    return _grad_edges(t, fn) if t._is_view() else ((fn, t.output_nr),)
+
+
+def _output_edge(t: torch.Tensor, own: Any, call: Optional["_Call"]) -> Tuple[Any, int]:
+    """The node and output number that receive the gradient with respect to the output
+    ``t`` (``own``: its ``grad_fn``): its base's where an in-place op on the view moved it
+    there (``_grad_edges``), unless the base was made before the call."""
+    if not t._is_view():
+        return own, t.output_nr
+    edges = _grad_edges(t, own)
+    node, nr = edges[-1]
+    if call is not None and node is not own and node._sequence_nr() < call.boundary:
+        node, nr = edges[0]  # the base is not this module's own result
+    return node, nr
+
+
+def _one_edge(call: "_Call") -> Optional[Tuple[Any, int]]:
+    """The one graph edge that made a call's one input, where that is what it has (the
+    common call: its ``grad_input`` needs no input tables); None otherwise."""
+    inputs = call.inputs
+    if len(inputs) == 1 and type(inputs[0]) is tuple and len(inputs[0]) == 1 and _get_sequence_nr is not None:
+        return inputs[0][0]
+    return None
 
 
 class _Call:
@@ -150,7 +178,7 @@ class _Names:
     name's first use) instead of on every call: the hooks run for every module on
     every written step."""
 
-    __slots__ = ("tag", "input_prefix", "input_0", "output_prefix", "output_0", "grad_output_prefix", "grad_output_0",
+    __slots__ = ("tag", "input_prefix", "output_prefix", "output_0", "grad_output_prefix", "grad_output_0",
                  "_inputs", "_grad_outputs", "_grad_inputs", "grad_output_site", "grad_input_site", "vpp",
                  "out_slot_0", "_in_slots")
 
@@ -158,11 +186,10 @@ class _Names:
         self.tag = tag
         self.vpp = vpp
         self.input_prefix = rows.module_prefix(tag, rows.INPUT)
-        self.input_0 = rows.module_row(tag, rows.INPUT, 0)
         self.output_prefix = rows.module_prefix(tag, rows.OUTPUT)
         self.output_0 = rows.module_row(tag, rows.OUTPUT, 0)
         self.grad_output_prefix = rows.module_prefix(tag, rows.GRAD_OUTPUT)
-        self._inputs: List[str] = [self.input_0]
+        self._inputs: List[str] = []
         self._grad_outputs: Dict[str, str] = {}
         self._grad_inputs: List[str] = []
         # the name of a single tensor output's gradient (output_0's suffix)
@@ -173,6 +200,13 @@ class _Names:
         # them on the nodes again, and a tuple made per step lives until its backward.
         self.out_slot_0 = (vpp, 0, self.grad_output_0, self.grad_output_site)
         self._in_slots: Dict[int, Tuple[int, int, str, int, int, str]] = {}
+
+    def out_slot(self, vpp: int, nr: int, name: str) -> Tuple[int, int, str, str]:
+        """The ``grad_output`` slot of output ``nr`` named ``name``: the one made at attach
+        time for the common call's."""
+        if nr == 0 and name is self.grad_output_0 and vpp == self.vpp:
+            return self.out_slot_0
+        return (vpp, nr, name, self.grad_output_site)
 
     def in_slot(self, e: int) -> Tuple[int, int, str, int, int, str]:
         """The ``grad_input`` slot of input 0 reached by the one edge ``e`` of its node."""
@@ -246,9 +280,7 @@ class _NodeHook(ContainedHook):
     __slots__ = ("kind", "outs", "ins", "pre", "post")
 
     def __init__(self, monitor: "ModuleMonitor", kind: type) -> None:
-        # ContainedHook's two fields set here: one made per hooked node per written step
-        self.monitor = monitor
-        self.site = _NODE_HOOK_SITE
+        super().__init__(monitor, _NODE_HOOK_SITE)
         self.kind = kind
         self.outs: Tuple[Tuple[int, int, str, str], ...] = ()
         self.ins: Tuple[Tuple[int, int, str, int, int, str], ...] = ()
@@ -534,19 +566,16 @@ class ModuleMonitor(Monitor):
 
     # ------------------------------------------------------------------ forward
     def _before_forward(self, key: int, vpp: int, names: _Names, args: Tuple, kwargs: Dict) -> None:
-        state = self._pass
-        scope = (rows.EVAL_FORWARD if state.evaluation else rows.FORWARD) if state.depth else self._forward_scope(vpp)
+        scope = self._forward_scope(vpp)
+        # Nodes created after the boundary belong to this call; grad_input needs the inputs'
+        # producers as they are now, before any in-place op inside the module.
         if not kwargs and len(args) == 1 and isinstance(args[0], _Tensor):
-            # the common call, without the general walk: one tensor input
+            # the common call, one tensor input: no list to walk
             t = args[0]
             if _current_autograd_node() is None:
-                self._records.append(self.session.engine.record(t, self.plan, vpp, names.input_0, scope, cache=True))
-            # Nodes created from here on belong to this call; grad_input needs the input's
-            # producer as it is now, before any in-place op inside the module.
+                self._records.append(self.session.engine.record(t, self.plan, vpp, names.input(0), scope, cache=True))
             boundary = _get_sequence_nr() if _get_sequence_nr is not None else -1
-            fn = t.grad_fn
-            # what _grad_edges gives, without its second read of grad_fn where t is not a view
-            producers: List[Any] = [t if fn is None else _grad_edges(t) if t._is_view() else ((fn, t.output_nr),)]
+            producers: List[Any] = [_producer(t)]
         else:
             inputs = flatten_tensors((args, kwargs), _is_tensor, names.input_prefix)
             if _current_autograd_node() is None:
@@ -556,7 +585,7 @@ class ModuleMonitor(Monitor):
                 for i, t in enumerate(inputs):
                     records.append(engine.record(t, plan, vpp, names.input(i), scope, cache=True))
             boundary = _get_sequence_nr() if _get_sequence_nr is not None else -1
-            producers = [_grad_edges(t) if t.grad_fn is not None else t for t in inputs]
+            producers = [_producer(t) for t in inputs]
         calls = self._calls
         call_key = (threading.get_ident(), key)
         calls[call_key] = _Call(producers, boundary, scope, calls.get(call_key))
@@ -576,14 +605,15 @@ class ModuleMonitor(Monitor):
                 self._records.append(self.session.engine.record(output, self.plan, vpp, names.output_0, scope,
                                                                 cache=True))
             if output.requires_grad and torch.is_grad_enabled():
-                if (call is not None and output.grad_fn is not None and len(call.inputs) == 1
-                        and type(call.inputs[0]) is tuple and len(call.inputs[0]) == 1 and _get_sequence_nr is not None):
-                    self._hook_graph_one(vpp, names, output, call)
+                edge = _one_edge(call) if call is not None else None
+                own = output.grad_fn
+                if edge is not None and own is not None:
+                    self._hook_graph_one(vpp, names, output, own, edge, call)
                 else:
                     self._hook_graph(vpp, names, (output,), (names.grad_output_0,), call)
             return
         named = named_outputs(output, _is_tensor, names.output_prefix)  # a dict output by key: structure.py
-        if not _in_backward():
+        if _current_autograd_node() is None:
             engine = self.session.engine
             plan = self.plan
             records = self._records
@@ -606,7 +636,6 @@ class ModuleMonitor(Monitor):
         if nodes is None:
             nodes = state.nodes = {}
         touched: List[_NodeHook] = []
-        site = names.grad_output_site
         for j, t in enumerate(outputs):
             if not t.requires_grad:
                 continue
@@ -621,14 +650,9 @@ class ModuleMonitor(Monitor):
                     self._warn_once(f"{tag}.leaf", f"output {suffix} of {tag} is a leaf tensor; its gradient "
                                     f"is not observed")
                 continue
-            edges = _grad_edges(t)
-            node, nr = edges[-1]
-            if call is not None and node is not own and node._sequence_nr() < call.boundary:
-                node, nr = edges[0]  # the base is not this module's own result
+            node, nr = _output_edge(t, own, call)
             hook = _node_hook(self, nodes, node)
-            name = grad_names[j]
-            hook.outs += ((names.out_slot_0 if nr == 0 and name is names.grad_output_0 and vpp == names.vpp
-                           else (vpp, nr, name, site)),)
+            hook.outs += (names.out_slot(vpp, nr, grad_names[j]),)
             touched.append(hook)
             touched.append(node)
         if call is not None:
@@ -636,26 +660,19 @@ class ModuleMonitor(Monitor):
         for k in range(0, len(touched), 2):
             _register(touched[k], touched[k + 1])
 
-    def _hook_graph_one(self, vpp: int, names: _Names, output: torch.Tensor, call: _Call) -> None:
-        """``_hook_graph`` of the common call, in one function: one output made by a graph
-        node, one input made by one edge (a Linear, a norm, a block of a deep stack). The
-        same slots on the same nodes, registered the same way."""
+    def _hook_graph_one(self, vpp: int, names: _Names, output: torch.Tensor, own: Any, edge: Tuple[Any, int],
+                        call: _Call) -> None:
+        """``_hook_graph`` of the common call, without its lists: one output made by the graph
+        node ``own``, one input made by the one edge ``edge`` (a Linear, a norm, a block of a
+        deep stack). The same slots on the same nodes, registered the same way."""
         state = self._pass
         nodes = state.nodes
         if nodes is None:
             nodes = state.nodes = {}
-        own = output.grad_fn
-        if output._is_view():
-            edges = _grad_edges(output)
-            node, nr = edges[-1]
-            if node is not own and node._sequence_nr() < call.boundary:
-                node, nr = edges[0]  # the base is not this module's own result
-        else:
-            node, nr = own, output.output_nr
+        node, nr = _output_edge(output, own, call)
         out_hook = _node_hook(self, nodes, node)
-        out_hook.outs += ((names.out_slot_0 if nr == 0 and vpp == names.vpp
-                           else (vpp, nr, names.grad_output_0, names.grad_output_site)),)
-        found = _edges_into(call.inputs[0][0], (output,), call.boundary)
+        out_hook.outs += (names.out_slot(vpp, nr, names.grad_output_0),)
+        found = _edges_into(edge, (output,), call.boundary)
         in_hooks = self._one_input_slots(vpp, names, found, nodes) if found else ()
         # registered as _hook_graph does: the output's node first, then each input edge's
         _register(out_hook, node)
@@ -684,11 +701,11 @@ class ModuleMonitor(Monitor):
         """Walk the graph from the outputs back to the inputs' producers, stopping at
         nodes created before the call, and add the edges that lead into an input to their
         node's hook (``touched`` gets each hook and its node)."""
-        inputs = call.inputs
-        if len(inputs) == 1 and type(inputs[0]) is tuple and len(inputs[0]) == 1 and _get_sequence_nr is not None:
+        edge = _one_edge(call)
+        if edge is not None:
             # The common call: one input, made by one edge. The same walk without the
             # input tables, the counts and the accumulators' table.
-            found_one = _edges_into(inputs[0][0], outputs, call.boundary)
+            found_one = _edges_into(edge, outputs, call.boundary)
             if found_one:
                 for hook, node in self._one_input_slots(vpp, names, found_one, nodes):
                     touched.append(hook)
