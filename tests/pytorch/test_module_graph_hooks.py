@@ -226,3 +226,28 @@ def test_the_common_calls_hooks_give_the_general_walks_rows(write_config, tmp_pa
             "Sequential.grad_input.0": g_x, "Sequential.grad_output.0": g_out}
     for name, g in want.items():
         assert_row_matches(second[name], numpy_stats(g), rtol=1e-5, atol=1e-7)
+
+
+def test_a_graph_built_before_stop_backpropagates_after_it_unchanged_and_writes_nothing(write_config):
+    """The graph hooks live on autograd nodes, which stop() cannot take back: a graph whose
+    forward pass ran on a written step and whose backward pass runs after stop() gets the
+    gradients of an unmonitored copy, to the bit, and its hooks record and write nothing."""
+    torch.manual_seed(7)
+    model = torch.nn.Sequential(_Residual(), _Residual())
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMonitorV2(write_config({"monitors": {"module": {"enabled": True, "targets": []}}}))
+    mon.start(model=model, optimizer=opt)
+    x = torch.randn(2, 3, 6)
+    loss = model(x).pow(2).mean()  # the forward hooks put the graph hooks on this graph
+    mon.stop()
+    written = rows_of(mon.config.output_dir, "module")
+    module_monitor, = mon.monitors
+    kept = list(module_monitor._records)
+    loss.backward()
+    ref(x).pow(2).mean().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert mon.errors.count == 0
+    assert module_monitor._records == kept  # the node hooks recorded nothing
+    assert rows_of(mon.config.output_dir, "module") == written
