@@ -1653,8 +1653,10 @@ static PyObject *referent(PyObject *ref) {
 
 /* The cache's record for this buffer where the tensor first seen there is alive and
    unchanged, at the same address, of the same dtype and count, and `t` is unchanged too
-   (a borrowed reference; NULL with no error where there is none). */
-static PyObject *cached_record(PyObject *entry, PyObject *t, void *ptr, int64_t n, PyObject *dtype) {
+   (`t_version`: its version, read by the caller; a borrowed reference; NULL with no error
+   where there is none). */
+static PyObject *cached_record(PyObject *entry, PyObject *t, void *ptr, int64_t n, PyObject *dtype,
+                               PyObject *t_version) {
     if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3 ||
         !PyWeakref_CheckRef(PyTuple_GET_ITEM(entry, 0)) || !Py_IS_TYPE(PyTuple_GET_ITEM(entry, 2), &RecordType))
         return NULL;
@@ -1668,7 +1670,15 @@ static PyObject *cached_record(PyObject *entry, PyObject *t, void *ptr, int64_t 
         return NULL;
     PyObject *version = PyTuple_GET_ITEM(entry, 1), *result = NULL;
     PyObject *first_dtype = NULL, *first_ptr = NULL;
-    if (version_is(first, version) != 1 || version_is(t, version) != 1)
+    int same = PyObject_RichCompareBool(t_version, version, Py_EQ);
+    if (same != 1)
+        goto done;
+    if (first == t) {
+        /* the tensor first seen here, unchanged: its dtype and address are the ones just read */
+        result = (PyObject *)rec;
+        goto done;
+    }
+    if (version_is(first, version) != 1)
         goto done;
     if ((first_dtype = PyObject_GetAttr(first, str_dtype)) == NULL || first_dtype != dtype)
         goto done;
@@ -1710,10 +1720,20 @@ static PyObject *py_tensor_record(PyObject *self, PyObject *const *args, Py_ssiz
     if ((threads == -1 && PyErr_Occurred()) || want_nans < 0 || want_zeros < 0)
         goto fail;
     if (cache != Py_None) {
-        int inference = call_truth(t, str_is_inference); /* no version counter: never cached */
-        if (inference < 0)
-            goto fail;
-        if (inference) {
+        /* An inference tensor has no version counter (reading it raises): never cached. The
+           one read of the version serves the lookup and the entry. */
+        version = PyObject_GetAttr(t, str_version);
+        if (version == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_RuntimeError))
+                goto fail;
+            PyErr_Clear();
+            int inference = call_truth(t, str_is_inference);
+            if (inference < 0)
+                goto fail;
+            if (!inference) {
+                PyErr_SetString(PyExc_RuntimeError, "tensor_record: a tensor without a version counter");
+                goto fail;
+            }
             cache = Py_None;
         } else {
             if ((key = PyLong_FromVoidPtr(ptr)) == NULL)
@@ -1721,16 +1741,15 @@ static PyObject *py_tensor_record(PyObject *self, PyObject *const *args, Py_ssiz
             PyObject *entry = PyDict_GetItemWithError(cache, key); /* borrowed */
             if (entry == NULL && PyErr_Occurred())
                 goto fail;
-            PyObject *hit = entry == NULL ? NULL : cached_record(entry, t, ptr, n, dtype);
+            PyObject *hit = entry == NULL ? NULL : cached_record(entry, t, ptr, n, dtype, version);
             if (hit != NULL) {
                 PyObject *relabel[4] = {args[7], args[8], args[9], args[10]};
                 PyObject *out = record_relabelled((RecordObject *)hit, relabel, 4);
                 Py_DECREF(key);
+                Py_DECREF(version);
                 Py_DECREF(dtype);
                 return out;
             }
-            if ((version = PyObject_GetAttr(t, str_version)) == NULL)
-                goto fail;
         }
     }
     double out[4];
