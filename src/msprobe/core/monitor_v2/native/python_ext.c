@@ -309,7 +309,11 @@ static void pow10_init(void) {
 }
 
 static int nine_digits(double a, uint64_t *digits, int *exponent) {
-    int e = (int)floor(log10(a));
+    /* the decimal exponent from the binary one (log10(2) = 0.30103...): exact or one too
+       small, which the first attempt below corrects (cheaper than log10) */
+    int b;
+    frexp(a, &b);
+    int e = (int)floor((b - 1) * 0.30102999566398120);
     for (int attempt = 0; attempt < 3; attempt++) {
         int k = 8 - e;
         if (k < POW10_MIN || k > POW10_MAX)
@@ -382,7 +386,13 @@ static int append_g9(buffer_t *b, int negative, uint64_t digits, int e) {
             for (int i = 1; i < k; i++)
                 out[n++] = d[i];
         }
-        n += snprintf(out + n, sizeof out - n, "e%c%02d", e < 0 ? '-' : '+', e < 0 ? -e : e);
+        int x = e < 0 ? -e : e; /* at least two digits, as printf's %02d */
+        out[n++] = 'e';
+        out[n++] = e < 0 ? '-' : '+';
+        if (x >= 100)
+            out[n++] = (char)('0' + x / 100);
+        out[n++] = (char)('0' + x / 10 % 10);
+        out[n++] = (char)('0' + x % 10);
     }
     return append(b, out, n);
 }
