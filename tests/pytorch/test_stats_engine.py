@@ -13,6 +13,7 @@ empty tensor gives nan for min/max/mean and 0 for norm/nans, a NaN is never hidd
 import gc
 import itertools
 import math
+import warnings
 import weakref
 
 import numpy as np
@@ -839,10 +840,18 @@ def test_the_compiled_record_reads_a_tensor_once_per_version(stats_path):
     assert read(frozen, "i").vector[0] == 3.0
 
 
-def test_the_compiled_record_gives_the_python_paths_records(stats_path):
+@pytest.mark.parametrize("reader", ["exporter", "getters"])
+def test_the_compiled_record_gives_the_python_paths_records(stats_path, reader):
     """Every kind of tensor gives the same record through the extension's ``tensor_record``
-    as through the Python path (the ones it does not take go to the Python path)."""
+    as through the Python path (the ones it does not take go to the Python path), whether
+    the extension reads a tensor's buffer through ``torch._C._to_dlpack`` (what this torch
+    gets) or through the tensor's getters (another torch)."""
     compiled, plan = _compiled_engine(stats_path), StatPlan.from_ops(ALL_OPS + ("zeros",))
+    ext = native.extension()
+    if stats_path == "native":
+        assert ext.exporter() is torch._C._to_dlpack, "this torch's exporter passed the engine's check"
+        if reader == "getters":
+            ext.use_exporter(None)
     python = TorchStatsEngine()
     python._tensor_record = None
     base = _values((6, 5), torch.float32, seed=3)
@@ -857,14 +866,25 @@ def test_the_compiled_record_gives_the_python_paths_records(stats_path):
                base.double(), _values((7,), torch.int64), torch.empty(0), torch.nn.Parameter(base.clone()),
                base.clone().requires_grad_(), torch._neg_view(base), base.as_subclass(Sub), base[0, 0],
                torch.nested.nested_tensor([base[0], base[1, :3]], layout=torch.jagged),
-               torch.zeros(3, 4).to_sparse()]
-    for i, t in enumerate(tensors):
-        for cache in (False, True):
-            got = compiled.record(t, plan, 1, f"t{i}", "forward", 2, cache=cache)
-            want = python.record(t, plan, 1, f"t{i}", "forward", 2, cache=cache)
-            compiled.to_host([got])
-            python.to_host([want])
-            assert repr(got) == repr(want), (i, cache)
+               torch.zeros(3, 4).to_sparse(), base[2:4], base[:, :1], base.reshape(30)[::2]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the strided layout of nested tensors is a prototype
+        tensors.append(torch.nested.nested_tensor([base[0], base[1, :3]]))
+    complex_one = torch.complex(base[:1, 0], base[1:2, 0])
+    tensors.append(complex_one.conj().imag)  # contiguous, with the negative bit: DLPack does not carry it
+    if torch.backends.mkldnn.is_available():
+        tensors.append(base.to_mkldnn())
+    try:
+        for i, t in enumerate(tensors):
+            for cache in (False, True):
+                got = compiled.record(t, plan, 1, f"t{i}", "forward", 2, cache=cache)
+                want = python.record(t, plan, 1, f"t{i}", "forward", 2, cache=cache)
+                compiled.to_host([got])
+                python.to_host([want])
+                assert repr(got) == repr(want), (i, cache)
+    finally:
+        if stats_path == "native":
+            ext.use_exporter(torch._C._to_dlpack)
 
 
 def test_a_new_tensor_reusing_a_dead_tensors_id_is_not_confused(monkeypatch):

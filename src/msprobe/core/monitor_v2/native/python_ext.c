@@ -1575,6 +1575,131 @@ static int call_truth(PyObject *obj, PyObject *name) {
     return truth;
 }
 
+/* DLPack's C ABI (dlpack.h): the unversioned DLManagedTensor that every version of the
+   standard keeps, in a capsule named "dltensor". */
+typedef struct {
+    int32_t device_type;
+    int32_t device_id;
+} dl_device_t;
+typedef struct {
+    uint8_t code;
+    uint8_t bits;
+    uint16_t lanes;
+} dl_dtype_t;
+typedef struct {
+    void *data;
+    dl_device_t device;
+    int32_t ndim;
+    dl_dtype_t dtype;
+    int64_t *shape;
+    int64_t *strides; /* NULL: compact, row-major */
+    uint64_t byte_offset;
+} dl_tensor_t;
+typedef struct dl_managed {
+    dl_tensor_t dl_tensor;
+    void *manager_ctx;
+    void (*deleter)(struct dl_managed *);
+} dl_managed_t;
+enum { DL_CPU = 1, DL_FLOAT = 2, DL_BFLOAT = 4 };
+
+/* torch._C._to_dlpack where use_exporter() was given it (after the engine checked that it
+   reads what the tensor's own getters say), else NULL: one call for the address, dtype,
+   device, shape and strides instead of seven getters, each of which costs about as much
+   as the call (every getter sets up torch's error and warning handling). */
+static PyObject *dl_export = NULL;
+
+/* kernel_buffer through the exporter: 1 with the buffer, 0 where the kernel does not read
+   the tensor (or the exporter refuses it: no storage, nested, quantized, meta), -1 on an
+   error (set). The capsule's tensor is a second reference to `t`'s memory, released here:
+   `t` itself, alive in the caller, keeps the memory. DLPack has no negative bit, so that
+   is asked of the tensor; every other check reads the export. */
+static int exported_buffer(PyObject *t, void **ptr, int64_t *n, int *code) {
+    PyObject *capsule = PyObject_CallOneArg(dl_export, t);
+    if (capsule == NULL) {
+        PyErr_Clear(); /* the Python path looks again, and says what is wrong */
+        return 0;
+    }
+    dl_managed_t *m = (dl_managed_t *)PyCapsule_GetPointer(capsule, "dltensor");
+    if (m == NULL) {
+        PyErr_Clear();
+        Py_DECREF(capsule);
+        return 0;
+    }
+    const dl_tensor_t *d = &m->dl_tensor;
+    int mask = msprobe_stats_dtypes(), ok = d->device.device_type == DL_CPU && d->dtype.lanes == 1 && d->ndim >= 0;
+    if (ok) {
+        if (d->dtype.code == DL_FLOAT && d->dtype.bits == 32)
+            *code = F32;
+        else if (d->dtype.code == DL_BFLOAT && d->dtype.bits == 16)
+            *code = BF16;
+        else if (d->dtype.code == DL_FLOAT && d->dtype.bits == 16)
+            *code = F16;
+        else
+            ok = 0;
+        ok = ok && (mask & (1 << *code));
+    }
+    int64_t count = 1, expected = 1;
+    for (int32_t k = d->ndim - 1; ok && k >= 0; k--) { /* torch's is_contiguous: size-1 dims have any stride */
+        int64_t size = d->shape[k];
+        count *= size;
+        if (size != 1 && d->strides != NULL && d->strides[k] != expected)
+            ok = 0;
+        expected *= size;
+    }
+    void *data = ok ? (char *)d->data + d->byte_offset : NULL;
+    Py_DECREF(capsule); /* its deleter drops the export's reference */
+    if (!ok || count <= 0 || data == NULL)
+        return 0;
+    int neg = call_truth(t, str_is_neg);
+    if (neg != 0)
+        return neg < 0 ? -1 : 0;
+    *ptr = data;
+    *n = count;
+    return 1;
+}
+
+/* use_exporter(fn or None): read tensors through fn (torch._C._to_dlpack) from now on, or
+   through their getters again. */
+static PyObject *py_use_exporter(PyObject *self, PyObject *fn) {
+    if (fn != Py_None && !PyCallable_Check(fn)) {
+        PyErr_SetString(PyExc_TypeError, "use_exporter: a callable or None");
+        return NULL;
+    }
+    if (fn != Py_None)
+        Py_INCREF(fn);
+    Py_XSETREF(dl_export, fn == Py_None ? NULL : fn);
+    Py_RETURN_NONE;
+}
+
+/* exporter() -> the exporter in use, or None */
+static PyObject *py_exporter(PyObject *self, PyObject *unused) {
+    if (dl_export == NULL)
+        Py_RETURN_NONE;
+    Py_INCREF(dl_export);
+    return dl_export;
+}
+
+/* exported(t, fn) -> (address, count, code) or None: what the exporter fn gives for `t`
+   (for the engine's check before use_exporter). */
+static PyObject *py_exported(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "exported takes 2 arguments");
+        return NULL;
+    }
+    PyObject *saved = dl_export;
+    dl_export = args[1];
+    void *ptr = NULL;
+    int64_t n = 0;
+    int code = 0;
+    int ok = exported_buffer(args[0], &ptr, &n, &code);
+    dl_export = saved;
+    if (ok < 0)
+        return NULL;
+    if (ok == 0)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(NLi)", PyLong_FromVoidPtr(ptr), (long long)n, code);
+}
+
 /* The tensor's data pointer, element count and dtype (a new reference) where the kernel
    reads it: 1; 0 where it does not; -1 on an error (set). */
 static int kernel_buffer(PyObject *t, PyObject *plain_types, PyObject *codes, PyObject *strided, void **ptr,
@@ -1586,6 +1711,8 @@ static int kernel_buffer(PyObject *t, PyObject *plain_types, PyObject *codes, Py
     int yes = attr_truth(t, str_is_cpu);
     if (yes <= 0)
         return yes;
+    if (dl_export != NULL) /* *dtype stays NULL: cached_record asks where it needs it */
+        return exported_buffer(t, ptr, n, code);
     PyObject *dt = PyObject_GetAttr(t, str_dtype);
     if (dt == NULL)
         return -1;
@@ -1679,7 +1806,7 @@ static PyObject *cached_record(PyObject *entry, PyObject *t, void *ptr, int64_t 
     if (first == NULL)
         return NULL;
     PyObject *version = PyTuple_GET_ITEM(entry, 1), *result = NULL;
-    PyObject *first_dtype = NULL, *first_ptr = NULL;
+    PyObject *first_dtype = NULL, *first_ptr = NULL, *own_dtype = NULL;
     int same = PyObject_RichCompareBool(t_version, version, Py_EQ);
     if (same != 1)
         goto done;
@@ -1690,6 +1817,8 @@ static PyObject *cached_record(PyObject *entry, PyObject *t, void *ptr, int64_t 
     }
     if (version_is(first, version) != 1)
         goto done;
+    if (dtype == NULL && (dtype = own_dtype = PyObject_GetAttr(t, str_dtype)) == NULL)
+        goto done; /* read through the exporter, which gives no dtype object */
     if ((first_dtype = PyObject_GetAttr(first, str_dtype)) == NULL || first_dtype != dtype)
         goto done;
     if ((first_ptr = PyObject_CallMethodNoArgs(first, str_data_ptr)) == NULL || PyLong_AsVoidPtr(first_ptr) != ptr)
@@ -1698,6 +1827,7 @@ static PyObject *cached_record(PyObject *entry, PyObject *t, void *ptr, int64_t 
 done:
     Py_XDECREF(first_dtype);
     Py_XDECREF(first_ptr);
+    Py_XDECREF(own_dtype);
     Py_DECREF(first);
     PyErr_Clear(); /* a failed check is a miss: the tensor is read */
     return result;
@@ -1757,7 +1887,7 @@ static PyObject *py_tensor_record(PyObject *self, PyObject *const *args, Py_ssiz
                 PyObject *out = record_relabelled((RecordObject *)hit, relabel, 4);
                 Py_DECREF(key);
                 Py_DECREF(version);
-                Py_DECREF(dtype);
+                Py_XDECREF(dtype);
                 return out;
             }
         }
@@ -1796,7 +1926,7 @@ static PyObject *py_tensor_record(PyObject *self, PyObject *const *args, Py_ssiz
     }
     Py_XDECREF(key);
     Py_XDECREF(version);
-    Py_DECREF(dtype);
+    Py_XDECREF(dtype);
     return (PyObject *)r;
 fail:
     Py_XDECREF(key);
@@ -1899,6 +2029,9 @@ static PyMethodDef methods[] = {
     {"record_read", (PyCFunction)(void (*)(void))py_record_read, METH_FASTCALL, "stats and Record in one call"},
     {"cache_entry", (PyCFunction)(void (*)(void))py_cache_entry, METH_FASTCALL, "a same-tensor cache entry"},
     {"tensor_record", (PyCFunction)(void (*)(void))py_tensor_record, METH_FASTCALL, "the engine's record of a CPU tensor"},
+    {"use_exporter", py_use_exporter, METH_O, "read tensors through this DLPack exporter (None: their getters)"},
+    {"exported", (PyCFunction)(void (*)(void))py_exported, METH_FASTCALL, "what an exporter gives for a tensor"},
+    {"exporter", py_exporter, METH_NOARGS, "the exporter in use, or None"},
     {"records_of", (PyCFunction)(void (*)(void))py_records_of, METH_FASTCALL, "record_many's common case"},
     {"not_on_host", py_not_on_host, METH_O, "the records to_host moves"},
     {"_format_float", py_format_float, METH_O, "one float cell, as format_rows writes it"},
