@@ -8,7 +8,8 @@
 #                                    (the HTML report is checked in a headless browser),
 #                                    deepspeed 0.19.8 (its tests run it on the CPU),
 #                                    megatron-core 0.16.1 (likewise, through a test-only shim),
-#                                    accelerate and lightning (integration tests, CPU)
+#                                    accelerate and lightning (integration tests, CPU),
+#                                    and Debian's valgrind (the instruction-count benchmark)
 # Both profiles install polars (the analysis engine of msprobe-monitor summary/anomalies)
 # and matplotlib (plot): the demo ends with those commands.
 # Both profiles install gcc where no C compiler exists, and python3-dev where Debian's
@@ -158,4 +159,8 @@ fi
 if [ "$profile" = test ] && ! command -v chromium >/dev/null 2>&1; then
   apt_install chromium "an 81 MB package plus the libraries it needs on a minimal system" \
     "the HTML report test opens the report in a headless browser"
+fi
+if [ "$profile" = test ] && { ! command -v valgrind >/dev/null 2>&1 || [ ! -f /usr/include/valgrind/callgrind.h ]; }; then
+  apt_install valgrind "about 70 MB" \
+    "the instruction-count benchmark (benchmarks/deep_instructions.py) and its smoke test run under callgrind"
 fi
