@@ -82,43 +82,31 @@ def child(args: argparse.Namespace) -> int:
 
     sys.path.insert(0, HERE)
     import torch  # noqa: E402
-    from deep_overhead import TENSORS_PER_BLOCK, DeepStack  # noqa: E402
+    from deep_overhead import DeepBench  # noqa: E402
     from msprobe.core.monitor_v2.trainer import TrainerMonitorV2  # noqa: E402
 
     logging.disable(logging.WARNING)  # the monitor's stop() summary is not wanted in the log
     counting = ctypes.CDLL(args.helper)
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = DeepStack(args.tensors // TENSORS_PER_BLOCK, args.width)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    batch = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(0))
-
-    def train_step() -> None:
-        loss = model(batch).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    train_step()
-    mon = None
-    out = tempfile.mkdtemp(prefix="msprobe_deep_instructions_")
+    args.device = "cpu"
+    bench = DeepBench(args.tensors, args)  # deep_overhead.py's model, optimizer, batch and step
     try:
+        bench.train_steps(1)
+        mon = None
         if args.config != PLAIN:
-            mon = TrainerMonitorV2({**_configs()[args.config], "output_dir": os.path.join(out, "run")})
-            mon.start(model=model, optimizer=opt)
-        train_step()
-        train_step()
+            mon = TrainerMonitorV2({**_configs()[args.config], "output_dir": os.path.join(bench.out, "run")})
+            mon.start(model=bench.model, optimizer=bench.opt)
+        bench.train_steps(2)
         gc.collect()
         gc.disable()
         counting.counting_on()
-        for _ in range(args.steps):
-            train_step()
+        bench.train_steps(args.steps)
         counting.counting_off()
         gc.enable()
         if mon is not None:
             mon.stop()
     finally:
-        shutil.rmtree(out, ignore_errors=True)
+        bench.close()
     return 0
 
 
@@ -139,12 +127,12 @@ def count(args: argparse.Namespace, tensors: int, config: str, helper: str, dire
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    sys.path.insert(0, HERE)
+    from deep_overhead import add_model_arguments  # noqa: E402 - after the path
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--tensors", type=int, action="append",
-                   help="parameter tensors of the model (a multiple of 4; repeatable); default 1000")
-    p.add_argument("--width", type=int, default=32, help="features of every block")
-    p.add_argument("--batch", type=int, default=8)
+    add_model_arguments(p, "1000")
     p.add_argument("--steps", type=int, default=2, help="counted training steps per count")
     p.add_argument("--only", action="append", help="run only configs whose name is this (repeatable)")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")

@@ -172,13 +172,18 @@ class DeepBench:
         shutil.rmtree(self.out, ignore_errors=True)
 
 
+def add_model_arguments(p: argparse.ArgumentParser, default_tensors: str) -> None:
+    """The model's options (also deep_instructions.py's)."""
+    p.add_argument("--tensors", type=int, action="append",
+                   help=f"parameter tensors of the model (a multiple of 4; repeatable); default {default_tensors}")
+    p.add_argument("--width", type=int, default=32, help="features of every block")
+    p.add_argument("--batch", type=int, default=8)
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--tensors", type=int, action="append",
-                   help="parameter tensors of the model (a multiple of 4; repeatable); default 1000 and 4000")
-    p.add_argument("--width", type=int, default=32, help="features of every block")
-    p.add_argument("--batch", type=int, default=8)
+    add_model_arguments(p, "1000 and 4000")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--device", default="cpu")
     p.add_argument("--rounds", type=int, default=7, help="alternating with/without rounds per config")
