@@ -1,6 +1,6 @@
 """Per-tensor cost of the monitor in instructions: deep_overhead.py's model under Valgrind.
 
-    .venv/bin/python benchmarks/deep_instructions.py                 # 1,000 tensors, about 5 minutes
+    .venv/bin/python benchmarks/deep_instructions.py                 # 1,000 tensors, about 2 minutes
     .venv/bin/python benchmarks/deep_instructions.py --tensors 4000 --only all
     .venv/bin/python benchmarks/deep_instructions.py --smoke         # 40 tensors (what CI runs)
 
@@ -30,6 +30,7 @@ for the time itself. Needs ``valgrind`` on the PATH and its headers (Debian: the
 """
 
 import argparse
+import concurrent.futures
 import gc
 import json
 import os
@@ -139,6 +140,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true",
                    help="40 tensors, one counted step, all monitors only: checks that it runs")
     p.add_argument("--timeout", type=float, default=1800, help="seconds allowed for one count")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="counts run side by side (each is a process under Valgrind)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--helper", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
@@ -166,16 +169,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"instructions per training step (callgrind), {args.steps} counted step(s) per count, every "
               f"one written; model of deep_overhead.py, width {args.width}, batch {args.batch}, one thread",
               flush=True)
-        for tensors in args.tensors:
-            plain = count(args, tensors, PLAIN, helper, directory)
-            print(f"  {tensors} tensors, plain: {plain / 1e6:.2f} M", flush=True)
-            for name in configs:
-                monitored = count(args, tensors, name, helper, directory)
-                extra = monitored - plain
-                rows.append({"tensors": tensors, "config": name, "plain": plain, "monitored": monitored,
-                             "ratio": monitored / plain, "extra_per_tensor": extra / tensors})
-                print(f"  {tensors} tensors, {name:<26} {monitored / 1e6:.2f} M, ratio {monitored / plain:.3f}, "
-                      f"{extra / tensors:,.0f} more per tensor", flush=True)
+        # A count is not a time: several run side by side without changing one another.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            counts = {(tensors, name): pool.submit(count, args, tensors, name, helper, directory)
+                      for tensors in args.tensors for name in [PLAIN] + configs}
+            for tensors in args.tensors:
+                plain = counts[(tensors, PLAIN)].result()
+                print(f"  {tensors} tensors, plain: {plain / 1e6:.2f} M", flush=True)
+                for name in configs:
+                    monitored = counts[(tensors, name)].result()
+                    extra = monitored - plain
+                    rows.append({"tensors": tensors, "config": name, "plain": plain, "monitored": monitored,
+                                 "ratio": monitored / plain, "extra_per_tensor": extra / tensors})
+                    print(f"  {tensors} tensors, {name:<26} {monitored / 1e6:.2f} M, "
+                          f"ratio {monitored / plain:.3f}, {extra / tensors:,.0f} more per tensor", flush=True)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     print()
