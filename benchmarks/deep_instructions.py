@@ -53,10 +53,11 @@ PLAIN = "plain"
 
 
 def _configs() -> Dict[str, dict]:
+    """deep_overhead.py's configs (importing it puts the repository's ``src`` on the path)."""
     sys.path.insert(0, HERE)
     from deep_overhead import CONFIGS  # noqa: E402 - after the path
 
-    return {name: cfg for name, cfg in CONFIGS.items()}
+    return CONFIGS
 
 
 def build_helper(directory: str) -> str:
@@ -65,10 +66,14 @@ def build_helper(directory: str) -> str:
     library = os.path.join(directory, "counting.so")
     with open(source, "w", encoding="utf-8") as f:
         f.write(_HELPER_SOURCE)
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if compiler is None:
-        raise SystemExit("deep_instructions: no C compiler found (set CC) for the counting helper")
-    proc = subprocess.run([compiler, "-O2", "-fPIC", "-shared", source, "-o", library], capture_output=True,
+    _configs()  # the repository's src on the path
+    from msprobe.core.monitor_v2 import native  # noqa: E402 - after the path
+
+    try:
+        compiler = native._compiler()  # the one the statistics kernel is built with ($CC, cc, gcc, clang)
+    except native._Unavailable as exc:
+        raise SystemExit(f"deep_instructions: {exc} (for the counting helper)") from None
+    proc = subprocess.run(compiler + ["-O2", "-fPIC", "-shared", source, "-o", library], capture_output=True,
                           text=True)
     if proc.returncode != 0:
         raise SystemExit(f"deep_instructions: cannot build the counting helper (Valgrind's headers, "

@@ -1608,13 +1608,13 @@ enum { DL_CPU = 1, DL_FLOAT = 2, DL_BFLOAT = 4 };
    as the call (every getter sets up torch's error and warning handling). */
 static PyObject *dl_export = NULL;
 
-/* kernel_buffer through the exporter: 1 with the buffer, 0 where the kernel does not read
-   the tensor (or the exporter refuses it: no storage, nested, quantized, meta), -1 on an
-   error (set). The capsule's tensor is a second reference to `t`'s memory, released here:
+/* kernel_buffer through `export` (dl_export, or the one py_exported checks): 1 with the
+   buffer, 0 where the kernel does not read the tensor (or the exporter refuses it: no
+   storage, nested, quantized, meta), -1 on an error (set). The capsule's tensor is a second reference to `t`'s memory, released here:
    `t` itself, alive in the caller, keeps the memory. DLPack has no negative bit, so that
    is asked of the tensor; every other check reads the export. */
-static int exported_buffer(PyObject *t, void **ptr, int64_t *n, int *code) {
-    PyObject *capsule = PyObject_CallOneArg(dl_export, t);
+static int exported_buffer(PyObject *export, PyObject *t, void **ptr, int64_t *n, int *code) {
+    PyObject *capsule = PyObject_CallOneArg(export, t);
     if (capsule == NULL) {
         PyErr_Clear(); /* the Python path looks again, and says what is wrong */
         return 0;
@@ -1686,13 +1686,10 @@ static PyObject *py_exported(PyObject *self, PyObject *const *args, Py_ssize_t n
         PyErr_SetString(PyExc_TypeError, "exported takes 2 arguments");
         return NULL;
     }
-    PyObject *saved = dl_export;
-    dl_export = args[1];
     void *ptr = NULL;
     int64_t n = 0;
     int code = 0;
-    int ok = exported_buffer(args[0], &ptr, &n, &code);
-    dl_export = saved;
+    int ok = exported_buffer(args[1], args[0], &ptr, &n, &code);
     if (ok < 0)
         return NULL;
     if (ok == 0)
@@ -1712,7 +1709,7 @@ static int kernel_buffer(PyObject *t, PyObject *plain_types, PyObject *codes, Py
     if (yes <= 0)
         return yes;
     if (dl_export != NULL) /* *dtype stays NULL: cached_record asks where it needs it */
-        return exported_buffer(t, ptr, n, code);
+        return exported_buffer(dl_export, t, ptr, n, code);
     PyObject *dt = PyObject_GetAttr(t, str_dtype);
     if (dt == NULL)
         return -1;
