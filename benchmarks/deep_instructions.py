@@ -60,6 +60,19 @@ def _configs() -> Dict[str, dict]:
     return CONFIGS
 
 
+def _monitor_configs() -> Dict[str, dict]:
+    """Each monitor of deep_overhead.py's all-monitors config alone (``--per-monitor``): where
+    the instructions of ``all`` go."""
+    sys.path.insert(0, HERE)
+    from deep_overhead import _ALL_MONITORS  # noqa: E402 - after the path
+
+    return {f"{name} alone": {"monitors": {name: settings}} for name, settings in _ALL_MONITORS.items()}
+
+
+def _every_config() -> Dict[str, dict]:
+    return {**_configs(), **_monitor_configs()}
+
+
 def build_helper(directory: str) -> str:
     """The shared library whose two functions switch callgrind's counting on and off."""
     source = os.path.join(directory, "counting.c")
@@ -100,7 +113,7 @@ def child(args: argparse.Namespace) -> int:
         bench.train_steps(1)
         mon = None
         if args.config != PLAIN:
-            mon = TrainerMonitorV2({**_configs()[args.config], "output_dir": os.path.join(bench.out, "run")})
+            mon = TrainerMonitorV2({**_every_config()[args.config], "output_dir": os.path.join(bench.out, "run")})
             mon.start(model=bench.model, optimizer=bench.opt)
         bench.train_steps(2)
         gc.collect()
@@ -142,6 +155,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2, help="counted training steps per count")
     p.add_argument("--only", action="append", help="run only configs whose name is this (repeatable)")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    p.add_argument("--per-monitor", action="store_true",
+                   help="also count each monitor of the all-monitors config alone (\"module alone\"...)")
     p.add_argument("--smoke", action="store_true",
                    help="40 tensors, one counted step, all monitors only: checks that it runs")
     p.add_argument("--timeout", type=float, default=1800, help="seconds allowed for one count")
@@ -166,7 +181,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return child(args)
     if shutil.which("valgrind") is None:
         raise SystemExit("deep_instructions: needs valgrind on the PATH (Debian: apt-get install valgrind)")
-    configs = [name for name in _configs() if not args.only or name in args.only]
+    offered = _every_config() if args.per_monitor else _configs()
+    configs = [name for name in offered if not args.only or name in args.only]
+    if args.only and not configs:
+        raise SystemExit(f"deep_instructions: no config named {args.only}; there are {sorted(offered)}")
     directory = tempfile.mkdtemp(prefix="msprobe_deep_instructions_")
     rows = []
     try:

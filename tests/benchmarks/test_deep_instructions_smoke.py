@@ -26,3 +26,23 @@ def test_deep_instructions_benchmark_smoke_mode_counts_plain_and_monitored_steps
     assert row["plain"] > 1e6 and row["monitored"] > row["plain"], "a training step is millions of instructions"
     assert abs(row["ratio"] - row["monitored"] / row["plain"]) < 1e-12
     assert abs(row["extra_per_tensor"] - (row["monitored"] - row["plain"]) / 40) < 1e-6
+
+
+def test_per_monitor_configs_are_each_monitor_of_the_all_config_alone(tmp_path):
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import deep_instructions
+        from deep_overhead import CONFIGS
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
+
+    alone = deep_instructions._monitor_configs()
+    every = CONFIGS["all"]["monitors"]
+    assert sorted(alone) == sorted(f"{name} alone" for name in every)
+    for name, settings in every.items():
+        config = alone[f"{name} alone"]
+        assert config == {"monitors": {name: settings}}
+        TrainerMonitorV2({**config, "output_dir": str(tmp_path / name)})  # a valid config: checked at construction
+    args = deep_instructions.parse_args(["--per-monitor", "--only", "module alone"])
+    assert args.per_monitor and args.only == ["module alone"]
