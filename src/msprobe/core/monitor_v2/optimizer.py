@@ -2,7 +2,8 @@
 Framework-independent: each session lists the state tensors (``optimizer_states``),
 named as PyTorch names them (see the framework's ``optimizer_state.py``)."""
 
-from typing import Any, Dict, List, Tuple
+from operator import is_, itemgetter
+from typing import Any, Dict, List, Optional, Tuple
 
 from . import rows
 from .checks import Fields, check_bool
@@ -11,12 +12,54 @@ from .stats import StatPlan
 
 CONFIG_FIELDS: Fields = {"mv_distribution": (check_bool, True)}
 
+_INFO, _NAME, _TENSOR = itemgetter(0), itemgetter(1), itemgetter(2)  # of an (info, state name, tensor)
+
+
+def _group_by_name(names: List[str]) -> Tuple[List[Tuple[str, List[int]]], Optional[List[int]]]:
+    """The places of each state name in ``names``, and where each place lands in the
+    groups one after the other (None when there is one group: the places themselves)."""
+    by_name: Dict[str, List[int]] = {}
+    for n, name in enumerate(names):
+        by_name.setdefault(name, []).append(n)
+    groups = list(by_name.items())
+    if len(groups) <= 1:
+        return groups, None
+    order = [0] * len(names)
+    for landed, n in enumerate(n for _, places in groups for n in places):
+        order[n] = landed
+    return groups, order
+
+
+class _KeptKeys:
+    """The row keys of the last step's state tensors, where ``expand`` gave the tensors
+    back unchanged: the same at the next step if the same parameters come with the same
+    state names, in the same order, and tensors of the same types. Holds no tensor."""
+
+    def __init__(self, infos: List[Any], names: List[str], types: set, keys: List[Any]) -> None:
+        self.infos, self.names, self.types, self.keys = infos, names, types, keys
+
+    @classmethod
+    def of(cls, states: List[Tuple[Any, str, Any]], tensors_in: List[Any], tensors: List[Any],
+           keys: List[Any]) -> Optional["_KeptKeys"]:
+        if len(tensors) != len(tensors_in) or not all(map(is_, tensors, tensors_in)):
+            return None
+        return cls(list(map(_INFO, states)), list(map(_NAME, states)), set(map(type, tensors_in)), keys)
+
+    def fits(self, states: List[Tuple[Any, str, Any]], tensors_in: List[Any]) -> bool:
+        return (len(states) == len(self.infos) and all(map(is_, map(_INFO, states), self.infos))
+                and list(map(_NAME, states)) == self.names and set(map(type, tensors_in)) <= self.types)
+
 
 class OptimizerStateMonitor(Monitor):
     name = rows.OPTIMIZER
     needs_optimizer = True
 
     def attach(self) -> None:
+        # _state_tensors' grouping of the state names it saw last
+        self._names: Optional[List[str]] = None
+        self._groups: List[Tuple[str, List[int]]] = []
+        self._order: Optional[List[int]] = None
+        self._kept: Optional[_KeptKeys] = None
         self.plan = StatPlan.from_ops(self.settings.ops)
         self.enabled = self.settings.get("mv_distribution")
 
@@ -29,21 +72,40 @@ class OptimizerStateMonitor(Monitor):
     def _state_tensors(self) -> Tuple[List[Any], List[Any]]:
         """The state tensors and their row keys, each parameter's states together in the
         optimizer's order: one ``expand`` per state name (whose row keys it caches), not one
-        per tensor, unless the stack expands a state into several tensors or none."""
+        per tensor, unless the stack expands a state into several tensors or none.
+
+        Thousands of state tensors are usual. Where the session's ``expand`` gave the
+        tensors back as they were (no flat parameter cut into views, no empty shard left
+        out), the row keys are kept and used again while the same parameters come with
+        the same state names and tensors of the same types (``_KeptKeys``); the grouping
+        by name is kept while the names come in the same order; the passes over the
+        tensors run in C (``map``)."""
         states = list(self.session.optimizer_states())
-        by_state: Dict[str, List[int]] = {}
-        for n, (_, state_name, _) in enumerate(states):
-            by_state.setdefault(state_name, []).append(n)
-        tensors: List[Any] = [None] * len(states)
-        keys: List[Any] = [None] * len(states)
-        for state_name, places in by_state.items():
-            t, k = self.session.expand([states[n][::2] for n in places], state_name,
+        tensors_in = list(map(_TENSOR, states))
+        kept = self._kept
+        if kept is not None and kept.fits(states, tensors_in):
+            return tensors_in, kept.keys
+        tensors, keys = self._expanded(states)
+        self._kept = _KeptKeys.of(states, tensors_in, tensors, keys)
+        return tensors, keys
+
+    def _expanded(self, states: List[Tuple[Any, str, Any]]) -> Tuple[List[Any], List[Any]]:
+        names = list(map(_NAME, states))
+        if names != self._names:
+            self._names, self._groups, self._order = names, *_group_by_name(names)
+        tensors: List[Any] = []
+        keys: List[Any] = []
+        for state_name, places in self._groups:
+            chosen = states if self._order is None else list(map(states.__getitem__, places))
+            t, k = self.session.expand(list(zip(map(_INFO, chosen), map(_TENSOR, chosen))), state_name,
                                        suffix=rows.state_suffix(state_name))
             if len(t) != len(places):
                 return self._state_tensors_one_by_one(states)
-            for n, tensor, key in zip(places, t, k):
-                tensors[n] = tensor
-                keys[n] = key
+            tensors += t
+            keys += k
+        if self._order is not None:  # back to each parameter's states together
+            tensors = list(map(tensors.__getitem__, self._order))
+            keys = list(map(keys.__getitem__, self._order))
         return tensors, keys
 
     def _state_tensors_one_by_one(self, states: List[Tuple[Any, str, Any]]) -> Tuple[List[Any], List[Any]]:

@@ -1279,6 +1279,97 @@ static PyObject *py_not_on_host(PyObject *self, PyObject *records) {
     return out;
 }
 
+/* ------------------------------------------------------------ entries found again
+ * entries_again(state, keys, entries, where, ids, cls, firsts, seconds) -> list or None
+ *
+ * The passes of StateListing.again (the optimizer's state tensors, state_listing.py) in
+ * one: `state` is a dict whose keys are, in their order, the objects of the list `keys`
+ * (compared by identity), and whose values are dicts with `entries` entries in all. The
+ * entries at the places `where` (counted over all those dicts, one after the other)
+ * must be the objects whose ids are `ids`, each an instance of `cls`. Then the list of
+ * (firsts[i], seconds[i], entry i) tuples; otherwise None: the state changed and is
+ * listed again. Nothing is kept after the call, and no Python code runs while the dicts
+ * are walked. */
+static PyObject *py_entries_again(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "entries_again: 8 arguments expected");
+        return NULL;
+    }
+    PyObject *state = args[0], *keys = args[1], *where = args[3], *ids = args[4], *cls = args[5];
+    PyObject *firsts = args[6], *seconds = args[7];
+    Py_ssize_t entries = PyLong_AsSsize_t(args[2]);
+    if (entries == -1 && PyErr_Occurred())
+        return NULL;
+    if (!PyDict_Check(state) || !PyList_Check(keys) || !PyList_Check(where) || !PyList_Check(ids) ||
+        !PyType_Check(cls) || !PyList_Check(firsts) || !PyList_Check(seconds) || entries < 0) {
+        PyErr_SetString(PyExc_TypeError, "entries_again: (dict, list, int >= 0, list, list, type, list, list) expected");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(where);
+    if (PyList_GET_SIZE(ids) != n || PyList_GET_SIZE(firsts) != n || PyList_GET_SIZE(seconds) != n) {
+        PyErr_SetString(PyExc_ValueError, "entries_again: where, ids, firsts and seconds differ in length");
+        return NULL;
+    }
+    if (PyDict_GET_SIZE(state) != PyList_GET_SIZE(keys))
+        Py_RETURN_NONE;
+    /* allocated before the walk: an allocation can run the garbage collector, and with it
+       Python code that could change the dicts */
+    PyObject **flat = PyMem_Malloc(sizeof(PyObject *) * (size_t)(entries > 0 ? entries : 1));
+    PyObject *out = PyList_New(n);
+    if (flat == NULL || out == NULL) {
+        PyMem_Free(flat);
+        Py_XDECREF(out);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t pos = 0, i = 0, filled = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(state, &pos, &key, &value)) {
+        if (key != PyList_GET_ITEM(keys, i++) || !PyDict_Check(value))
+            goto changed;
+        Py_ssize_t inner = 0;
+        PyObject *name, *entry;
+        while (PyDict_Next(value, &inner, &name, &entry)) {
+            if (filled == entries)
+                goto changed;
+            flat[filled++] = entry;
+        }
+    }
+    if (filled != entries)
+        goto changed;
+    for (Py_ssize_t j = 0; j < n; j++) {  /* still no allocation: the entries are borrowed */
+        Py_ssize_t at = PyLong_AsSsize_t(PyList_GET_ITEM(where, j));
+        void *id = PyLong_AsVoidPtr(PyList_GET_ITEM(ids, j));
+        if (PyErr_Occurred())
+            goto failed;
+        if (at < 0 || at >= entries || (void *)flat[at] != id || !PyObject_TypeCheck(flat[at], (PyTypeObject *)cls))
+            goto changed;
+    }
+    for (Py_ssize_t j = 0; j < n; j++) {
+        Py_INCREF(flat[PyLong_AsSsize_t(PyList_GET_ITEM(where, j))]);
+        PyList_SET_ITEM(out, j, flat[PyLong_AsSsize_t(PyList_GET_ITEM(where, j))]);
+    }
+    PyMem_Free(flat);
+    for (Py_ssize_t j = 0; j < n; j++) {  /* the entries are held now: tuples may allocate */
+        PyObject *entry = PyList_GET_ITEM(out, j);
+        PyObject *triple = PyTuple_Pack(3, PyList_GET_ITEM(firsts, j), PyList_GET_ITEM(seconds, j), entry);
+        if (triple == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, j, triple);
+        Py_DECREF(entry);
+    }
+    return out;
+changed:
+    PyMem_Free(flat);
+    Py_DECREF(out);
+    Py_RETURN_NONE;
+failed:
+    PyMem_Free(flat);
+    Py_DECREF(out);
+    return NULL;
+}
+
 /* ------------------------------------------------------------------ batched grad notes
  * weight_grad's post-accumulate hook of a batched parameter (weight_grad.py,
  * _BatchedGradHook) runs for every parameter in every backward pass; in Python it costs
@@ -2031,6 +2122,7 @@ static PyMethodDef methods[] = {
     {"exporter", py_exporter, METH_NOARGS, "the exporter in use, or None"},
     {"records_of", (PyCFunction)(void (*)(void))py_records_of, METH_FASTCALL, "record_many's common case"},
     {"not_on_host", py_not_on_host, METH_O, "the records to_host moves"},
+    {"entries_again", (PyCFunction)(void (*)(void))py_entries_again, METH_FASTCALL, "StateListing.again's passes"},
     {"_format_float", py_format_float, METH_O, "one float cell, as format_rows writes it"},
     {"dtypes", py_dtypes, METH_NOARGS, "bit mask of the dtype codes this build reduces"},
     {NULL, NULL, 0, NULL},

@@ -46,6 +46,7 @@ from ....errors import ConfigError
 from ....logonce import LogOnce
 from ....param_table import ParamInfo, ParamTable
 from ....patching import Patch, hooks, wrap_method
+from .state_listing import StateListing
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
@@ -65,6 +66,7 @@ class TrainingStack:
     session's ``expand``)."""
 
     name = "torch"
+    _state_listing: Optional[StateListing] = None  # optimizer_states' last listing
 
     def __init__(self, chunks: List[torch.nn.Module], optimizer: Any) -> None:
         self.chunks = chunks
@@ -134,17 +136,16 @@ class TrainingStack:
         Adagrad ``sum``, RMSprop ``square_avg``... The scalar ``step`` is not state of the
         parameter's values.
 
-        The state is looked up by the parameter's id: ``optimizer.state`` is keyed by the
-        tensors, whose ``__hash__`` is a Python function (a call per parameter per step)."""
-        by_id = {id(p): s for p, s in self.optimizer.state.items()}
-        found: List[Tuple[ParamInfo, str, torch.Tensor]] = []
-        tensor = torch.Tensor
-        for info in table.optimizer_params():
-            state = by_id.get(id(info.param))
-            if state:
-                for key, value in state.items():
-                    if key != "step" and isinstance(value, tensor) and value.dim() > 0:
-                        found.append((info, key, value))
+        The listing is kept (``state_listing.py``: weak references only) and re-checked
+        at the next step in a few C passes instead of the walk over every parameter's
+        state, while the optimizer keeps the same tensors."""
+        state = self.optimizer.state
+        infos = table.optimizer_params()
+        if self._state_listing is not None:
+            found = self._state_listing.again(state, infos)
+            if found is not None:
+                return iter(found)
+        found, self._state_listing = StateListing.of(state, infos)
         return iter(found)
 
 
