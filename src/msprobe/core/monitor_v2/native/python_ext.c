@@ -241,6 +241,13 @@ static int append(buffer_t *b, const char *s, Py_ssize_t n) {
     return 0;
 }
 
+static int append_char(buffer_t *b, char c) {
+    if (reserve(b, 1) < 0)
+        return -1;
+    b->data[b->len++] = c;
+    return 0;
+}
+
 /* The cell of a text (module name, scope) as the Python writer writes it: looked up in
    `cells`, computed by `cell_fn` on first use and kept there. */
 static int append_cell(buffer_t *b, PyObject *text, PyObject *cells, PyObject *cell_fn) {
@@ -310,10 +317,15 @@ static void pow10_init(void) {
 
 static int nine_digits(double a, uint64_t *digits, int *exponent) {
     /* the decimal exponent from the binary one (log10(2) = 0.30103...): exact or one too
-       small, which the first attempt below corrects (cheaper than log10) */
-    int b;
-    frexp(a, &b);
-    int e = (int)floor((b - 1) * 0.30102999566398120);
+       small, which the first attempt below corrects (cheaper than log10). The binary
+       exponent is read from the bits (frexp's, for a normal double); a subnormal one
+       asks frexp. */
+    uint64_t bits;
+    memcpy(&bits, &a, sizeof bits);
+    int b = (int)((bits >> 52) & 0x7ff) - 1022;
+    if (b == -1022)
+        frexp(a, &b);
+    int e = ((b - 1) * 78913) >> 18; /* floor((b - 1) log10(2)) for |b| < 2^11, without libm */
     for (int attempt = 0; attempt < 3; attempt++) {
         int k = 8 - e;
         if (k < POW10_MIN || k > POW10_MAX)
@@ -327,11 +339,11 @@ static int nine_digits(double a, uint64_t *digits, int *exponent) {
             e--;
             continue;
         }
-        long double whole = floorl(scaled);
-        long double frac = scaled - whole;
+        int64_t d = (int64_t)scaled; /* floor: scaled is positive */
+        long double frac = scaled - (long double)d;
         if (fabsl(frac - 0.5L) < 1e-6L)
             return -1;
-        uint64_t d = (uint64_t)whole + (frac > 0.5L);
+        d += frac > 0.5L;
         if (d == 1000000000u) {
             d = 100000000u;
             e++;
@@ -350,15 +362,18 @@ static int nine_digits(double a, uint64_t *digits, int *exponent) { return -1; }
 /* format(value, ".9g") from its digits: fixed notation for exponents -4..8, else
    d.ddde+XX (at least two exponent digits), trailing zeros and a bare point left out. */
 static int append_g9(buffer_t *b, int negative, uint64_t digits, int e) {
+    if (reserve(b, 24) < 0) /* the longest cell: -0.0000ddddddddd or -d.ddddddddde-XXX */
+        return -1;
     char d[9];
+    uint32_t v = (uint32_t)digits; /* below 10^9 */
     for (int i = 8; i >= 0; i--) {
-        d[i] = (char)('0' + digits % 10);
-        digits /= 10;
+        d[i] = (char)('0' + v % 10);
+        v /= 10;
     }
     int k = 9;
     while (k > 1 && d[k - 1] == '0')
         k--;
-    char out[40];
+    char *out = b->data + b->len; /* written in place: no copy of a cell */
     int n = 0;
     if (negative)
         out[n++] = '-';
@@ -394,7 +409,8 @@ static int append_g9(buffer_t *b, int negative, uint64_t digits, int e) {
         out[n++] = (char)('0' + x / 10 % 10);
         out[n++] = (char)('0' + x % 10);
     }
-    return append(b, out, n);
+    b->len += n;
+    return 0;
 }
 
 /* format(value, ".9g"): nan (of either sign), inf and -inf as Python writes them. */
@@ -453,6 +469,11 @@ typedef struct {
     Py_ssize_t n_ops;
     int with_micro;
     PyObject *cells, *cell_fn;
+    /* the last scope's cell (rows of one monitor share a few scopes: no lookup per row);
+       borrowed, while the rows and the cells dict hold them */
+    PyObject *scope;
+    const char *scope_cell;
+    Py_ssize_t scope_len;
 } row_format_t;
 
 /* Parse (step_text, op_codes, with_micro_step, cells, cell_fn) of format_rows and
@@ -473,22 +494,44 @@ static int row_format_parse(PyObject *const *args, row_format_t *f) {
         return -1;
     f->op = PyBytes_AS_STRING(ops);
     f->n_ops = PyBytes_GET_SIZE(ops);
+    f->scope = NULL;
+    f->scope_cell = NULL;
+    f->scope_len = 0;
     return 0;
 }
 
 /* One row "vpp,step,name,scope,[micro,]<stats>\n", exactly as the writer's Python
    formatter writes it. */
-static int format_one(buffer_t *b, const row_format_t *f, PyObject *vpp, PyObject *name, PyObject *scope,
+static int format_one(buffer_t *b, row_format_t *f, PyObject *vpp, PyObject *name, PyObject *scope,
                       PyObject *micro, long long numel, double mn, double mx, double total, double sumsq,
                       PyObject *nans, PyObject *zeros) {
-    if (append_int(b, vpp) < 0 || append(b, ",", 1) < 0 || append(b, f->step_text, f->step_len) < 0 ||
-        append(b, ",", 1) < 0 || append_cell(b, name, f->cells, f->cell_fn) < 0 || append(b, ",", 1) < 0 ||
-        append_cell(b, scope, f->cells, f->cell_fn) < 0 || append(b, ",", 1) < 0)
+    if (append_int(b, vpp) < 0 || append_char(b, ',') < 0 || append(b, f->step_text, f->step_len) < 0 ||
+        append_char(b, ',') < 0 || append_cell(b, name, f->cells, f->cell_fn) < 0 || append_char(b, ',') < 0)
         return -1;
-    if (f->with_micro && ((micro != Py_None && append_int(b, micro) < 0) || append(b, ",", 1) < 0))
+    if (scope != f->scope) {
+        if (append_cell(b, scope, f->cells, f->cell_fn) < 0)
+            return -1;
+        /* the cell as the cells dict holds it (the dict outlives the call) */
+        PyObject *cell = PyDict_GetItemWithError(f->cells, scope);
+        if (cell != NULL && PyUnicode_Check(cell)) {
+            f->scope = scope;
+            f->scope_cell = PyUnicode_AsUTF8AndSize(cell, &f->scope_len);
+            if (f->scope_cell == NULL) {
+                f->scope = NULL;
+                return -1;
+            }
+        } else if (PyErr_Occurred()) {
+            return -1;
+        }
+    } else if (append(b, f->scope_cell, f->scope_len) < 0) {
+        return -1;
+    }
+    if (append_char(b, ',') < 0)
+        return -1;
+    if (f->with_micro && ((micro != Py_None && append_int(b, micro) < 0) || append_char(b, ',') < 0))
         return -1;
     for (Py_ssize_t k = 0; k < f->n_ops; k++) {
-        if (k && append(b, ",", 1) < 0)
+        if (k && append_char(b, ',') < 0)
             return -1;
         int failed;
         switch (f->op[k]) {
@@ -511,7 +554,7 @@ static int format_one(buffer_t *b, const row_format_t *f, PyObject *vpp, PyObjec
         if (failed < 0)
             return -1;
     }
-    return append(b, "\n", 1);
+    return append_char(b, '\n');
 }
 
 static PyObject *buffer_bytes(buffer_t *b) {

@@ -4,6 +4,7 @@ parameter names, the optimizer, the statistics engine, and the optimizer-step ho
 reads at each hook point; the stack never sees the session."""
 
 import logging
+from operator import attrgetter, is_, itemgetter
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -22,6 +23,8 @@ from .stacks import TrainingStack, detect_stack
 from .stats import _PLAIN_TYPES, TorchStatsEngine
 
 logger = logging.getLogger("msprobe.monitor_v2")
+
+_FIRST, _SECOND, _INDEX = itemgetter(0), itemgetter(1), attrgetter("index")
 
 
 def global_rank() -> int:
@@ -86,6 +89,7 @@ class TorchSession:
         ids of parameters whose ``unreduced`` gradient is not read on the parameter."""
         self.flat_layouts: Dict[int, Tuple[int, FlatParamLayout]] = {}
         self._row_keys: Dict[Tuple[str, str], Dict[int, Tuple[int, str, str, None]]] = {}  # see expand
+        self._kept_keys: Dict[Tuple[str, str], Tuple[List[ParamInfo], List[Tuple[int, str, str, None]]]] = {}
         self.fsdp2_modules: List[Tuple[int, torch.nn.Module]] = []
         self.fsdp_managed: set = set()
         # The chunks as given: an FSDP1 root is a pure wrapper above its root (``self.roots``)
@@ -108,22 +112,29 @@ class TorchSession:
         without elements (a rank that holds nothing of a parameter: a DTensor's, or an
         FSDP1 original parameter's under ``use_orig_params=True``) are left out. A
         parameter without elements (``numel() == 0``) keeps its rows, as in every monitor:
-        ``nan`` min/max/mean, 0 norm and NaNs."""
+        ``nan`` min/max/mean, 0 norm and NaNs. The lists returned are not to be changed
+        (the list of keys is given again to the next call with the same parameters)."""
         flat_layouts = self.flat_layouts
         # a parameter's row key for a scope is the same at every step: built once
         known = self._row_keys.get((scope, suffix))
         if known is None:
             known = self._row_keys[(scope, suffix)] = {}
         if not flat_layouts:
-            # the common case in list passes (thousands of parameters: a loop with a type
-            # check and a lookup per item cost more than the statistics of a small tensor)
-            tensors = [t for _, t in items]
+            # the common case in passes that run in C (thousands of parameters: a loop with a
+            # type check and a lookup per item cost more than the statistics of a small
+            # tensor); the same parameters as at the last call get the same list of keys
+            tensors = list(map(_SECOND, items))
             if set(map(type, tensors)) <= _PLAIN_TYPES:
-                keys = list(map(known.get, [info.index for info, _ in items]))
+                infos = list(map(_FIRST, items))
+                kept = self._kept_keys.get((scope, suffix))
+                if kept is not None and len(kept[0]) == len(infos) and all(map(is_, infos, kept[0])):
+                    return tensors, kept[1]
+                keys = list(map(known.get, map(_INDEX, infos)))
                 if None in keys:
                     keys = [key if key is not None else known.setdefault(
                         info.index, (info.vpp_stage, info.name + suffix, scope, None))
-                        for key, (info, _) in zip(keys, items)]
+                        for key, info in zip(keys, infos)]
+                self._kept_keys[(scope, suffix)] = (infos, keys)
                 return tensors, keys
         tensors, keys = [], []
         for info, t in items:
