@@ -55,10 +55,6 @@ class OptimizerStateMonitor(Monitor):
     needs_optimizer = True
 
     def attach(self) -> None:
-        # _state_tensors' grouping of the state names it saw last
-        self._names: Optional[List[str]] = None
-        self._groups: List[Tuple[str, List[int]]] = []
-        self._order: Optional[List[int]] = None
         self._kept: Optional[_KeptKeys] = None
         self.plan = StatPlan.from_ops(self.settings.ops)
         self.enabled = self.settings.get("mv_distribution")
@@ -77,9 +73,8 @@ class OptimizerStateMonitor(Monitor):
         Thousands of state tensors are usual. Where the session's ``expand`` gave the
         tensors back as they were (no flat parameter cut into views, no empty shard left
         out), the row keys are kept and used again while the same parameters come with
-        the same state names and tensors of the same types (``_KeptKeys``); the grouping
-        by name is kept while the names come in the same order; the passes over the
-        tensors run in C (``map``)."""
+        the same state names and tensors of the same types (``_KeptKeys``); the passes
+        over the tensors run in C (``map``)."""
         states = list(self.session.optimizer_states())
         tensors_in = list(map(_TENSOR, states))
         kept = self._kept
@@ -90,22 +85,20 @@ class OptimizerStateMonitor(Monitor):
         return tensors, keys
 
     def _expanded(self, states: List[Tuple[Any, str, Any]]) -> Tuple[List[Any], List[Any]]:
-        names = list(map(_NAME, states))
-        if names != self._names:
-            self._names, self._groups, self._order = names, *_group_by_name(names)
+        groups, order = _group_by_name(list(map(_NAME, states)))
         tensors: List[Any] = []
         keys: List[Any] = []
-        for state_name, places in self._groups:
-            chosen = states if self._order is None else list(map(states.__getitem__, places))
+        for state_name, places in groups:
+            chosen = states if order is None else list(map(states.__getitem__, places))
             t, k = self.session.expand(list(zip(map(_INFO, chosen), map(_TENSOR, chosen))), state_name,
                                        suffix=rows.state_suffix(state_name))
             if len(t) != len(places):
                 return self._state_tensors_one_by_one(states)
             tensors += t
             keys += k
-        if self._order is not None:  # back to each parameter's states together
-            tensors = list(map(tensors.__getitem__, self._order))
-            keys = list(map(keys.__getitem__, self._order))
+        if order is not None:  # back to each parameter's states together
+            tensors = list(map(tensors.__getitem__, order))
+            keys = list(map(keys.__getitem__, order))
         return tensors, keys
 
     def _state_tensors_one_by_one(self, states: List[Tuple[Any, str, Any]]) -> Tuple[List[Any], List[Any]]:

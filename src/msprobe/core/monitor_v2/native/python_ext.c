@@ -249,29 +249,32 @@ static int append_char(buffer_t *b, char c) {
 }
 
 /* The cell of a text (module name, scope) as the Python writer writes it: looked up in
-   `cells`, computed by `cell_fn` on first use and kept there. */
-static int append_cell(buffer_t *b, PyObject *text, PyObject *cells, PyObject *cell_fn) {
+   `cells`, computed by `cell_fn` on first use and kept there. Its UTF-8 bytes, which
+   live as long as `cells` holds the cell, and their length in *n; NULL on an error. */
+static const char *cell_of(PyObject *text, PyObject *cells, PyObject *cell_fn, Py_ssize_t *n) {
     PyObject *cell = PyDict_GetItemWithError(cells, text); /* borrowed */
     if (cell == NULL) {
         if (PyErr_Occurred())
-            return -1;
+            return NULL;
         cell = PyObject_CallOneArg(cell_fn, text);
         if (cell == NULL)
-            return -1;
+            return NULL;
         int failed = PyDict_SetItem(cells, text, cell);
         Py_DECREF(cell); /* the dict holds it */
         if (failed < 0)
-            return -1;
+            return NULL;
     }
     if (!PyUnicode_Check(cell)) {
         PyErr_SetString(PyExc_TypeError, "format_rows: a cell is not a str");
-        return -1;
+        return NULL;
     }
+    return PyUnicode_AsUTF8AndSize(cell, n);
+}
+
+static int append_cell(buffer_t *b, PyObject *text, PyObject *cells, PyObject *cell_fn) {
     Py_ssize_t n;
-    const char *utf8 = PyUnicode_AsUTF8AndSize(cell, &n);
-    if (utf8 == NULL)
-        return -1;
-    return append(b, utf8, n);
+    const char *utf8 = cell_of(text, cells, cell_fn, &n);
+    return utf8 == NULL ? -1 : append(b, utf8, n);
 }
 
 /* An int cell: str(value) of a Python int. */
@@ -509,24 +512,13 @@ static int format_one(buffer_t *b, row_format_t *f, PyObject *vpp, PyObject *nam
         append_char(b, ',') < 0 || append_cell(b, name, f->cells, f->cell_fn) < 0 || append_char(b, ',') < 0)
         return -1;
     if (scope != f->scope) {
-        if (append_cell(b, scope, f->cells, f->cell_fn) < 0)
+        f->scope = NULL;
+        f->scope_cell = cell_of(scope, f->cells, f->cell_fn, &f->scope_len);
+        if (f->scope_cell == NULL)
             return -1;
-        /* the cell as the cells dict holds it (the dict outlives the call) */
-        PyObject *cell = PyDict_GetItemWithError(f->cells, scope);
-        if (cell != NULL && PyUnicode_Check(cell)) {
-            f->scope = scope;
-            f->scope_cell = PyUnicode_AsUTF8AndSize(cell, &f->scope_len);
-            if (f->scope_cell == NULL) {
-                f->scope = NULL;
-                return -1;
-            }
-        } else if (PyErr_Occurred()) {
-            return -1;
-        }
-    } else if (append(b, f->scope_cell, f->scope_len) < 0) {
-        return -1;
+        f->scope = scope;
     }
-    if (append_char(b, ',') < 0)
+    if (append(b, f->scope_cell, f->scope_len) < 0 || append_char(b, ',') < 0)
         return -1;
     if (f->with_micro && ((micro != Py_None && append_int(b, micro) < 0) || append_char(b, ',') < 0))
         return -1;
@@ -1379,17 +1371,15 @@ static PyObject *py_entries_again(PyObject *self, PyObject *const *args, Py_ssiz
     }
     if (filled != entries)
         goto changed;
-    for (Py_ssize_t j = 0; j < n; j++) {  /* still no allocation: the entries are borrowed */
+    for (Py_ssize_t j = 0; j < n; j++) {  /* still no allocation: each entry is checked and held */
         Py_ssize_t at = PyLong_AsSsize_t(PyList_GET_ITEM(where, j));
         void *id = PyLong_AsVoidPtr(PyList_GET_ITEM(ids, j));
         if (PyErr_Occurred())
             goto failed;
         if (at < 0 || at >= entries || (void *)flat[at] != id || !PyObject_TypeCheck(flat[at], (PyTypeObject *)cls))
-            goto changed;
-    }
-    for (Py_ssize_t j = 0; j < n; j++) {
-        Py_INCREF(flat[PyLong_AsSsize_t(PyList_GET_ITEM(where, j))]);
-        PyList_SET_ITEM(out, j, flat[PyLong_AsSsize_t(PyList_GET_ITEM(where, j))]);
+            goto changed; /* the entries held so far are released with `out`; the dicts still hold them */
+        Py_INCREF(flat[at]);
+        PyList_SET_ITEM(out, j, flat[at]);
     }
     PyMem_Free(flat);
     for (Py_ssize_t j = 0; j < n; j++) {  /* the entries are held now: tuples may allocate */

@@ -46,7 +46,7 @@ from ....errors import ConfigError
 from ....logonce import LogOnce
 from ....param_table import ParamInfo, ParamTable
 from ....patching import Patch, hooks, wrap_method
-from .state_listing import StateListing
+from .state_listing import StateListing, is_state_tensor
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
@@ -136,9 +136,9 @@ class TrainingStack:
         Adagrad ``sum``, RMSprop ``square_avg``... The scalar ``step`` is not state of the
         parameter's values.
 
-        The listing is kept (``state_listing.py``: weak references only) and re-checked
-        at the next step in a few C passes instead of the walk over every parameter's
-        state, while the optimizer keeps the same tensors."""
+        The listing is kept (``state_listing.py``: the tensors' places and ids, no
+        reference) and checked again at the next step in one pass in C instead of the walk
+        over every parameter's state, while the optimizer keeps the same tensors."""
         state = self.optimizer.state
         infos = table.optimizer_params()
         if self._state_listing is not None:
@@ -152,7 +152,7 @@ class TrainingStack:
 def tensor_states(info: ParamInfo, state: Any) -> Iterator[Tuple[ParamInfo, str, torch.Tensor]]:
     """The non-scalar tensors of one parameter's optimizer state, by state name."""
     for key, value in state.items():
-        if key != "step" and isinstance(value, torch.Tensor) and value.dim() > 0:
+        if is_state_tensor(key, value):
             yield info, key, value
 
 

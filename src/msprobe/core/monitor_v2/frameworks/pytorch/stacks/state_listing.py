@@ -29,7 +29,7 @@ from ....param_table import ParamInfo
 State = Tuple[ParamInfo, str, torch.Tensor]
 
 
-def _is_state_tensor(key: Any, value: Any) -> bool:
+def is_state_tensor(key: Any, value: Any) -> bool:
     """A tensor of the parameter's values; the scalar ``step`` is not one."""
     return key != "step" and isinstance(value, torch.Tensor) and value.dim() > 0
 
@@ -65,7 +65,7 @@ class StateListing:
                 continue
             first = offsets[id(s)]
             for n, (key, value) in enumerate(s.items()):
-                if _is_state_tensor(key, value):
+                if is_state_tensor(key, value):
                     found.append((info, key, value))
                     where.append(first + n)
         return found, cls(infos, list(state), offset, where, found)
