@@ -376,3 +376,62 @@ def test_a_grad_note_that_cannot_read_its_monitor_hands_over_to_the_python_hook(
         note = extension.ext.GradNote(Broken(), "source", 3, state, lambda *args: calls.append(args))
         assert note("tensor") is None
         assert calls == [("source", "tensor")] and state.passes == {} and state.pending == []
+
+
+def _order_case(seed: int):
+    """Unreduced records under shuffled, sorted or reversed (index, micro step[, row]) keys,
+    reduced records, and pass counts: what weight_grad collects at a step's end."""
+    import random
+
+    rng = random.Random(seed)
+    width = rng.choice([2, 3])
+    keys = sorted({tuple(rng.randint(-2, 40) for _ in range(width)) for _ in range(rng.randint(0, 60))})
+    arrangement = rng.choice(["shuffled", "sorted", "reversed"])
+    if arrangement == "shuffled":
+        rng.shuffle(keys)
+    elif arrangement == "reversed":
+        keys.reverse()
+    passes = {i: rng.randint(0, 4) for i in range(rng.randint(0, 8))}
+    announced = rng.randint(1, 3)
+    n_reduced = rng.randint(0, 6)
+
+    def build():
+        record = native.extension().Record.host
+        unreduced = {k: record((0, f"p{k}", "unreduced", None if k[1] == 0 else k[1]), (1.0, 2.0, 3.0, 4.0), None, 4,
+                               None) for k in keys}
+        reduced = [record((0, f"r{i}", "reduced", None), (1.0, 2.0, 3.0, 4.0), None, 4, None)
+                   for i in range(n_reduced)]
+        return unreduced, reduced
+
+    return build, passes, announced
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_weight_grads_file_order_in_c_is_the_python_order(extension, seed):
+    """``file_order`` (what ``weight_grad_rows`` calls) gives the records in the Python
+    path's order, with the same micro steps: the key order of tuples (a run already in
+    order, a reversed one, or any other), and the step's micro-batches (the most passes,
+    or the announced number where none ran) on accumulated and reduced rows."""
+    from msprobe.core.monitor_v2.monitor import _weight_grad_rows, weight_grad_rows
+
+    build, passes, announced = _order_case(seed)
+    in_c, in_python = weight_grad_rows(*build(), passes, announced), _weight_grad_rows(*build(), passes, announced)
+    assert [r.key for r in in_c] == [r.key for r in in_python]
+    assert extension.ext.file_order(*build(), passes, announced) is not None, "the C path took the case"
+
+
+def test_file_order_leaves_what_it_does_not_read_to_python(extension):
+    """A key that is not a tuple of ints, or a record of the Python class, gives None and
+    changes nothing: the Python code then orders them."""
+    from msprobe.core.monitor_v2.monitor import weight_grad_rows
+    from msprobe.core.monitor_v2.stats import Record
+
+    ext = extension.ext
+    rec = ext.Record.host((0, "a", "unreduced", None), (1.0, 2.0, 3.0, 4.0), None, 4, None)
+    python_rec = Record(0, "b", "unreduced", None, [1.0, 2.0, 3.0, 4.0], None, 4)
+    for unreduced, reduced in [({(0, "x"): rec}, []), ({(0, 0): rec}, [python_rec]), ({(0, 0): python_rec}, []),
+                               ({(2 ** 70, 0): rec}, []), ({0: rec}, [])]:
+        assert ext.file_order(unreduced, reduced, {0: 2}, 1) is None
+        assert rec.micro_step is None and python_rec.micro_step is None, "nothing changed"
+    assert [r.name for r in weight_grad_rows({(1, 0): python_rec, (0, 0): rec}, [], {0: 2}, 1)] == ["a", "b"]
+    assert rec.micro_step == 2 and python_rec.micro_step == 2

@@ -840,16 +840,20 @@ def test_the_compiled_record_reads_a_tensor_once_per_version(stats_path):
     assert read(frozen, "i").vector[0] == 3.0
 
 
-@pytest.mark.parametrize("reader", ["exporter", "getters"])
+@pytest.mark.parametrize("reader", ["view", "exporter", "getters"])
 def test_the_compiled_record_gives_the_python_paths_records(stats_path, reader):
     """Every kind of tensor gives the same record through the extension's ``tensor_record``
     as through the Python path (the ones it does not take go to the Python path), whether
-    the extension reads a tensor's buffer through ``torch._C._to_dlpack`` (what this torch
-    gets) or through the tensor's getters (another torch)."""
+    the extension reads a tensor's buffer through the DLPack C exchange API's view (what
+    this torch gets), through ``torch._C._to_dlpack`` (torch 2.9 and older) or through the
+    tensor's getters (another torch)."""
     compiled, plan = _compiled_engine(stats_path), StatPlan.from_ops(ALL_OPS + ("zeros",))
     ext = native.extension()
     if stats_path == "native":
         assert ext.exporter() is torch._C._to_dlpack, "this torch's exporter passed the engine's check"
+        assert ext.view() is torch.Tensor.__dlpack_c_exchange_api__, "this torch's exchange API passed it too"
+        if reader != "view":
+            ext.use_view(None)
         if reader == "getters":
             ext.use_exporter(None)
     python = TorchStatsEngine()
@@ -866,7 +870,8 @@ def test_the_compiled_record_gives_the_python_paths_records(stats_path, reader):
                base.double(), _values((7,), torch.int64), torch.empty(0), torch.nn.Parameter(base.clone()),
                base.clone().requires_grad_(), torch._neg_view(base), base.as_subclass(Sub), base[0, 0],
                torch.nested.nested_tensor([base[0], base[1, :3]], layout=torch.jagged),
-               torch.zeros(3, 4).to_sparse(), base[2:4], base[:, :1], base.reshape(30)[::2]]
+               torch.zeros(3, 4).to_sparse(), base[2:4], base[:, :1], base.reshape(30)[::2],
+               torch.empty(3, 2, device="meta")]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the strided layout of nested tensors is a prototype
         tensors.append(torch.nested.nested_tensor([base[0], base[1, :3]]))
@@ -885,6 +890,7 @@ def test_the_compiled_record_gives_the_python_paths_records(stats_path, reader):
     finally:
         if stats_path == "native":
             ext.use_exporter(torch._C._to_dlpack)
+            ext.use_view(torch.Tensor.__dlpack_c_exchange_api__)
 
 
 def test_a_new_tensor_reusing_a_dead_tensors_id_is_not_confused(monkeypatch):

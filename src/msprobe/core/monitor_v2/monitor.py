@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any, Callable, ClassVar, List, Mapping, Optional, Sequence, Tuple
 
-from . import rows
+from . import native, rows
 from .checks import Fields, at_least, check_bool, check_str_list
 from .backend import Session
 from .logonce import LogOnce
@@ -235,6 +235,17 @@ def weight_grad_rows(unreduced: Mapping[Tuple, Record], reduced: List[Record], p
     micro step, ...) key, then ``reduced``. Accumulated rows (micro step 0 in the key)
     and ``reduced`` rows carry the step's number of micro-batches: the most backward
     passes any parameter saw, or the announced number when none ran."""
+    ext = native.extension()
+    if ext is not None:  # the same list, ordered in C (about a tenth of the time for 1,000 parameters)
+        records = ext.file_order(unreduced, reduced, passes, announced)
+        if records is not None:
+            return records
+    return _weight_grad_rows(unreduced, reduced, passes, announced)
+
+
+def _weight_grad_rows(unreduced: Mapping[Tuple, Record], reduced: List[Record], passes: Mapping[int, int],
+                      announced: int) -> List[Record]:
+    """``weight_grad_rows`` in Python."""
     micro = max(passes.values(), default=0) or announced
     keys = sorted(unreduced)  # the keys alone: no (key, record) pair built and compared
     records = list(map(unreduced.__getitem__, keys))

@@ -1403,6 +1403,154 @@ failed:
     return NULL;
 }
 
+/* ------------------------------------------------------------------ weight_grad's file order
+ * monitor.weight_grad_rows in one call: the unreduced records in the order of their keys
+ * (tuples of up to four ints: parameter index, micro step, row...), then the reduced
+ * ones, the accumulated rows (micro step 0 in the key) and the reduced rows carrying the
+ * step's number of micro-batches. In Python a step of 1,000 parameters spent about
+ * 0.3 ms here (sorting tuples, hashing each key again to fetch its record, and setting
+ * micro_step through the attribute machinery). None, with nothing changed, where a key
+ * or a record is not what this reads (the Python code then does the same work). */
+#define ORDER_KEY_MAX 4
+typedef struct {
+    long long k[ORDER_KEY_MAX];
+    int len;
+    PyObject *rec; /* borrowed: the dict holds it */
+} order_entry_t;
+
+static int order_compare(const void *pa, const void *pb) {
+    const order_entry_t *a = pa, *b = pb;
+    int n = a->len < b->len ? a->len : b->len;
+    for (int i = 0; i < n; i++)
+        if (a->k[i] != b->k[i])
+            return a->k[i] < b->k[i] ? -1 : 1;
+    return (a->len > b->len) - (a->len < b->len); /* a prefix first, as tuples compare */
+}
+
+/* Sorted by key. The backward pass reaches the parameters in about the reverse of their
+   order, and a model's pass order stays from step to step: a run in either direction
+   costs one comparison per entry instead of a merge sort. */
+static void order_sort(order_entry_t *e, Py_ssize_t n) {
+    Py_ssize_t up = 1, down = 1;
+    for (Py_ssize_t i = 1; i < n && (up || down); i++) {
+        int c = order_compare(&e[i - 1], &e[i]);
+        up = up && c < 0;
+        down = down && c > 0;
+    }
+    if (up)
+        return;
+    if (down) {
+        for (Py_ssize_t i = 0, j = n - 1; i < j; i++, j--) {
+            order_entry_t t = e[i];
+            e[i] = e[j];
+            e[j] = t;
+        }
+        return;
+    }
+    qsort(e, (size_t)n, sizeof(order_entry_t), order_compare);
+}
+
+static int order_key(PyObject *key, order_entry_t *e) {
+    if (!PyTuple_CheckExact(key) || PyTuple_GET_SIZE(key) < 1 || PyTuple_GET_SIZE(key) > ORDER_KEY_MAX)
+        return 0;
+    e->len = (int)PyTuple_GET_SIZE(key);
+    for (int i = 0; i < e->len; i++) {
+        PyObject *item = PyTuple_GET_ITEM(key, i);
+        if (!PyLong_CheckExact(item))
+            return 0;
+        int overflow = 0;
+        e->k[i] = PyLong_AsLongLongAndOverflow(item, &overflow);
+        if (overflow || (e->k[i] == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            return 0;
+        }
+    }
+    return 1;
+}
+
+static void set_micro(PyObject *rec, PyObject *micro) {
+    RecordObject *r = (RecordObject *)rec;
+    Py_INCREF(micro);
+    Py_XSETREF(r->micro_step, micro);
+}
+
+/* file_order(unreduced: dict, reduced: list, passes: dict, announced: int) -> list or None */
+static PyObject *py_file_order(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "file_order takes 4 arguments");
+        return NULL;
+    }
+    PyObject *unreduced = args[0], *reduced = args[1], *passes = args[2], *announced = args[3];
+    if (!PyDict_CheckExact(unreduced) || !PyList_CheckExact(reduced) || !PyDict_CheckExact(passes) ||
+        !PyLong_CheckExact(announced))
+        Py_RETURN_NONE;
+    PyObject *micro = NULL, *key, *value;
+    Py_ssize_t pos = 0;
+    long long most = 0;
+    int any = 0;
+    while (PyDict_Next(passes, &pos, &key, &value)) { /* max(passes.values(), default=0) */
+        if (!PyLong_CheckExact(value))
+            Py_RETURN_NONE;
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
+        if (overflow || (v == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+        if (!any || v > most) {
+            most = v;
+            micro = value; /* borrowed: the dict holds it */
+            any = 1;
+        }
+    }
+    if (micro == NULL || most == 0) /* `or announced`: no pass, or a maximum of 0 */
+        micro = announced;
+    Py_ssize_t n = PyDict_GET_SIZE(unreduced), m = PyList_GET_SIZE(reduced);
+    /* allocated before the walk: an allocation can run the garbage collector, and with it
+       Python code that could change the dict */
+    order_entry_t *entries = PyMem_Malloc(sizeof(order_entry_t) * (size_t)(n > 0 ? n : 1));
+    PyObject *out = PyList_New(n + m);
+    if (entries == NULL || out == NULL) {
+        PyMem_Free(entries);
+        Py_XDECREF(out);
+        return PyErr_NoMemory();
+    }
+    Py_INCREF(micro); /* held while the records change: it may be one of theirs */
+    Py_ssize_t i = 0;
+    pos = 0;
+    while (PyDict_Next(unreduced, &pos, &key, &value)) {
+        if (i == n || !order_key(key, &entries[i]) || !Py_IS_TYPE(value, &RecordType))
+            goto unread;
+        entries[i++].rec = value;
+    }
+    for (Py_ssize_t j = 0; j < m; j++)
+        if (!Py_IS_TYPE(PyList_GET_ITEM(reduced, j), &RecordType))
+            goto unread;
+    if (i != n)
+        goto unread;
+    order_sort(entries, n);
+    for (Py_ssize_t j = 0; j < n; j++) { /* held by `out` first: releasing an old micro_step may run code */
+        Py_INCREF(entries[j].rec);
+        PyList_SET_ITEM(out, j, entries[j].rec);
+    }
+    for (Py_ssize_t j = 0; j < m; j++) {
+        PyObject *rec = PyList_GET_ITEM(reduced, j);
+        Py_INCREF(rec);
+        PyList_SET_ITEM(out, n + j, rec);
+    }
+    for (Py_ssize_t j = 0; j < n + m; j++)
+        if (j >= n || (entries[j].len > 1 && entries[j].k[1] == 0))
+            set_micro(PyList_GET_ITEM(out, j), micro);
+    PyMem_Free(entries);
+    Py_DECREF(micro);
+    return out;
+unread:
+    PyMem_Free(entries);
+    Py_DECREF(micro);
+    Py_DECREF(out); /* its empty slots are NULL: nothing else to release */
+    Py_RETURN_NONE;
+}
+
 /* ------------------------------------------------------------------ batched grad notes
  * weight_grad's post-accumulate hook of a batched parameter (weight_grad.py,
  * _BatchedGradHook) runs for every parameter in every backward pass; in Python it costs
@@ -1699,6 +1847,21 @@ static int call_truth(PyObject *obj, PyObject *name) {
     return truth;
 }
 
+/* t.is_neg(): 1, 0, or -1 on an error. The method of the tensor's type is called directly
+   (a plain tensor's type is torch's, and a tensor's own attributes do not change its
+   negative bit): looking it up through the instance costs a third of the call. */
+static int neg_bit(PyObject *t) {
+    PyObject *method = _PyType_Lookup(Py_TYPE(t), str_is_neg); /* borrowed */
+    if (method == NULL || !Py_IS_TYPE(method, &PyMethodDescr_Type))
+        return call_truth(t, str_is_neg);
+    PyObject *v = PyObject_Vectorcall(method, &t, 1, NULL);
+    if (v == NULL)
+        return -1;
+    int truth = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return truth;
+}
+
 /* DLPack's C ABI (dlpack.h): the unversioned DLManagedTensor that every version of the
    standard keeps, in a capsule named "dltensor". */
 typedef struct {
@@ -1732,24 +1895,10 @@ enum { DL_CPU = 1, DL_FLOAT = 2, DL_BFLOAT = 4 };
    as the call (every getter sets up torch's error and warning handling). */
 static PyObject *dl_export = NULL;
 
-/* kernel_buffer through `export` (dl_export, or the one py_exported checks): 1 with the
-   buffer, 0 where the kernel does not read the tensor (or the exporter refuses it: no
-   storage, nested, quantized, meta), -1 on an error (set). The capsule's tensor is a second reference to `t`'s memory, released here:
-   `t` itself, alive in the caller, keeps the memory. DLPack has no negative bit, so that
-   is asked of the tensor; every other check reads the export. */
-static int exported_buffer(PyObject *export, PyObject *t, void **ptr, int64_t *n, int *code) {
-    PyObject *capsule = PyObject_CallOneArg(export, t);
-    if (capsule == NULL) {
-        PyErr_Clear(); /* the Python path looks again, and says what is wrong */
-        return 0;
-    }
-    dl_managed_t *m = (dl_managed_t *)PyCapsule_GetPointer(capsule, "dltensor");
-    if (m == NULL) {
-        PyErr_Clear();
-        Py_DECREF(capsule);
-        return 0;
-    }
-    const dl_tensor_t *d = &m->dl_tensor;
+/* What the kernel reads of a described tensor: 1 with its first element's address, its
+   element count and the dtype code, where it is a CPU tensor of a dtype the kernel reduces,
+   contiguous and not empty; else 0. */
+static int described_buffer(const dl_tensor_t *d, void **ptr, int64_t *n, int *code) {
     int mask = msprobe_stats_dtypes(), ok = d->device.device_type == DL_CPU && d->dtype.lanes == 1 && d->ndim >= 0;
     if (ok) {
         if (d->dtype.code == DL_FLOAT && d->dtype.bits == 32)
@@ -1771,15 +1920,124 @@ static int exported_buffer(PyObject *export, PyObject *t, void **ptr, int64_t *n
         expected *= size;
     }
     void *data = ok ? (char *)d->data + d->byte_offset : NULL;
-    Py_DECREF(capsule); /* its deleter drops the export's reference */
     if (!ok || count <= 0 || data == NULL)
         return 0;
-    int neg = call_truth(t, str_is_neg);
-    if (neg != 0)
-        return neg < 0 ? -1 : 0;
     *ptr = data;
     *n = count;
     return 1;
+}
+
+/* described_buffer's result where `t` has no negative bit (which DLPack does not carry:
+   the memory of a tensor with it holds the negated values): 1, 0, or -1 on an error. */
+static int unnegated(int described, PyObject *t) {
+    if (described <= 0)
+        return described;
+    int neg = neg_bit(t);
+    return neg != 0 ? (neg < 0 ? -1 : 0) : 1;
+}
+
+/* kernel_buffer through `export` (dl_export, or the one py_exported checks): 1 with the
+   buffer, 0 where the kernel does not read the tensor (or the exporter refuses it: no
+   storage, nested, quantized, meta), -1 on an error (set). The capsule's tensor is a second
+   reference to `t`'s memory, released here: `t` itself, alive in the caller, keeps the
+   memory. */
+static int exported_buffer(PyObject *export, PyObject *t, void **ptr, int64_t *n, int *code) {
+    PyObject *capsule = PyObject_CallOneArg(export, t);
+    if (capsule == NULL) {
+        PyErr_Clear(); /* the Python path looks again, and says what is wrong */
+        return 0;
+    }
+    dl_managed_t *m = (dl_managed_t *)PyCapsule_GetPointer(capsule, "dltensor");
+    if (m == NULL) {
+        PyErr_Clear();
+        Py_DECREF(capsule);
+        return 0;
+    }
+    int ok = described_buffer(&m->dl_tensor, ptr, n, code);
+    Py_DECREF(capsule); /* its deleter drops the export's reference */
+    return unnegated(ok, t);
+}
+
+/* DLPack's C exchange API (dlpack.h, version 1.x): a table of C functions that the tensor
+   type publishes as `__dlpack_c_exchange_api__`. Its dltensor_from_py_object_no_sync
+   fills a DLTensor on the caller's stack that views the tensor's own sizes, strides and
+   memory while the tensor lives: no Python call, no capsule, no allocation, no stream
+   sync (about a tenth of _to_dlpack's cost). It is used where use_view() was given the
+   table (after the engine checked that it reads what the getters say); it is called with
+   the GIL held, and fails with a Python error set (torch: RuntimeError) on a tensor it
+   cannot describe. */
+typedef int (*dl_view_fn)(void *py_object, dl_tensor_t *out);
+typedef struct dl_api_header {
+    uint32_t major, minor;
+    struct dl_api_header *prev_api;
+} dl_api_header_t;
+typedef struct {
+    dl_api_header_t header;
+    void *managed_tensor_allocator, *managed_tensor_from_py_object_no_sync, *managed_tensor_to_py_object_no_sync;
+    dl_view_fn dltensor_from_py_object_no_sync;
+    void *current_work_stream;
+} dl_exchange_api_t;
+static dl_view_fn dl_view = NULL;
+static PyObject *dl_view_api = NULL; /* the capsule, held while its function is used */
+
+static int viewed_buffer(dl_view_fn view, PyObject *t, void **ptr, int64_t *n, int *code) {
+    dl_tensor_t d;
+    memset(&d, 0, sizeof d);
+    if (view(t, &d) != 0) {
+        PyErr_Clear(); /* the Python path looks again, and says what is wrong */
+        return 0;
+    }
+    return unnegated(described_buffer(&d, ptr, n, code), t);
+}
+
+/* use_view(capsule or None): read tensors through the exchange API's view from now on (a
+   capsule named "dlpack_exchange_api" of DLPack 1.x with that function), or not. */
+static PyObject *py_use_view(PyObject *self, PyObject *capsule) {
+    if (capsule == Py_None) {
+        dl_view = NULL;
+        Py_CLEAR(dl_view_api);
+        Py_RETURN_NONE;
+    }
+    const dl_api_header_t *h = PyCapsule_GetPointer(capsule, "dlpack_exchange_api");
+    if (h == NULL)
+        return NULL;
+    while (h != NULL && h->major != 1) /* an API of a newer major version may chain an older one */
+        h = h->prev_api;
+    const dl_exchange_api_t *api = (const dl_exchange_api_t *)h;
+    if (api == NULL || api->dltensor_from_py_object_no_sync == NULL) {
+        PyErr_SetString(PyExc_ValueError, "use_view: no DLPack 1.x exchange API with dltensor_from_py_object_no_sync");
+        return NULL;
+    }
+    Py_INCREF(capsule);
+    Py_XSETREF(dl_view_api, capsule);
+    dl_view = api->dltensor_from_py_object_no_sync;
+    Py_RETURN_NONE;
+}
+
+/* view() -> the exchange API in use (its capsule), or None */
+static PyObject *py_view(PyObject *self, PyObject *unused) {
+    if (dl_view_api == NULL)
+        Py_RETURN_NONE;
+    Py_INCREF(dl_view_api);
+    return dl_view_api;
+}
+
+/* viewed(t) -> (address, count, code) or None: what the view in use gives for `t` (for
+   the engine's check after use_view) */
+static PyObject *py_viewed(PyObject *self, PyObject *t) {
+    if (dl_view == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "viewed: no view in use (use_view)");
+        return NULL;
+    }
+    void *ptr = NULL;
+    int64_t n = 0;
+    int code = 0;
+    int ok = viewed_buffer(dl_view, t, &ptr, &n, &code);
+    if (ok < 0)
+        return NULL;
+    if (ok == 0)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(NLi)", PyLong_FromVoidPtr(ptr), (long long)n, code);
 }
 
 /* use_exporter(fn or None): read tensors through fn (torch._C._to_dlpack) from now on, or
@@ -1829,11 +2087,15 @@ static int kernel_buffer(PyObject *t, PyObject *plain_types, PyObject *codes, Py
     int plain = PySet_Contains(plain_types, (PyObject *)Py_TYPE(t));
     if (plain <= 0)
         return plain;
+    /* The export says the device (is_cpu costs as much again): a tensor elsewhere is
+       exported without a copy or a sync, and left to the Python path. */
+    if (dl_view != NULL) /* *dtype stays NULL: cached_record asks where it needs it */
+        return viewed_buffer(dl_view, t, ptr, n, code);
+    if (dl_export != NULL)
+        return exported_buffer(dl_export, t, ptr, n, code);
     int yes = attr_truth(t, str_is_cpu);
     if (yes <= 0)
         return yes;
-    if (dl_export != NULL) /* *dtype stays NULL: cached_record asks where it needs it */
-        return exported_buffer(dl_export, t, ptr, n, code);
     PyObject *dt = PyObject_GetAttr(t, str_dtype);
     if (dt == NULL)
         return -1;
@@ -1858,7 +2120,7 @@ static int kernel_buffer(PyObject *t, PyObject *plain_types, PyObject *codes, Py
         return yes < 0 ? -1 : 0;
     if ((yes = call_truth(t, str_is_contiguous)) <= 0)
         return yes;
-    if ((yes = call_truth(t, str_is_neg)) != 0)
+    if ((yes = neg_bit(t)) != 0)
         return yes < 0 ? -1 : 0;
     PyObject *count = PyObject_CallMethodNoArgs(t, str_numel);
     if (count == NULL)
@@ -2153,9 +2415,13 @@ static PyMethodDef methods[] = {
     {"use_exporter", py_use_exporter, METH_O, "read tensors through this DLPack exporter (None: their getters)"},
     {"exported", (PyCFunction)(void (*)(void))py_exported, METH_FASTCALL, "what an exporter gives for a tensor"},
     {"exporter", py_exporter, METH_NOARGS, "the exporter in use, or None"},
+    {"use_view", py_use_view, METH_O, "read tensors through this DLPack exchange API's view (None: not)"},
+    {"viewed", py_viewed, METH_O, "what the view in use gives for a tensor"},
+    {"view", py_view, METH_NOARGS, "the exchange API in use, or None"},
     {"records_of", (PyCFunction)(void (*)(void))py_records_of, METH_FASTCALL, "record_many's common case"},
     {"not_on_host", py_not_on_host, METH_O, "the records to_host moves"},
     {"entries_again", (PyCFunction)(void (*)(void))py_entries_again, METH_FASTCALL, "StateListing.again's passes"},
+    {"file_order", (PyCFunction)(void (*)(void))py_file_order, METH_FASTCALL, "monitor.weight_grad_rows"},
     {"_format_float", py_format_float, METH_O, "one float cell, as format_rows writes it"},
     {"dtypes", py_dtypes, METH_NOARGS, "bit mask of the dtype codes this build reduces"},
     {NULL, NULL, 0, NULL},

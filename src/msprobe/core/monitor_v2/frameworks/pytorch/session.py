@@ -4,6 +4,7 @@ parameter names, the optimizer, the statistics engine, and the optimizer-step ho
 reads at each hook point; the stack never sees the session."""
 
 import logging
+from itertools import repeat
 from operator import attrgetter, is_, itemgetter
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
@@ -25,6 +26,7 @@ from .stats import _PLAIN_TYPES, TorchStatsEngine
 logger = logging.getLogger("msprobe.monitor_v2")
 
 _FIRST, _SECOND, _INDEX = itemgetter(0), itemgetter(1), attrgetter("index")
+_PARAM, _GRAD = attrgetter("param"), attrgetter("grad")
 
 
 def global_rank() -> int:
@@ -125,17 +127,7 @@ class TorchSession:
             # tensor); the same parameters as at the last call get the same list of keys
             tensors = list(map(_SECOND, items))
             if set(map(type, tensors)) <= _PLAIN_TYPES:
-                infos = list(map(_FIRST, items))
-                kept = self._kept_keys.get((scope, suffix))
-                if kept is not None and len(kept[0]) == len(infos) and all(map(is_, infos, kept[0])):
-                    return tensors, kept[1]
-                keys = list(map(known.get, map(_INDEX, infos)))
-                if None in keys:
-                    keys = [key if key is not None else known.setdefault(
-                        info.index, (info.vpp_stage, info.name + suffix, scope, None))
-                        for key, info in zip(keys, infos)]
-                self._kept_keys[(scope, suffix)] = (infos, keys)
-                return tensors, keys
+                return tensors, self._plain_keys(list(map(_FIRST, items)), scope, suffix, known)
         tensors, keys = [], []
         for info, t in items:
             if type(t) in _PLAIN_TYPES and not flat_layouts:  # plain tensors of a mixed list
@@ -159,6 +151,36 @@ class TorchSession:
             tensors.append(t)
             keys.append((info.vpp_stage, info.name + suffix, scope, None))
         return tensors, keys
+
+    def _plain_keys(self, infos: List[ParamInfo], scope: str, suffix: str,
+                    known: Dict[int, Tuple[int, str, str, None]]) -> List[Tuple[int, str, str, None]]:
+        """The row keys of whole parameters; the same list again for the same parameters."""
+        kept = self._kept_keys.get((scope, suffix))
+        if kept is not None and len(kept[0]) == len(infos) and all(map(is_, infos, kept[0])):
+            return kept[1]
+        keys = list(map(known.get, map(_INDEX, infos)))
+        if None in keys:
+            keys = [key if key is not None else known.setdefault(
+                info.index, (info.vpp_stage, info.name + suffix, scope, None))
+                for key, info in zip(keys, infos)]
+        self._kept_keys[(scope, suffix)] = (infos, keys)
+        return keys
+
+    def reduced_grad_tensors(self, scope: str) -> Tuple[List[torch.Tensor], List[Tuple[int, str, str, None]]]:
+        """``expand(reduced_grads(), scope)``. Where the stack reads ``param.grad`` (its
+        ``reduced_grads`` is the base one) and every gradient is a plain tensor, the
+        gradients are read in one C-level pass over the parameters, without a pair per
+        parameter (thousands of parameters: the pairs and their unpacking cost about as
+        much as the getters)."""
+        if type(self.stack).reduced_grads is TrainingStack.reduced_grads and not self.flat_layouts:
+            infos = self.table.optimizer_params()
+            grads = list(map(_GRAD, map(_PARAM, infos)))
+            if not any(map(is_, grads, repeat(None))) and set(map(type, grads)) <= _PLAIN_TYPES:
+                known = self._row_keys.get((scope, ""))
+                if known is None:
+                    known = self._row_keys[(scope, "")] = {}
+                return grads, self._plain_keys(infos, scope, "", known)
+        return self.expand(self.reduced_grads(), scope)
 
     def named_modules(self) -> List[Tuple[int, str, torch.nn.Module]]:
         """``(vpp_stage, name, module)`` of every module of every chunk: what the module

@@ -339,7 +339,7 @@ class WeightGradMonitor(Monitor):
             self._read_short_sources()
         # Read again, never reused from 'unreduced': code that edits gradients through
         # ``.data`` or from C++ (clipping, unscaling) does not move the version counter.
-        tensors, keys = self.session.expand(self.session.reduced_grads(), REDUCED)
+        tensors, keys = self.session.reduced_grad_tensors(REDUCED)
         self._reduced = self.session.engine.record_many(tensors, self.plan, keys)
 
     def _read_short_sources(self) -> None:
