@@ -23,6 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from support import TinyMLP, find_row, make_batches, numpy_stats, rows_of
 from msprobe.core.monitor_v2 import native
+from msprobe.core.monitor_v2.frameworks.pytorch import stats as torch_stats
 from msprobe.core.monitor_v2.frameworks.pytorch.stats import StatPlan, TorchStatsEngine
 from msprobe.core.monitor_v2.stats import Record, format_value, merge_records
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
@@ -850,6 +851,11 @@ def test_the_compiled_record_gives_the_python_paths_records(stats_path, reader):
     compiled, plan = _compiled_engine(stats_path), StatPlan.from_ops(ALL_OPS + ("zeros",))
     ext = native.extension()
     if stats_path == "native":
+        # the engine's check, again (once per process; an earlier refused tensor may have
+        # turned the view off since: see the next test)
+        ext.use_exporter(None)
+        ext.use_view(None)
+        torch_stats._use_exporter(ext, compiled._kernel_codes)
         assert ext.exporter() is torch._C._to_dlpack, "this torch's exporter passed the engine's check"
         assert ext.view() is torch.Tensor.__dlpack_c_exchange_api__, "this torch's exchange API passed it too"
         if reader != "view":
@@ -882,6 +888,8 @@ def test_the_compiled_record_gives_the_python_paths_records(stats_path, reader):
     try:
         for i, t in enumerate(tensors):
             for cache in (False, True):
+                if stats_path == "native" and reader == "view":  # each tensor through the view (see below)
+                    ext.use_view(torch.Tensor.__dlpack_c_exchange_api__)
                 got = compiled.record(t, plan, 1, f"t{i}", "forward", 2, cache=cache)
                 want = python.record(t, plan, 1, f"t{i}", "forward", 2, cache=cache)
                 compiled.to_host([got])
@@ -891,6 +899,35 @@ def test_the_compiled_record_gives_the_python_paths_records(stats_path, reader):
         if stats_path == "native":
             ext.use_exporter(torch._C._to_dlpack)
             ext.use_view(torch.Tensor.__dlpack_c_exchange_api__)
+
+
+def test_a_tensor_the_view_refuses_turns_it_off_and_the_export_reads_on(stats_path):
+    """torch's exchange API refuses a tensor it cannot describe (sparse, meta, no storage)
+    through a C++ exception that costs about a millisecond: the first such tensor turns
+    the view off for good, and it and every later tensor are read through the export
+    (which refuses such tensors in microseconds), with the same records. On the ATen path
+    the same tensors give the same records."""
+    ext = native.extension()
+    engine, plan = _compiled_engine(stats_path), StatPlan.from_ops(ALL_OPS)
+    api = torch.Tensor.__dlpack_c_exchange_api__
+    native_path = stats_path == "native"
+    base = _values((6, 5), torch.float32, seed=5)
+    try:
+        if native_path:
+            ext.use_view(api)  # on, as the engine's check leaves it (an earlier test may have turned it off)
+        first = engine.record(base, plan, 0, "a", "forward")
+        assert not native_path or ext.view() is api, "a tensor the view describes leaves it on"
+        sparse = engine.record(base.to_sparse(), plan, 0, "b", "forward")
+        assert not native_path or ext.view() is None, "the refused tensor turned the view off"
+        after = engine.record(base.t(), plan, 0, "c", "forward")
+        engine.to_host([first, sparse, after])
+        want = numpy_stats(base)
+        for rec in (first, sparse, after):
+            assert rec.numel == 30 and rec.vector == pytest.approx([want["min"], want["max"], want["mean"] * 30,
+                                                                     want["norm"]], rel=1e-6), rec.name
+    finally:
+        if native_path:
+            ext.use_view(api)
 
 
 def test_a_new_tensor_reusing_a_dead_tensors_id_is_not_confused(monkeypatch):

@@ -737,10 +737,16 @@ static PyObject *record_get_key(RecordObject *self, void *closure) {
 
 /* host(key, vector, nans, numel, zeros): host statistics under the row key ``key``, the
    vector already a tuple (read back as a list) */
-/* A new reference to None (Py_NewRef is Python 3.10's; the package supports 3.9). */
+/* A new reference to `obj`, or to None where it is NULL (Py_NewRef is Python 3.10's; the
+   package supports 3.9). */
+static PyObject *ref_or_none(PyObject *obj) {
+    obj = obj != NULL ? obj : Py_None;
+    Py_INCREF(obj);
+    return obj;
+}
+
 static PyObject *none_ref(void) {
-    Py_INCREF(Py_None);
-    return Py_None;
+    return ref_or_none(NULL);
 }
 
 /* A record of host statistics under the 4-tuple row key ``key`` (references taken, none
@@ -1980,12 +1986,17 @@ typedef struct {
 static dl_view_fn dl_view = NULL;
 static PyObject *dl_view_api = NULL; /* the capsule, held while its function is used */
 
+/* exported_buffer's results through the view, or VIEW_REFUSED where torch could not
+   describe the tensor (no storage, sparse or nested, quantized, meta, a device DLPack has
+   no code for). torch reports that through a C++ exception whose message it formats with
+   its backtrace: about a millisecond a tensor, against 12 us for _to_dlpack's refusal. */
+#define VIEW_REFUSED (-2)
 static int viewed_buffer(dl_view_fn view, PyObject *t, void **ptr, int64_t *n, int *code) {
     dl_tensor_t d;
     memset(&d, 0, sizeof d);
     if (view(t, &d) != 0) {
         PyErr_Clear(); /* the Python path looks again, and says what is wrong */
-        return 0;
+        return VIEW_REFUSED;
     }
     return unnegated(described_buffer(&d, ptr, n, code), t);
 }
@@ -2016,10 +2027,7 @@ static PyObject *py_use_view(PyObject *self, PyObject *capsule) {
 
 /* view() -> the exchange API in use (its capsule), or None */
 static PyObject *py_view(PyObject *self, PyObject *unused) {
-    if (dl_view_api == NULL)
-        Py_RETURN_NONE;
-    Py_INCREF(dl_view_api);
-    return dl_view_api;
+    return ref_or_none(dl_view_api);
 }
 
 /* viewed(t) -> (address, count, code) or None: what the view in use gives for `t` (for
@@ -2033,9 +2041,9 @@ static PyObject *py_viewed(PyObject *self, PyObject *t) {
     int64_t n = 0;
     int code = 0;
     int ok = viewed_buffer(dl_view, t, &ptr, &n, &code);
-    if (ok < 0)
+    if (ok == -1)
         return NULL;
-    if (ok == 0)
+    if (ok <= 0)
         Py_RETURN_NONE;
     return Py_BuildValue("(NLi)", PyLong_FromVoidPtr(ptr), (long long)n, code);
 }
@@ -2055,10 +2063,7 @@ static PyObject *py_use_exporter(PyObject *self, PyObject *fn) {
 
 /* exporter() -> the exporter in use, or None */
 static PyObject *py_exporter(PyObject *self, PyObject *unused) {
-    if (dl_export == NULL)
-        Py_RETURN_NONE;
-    Py_INCREF(dl_export);
-    return dl_export;
+    return ref_or_none(dl_export);
 }
 
 /* exported(t, fn) -> (address, count, code) or None: what the exporter fn gives for `t`
@@ -2087,15 +2092,25 @@ static int kernel_buffer(PyObject *t, PyObject *plain_types, PyObject *codes, Py
     int plain = PySet_Contains(plain_types, (PyObject *)Py_TYPE(t));
     if (plain <= 0)
         return plain;
-    /* The export says the device (is_cpu costs as much again): a tensor elsewhere is
-       exported without a copy or a sync, and left to the Python path. */
-    if (dl_view != NULL) /* *dtype stays NULL: cached_record asks where it needs it */
-        return viewed_buffer(dl_view, t, ptr, n, code);
-    if (dl_export != NULL)
-        return exported_buffer(dl_export, t, ptr, n, code);
+    /* The view says the device (is_cpu costs as much again): a tensor on an accelerator is
+       described without a copy or a sync, and left to the Python path. *dtype stays NULL
+       on the view's and the export's paths: cached_record asks where it needs it. */
+    if (dl_view != NULL) {
+        int viewed = viewed_buffer(dl_view, t, ptr, n, code);
+        if (viewed != VIEW_REFUSED)
+            return viewed;
+        /* A model that has one such tensor has it at every step (a sparse gradient, a
+           tensor on a device DLPack has no code for): the view is given up for good, and
+           this tensor and every later one go the export's or the getters' way, which turn
+           such tensors away cheaply. */
+        dl_view = NULL;
+        Py_CLEAR(dl_view_api);
+    }
     int yes = attr_truth(t, str_is_cpu);
     if (yes <= 0)
         return yes;
+    if (dl_export != NULL)
+        return exported_buffer(dl_export, t, ptr, n, code);
     PyObject *dt = PyObject_GetAttr(t, str_dtype);
     if (dt == NULL)
         return -1;
