@@ -901,6 +901,37 @@ def test_the_compiled_record_gives_the_python_paths_records(stats_path, reader):
             ext.use_view(torch.Tensor.__dlpack_c_exchange_api__)
 
 
+def test_the_recorder_gives_what_record_gives_with_the_same_cache(stats_path):
+    """``engine.recorder(plan)`` (what the module monitor calls for every tensor: the
+    extension's ``Recorder`` on the native path) gives the records ``record(..., cache=True)``
+    gives, for tensors the kernel reads and for the others (float64, int64: the rest of the
+    Python path); a tensor seen again is not read again until ``forget()``, which the
+    recorder sees although it holds the cache."""
+    engine, plan = _compiled_engine(stats_path), StatPlan.from_ops(ALL_OPS + ("zeros",))
+    read = engine.recorder(plan)
+    assert (type(read).__name__ == "Recorder") == (stats_path == "native")
+    python = TorchStatsEngine()
+    python._tensor_record = None
+    base = _values((6, 5), torch.float32, seed=11)
+    base[2, 3] = 0.0
+    tensors = [base, base.t(), base[1:], base.double(), _values((7,), torch.int64), base.to(torch.bfloat16),
+               torch.empty(0), torch.nn.Parameter(base.clone())]
+    for i, t in enumerate(tensors):
+        got, want = read(t, 1, f"t{i}", "forward", 2), python.record(t, plan, 1, f"t{i}", "forward", 2, cache=True)
+        engine.to_host([got])
+        python.to_host([want])
+        assert repr(got) == repr(want), i
+    t = base.clone()
+    first = read(t, 0, "a", "backward")
+    t.numpy()[:] = 7.0  # behind the version counter's back: only a new read sees it
+    again = read(t, 0, "b", "backward")
+    engine.forget()
+    fresh = read(t, 0, "c", "backward")
+    engine.to_host([first, again, fresh])
+    assert again.vector == first.vector and again.name == "b" and again.micro_step is None
+    assert fresh.vector[0] == 7.0 and fresh.vector[1] == 7.0, "forget() dropped the recorder's cache too"
+
+
 def test_a_tensor_the_view_refuses_turns_it_off_and_the_export_reads_on(stats_path):
     """torch's exchange API refuses a tensor it cannot describe (sparse, meta, no storage)
     through a C++ exception that costs about a millisecond: the first such tensor turns

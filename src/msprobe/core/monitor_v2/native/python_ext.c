@@ -2333,6 +2333,100 @@ fail:
     return NULL;
 }
 
+/* ---------------------------------------------------------------- Recorder
+ * The engine's record(t, plan, vpp_stage, name, scope, micro_step, cache=True) for one
+ * plan, as one C object: recorder(t, vpp_stage, name, scope[, micro_step]). The module
+ * monitor records every module's inputs, outputs and gradients on every written step
+ * (3,000 tensors a step on a deep model), and the Python method around tensor_record
+ * (its argument list, the cache dict's lookup, the attribute reads) cost more than the
+ * read itself. The fixed arguments are kept here, torch.get_num_threads is asked at each
+ * call as the Python method asks it, and a tensor tensor_record does not take goes to
+ * `slow(t, vpp_stage, name, scope, micro_step)`, the rest of the Python method. The cache
+ * dict is the engine's own for this plan: cleared, never replaced, at each step's end. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *fixed[7]; /* plain_types, codes, strided, threads_fn, nans, zeros, cache */
+    PyObject *slow;
+} RecorderObject;
+
+static int recorder_traverse(RecorderObject *self, visitproc visit, void *arg) {
+    for (int i = 0; i < 7; i++)
+        Py_VISIT(self->fixed[i]);
+    Py_VISIT(self->slow);
+    return 0;
+}
+
+static int recorder_clear(RecorderObject *self) {
+    for (int i = 0; i < 7; i++)
+        Py_CLEAR(self->fixed[i]);
+    Py_CLEAR(self->slow);
+    return 0;
+}
+
+static void recorder_dealloc(RecorderObject *self) {
+    PyObject_GC_UnTrack(self);
+    recorder_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *recorder_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"plain_types", "codes", "strided", "threads", "nans", "zeros", "cache", "slow", NULL};
+    PyObject *a[8];
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!OOOOOO:Recorder", kwlist, &a[0], &PyDict_Type, &a[1], &a[2],
+                                     &a[3], &a[4], &a[5], &a[6], &a[7]))
+        return NULL;
+    if (!PyAnySet_Check(a[0]) || !PyCallable_Check(a[3]) || !PyCallable_Check(a[7]) ||
+        (a[6] != Py_None && !PyDict_Check(a[6]))) {
+        PyErr_SetString(PyExc_TypeError, "Recorder: plain_types a set, threads and slow callables, cache a dict or None");
+        return NULL;
+    }
+    RecorderObject *r = (RecorderObject *)type->tp_alloc(type, 0);
+    if (r == NULL)
+        return NULL;
+    for (int i = 0; i < 7; i++) {
+        Py_INCREF(a[i]);
+        r->fixed[i] = a[i];
+    }
+    Py_INCREF(a[7]);
+    r->slow = a[7];
+    return (PyObject *)r;
+}
+
+static PyObject *recorder_call(RecorderObject *self, PyObject *args, PyObject *kwds) {
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    if ((kwds != NULL && PyDict_GET_SIZE(kwds) != 0) || n < 4 || n > 5) {
+        PyErr_SetString(PyExc_TypeError, "recorder(t, vpp_stage, name, scope[, micro_step])");
+        return NULL;
+    }
+    PyObject *micro = n == 5 ? PyTuple_GET_ITEM(args, 4) : Py_None;
+    PyObject *threads = PyObject_CallNoArgs(self->fixed[3]);
+    if (threads == NULL)
+        return NULL;
+    PyObject *call[12] = {PyTuple_GET_ITEM(args, 0), self->fixed[0], self->fixed[1], self->fixed[2], threads,
+                          self->fixed[4], self->fixed[5], PyTuple_GET_ITEM(args, 1), PyTuple_GET_ITEM(args, 2),
+                          PyTuple_GET_ITEM(args, 3), micro, self->fixed[6]};
+    PyObject *rec = py_tensor_record(NULL, call, 12);
+    Py_DECREF(threads);
+    if (rec != Py_None)
+        return rec; /* a record, or NULL with the error */
+    Py_DECREF(rec);
+    PyObject *slow_args[5] = {call[0], call[7], call[8], call[9], micro};
+    return PyObject_Vectorcall(self->slow, slow_args, 5, NULL);
+}
+
+static PyTypeObject RecorderType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "_msprobe_monitor_native.Recorder",
+    .tp_basicsize = sizeof(RecorderObject),
+    .tp_dealloc = (destructor)recorder_dealloc,
+    .tp_call = (ternaryfunc)recorder_call,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "TorchStatsEngine.record for one plan with the same-tensor cache (see stats.py, recorder).",
+    .tp_traverse = (traverseproc)recorder_traverse,
+    .tp_clear = (inquiry)recorder_clear,
+    .tp_new = recorder_new,
+};
+
 /* records_of(tensors, plain_types, codes, strided, keys, threads, nans, zeros) -> [Record,
    ...] or None: record_many's common case in one call, where the kernel reads every one of
    the tensors (each checked as tensor_record checks it; record i under row key keys[i],
@@ -2445,7 +2539,8 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_msprobe_monitor_native", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__msprobe_monitor_native(void) {
-    if (PyType_Ready(&RecordType) < 0 || PyType_Ready(&NoteStateType) < 0 || PyType_Ready(&GradNoteType) < 0)
+    if (PyType_Ready(&RecordType) < 0 || PyType_Ready(&NoteStateType) < 0 || PyType_Ready(&GradNoteType) < 0 ||
+        PyType_Ready(&RecorderType) < 0)
         return NULL;
     str_active = PyUnicode_InternFromString("active");
     str_hooks_attr = PyUnicode_InternFromString("_post_accumulate_grad_hooks");
@@ -2462,9 +2557,9 @@ PyMODINIT_FUNC PyInit__msprobe_monitor_native(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    PyTypeObject *types[] = {&RecordType, &NoteStateType, &GradNoteType};
-    const char *names[] = {"Record", "NoteState", "GradNote"};
-    for (int i = 0; i < 3; i++) {
+    PyTypeObject *types[] = {&RecordType, &NoteStateType, &GradNoteType, &RecorderType};
+    const char *names[] = {"Record", "NoteState", "GradNote", "Recorder"};
+    for (int i = 0; i < 4; i++) {
         Py_INCREF(types[i]);
         if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
             Py_DECREF(types[i]);

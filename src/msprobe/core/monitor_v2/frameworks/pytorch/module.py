@@ -299,17 +299,17 @@ class _NodeHook(ContainedHook):
         self._inputs(monitor, grads)
 
     def _outputs(self, monitor: "ModuleMonitor", grad_outputs: Tuple) -> None:
-        engine, plan, records = monitor.session.engine, monitor.plan, monitor._records
+        read, records = monitor._read, monitor._records
         for vpp, nr, name, site in self.outs:
             try:
                 g = grad_outputs[nr]
                 if g is not None:
-                    records.append(engine.record(g, plan, vpp, name, rows.BACKWARD, cache=True))
+                    records.append(read(g, vpp, name, rows.BACKWARD))
             except Exception as exc:  # noqa: BLE001 - containment is the point
                 monitor.errors.report(site, exc)
 
     def _inputs(self, monitor: "ModuleMonitor", grad_inputs: Tuple) -> None:
-        engine, plan, records = monitor.session.engine, monitor.plan, monitor._records
+        read, records = monitor._read, monitor._records
         sums = monitor._sums
         for vpp, e, name, number, parts, site in self.ins:
             try:
@@ -317,7 +317,7 @@ class _NodeHook(ContainedHook):
                 if g is None:
                     continue
                 if number < 0:
-                    records.append(engine.record(g, plan, vpp, name, rows.BACKWARD, cache=True))
+                    records.append(read(g, vpp, name, rows.BACKWARD))
                     continue
                 acc = sums.get(number)
                 if acc is None:
@@ -429,6 +429,8 @@ class ModuleMonitor(Monitor):
 
     def attach(self) -> None:
         self.plan = StatPlan.from_ops(self.settings.ops)
+        # engine.record(t, plan, vpp, name, scope, cache=True) as one call (stats.py, recorder)
+        self._read = self.session.engine.recorder(self.plan)
         targets: Sequence[str] = self.settings.get("targets")
         # each module's pair of hooks, put on for written steps only (see _set_call_hooks)
         self._call_hooks = ModuleHooks()
@@ -573,17 +575,15 @@ class ModuleMonitor(Monitor):
             # the common call, one tensor input: no list to walk
             t = args[0]
             if _current_autograd_node() is None:
-                self._records.append(self.session.engine.record(t, self.plan, vpp, names.input(0), scope, cache=True))
+                self._records.append(self._read(t, vpp, names.input(0), scope))
             boundary = _get_sequence_nr() if _get_sequence_nr is not None else -1
             producers: List[Any] = [_producer(t)]
         else:
             inputs = flatten_tensors((args, kwargs), _is_tensor, names.input_prefix)
             if _current_autograd_node() is None:
-                engine = self.session.engine
-                plan = self.plan
-                records = self._records
+                read, records = self._read, self._records
                 for i, t in enumerate(inputs):
-                    records.append(engine.record(t, plan, vpp, names.input(i), scope, cache=True))
+                    records.append(read(t, vpp, names.input(i), scope))
             boundary = _get_sequence_nr() if _get_sequence_nr is not None else -1
             producers = [_producer(t) for t in inputs]
         calls = self._calls
@@ -602,8 +602,7 @@ class ModuleMonitor(Monitor):
         if isinstance(output, _Tensor):  # the common output, without the general walk
             if _current_autograd_node() is None:
                 scope = call.scope if call is not None else self._forward_scope(vpp)
-                self._records.append(self.session.engine.record(output, self.plan, vpp, names.output_0, scope,
-                                                                cache=True))
+                self._records.append(self._read(output, vpp, names.output_0, scope))
             if output.requires_grad and torch.is_grad_enabled():
                 edge = _one_edge(call) if call is not None else None
                 own = output.grad_fn
@@ -614,12 +613,10 @@ class ModuleMonitor(Monitor):
             return
         named = named_outputs(output, _is_tensor, names.output_prefix)  # a dict output by key: structure.py
         if _current_autograd_node() is None:
-            engine = self.session.engine
-            plan = self.plan
-            records = self._records
+            read, records = self._read, self._records
             scope = call.scope if call is not None else self._forward_scope(vpp)
             for name, t in named:
-                records.append(engine.record(t, plan, vpp, name, scope, cache=True))
+                records.append(read(t, vpp, name, scope))
         if torch.is_grad_enabled() and any(t.requires_grad for _, t in named):
             cut = len(names.output_prefix) + 1  # after "<prefix>."
             self._hook_graph(vpp, names, [t for _, t in named], [names.grad_output(name[cut:]) for name, _ in named],

@@ -52,7 +52,7 @@ import math
 import operator
 import weakref
 from collections import defaultdict
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -464,6 +464,33 @@ class TorchStatsEngine:
                        plan.zeros, vpp_stage, name, scope, micro_step, seen_here)
             if rec is not None:
                 return rec
+        return self._record_other(t, plan, vpp_stage, name, scope, micro_step, cache)
+
+    def recorder(self, plan: StatPlan) -> Callable[..., Record]:
+        """``record(t, plan, vpp_stage, name, scope, micro_step, cache=True)`` for one plan, as
+        ``recorder(t, vpp_stage, name, scope[, micro_step])``: the extension's ``Recorder``
+        where it is built (the fixed arguments kept in C: the module monitor records
+        thousands of tensors a step, and the Python method around the C read cost more
+        than the read), else a closure over ``record``. The same records either way."""
+        ext = self._native.ext if self._native is not None else None
+        if self._tensor_record is None or ext is None or not hasattr(ext, "Recorder"):
+            def fallback(t: torch.Tensor, vpp_stage: int, name: str, scope: str,
+                         micro_step: Optional[int] = None) -> Record:
+                return self.record(t, plan, vpp_stage, name, scope, micro_step, cache=True)
+
+            return fallback
+
+        def slow(t: torch.Tensor, vpp_stage: int, name: str, scope: str, micro_step: Optional[int]) -> Record:
+            return self._record_other(t, plan, vpp_stage, name, scope, micro_step, True)
+
+        # the cache dict is the one record() uses for this plan; forget() clears it in place
+        seen_here = self._seen_buffers.setdefault(plan.key, {})
+        return ext.Recorder(_PLAIN_TYPES, self._kernel_codes, torch.strided, torch.get_num_threads, plan.nans,
+                            plan.zeros, seen_here, slow)
+
+    def _record_other(self, t: torch.Tensor, plan: StatPlan, vpp_stage: int, name: str, scope: str,
+                      micro_step: Optional[int], cache: bool) -> Record:
+        """``record`` of a tensor the extension's ``tensor_record`` did not take (or without it)."""
         buffer = self._native_buffer(t)
         if buffer is not None:  # the common case on the CPU: every module activation and gradient
             return self._record_read(t, plan, vpp_stage, name, scope, micro_step, cache, *buffer)
@@ -650,7 +677,8 @@ class TorchStatsEngine:
         """Forget the tensors seen so far (step end, or after a collective)."""
         self._seen.clear()
         self._seen_memory.clear()
-        self._seen_buffers.clear()
+        for seen_here in self._seen_buffers.values():  # cleared in place: recorders hold them
+            seen_here.clear()
 
     def to_host(self, records: Sequence[Record]) -> None:
         """Replace the device vectors, NaN and zero counts of ``records`` by host values,
