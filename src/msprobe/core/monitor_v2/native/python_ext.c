@@ -1578,6 +1578,13 @@ typedef struct {
     double busy;             /* seconds spent in armed notes, taken by the monitor */
 } NoteStateObject;
 
+/* tp_dealloc of the collector-tracked types below: untracked first, then their own tp_clear */
+static void gc_dealloc(PyObject *self) {
+    PyObject_GC_UnTrack(self);
+    Py_TYPE(self)->tp_clear(self);
+    Py_TYPE(self)->tp_free(self);
+}
+
 static int note_state_traverse(NoteStateObject *self, visitproc visit, void *arg) {
     Py_VISIT(self->pending);
     Py_VISIT(self->passes);
@@ -1590,12 +1597,6 @@ static int note_state_clear(NoteStateObject *self) {
     Py_CLEAR(self->passes);
     Py_CLEAR(self->task_id);
     return 0;
-}
-
-static void note_state_dealloc(NoteStateObject *self) {
-    PyObject_GC_UnTrack(self);
-    note_state_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static PyObject *note_state_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -1633,7 +1634,7 @@ static PyTypeObject NoteStateType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "_msprobe_monitor_native.NoteState",
     .tp_basicsize = sizeof(NoteStateObject),
-    .tp_dealloc = (destructor)note_state_dealloc,
+    .tp_dealloc = (destructor)gc_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "The state GradNote hooks share: armed task, pending sources, pass counts.",
     .tp_traverse = (traverseproc)note_state_traverse,
@@ -1669,12 +1670,6 @@ static int grad_note_clear(GradNoteObject *self) {
     Py_CLEAR(self->state);
     Py_CLEAR(self->slow);
     return 0;
-}
-
-static void grad_note_dealloc(GradNoteObject *self) {
-    PyObject_GC_UnTrack(self);
-    grad_note_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static PyObject *grad_note_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -1789,7 +1784,7 @@ static PyTypeObject GradNoteType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "_msprobe_monitor_native.GradNote",
     .tp_basicsize = sizeof(GradNoteObject),
-    .tp_dealloc = (destructor)grad_note_dealloc,
+    .tp_dealloc = (destructor)gc_dealloc,
     .tp_call = (ternaryfunc)grad_note_call,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "weight_grad's batched post-accumulate hook, armed case in C (see weight_grad.py).",
@@ -2363,12 +2358,6 @@ static int recorder_clear(RecorderObject *self) {
     return 0;
 }
 
-static void recorder_dealloc(RecorderObject *self) {
-    PyObject_GC_UnTrack(self);
-    recorder_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
 static PyObject *recorder_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"plain_types", "codes", "strided", "threads", "nans", "zeros", "cache", "slow", NULL};
     PyObject *a[8];
@@ -2418,7 +2407,7 @@ static PyTypeObject RecorderType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "_msprobe_monitor_native.Recorder",
     .tp_basicsize = sizeof(RecorderObject),
-    .tp_dealloc = (destructor)recorder_dealloc,
+    .tp_dealloc = (destructor)gc_dealloc,
     .tp_call = (ternaryfunc)recorder_call,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "TorchStatsEngine.record for one plan with the same-tensor cache (see stats.py, recorder).",
