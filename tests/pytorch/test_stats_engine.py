@@ -846,7 +846,7 @@ def test_the_compiled_record_gives_the_python_paths_records(stats_path, reader):
     """Every kind of tensor gives the same record through the extension's ``tensor_record``
     as through the Python path (the ones it does not take go to the Python path), whether
     the extension reads a tensor's buffer through the DLPack C exchange API's view (what
-    this torch gets), through ``torch._C._to_dlpack`` (torch 2.9 and older) or through the
+    this torch gets), through ``torch._C._to_dlpack`` (a torch without that API) or through the
     tensor's getters (another torch)."""
     compiled, plan = _compiled_engine(stats_path), StatPlan.from_ops(ALL_OPS + ("zeros",))
     ext = native.extension()

@@ -245,7 +245,7 @@ def _use_exporter(ext: Any, codes: Dict[torch.dtype, int]) -> None:
 
 def _use_view(ext: Any, samples: List[torch.Tensor], wanted: List[Any]) -> None:
     """Let the extension read CPU tensors through the DLPack C exchange API that torch
-    publishes on its tensor type (``__dlpack_c_exchange_api__``, torch 2.10 and later): a C
+    publishes on its tensor type (``__dlpack_c_exchange_api__``, where torch has it: 2.13 does): a C
     function that describes a tensor without a Python call or a capsule (the export above
     costs about ten times as much). Only where, on the same samples, it gives what the
     getters give; else the export stays."""
