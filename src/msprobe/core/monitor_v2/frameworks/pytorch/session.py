@@ -117,17 +117,14 @@ class TorchSession:
         ``nan`` min/max/mean, 0 norm and NaNs. The lists returned are not to be changed
         (the list of keys is given again to the next call with the same parameters)."""
         flat_layouts = self.flat_layouts
-        # a parameter's row key for a scope is the same at every step: built once
-        known = self._row_keys.get((scope, suffix))
-        if known is None:
-            known = self._row_keys[(scope, suffix)] = {}
+        known = self._known_keys(scope, suffix)
         if not flat_layouts:
             # the common case in passes that run in C (thousands of parameters: a loop with a
             # type check and a lookup per item cost more than the statistics of a small
             # tensor); the same parameters as at the last call get the same list of keys
             tensors = list(map(_SECOND, items))
             if set(map(type, tensors)) <= _PLAIN_TYPES:
-                return tensors, self._plain_keys(list(map(_FIRST, items)), scope, suffix, known)
+                return tensors, self._plain_keys(list(map(_FIRST, items)), scope, suffix)
         tensors, keys = [], []
         for info, t in items:
             if type(t) in _PLAIN_TYPES and not flat_layouts:  # plain tensors of a mixed list
@@ -152,12 +149,20 @@ class TorchSession:
             keys.append((info.vpp_stage, info.name + suffix, scope, None))
         return tensors, keys
 
-    def _plain_keys(self, infos: List[ParamInfo], scope: str, suffix: str,
-                    known: Dict[int, Tuple[int, str, str, None]]) -> List[Tuple[int, str, str, None]]:
+    def _known_keys(self, scope: str, suffix: str) -> Dict[int, Tuple[int, str, str, None]]:
+        """Parameter index -> its row key for ``scope`` and ``suffix``: the same at every
+        step, built once."""
+        known = self._row_keys.get((scope, suffix))
+        if known is None:
+            known = self._row_keys[(scope, suffix)] = {}
+        return known
+
+    def _plain_keys(self, infos: List[ParamInfo], scope: str, suffix: str) -> List[Tuple[int, str, str, None]]:
         """The row keys of whole parameters; the same list again for the same parameters."""
         kept = self._kept_keys.get((scope, suffix))
         if kept is not None and len(kept[0]) == len(infos) and all(map(is_, infos, kept[0])):
             return kept[1]
+        known = self._known_keys(scope, suffix)
         keys = list(map(known.get, map(_INDEX, infos)))
         if None in keys:
             keys = [key if key is not None else known.setdefault(
@@ -176,10 +181,7 @@ class TorchSession:
             infos = self.table.optimizer_params()
             grads = list(map(_GRAD, map(_PARAM, infos)))
             if not any(map(is_, grads, repeat(None))) and set(map(type, grads)) <= _PLAIN_TYPES:
-                known = self._row_keys.get((scope, ""))
-                if known is None:
-                    known = self._row_keys[(scope, "")] = {}
-                return grads, self._plain_keys(infos, scope, "", known)
+                return grads, self._plain_keys(infos, scope, "")
         return self.expand(self.reduced_grads(), scope)
 
     def named_modules(self) -> List[Tuple[int, str, torch.nn.Module]]:

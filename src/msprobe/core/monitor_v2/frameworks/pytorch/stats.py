@@ -230,7 +230,7 @@ def _use_exporter(ext: Any, codes: Dict[torch.dtype, int]) -> None:
     base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     samples = [base, base[1:], base[:, :1], base[0, 0], base.t(), base.to(torch.bfloat16), base.to(torch.float16),
                base.double(), torch._neg_view(base), torch.empty(0), base.clone().requires_grad_(),
-               torch.empty(3, device="meta")]  # the extension asks the export, not is_cpu, for the device
+               torch.empty(3, device="meta")]  # the view, which is not preceded by is_cpu, must turn it away
     try:
         wanted = [((t.data_ptr(), t.numel(), codes[t.dtype])
                    if t.is_cpu and t.dtype in codes and t.is_contiguous() and not t.is_neg() and t.numel() else None)
@@ -455,11 +455,7 @@ class TorchStatsEngine:
         host values where the one-pass kernel read a CPU tensor."""
         fast = self._tensor_record
         if fast is not None:  # _native_buffer's checks and _record_read in C; None: not one it takes
-            seen_here = None
-            if cache:
-                seen_here = self._seen_buffers.get(plan.key)
-                if seen_here is None:
-                    seen_here = self._seen_buffers[plan.key] = {}
+            seen_here = self._buffer_cache(plan) if cache else None
             rec = fast(t, _PLAIN_TYPES, self._kernel_codes, torch.strided, torch.get_num_threads(), plan.nans,
                        plan.zeros, vpp_stage, name, scope, micro_step, seen_here)
             if rec is not None:
@@ -472,8 +468,8 @@ class TorchStatsEngine:
         where it is built (the fixed arguments kept in C: the module monitor records
         thousands of tensors a step, and the Python method around the C read cost more
         than the read), else a closure over ``record``. The same records either way."""
-        ext = self._native.ext if self._native is not None else None
-        if self._tensor_record is None or ext is None or not hasattr(ext, "Recorder"):
+        # _tensor_record is the extension's: set only where the extension is built
+        if self._tensor_record is None or not hasattr(self._native.ext, "Recorder"):
             def fallback(t: torch.Tensor, vpp_stage: int, name: str, scope: str,
                          micro_step: Optional[int] = None) -> Record:
                 return self.record(t, plan, vpp_stage, name, scope, micro_step, cache=True)
@@ -484,9 +480,16 @@ class TorchStatsEngine:
             return self._record_other(t, plan, vpp_stage, name, scope, micro_step, True)
 
         # the cache dict is the one record() uses for this plan; forget() clears it in place
-        seen_here = self._seen_buffers.setdefault(plan.key, {})
-        return ext.Recorder(_PLAIN_TYPES, self._kernel_codes, torch.strided, torch.get_num_threads, plan.nans,
-                            plan.zeros, seen_here, slow)
+        return self._native.ext.Recorder(_PLAIN_TYPES, self._kernel_codes, torch.strided, torch.get_num_threads,
+                                         plan.nans, plan.zeros, self._buffer_cache(plan), slow)
+
+    def _buffer_cache(self, plan: StatPlan) -> Dict[int, Tuple["weakref.ref", int, Record]]:
+        """The same-tensor cache of buffers the kernel read for ``plan``: first element's
+        address -> cache entry. Made once per plan and cleared in place by ``forget()``."""
+        seen_here = self._seen_buffers.get(plan.key)
+        if seen_here is None:
+            seen_here = self._seen_buffers[plan.key] = {}
+        return seen_here
 
     def _record_other(self, t: torch.Tensor, plan: StatPlan, vpp_stage: int, name: str, scope: str,
                       micro_step: Optional[int], cache: bool) -> Record:
@@ -527,9 +530,7 @@ class TorchStatsEngine:
         and the same statistics as the general path, without its repeated checks)."""
         cacheable = cache and not t.is_inference()  # inference tensors have no version counter
         if cacheable:
-            seen_here = self._seen_buffers.get(plan.key)
-            if seen_here is None:
-                seen_here = self._seen_buffers[plan.key] = {}
+            seen_here = self._buffer_cache(plan)
             seen = seen_here.get(pointer)
             if seen is not None:
                 first, rec = seen[0](), seen[2]
