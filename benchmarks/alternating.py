@@ -8,8 +8,11 @@ time(with) / time(without).
     from alternating import alternate
     result = alternate(bench.window, lambda: bench.busy, rounds=7, steps_per_window=3)
     result.median, result.min, result.max, result.busy_ms
+
+Each window calls ``settle()`` right before its clock starts, on both sides.
 """
 
+import gc
 import statistics
 from dataclasses import dataclass, field
 from typing import Callable, List, Sequence, Union
@@ -53,6 +56,21 @@ class Alternation:
         """Milliseconds per step spent in the monitor's own code (timed inside it: the
         direct part of the overhead, without the machine's run-to-run noise)."""
         return self.busy_median * self.plain_median * 1e3
+
+
+def settle() -> None:
+    """A full collection of Python's garbage, outside the timed part of a window.
+
+    Starting and stopping a monitor between windows makes and frees tens of thousands of
+    objects; the full collection they trigger sooner or later costs about 150 ms in a
+    process that has imported torch (350,000 objects on the development machine), as
+    long as three steps of the small models here, and lands in whichever window comes
+    next, with or without the monitor. Collected before each window, on both sides, that
+    debt is paid outside the clocks. What the monitor's own steady-state garbage costs
+    (the collections its objects cause during training) still falls inside them, but a
+    window starts from an empty young generation: a long run's rare full collection is
+    under-counted, and is measured apart (docs/performance.md)."""
+    gc.collect()
 
 
 def _as_tuple(seconds: Seconds) -> Sequence[float]:

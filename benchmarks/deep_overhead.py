@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from alternating import alternate  # noqa: E402
+from alternating import alternate, settle  # noqa: E402
 from msprobe.core.monitor_v2 import native  # noqa: E402
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2  # noqa: E402
 
@@ -133,6 +133,7 @@ class DeepBench:
             mon = TrainerMonitorV2({**cfg, "output_dir": out})
             mon.start(model=self.model, optimizer=self.opt)
         self.sync()
+        settle()
         t0, c0 = time.perf_counter(), time.process_time()
         steps = self.args.steps_per_window
         self.train_steps(1)

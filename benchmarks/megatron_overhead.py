@@ -33,7 +33,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import megatron_cpu_shim  # noqa: E402
-from alternating import alternate  # noqa: E402
+from alternating import alternate, settle  # noqa: E402
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2  # noqa: E402
 
 
@@ -93,6 +93,7 @@ class Bench:
             shutil.rmtree(out, ignore_errors=True)
             mon = TrainerMonitorV2({**cfg, "output_dir": out})
             mon.start(model=self.ddp, optimizer=self.opt, grad_acc_steps=self.args.acc)
+        settle()
         dist.barrier()
         t0 = time.perf_counter()
         self.train_steps(self.args.steps_per_window)

@@ -42,7 +42,7 @@ import mindspore as ms  # noqa: E402
 from mindspore import nn  # noqa: E402
 from mindspore.common.api import _pynative_executor  # noqa: E402
 
-from alternating import alternate  # noqa: E402
+from alternating import alternate, settle  # noqa: E402
 from config_matrix import configs  # noqa: E402
 from heap_memory import PeakMemory  # noqa: E402
 from msprobe.core.monitor_v2 import native  # noqa: E402
@@ -140,6 +140,7 @@ class Bench:
         sampling thread competes for the GIL)."""
         mon = self._start(cfg, "run") if cfg is not None else None
         sync()
+        settle()
         if measure_memory:
             with PeakMemory() as mem:
                 self.train_steps(self.args.steps_per_window)

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(ROOT, "src"))
 import torch  # noqa: E402
 
 from gpt import GPT, GPTConfig, synthetic_batches  # noqa: E402
-from alternating import alternate  # noqa: E402
+from alternating import alternate, settle  # noqa: E402
 from config_matrix import configs  # noqa: E402
 from heap_memory import PeakMemory  # noqa: E402
 from msprobe.core.monitor_v2 import native  # noqa: E402
@@ -107,6 +107,7 @@ class Bench:
             mon.start(model=self.model, optimizer=self.opt)
             _wait_for_sinks(mon)
         self.sync()
+        settle()
         if measure_memory:
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()

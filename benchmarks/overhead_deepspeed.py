@@ -33,7 +33,7 @@ import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from alternating import alternate  # noqa: E402
+from alternating import alternate, settle  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batches  # noqa: E402
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2  # noqa: E402
 
@@ -108,6 +108,7 @@ class Bench:
             mon = TrainerMonitorV2({"output_dir": out, "monitors": {
                 "weight_grad": {"enabled": True, "monitor_mbs_grad": self.args.mbs}}})
             mon.start(model=self.engine, optimizer=self.optimizer)
+        settle()
         dist.barrier()
         t0 = time.perf_counter()
         self.train_steps(self.args.steps_per_window)
