@@ -180,7 +180,7 @@ class _Names:
 
     __slots__ = ("tag", "input_prefix", "output_prefix", "output_0", "grad_output_prefix", "grad_output_0",
                  "_inputs", "_grad_outputs", "_grad_inputs", "grad_output_site", "grad_input_site", "vpp",
-                 "out_slot_0", "_in_slots")
+                 "out_slot_0", "_in_slots", "outs_0", "_in_ones")
 
     def __init__(self, tag: str, vpp: int) -> None:
         self.tag = tag
@@ -200,6 +200,11 @@ class _Names:
         # them on the nodes again, and a tuple made per step lives until its backward.
         self.out_slot_0 = (vpp, 0, self.grad_output_0, self.grad_output_site)
         self._in_slots: Dict[int, Tuple[int, int, str, int, int, str]] = {}
+        # A node's first slot is most often its only one: the one-slot tuples are made once
+        # too (about 1,750 tuples a step fewer on a model of 250 blocks, each an object the
+        # collector counts).
+        self.outs_0 = (self.out_slot_0,)
+        self._in_ones: Dict[int, Tuple[Tuple[int, int, str, int, int, str]]] = {}
 
     def out_slot(self, vpp: int, nr: int, name: str) -> Tuple[int, int, str, str]:
         """The ``grad_output`` slot of output ``nr`` named ``name``: the one made at attach
@@ -207,6 +212,21 @@ class _Names:
         if nr == 0 and name is self.grad_output_0 and vpp == self.vpp:
             return self.out_slot_0
         return (vpp, nr, name, self.grad_output_site)
+
+    def add_out(self, outs: Tuple, vpp: int, nr: int, name: str) -> Tuple:
+        """``outs`` (a node hook's ``grad_output`` slots) with ``out_slot(vpp, nr, name)`` added."""
+        if not outs and nr == 0 and name is self.grad_output_0 and vpp == self.vpp:
+            return self.outs_0
+        return outs + (self.out_slot(vpp, nr, name),)
+
+    def add_in(self, ins: Tuple, e: int) -> Tuple:
+        """``ins`` (a node hook's ``grad_input`` slots) with ``in_slot(e)`` added."""
+        if ins:
+            return ins + (self.in_slot(e),)
+        one = self._in_ones.get(e)
+        if one is None:
+            one = self._in_ones[e] = (self.in_slot(e),)
+        return one
 
     def in_slot(self, e: int) -> Tuple[int, int, str, int, int, str]:
         """The ``grad_input`` slot of input 0 reached by the one edge ``e`` of its node."""
@@ -649,7 +669,7 @@ class ModuleMonitor(Monitor):
                 continue
             node, nr = _output_edge(t, own, call)
             hook = _node_hook(self, nodes, node)
-            hook.outs += (names.out_slot(vpp, nr, grad_names[j]),)
+            hook.outs = names.add_out(hook.outs, vpp, nr, grad_names[j])
             touched.append(hook)
             touched.append(node)
         if call is not None:
@@ -668,7 +688,7 @@ class ModuleMonitor(Monitor):
             nodes = state.nodes = {}
         node, nr = _output_edge(output, own, call)
         out_hook = _node_hook(self, nodes, node)
-        out_hook.outs += (names.out_slot(vpp, nr, names.grad_output_0),)
+        out_hook.outs = names.add_out(out_hook.outs, vpp, nr, names.grad_output_0)
         found = _edges_into(edge, (output,), call.boundary)
         in_hooks = self._one_input_slots(vpp, names, found, nodes) if found else ()
         # registered as _hook_graph does: the output's node first, then each input edge's
@@ -688,8 +708,10 @@ class ModuleMonitor(Monitor):
         hooks = []
         for node, e in found:
             hook = _node_hook(self, nodes, node)
-            hook.ins += ((vpp, e, name, number, parts, site) if number >= 0 or vpp != names.vpp
-                         else names.in_slot(e),)
+            if number >= 0 or vpp != names.vpp:
+                hook.ins += ((vpp, e, name, number, parts, site),)
+            else:
+                hook.ins = names.add_in(hook.ins, e)
             hooks.append((hook, node))
         return hooks
 
