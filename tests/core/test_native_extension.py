@@ -247,7 +247,7 @@ def test_a_record_the_c_merge_does_not_take_is_merged_in_python(extension):
 
 
 def test_each_float_cell_is_pythons_format_9g(extension):
-    """The compiled formatter's fast path (nine digits in long double, proven rounding)
+    """The compiled formatter's fast path (nine digits in double, proven rounding)
     and its fallback together give ``format(x, ".9g")`` for every double: random bit
     patterns, fp32 values of every magnitude, powers of two and ten, halves, and decimal
     numbers with ten digits whose tenth is 5 (ties of the rounding)."""

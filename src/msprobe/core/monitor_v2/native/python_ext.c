@@ -299,22 +299,22 @@ static int append_int(buffer_t *b, PyObject *value) {
 }
 
 /* Nine significant digits, fast: the digits of |value| x 10^(8 - exponent) rounded to an
-   integer, in long double (64-bit mantissa or more), where the product's relative error
-   is below 2e-19, so that its absolute error on a 9-digit integer is below 1e-9. Where
-   the fraction is within 1e-6 of one half (a tie, or too close to tell), or long double
-   is not wider than double, -1 is returned and the caller asks PyOS_double_to_string,
-   the routine behind format(value, ".9g"), which also decides every other case exactly:
-   this path only takes the cases whose rounding it can prove. 0 on success. */
-#if LDBL_MANT_DIG >= 64
-#define POW10_MIN (-340)
-#define POW10_MAX 340
-static long double pow10_table[POW10_MAX - POW10_MIN + 1];
+   integer. The power of ten and the product are each rounded once (double precision), so
+   the product's relative error is below 2^-52 (2.3e-16) and its absolute error on a number
+   below 10^9 is below 2.3e-7. Where the fraction is within 1e-6 of one half (a tie, or too
+   close to tell) or the power of ten is out of double's range, -1 is returned and the
+   caller asks PyOS_double_to_string, the routine behind format(value, ".9g"), which also
+   decides every other case exactly: this path only takes the cases whose rounding it can
+   prove. 0 on success. */
+#define POW10_MIN (-307)
+#define POW10_MAX 308
+static double pow10_table[POW10_MAX - POW10_MIN + 1];
 
 static void pow10_init(void) {
     char text[16];
     for (int k = POW10_MIN; k <= POW10_MAX; k++) {
         snprintf(text, sizeof text, "1e%d", k);
-        pow10_table[k - POW10_MIN] = strtold(text, NULL); /* correctly rounded */
+        pow10_table[k - POW10_MIN] = strtod(text, NULL); /* correctly rounded */
     }
 }
 
@@ -333,46 +333,54 @@ static int nine_digits(double a, uint64_t *digits, int *exponent) {
         int k = 8 - e;
         if (k < POW10_MIN || k > POW10_MAX)
             return -1;
-        long double scaled = (long double)a * pow10_table[k - POW10_MIN];
-        if (scaled >= 1e9L) {
+        double scaled = a * pow10_table[k - POW10_MIN];
+        if (scaled >= 1e9) {
             e++;
             continue;
         }
-        if (scaled < 1e8L) {
+        if (scaled < 1e8) {
             e--;
             continue;
         }
         int64_t d = (int64_t)scaled; /* floor: scaled is positive */
-        long double frac = scaled - (long double)d;
-        if (fabsl(frac - 0.5L) < 1e-6L)
+        double frac = scaled - (double)d; /* exact: scaled < 2^30 */
+        if (fabs(frac - 0.5) < 1e-6)
             return -1;
-        d += frac > 0.5L;
-        if (d == 1000000000u) {
-            d = 100000000u;
+        d += frac > 0.5;
+        if (d == 1000000000) {
+            d = 100000000;
             e++;
         }
-        *digits = d;
+        *digits = (uint64_t)d;
         *exponent = e;
         return 0;
     }
     return -1;
 }
-#else
-static void pow10_init(void) {}
-static int nine_digits(double a, uint64_t *digits, int *exponent) { return -1; }
-#endif
+
+/* "00" "01" ... "99": two digits at a time */
+static const char digit_pairs[201] =
+    "00010203040506070809101112131415161718192021222324252627282930313233343536373839"
+    "40414243444546474849505152535455565758596061626364656667686970717273747576777879"
+    "8081828384858687888990919293949596979899";
 
 /* format(value, ".9g") from its digits: fixed notation for exponents -4..8, else
-   d.ddde+XX (at least two exponent digits), trailing zeros and a bare point left out. */
+   d.ddde+XX (at least two exponent digits), trailing zeros and a bare point left out.
+   The digits are made two at a time and copied in blocks of fixed size (the buffer has
+   room past the cell; what lies past it is overwritten by the next cell or never used). */
 static int append_g9(buffer_t *b, int negative, uint64_t digits, int e) {
-    if (reserve(b, 24) < 0) /* the longest cell: -0.0000ddddddddd or -d.ddddddddde-XXX */
+    if (reserve(b, 40) < 0) /* the longest cell (-0.0000ddddddddd, -d.ddddddddde-XXX) is 16 bytes */
         return -1;
-    char d[9];
-    uint32_t v = (uint32_t)digits; /* below 10^9 */
-    for (int i = 8; i >= 0; i--) {
-        d[i] = (char)('0' + v % 10);
-        v /= 10;
-    }
+    char d[24];
+    uint32_t v = (uint32_t)digits; /* 10^8 <= v < 10^9 */
+    uint32_t first = v / 100000000u, rest = v - first * 100000000u;
+    uint32_t upper = rest / 10000u, lower = rest - upper * 10000u;
+    d[0] = (char)('0' + first);
+    memcpy(d + 1, digit_pairs + 2 * (upper / 100u), 2);
+    memcpy(d + 3, digit_pairs + 2 * (upper % 100u), 2);
+    memcpy(d + 5, digit_pairs + 2 * (lower / 100u), 2);
+    memcpy(d + 7, digit_pairs + 2 * (lower % 100u), 2);
+    memcpy(d + 9, "000000000000000", 15); /* read by the fixed-size copies below */
     int k = 9;
     while (k > 1 && d[k - 1] == '0')
         k--;
@@ -380,37 +388,35 @@ static int append_g9(buffer_t *b, int negative, uint64_t digits, int e) {
     int n = 0;
     if (negative)
         out[n++] = '-';
-    if (e >= -4 && e < 9) {
-        if (e >= 0) {
-            for (int i = 0; i <= e; i++)
-                out[n++] = i < k ? d[i] : '0';
-            if (k > e + 1) {
-                out[n++] = '.';
-                for (int i = e + 1; i < k; i++)
-                    out[n++] = d[i];
-            }
-        } else {
-            out[n++] = '0';
+    if (e >= 0 && e < 9) {
+        memcpy(out + n, d, 9); /* the digits before the point, and '0' where they ran out */
+        n += e + 1;
+        if (k > e + 1) {
             out[n++] = '.';
-            for (int i = 0; i < -e - 1; i++)
-                out[n++] = '0';
-            for (int i = 0; i < k; i++)
-                out[n++] = d[i];
+            memcpy(out + n, d + e + 1, 8);
+            n += k - e - 1;
         }
+    } else if (e < 0 && e >= -4) {
+        memcpy(out + n, "0.000", 5);
+        n += 1 - e; /* "0." and -e - 1 zeros */
+        memcpy(out + n, d, 9);
+        n += k;
     } else {
         out[n++] = d[0];
         if (k > 1) {
             out[n++] = '.';
-            for (int i = 1; i < k; i++)
-                out[n++] = d[i];
+            memcpy(out + n, d + 1, 8);
+            n += k - 1;
         }
         int x = e < 0 ? -e : e; /* at least two digits, as printf's %02d */
         out[n++] = 'e';
         out[n++] = e < 0 ? '-' : '+';
-        if (x >= 100)
+        if (x >= 100) {
             out[n++] = (char)('0' + x / 100);
-        out[n++] = (char)('0' + x / 10 % 10);
-        out[n++] = (char)('0' + x % 10);
+            x %= 100;
+        }
+        memcpy(out + n, digit_pairs + 2 * x, 2);
+        n += 2;
     }
     b->len += n;
     return 0;
