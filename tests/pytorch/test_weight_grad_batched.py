@@ -141,7 +141,7 @@ def test_with_the_extension_one_python_hook_per_pass_arms_the_rest_in_c(write_co
     """Where the kernel's extension is built, the first post-accumulate hook of a backward
     pass runs in Python (it checks the pass and queues the end-of-pass read) and the other
     parameters' hooks only note their source in C (``GradNote``); a second hook on a
-    parameter sends that one back to Python. The rows are the accumulated gradients."""
+    parameter, added after start(), sends that one back to Python. The rows are the accumulated gradients."""
     import gc
 
     from msprobe.core.monitor_v2 import native
@@ -161,6 +161,9 @@ def test_with_the_extension_one_python_hook_per_pass_arms_the_rest_in_c(write_co
     hooks = [h for p in model.parameters() for h in p._post_accumulate_grad_hooks.values()]
     assert {type(h).__name__ for h in hooks} == {"GradNote"} and all(gc.is_tracked(h) for h in hooks)
     assert weight_grad_monitor(mon) in gc.get_referents(hooks[0]), "the collector sees the hook's references"
+    # each hook holds the dict it sits in, and counts the hooks there (fc1.bias's below)
+    assert all(h.hooks is p._post_accumulate_grad_hooks for p in model.parameters()
+               for h in p._post_accumulate_grad_hooks.values())
     x, y = make_batches(1)[0]
     want = reference_grads(ref, [(x, y), (x, y)])
     loss_fn(model, x, y).backward()

@@ -1656,6 +1656,7 @@ typedef struct {
     PyObject *index;   /* source.index, the key in state.passes */
     PyObject *state;   /* NoteState */
     PyObject *slow;    /* the Python hook, slow(source, tensor): everything but the armed case */
+    PyObject *hooks;   /* NULL, or the tensor's post-accumulate hook dict this hook is in */
 } GradNoteObject;
 
 static PyObject *str_active, *str_hooks_attr;
@@ -1666,6 +1667,7 @@ static int grad_note_traverse(GradNoteObject *self, visitproc visit, void *arg) 
     Py_VISIT(self->index);
     Py_VISIT(self->state);
     Py_VISIT(self->slow);
+    Py_VISIT(self->hooks);
     return 0;
 }
 
@@ -1675,6 +1677,7 @@ static int grad_note_clear(GradNoteObject *self) {
     Py_CLEAR(self->index);
     Py_CLEAR(self->state);
     Py_CLEAR(self->slow);
+    Py_CLEAR(self->hooks);
     return 0;
 }
 
@@ -1721,14 +1724,21 @@ static int grad_note_armed(GradNoteObject *self, PyObject *tensor) {
         return -1;
     if (task != state->task)
         return 0;
-    /* a second post-accumulate hook may change .grad before the pass ends */
-    PyObject *hooks = PyObject_GetAttr(tensor, str_hooks_attr);
-    if (hooks == NULL)
-        return -1;
-    Py_ssize_t n_hooks = hooks == Py_None ? 0 : PyObject_Size(hooks);
-    Py_DECREF(hooks);
-    if (n_hooks < 0)
-        return -1;
+    /* a second post-accumulate hook may change .grad before the pass ends. The dict this
+       hook was put in, where the monitor handed it over, is the one torch calls it from
+       (a tensor whose dict is replaced no longer calls this hook); otherwise the tensor's. */
+    Py_ssize_t n_hooks;
+    if (self->hooks != NULL && PyDict_Check(self->hooks)) {
+        n_hooks = PyDict_GET_SIZE(self->hooks);
+    } else {
+        PyObject *hooks = PyObject_GetAttr(tensor, str_hooks_attr);
+        if (hooks == NULL)
+            return -1;
+        n_hooks = hooks == Py_None ? 0 : PyObject_Size(hooks);
+        Py_DECREF(hooks);
+        if (n_hooks < 0)
+            return -1;
+    }
     if (n_hooks > 1)
         return 0;
     if (!PyList_CheckExact(state->pending) || !PyDict_CheckExact(state->passes))
@@ -1786,6 +1796,12 @@ static PyObject *grad_note_call(GradNoteObject *self, PyObject *args, PyObject *
     return result;
 }
 
+static PyMemberDef grad_note_members[] = {
+    {"hooks", T_OBJECT, offsetof(GradNoteObject, hooks), 0,
+     "the post-accumulate hook dict of the tensor this hook is in, or None: read instead of the tensor's"},
+    {NULL, 0, 0, 0, NULL},
+};
+
 static PyTypeObject GradNoteType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "_msprobe_monitor_native.GradNote",
@@ -1796,6 +1812,7 @@ static PyTypeObject GradNoteType = {
     .tp_doc = "weight_grad's batched post-accumulate hook, armed case in C (see weight_grad.py).",
     .tp_traverse = (traverseproc)grad_note_traverse,
     .tp_clear = (inquiry)grad_note_clear,
+    .tp_members = grad_note_members,
     .tp_new = grad_note_new,
 };
 

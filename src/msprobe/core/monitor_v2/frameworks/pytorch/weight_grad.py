@@ -167,6 +167,12 @@ class WeightGradMonitor(Monitor):
                 else:
                     hook = _BatchedGradHook(self, source, site)
                 self._handles.append(tensor.register_post_accumulate_grad_hook(hook))
+                if self._notes is not None:
+                    # the dict it sits in: its size says whether another hook may change
+                    # .grad, without reading the tensor's attribute in every pass
+                    hooks = getattr(tensor, "_post_accumulate_grad_hooks", None)
+                    if isinstance(hooks, dict) and any(h is hook for h in hooks.values()):
+                        hook.hooks = hooks
                 return
             hook = functools.partial(self._on_accumulated_grad, source)
             self._handles.append(tensor.register_post_accumulate_grad_hook(self.errors.wrap(site, hook)))
