@@ -251,3 +251,35 @@ def test_a_graph_built_before_stop_backpropagates_after_it_unchanged_and_writes_
     assert mon.errors.count == 0
     assert module_monitor._records == kept  # the node hooks recorded nothing
     assert rows_of(mon.config.output_dir, "module") == written
+
+
+def test_the_extensions_graph_walk_finds_the_python_walks_edges_in_its_order():
+    """``edges_into`` (the kernel's extension) and ``_edges_into`` (Python) walk the same
+    graphs to the same ``(node, edge index)`` list, in the same order: a residual block
+    whose input reaches two nodes, an input used three times through a shared node, a
+    view of the input, and a boundary that stops the walk before the nodes made earlier."""
+    from msprobe.core.monitor_v2 import native
+    from msprobe.core.monitor_v2.frameworks.pytorch import module as module_mod
+
+    ext = native.extension()
+    assert ext is not None, "the extension is built on the test machines"
+    get_seq = torch._C._autograd._get_sequence_nr
+    lin = torch.nn.Linear(4, 4)
+    w = torch.randn(4, 4, requires_grad=True)
+    cases = []
+    x = torch.randn(3, 4, requires_grad=True) * 2  # made before every boundary below
+    edge = (x.grad_fn, 0)
+    start = get_seq()
+    cases.append((edge, [(x + lin(x)).grad_fn], start))                 # residual: two edges
+    start = get_seq()
+    h = torch.tanh(x)
+    cases.append((edge, [(h * x + x @ w + h).grad_fn], start))          # three uses, a shared node
+    start = get_seq()
+    cases.append((edge, [(x.view(12).sin() + 1).grad_fn], start))       # through a view
+    cases.append((edge, [(x + lin(x)).grad_fn], get_seq() + 10 ** 6))   # boundary after all: root only
+    for target, roots, boundary in cases:
+        want = module_mod._edges_into(target, roots, boundary)
+        got = ext.edges_into(module_mod._ACCUMULATE_GRAD, module_mod._is_accumulate_grad, target, roots, boundary)
+        assert want, "each case reaches the input at least once"
+        assert [(id(n), e) for n, e in got] == [(id(n), e) for n, e in want]
+    assert len(module_mod._edges_into(*cases[0])) == 2 and len(module_mod._edges_into(*cases[1])) == 3

@@ -1563,6 +1563,118 @@ unread:
     Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------------ graph walk
+ * edges_into(known, classify, target, roots, boundary) -> [(node, edge index), ...]
+ *
+ * module.py's _edges_into: walking an autograd graph from the nodes `roots` (a list),
+ * depth first as the Python loop does (a stack, each node once), the edges equal to
+ * `target` (a (node, output number) tuple) found in each node's next_functions, in the
+ * order the loop finds them. A child is walked into where it is not a leaf accumulator
+ * and its _sequence_nr() is at least `boundary` (made inside the module call). `known`
+ * is the dict type -> bool (accumulates into a leaf) the Python side keeps; a type not
+ * in it is asked of `classify(child)`, which adds it. Every step is the Python
+ * loop's own operation (==, the set, the same calls on the nodes), in C. */
+static PyObject *str_next_functions, *str_sequence_nr;
+
+static PyObject *py_edges_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5 || !PyDict_Check(args[0]) || !PyList_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "edges_into(known: dict, classify, target, roots: list, boundary)");
+        return NULL;
+    }
+    PyObject *known = args[0], *classify = args[1], *target = args[2], *boundary = args[4];
+    PyObject *found = PyList_New(0);
+    PyObject *visited = PySet_New(NULL);
+    PyObject *stack = PyList_GetSlice(args[3], 0, PyList_GET_SIZE(args[3]));
+    PyObject *node = NULL, *edges = NULL;
+    if (found == NULL || visited == NULL || stack == NULL)
+        goto fail;
+    while (PyList_GET_SIZE(stack) > 0) {
+        Py_ssize_t top = PyList_GET_SIZE(stack) - 1;
+        node = PyList_GET_ITEM(stack, top);
+        Py_INCREF(node);
+        if (PyList_SetSlice(stack, top, top + 1, NULL) < 0)
+            goto fail;
+        int seen = PySet_Contains(visited, node);
+        if (seen < 0)
+            goto fail;
+        if (seen) {
+            Py_CLEAR(node);
+            continue;
+        }
+        if (PySet_Add(visited, node) < 0)
+            goto fail;
+        edges = PyObject_GetAttr(node, str_next_functions);
+        if (edges == NULL)
+            goto fail;
+        if (!PyTuple_Check(edges)) {
+            PyErr_SetString(PyExc_TypeError, "edges_into: next_functions is not a tuple");
+            goto fail;
+        }
+        for (Py_ssize_t e = 0; e < PyTuple_GET_SIZE(edges); e++) {
+            PyObject *edge = PyTuple_GET_ITEM(edges, e);
+            int equal = PyObject_RichCompareBool(edge, target, Py_EQ);
+            if (equal < 0)
+                goto fail;
+            if (equal) {
+                PyObject *pair = Py_BuildValue("(On)", node, e);
+                if (pair == NULL)
+                    goto fail;
+                int failed = PyList_Append(found, pair);
+                Py_DECREF(pair);
+                if (failed < 0)
+                    goto fail;
+                continue;
+            }
+            if (!PyTuple_Check(edge) || PyTuple_GET_SIZE(edge) < 1) {
+                PyErr_SetString(PyExc_TypeError, "edges_into: an edge is not a tuple");
+                goto fail;
+            }
+            PyObject *child = PyTuple_GET_ITEM(edge, 0);
+            if (child == Py_None)
+                continue;
+            Py_INCREF(child); /* the calls below may run Python code */
+            PyObject *leaf = PyDict_GetItemWithError(known, (PyObject *)Py_TYPE(child)); /* borrowed */
+            int is_leaf;
+            if (leaf != NULL) {
+                is_leaf = PyObject_IsTrue(leaf);
+            } else if (PyErr_Occurred()) {
+                is_leaf = -1;
+            } else {
+                PyObject *asked = PyObject_CallOneArg(classify, child);
+                is_leaf = asked == NULL ? -1 : PyObject_IsTrue(asked);
+                Py_XDECREF(asked);
+            }
+            int walk = 0;
+            if (is_leaf == 0) {
+                PyObject *seq = PyObject_CallMethodNoArgs(child, str_sequence_nr);
+                walk = seq == NULL ? -1 : PyObject_RichCompareBool(seq, boundary, Py_GE);
+                Py_XDECREF(seq);
+                if (walk > 0) {
+                    int in = PySet_Contains(visited, child);
+                    walk = in < 0 ? -1 : !in;
+                }
+            }
+            if (is_leaf < 0 || walk < 0 || (walk > 0 && PyList_Append(stack, child) < 0)) {
+                Py_DECREF(child);
+                goto fail;
+            }
+            Py_DECREF(child);
+        }
+        Py_CLEAR(edges);
+        Py_CLEAR(node);
+    }
+    Py_DECREF(visited);
+    Py_DECREF(stack);
+    return found;
+fail:
+    Py_XDECREF(node);
+    Py_XDECREF(edges);
+    Py_XDECREF(found);
+    Py_XDECREF(visited);
+    Py_XDECREF(stack);
+    return NULL;
+}
+
 /* ------------------------------------------------------------------ batched grad notes
  * weight_grad's post-accumulate hook of a batched parameter (weight_grad.py,
  * _BatchedGradHook) runs for every parameter in every backward pass; in Python it costs
@@ -2543,6 +2655,7 @@ static PyMethodDef methods[] = {
     {"not_on_host", py_not_on_host, METH_O, "the records to_host moves"},
     {"entries_again", (PyCFunction)(void (*)(void))py_entries_again, METH_FASTCALL, "StateListing.again's passes"},
     {"file_order", (PyCFunction)(void (*)(void))py_file_order, METH_FASTCALL, "monitor.weight_grad_rows"},
+    {"edges_into", (PyCFunction)(void (*)(void))py_edges_into, METH_FASTCALL, "module._edges_into's walk"},
     {"_format_float", py_format_float, METH_O, "one float cell, as format_rows writes it"},
     {"dtypes", py_dtypes, METH_NOARGS, "bit mask of the dtype codes this build reduces"},
     {NULL, NULL, 0, NULL},
@@ -2559,10 +2672,11 @@ PyMODINIT_FUNC PyInit__msprobe_monitor_native(void) {
     if (str_active == NULL || str_hooks_attr == NULL)
         return NULL;
     PyObject **interned[] = {&str_is_cpu, &str_dtype, &str_layout, &str_is_nested, &str_is_contiguous, &str_is_neg,
-                          &str_numel, &str_data_ptr, &str_is_inference, &str_version};
+                          &str_numel, &str_data_ptr, &str_is_inference, &str_version, &str_next_functions,
+                          &str_sequence_nr};
     const char *texts[] = {"is_cpu", "dtype", "layout", "is_nested", "is_contiguous", "is_neg", "numel", "data_ptr",
-                           "is_inference", "_version"};
-    for (int i = 0; i < 10; i++)
+                           "is_inference", "_version", "next_functions", "_sequence_nr"};
+    for (int i = 0; i < 12; i++)
         if ((*interned[i] = PyUnicode_InternFromString(texts[i])) == NULL)
             return NULL;
     pow10_init();

@@ -50,15 +50,16 @@ not trace them (``compile.py``): a compiled model breaks its graph at each
 monitored module, and the hooks run eagerly on the real tensors there.
 """
 
+import functools
 import itertools
 import logging
 import threading
 from time import perf_counter
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ... import rows
+from ... import native, rows
 from ...logonce import LogOnce
 from ...monitor import ContainedHook, Monitor, select_modules
 from ...stats import Record
@@ -363,14 +364,15 @@ class _NodeHook(ContainedHook):
                 monitor.errors.report(site, exc)
 
 
-def _edges_into(target: Tuple[Any, int], outputs: Sequence[torch.Tensor], boundary: int) -> List[Tuple[Any, int]]:
+def _edges_into(target: Tuple[Any, int], roots: List[Any], boundary: int) -> List[Tuple[Any, int]]:
     """``(node, edge index)`` of each edge equal to ``target`` met walking the graph from
-    the outputs' nodes, through nodes numbered from ``boundary`` on: the general walk of
-    ``ModuleMonitor._grad_input_edges`` for one input made by one edge, in the same order."""
+    the outputs' nodes ``roots``, through nodes numbered from ``boundary`` on: the general
+    walk of ``ModuleMonitor._grad_input_edges`` for one input made by one edge, in the same
+    order. With the kernel's extension the same walk runs in C (``edges_into``)."""
     found: List[Tuple[Any, int]] = []
     visited = set()
     accumulate = _ACCUMULATE_GRAD
-    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    stack = list(roots)
     while stack:
         node = stack.pop()
         if node in visited:
@@ -461,6 +463,9 @@ class ModuleMonitor(Monitor):
         self.plan = StatPlan.from_ops(self.settings.ops)
         # engine.record(t, plan, vpp, name, scope, cache=True) as one call (stats.py, recorder)
         self._read = self.session.engine.recorder(self.plan)
+        ext = native.extension()
+        self._edges_into: Callable[[Tuple[Any, int], List[Any], int], List[Tuple[Any, int]]] = (
+            _edges_into if ext is None else functools.partial(ext.edges_into, _ACCUMULATE_GRAD, _is_accumulate_grad))
         targets: Sequence[str] = self.settings.get("targets")
         # each module's pair of hooks, put on for written steps only (see _set_call_hooks)
         self._call_hooks = ModuleHooks()
@@ -699,7 +704,7 @@ class ModuleMonitor(Monitor):
         node, nr = _output_edge(output, own, call)
         out_hook = _node_hook(self, nodes, node)
         out_hook.outs = names.add_out(out_hook.outs, vpp, nr, names.grad_output_0)
-        found = _edges_into(edge, (output,), call.boundary)
+        found = self._edges_into(edge, [own], call.boundary)
         in_hooks = self._one_input_slots(vpp, names, found, nodes) if found else ()
         # registered as _hook_graph does: the output's node first, then each input edge's
         _register(out_hook, node)
@@ -734,7 +739,8 @@ class ModuleMonitor(Monitor):
         if edge is not None:
             # The common call: one input, made by one edge. The same walk without the
             # input tables, the counts and the accumulators' table.
-            found_one = _edges_into(edge, outputs, call.boundary)
+            found_one = self._edges_into(edge, [t.grad_fn for t in outputs if t.grad_fn is not None],
+                                         call.boundary)
             if found_one:
                 for hook, node in self._one_input_slots(vpp, names, found_one, nodes):
                     touched.append(hook)
