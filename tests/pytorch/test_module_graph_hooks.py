@@ -283,3 +283,48 @@ def test_the_extensions_graph_walk_finds_the_python_walks_edges_in_its_order():
         assert want, "each case reaches the input at least once"
         assert [(id(n), e) for n, e in got] == [(id(n), e) for n, e in want]
     assert len(module_mod._edges_into(*cases[0])) == 2 and len(module_mod._edges_into(*cases[1])) == 3
+
+
+@pytest.mark.parametrize("kind", ["extension", "python"])
+def test_a_node_hook_records_its_slots_contains_each_slots_error_and_lets_an_interrupt_through(write_config, kind):
+    """A node's hook object, the extension's ``NodeHook`` or the Python ``_NodeHook``: as a
+    post-hook it records its ``grad_output`` slots from the node's incoming gradients and its
+    ``grad_input`` slots from the outgoing ones, a sum's part goes to the running sum, a slot
+    that fails is reported once under its own site while the others are still recorded, and
+    an exception that is not an ``Exception`` (Ctrl-C) is not swallowed."""
+    from msprobe.core.monitor_v2 import native
+    from msprobe.core.monitor_v2.frameworks.pytorch import module as module_mod
+
+    model = TinyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMonitorV2(write_config({"monitors": {"module": {"enabled": True, "targets": ["fc2"]}}}))
+    mon.start(model=model, optimizer=opt)
+    mod = next(m for m in mon.monitors if m.name == "module")
+    assert mod.active, "the first step is written"
+    ext = native.extension()
+    assert ext is not None, "the extension is built on the test machines"
+    hook = (ext.NodeHook(mod, module_mod._NODE_HOOK_SITE, "backward", object) if kind == "extension"
+            else module_mod._NodeHook(mod, object))
+    assert (hook.outs, hook.ins, hook.pre, hook.post) == ((), (), False, False)
+    g_out, g_in, part = torch.randn(3, 4), torch.randn(3, 5), torch.randn(3, 5)
+    hook.outs = ((0, 0, "n.grad_output.0", "site of n.grad_output"),)
+    hook.ins = ((0, 1, "n.grad_input.0", -1, 1, "site of n.grad_input"),
+                (0, 7, "m.grad_input.0", -1, 1, "site of m.grad_input"),  # no edge 7: IndexError
+                (0, 1, "s.grad_input.0", 41, 2, "site of s.grad_input"))   # sum 41: one part of two
+    mod._records.clear()
+    errors_before = mod.errors.count
+    assert hook((None, g_in), (g_out,)) is None
+    assert [r.name for r in mod._records] == ["n.grad_output.0", "n.grad_input.0"]
+    for record, t in zip(mod._records, (g_out, g_in)):
+        assert record.numel == t.numel() and record.scope == "backward"
+    assert mod.errors.count == errors_before + 1, "the IndexError of edge 7, contained"
+    assert mod._sums[41].count == 1 and mod._sums[41].total is g_in
+    mod._sums.clear()
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    mod._read = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        hook((None, g_in), (g_out,))
+    mon.stop()

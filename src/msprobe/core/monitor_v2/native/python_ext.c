@@ -1928,6 +1928,244 @@ static PyTypeObject GradNoteType = {
     .tp_new = grad_note_new,
 };
 
+/* ------------------------------------------------------------------ node hooks
+ * NodeHook(monitor, site, scope, kind): module.py's _NodeHook (its docstring says what it
+ * does), in C. The Python code reads and sets its kind, outs, ins, pre and post as it does
+ * _NodeHook's. A call, hook(grads) as a pre-hook or hook(grad_inputs, grad_outputs) as a
+ * post-hook, runs as _NodeHook.__call__ runs: nothing while the monitor is not active; the
+ * time counted in monitor.errors.busy; each slot's error reported once per slot site through
+ * monitor.errors.report(site, exc), one outside the slots under `site`; an exception that
+ * is not an Exception (KeyboardInterrupt) goes on. A grad_input slot with a sum number is
+ * handed to monitor._add_part(number, parts, vpp, name, grad). Not tracked by the
+ * collector (one is made per hooked node per written step): the one cycle it sits in
+ * (monitor -> its pass's node table -> hook -> monitor) is broken by the monitor at the
+ * end of each pass and step and at detach. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *monitor, *site, *scope, *kind, *outs, *ins;
+    char pre, post;
+} NodeHookObject;
+
+static PyObject *str_attached, *str_errors, *str_read, *str_records, *str_busy, *str_report, *str_add_part;
+
+static void node_hook_dealloc(NodeHookObject *self) {
+    Py_XDECREF(self->monitor);
+    Py_XDECREF(self->site);
+    Py_XDECREF(self->scope);
+    Py_XDECREF(self->kind);
+    Py_XDECREF(self->outs);
+    Py_XDECREF(self->ins);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *node_hook_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"monitor", "site", "scope", "kind", NULL};
+    PyObject *monitor, *site, *scope, *kind;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OUUO:NodeHook", kwlist, &monitor, &site, &scope, &kind))
+        return NULL;
+    NodeHookObject *h = (NodeHookObject *)type->tp_alloc(type, 0);
+    if (h == NULL)
+        return NULL;
+    PyObject *empty = PyTuple_New(0);
+    if (empty == NULL) {
+        Py_DECREF(h);
+        return NULL;
+    }
+    Py_INCREF(monitor);
+    h->monitor = monitor;
+    Py_INCREF(site);
+    h->site = site;
+    Py_INCREF(scope);
+    h->scope = scope;
+    Py_INCREF(kind);
+    h->kind = kind;
+    Py_INCREF(empty);
+    h->outs = empty;
+    h->ins = empty;
+    return (PyObject *)h;
+}
+
+/* Report the raised Exception through errors.report(site, exc) and clear it: 0; -1 where
+   it is not an Exception, or the report raised (left set) */
+static int node_hook_contain(PyObject *errors, PyObject *site) {
+    if (!PyErr_ExceptionMatches(PyExc_Exception))
+        return -1;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL && value != NULL)
+        PyException_SetTraceback(value, tb);
+    PyObject *result = value == NULL ? NULL : PyObject_CallMethodObjArgs(errors, str_report, site, value, NULL);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    if (result == NULL)
+        return -1;
+    Py_DECREF(result);
+    return 0;
+}
+
+/* One slot: slot[0] is the vpp stage, slot[1] the gradient's index in grads, slot[2] the
+   row name; the record appended to records (or the part handed to _add_part). 0, or -1
+   with the error set. */
+static int node_hook_record(NodeHookObject *self, PyObject *read, PyObject *records, PyObject *slot,
+                            PyObject *grads, PyObject *monitor) {
+    Py_ssize_t size = PyTuple_GET_SIZE(slot);
+    Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(slot, 1));
+    if (at == -1 && PyErr_Occurred())
+        return -1;
+    PyObject *g = PySequence_GetItem(grads, at);
+    if (g == NULL)
+        return -1;
+    int failed = 0;
+    if (g != Py_None) {
+        if (size == 6) { /* a grad_input slot: (vpp, e, name, number, parts, site) */
+            long number = PyLong_AsLong(PyTuple_GET_ITEM(slot, 3));
+            if (number == -1 && PyErr_Occurred()) {
+                failed = 1;
+            } else if (number >= 0) {
+                PyObject *r = PyObject_CallMethodObjArgs(monitor, str_add_part, PyTuple_GET_ITEM(slot, 3),
+                                                         PyTuple_GET_ITEM(slot, 4), PyTuple_GET_ITEM(slot, 0),
+                                                         PyTuple_GET_ITEM(slot, 2), g, NULL);
+                failed = r == NULL;
+                Py_XDECREF(r);
+                Py_DECREF(g);
+                return failed ? -1 : 0;
+            }
+        }
+        if (!failed) {
+            PyObject *call_args[4] = {g, PyTuple_GET_ITEM(slot, 0), PyTuple_GET_ITEM(slot, 2), self->scope};
+            PyObject *rec = PyObject_Vectorcall(read, call_args, 4, NULL);
+            failed = rec == NULL || PyList_Append(records, rec) < 0;
+            Py_XDECREF(rec);
+        }
+    }
+    Py_DECREF(g);
+    return failed ? -1 : 0;
+}
+
+/* Every slot of `slots` (a tuple of tuples whose last item is the slot's site) recorded
+   from `grads`, each slot's error contained. 0, or -1 with an error that is not to be
+   contained (set). */
+static int node_hook_slots(NodeHookObject *self, PyObject *slots, PyObject *grads, PyObject *monitor,
+                           PyObject *errors) {
+    if (!PyTuple_Check(slots) || PyTuple_GET_SIZE(slots) == 0)
+        return 0;
+    PyObject *read = PyObject_GetAttr(monitor, str_read);
+    PyObject *records = read == NULL ? NULL : PyObject_GetAttr(monitor, str_records);
+    if (records == NULL || !PyList_Check(records)) {
+        if (records != NULL)
+            PyErr_SetString(PyExc_TypeError, "NodeHook: monitor._records is not a list");
+        Py_XDECREF(read);
+        Py_XDECREF(records);
+        return -2; /* an error outside the slots */
+    }
+    int result = 0;
+    Py_INCREF(slots); /* a slot's Python code may replace the hook's tuple */
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(slots); i++) {
+        PyObject *slot = PyTuple_GET_ITEM(slots, i);
+        if (!PyTuple_Check(slot) || (PyTuple_GET_SIZE(slot) != 4 && PyTuple_GET_SIZE(slot) != 6)) {
+            PyErr_SetString(PyExc_TypeError, "NodeHook: a slot is not a tuple of 4 or 6 items");
+            result = -2;
+            break;
+        }
+        if (node_hook_record(self, read, records, slot, grads, monitor) < 0 &&
+            node_hook_contain(errors, PyTuple_GET_ITEM(slot, PyTuple_GET_SIZE(slot) - 1)) < 0) {
+            result = -1;
+            break;
+        }
+    }
+    Py_DECREF(slots);
+    Py_DECREF(read);
+    Py_DECREF(records);
+    return result;
+}
+
+static PyObject *node_hook_call(NodeHookObject *self, PyObject *args, PyObject *kwds) {
+    if (kwds != NULL || !PyTuple_Check(args) || PyTuple_GET_SIZE(args) < 1 || PyTuple_GET_SIZE(args) > 2) {
+        PyErr_SetString(PyExc_TypeError, "NodeHook(grads) or NodeHook(grad_inputs, grad_outputs)");
+        return NULL;
+    }
+    PyObject *monitor = self->monitor;
+    Py_INCREF(monitor);
+    PyObject *active = PyObject_GetAttr(monitor, str_active);
+    int is_active = active == NULL ? -1 : PyObject_IsTrue(active);
+    Py_XDECREF(active);
+    if (is_active <= 0) {
+        Py_DECREF(monitor);
+        if (is_active < 0)
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    PyObject *errors = PyObject_GetAttr(monitor, str_errors);
+    if (errors == NULL) {
+        Py_DECREF(monitor);
+        return NULL;
+    }
+    double start = monotonic_seconds();
+    int failed = 0; /* -1: to be contained under self->site; -2: not to be contained */
+    PyObject *attached = PyObject_GetAttr(monitor, str_attached);
+    int is_attached = attached == NULL ? -1 : PyObject_IsTrue(attached);
+    Py_XDECREF(attached);
+    if (is_attached < 0) {
+        failed = -1;
+    } else if (is_attached) {
+        PyObject *grads = PyTuple_GET_ITEM(args, 0);
+        int r = 0;
+        if (PyTuple_GET_SIZE(args) == 1) { /* the pre-hook: grads are the node's incoming gradients */
+            r = node_hook_slots(self, self->outs, grads, monitor, errors);
+        } else {
+            if (!self->pre)
+                r = node_hook_slots(self, self->outs, PyTuple_GET_ITEM(args, 1), monitor, errors);
+            if (r == 0)
+                r = node_hook_slots(self, self->ins, grads, monitor, errors);
+        }
+        failed = r == 0 ? 0 : r == -2 ? -1 : -2;
+    }
+    if (failed == -1 && node_hook_contain(errors, self->site) < 0)
+        failed = -2;
+    PyObject *result = NULL;
+    if (failed == 0 || failed == -1) {
+        /* errors.busy += elapsed, as the Python hook does */
+        PyObject *busy = PyObject_GetAttr(errors, str_busy);
+        PyObject *more = busy == NULL ? NULL : PyFloat_FromDouble(monotonic_seconds() - start);
+        PyObject *total = more == NULL ? NULL : PyNumber_InPlaceAdd(busy, more);
+        if (total != NULL && PyObject_SetAttr(errors, str_busy, total) == 0) {
+            Py_INCREF(Py_None);
+            result = Py_None;
+        }
+        Py_XDECREF(busy);
+        Py_XDECREF(more);
+        Py_XDECREF(total);
+    }
+    Py_DECREF(errors);
+    Py_DECREF(monitor);
+    return result;
+}
+
+static PyMemberDef node_hook_members[] = {
+    {"monitor", T_OBJECT, offsetof(NodeHookObject, monitor), READONLY, NULL},
+    {"site", T_OBJECT, offsetof(NodeHookObject, site), READONLY, NULL},
+    {"kind", T_OBJECT, offsetof(NodeHookObject, kind), READONLY, "the type of the node it is made for"},
+    {"outs", T_OBJECT_EX, offsetof(NodeHookObject, outs), 0, "the grad_output slots"},
+    {"ins", T_OBJECT_EX, offsetof(NodeHookObject, ins), 0, "the grad_input slots"},
+    {"pre", T_BOOL, offsetof(NodeHookObject, pre), 0, "registered as a pre-hook"},
+    {"post", T_BOOL, offsetof(NodeHookObject, post), 0, "registered as a post-hook"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject NodeHookType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "_msprobe_monitor_native.NodeHook",
+    .tp_basicsize = sizeof(NodeHookObject),
+    .tp_dealloc = (destructor)node_hook_dealloc,
+    .tp_call = (ternaryfunc)node_hook_call,
+    .tp_flags = Py_TPFLAGS_DEFAULT, /* not collected: see above */
+    .tp_doc = "module.py's _NodeHook in C: the module monitor's hooks on one autograd node.",
+    .tp_members = node_hook_members,
+    .tp_new = node_hook_new,
+};
+
 /* cache_entry(tensor, version, record) -> (weakref.ref(tensor), version, record), the entry
    of the engines' same-tensor cache, with the weak reference and the tuple outside the
    garbage collector: an entry lives from a module's hook to the end of the step (one per
@@ -2665,7 +2903,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_msprobe_monitor_nat
 
 PyMODINIT_FUNC PyInit__msprobe_monitor_native(void) {
     if (PyType_Ready(&RecordType) < 0 || PyType_Ready(&NoteStateType) < 0 || PyType_Ready(&GradNoteType) < 0 ||
-        PyType_Ready(&RecorderType) < 0)
+        PyType_Ready(&RecorderType) < 0 || PyType_Ready(&NodeHookType) < 0)
         return NULL;
     str_active = PyUnicode_InternFromString("active");
     str_hooks_attr = PyUnicode_InternFromString("_post_accumulate_grad_hooks");
@@ -2673,19 +2911,21 @@ PyMODINIT_FUNC PyInit__msprobe_monitor_native(void) {
         return NULL;
     PyObject **interned[] = {&str_is_cpu, &str_dtype, &str_layout, &str_is_nested, &str_is_contiguous, &str_is_neg,
                           &str_numel, &str_data_ptr, &str_is_inference, &str_version, &str_next_functions,
-                          &str_sequence_nr};
+                          &str_sequence_nr, &str_attached, &str_errors, &str_read, &str_records, &str_busy,
+                          &str_report, &str_add_part};
     const char *texts[] = {"is_cpu", "dtype", "layout", "is_nested", "is_contiguous", "is_neg", "numel", "data_ptr",
-                           "is_inference", "_version", "next_functions", "_sequence_nr"};
-    for (int i = 0; i < 12; i++)
+                           "is_inference", "_version", "next_functions", "_sequence_nr", "attached", "errors",
+                           "_read", "_records", "busy", "report", "_add_part"};
+    for (int i = 0; i < 19; i++)
         if ((*interned[i] = PyUnicode_InternFromString(texts[i])) == NULL)
             return NULL;
     pow10_init();
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    PyTypeObject *types[] = {&RecordType, &NoteStateType, &GradNoteType, &RecorderType};
-    const char *names[] = {"Record", "NoteState", "GradNote", "Recorder"};
-    for (int i = 0; i < 4; i++) {
+    PyTypeObject *types[] = {&RecordType, &NoteStateType, &GradNoteType, &RecorderType, &NodeHookType};
+    const char *names[] = {"Record", "NoteState", "GradNote", "Recorder", "NodeHook"};
+    for (int i = 0; i < 5; i++) {
         Py_INCREF(types[i]);
         if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
             Py_DECREF(types[i]);

@@ -341,7 +341,6 @@ class _NodeHook(ContainedHook):
 
     def _inputs(self, monitor: "ModuleMonitor", grad_inputs: Tuple) -> None:
         read, records = monitor._read, monitor._records
-        sums = monitor._sums
         for vpp, e, name, number, parts, site in self.ins:
             try:
                 g = grad_inputs[e]
@@ -349,17 +348,8 @@ class _NodeHook(ContainedHook):
                     continue
                 if number < 0:
                     records.append(read(g, vpp, name, rows.BACKWARD))
-                    continue
-                acc = sums.get(number)
-                if acc is None:
-                    acc = sums[number] = _GradInputSum(parts, vpp, name, g)
                 else:
-                    total = acc.total
-                    # Parts through a view's node and through its base's node differ only in shape.
-                    acc.total = total + (g if g.shape == total.shape else g.reshape(total.shape))
-                    acc.count += 1
-                if acc.count == acc.expected:
-                    monitor._flush(number)
+                    monitor._add_part(number, parts, vpp, name, g)
             except Exception as exc:  # noqa: BLE001 - containment is the point
                 monitor.errors.report(site, exc)
 
@@ -401,10 +391,10 @@ def _node_hook(monitor: "ModuleMonitor", nodes: Dict[int, _NodeHook], node: Any)
     made the node; the type is checked too)."""
     seq = node._sequence_nr()
     if seq == _NO_SEQUENCE_NR:  # a node type that shares this number (AccumulateGrad's): no lookup
-        return _NodeHook(monitor, type(node))
+        return monitor._new_node_hook(type(node))
     hook = nodes.get(seq)
     if hook is None or hook.kind is not type(node):
-        hook = nodes[seq] = _NodeHook(monitor, type(node))
+        hook = nodes[seq] = monitor._new_node_hook(type(node))
     return hook
 
 
@@ -466,6 +456,11 @@ class ModuleMonitor(Monitor):
         ext = native.extension()
         self._edges_into: Callable[[Tuple[Any, int], List[Any], int], List[Tuple[Any, int]]] = (
             _edges_into if ext is None else functools.partial(ext.edges_into, _ACCUMULATE_GRAD, _is_accumulate_grad))
+        # a node's hooks: _NodeHook, or the extension's NodeHook (the same in C, and not an
+        # object the garbage collector tracks: about 750 fewer a written step per 1,000 tensors)
+        self._new_node_hook: Callable[[type], Any] = (
+            functools.partial(_NodeHook, self) if ext is None
+            else functools.partial(ext.NodeHook, self, _NODE_HOOK_SITE, rows.BACKWARD))
         targets: Sequence[str] = self.settings.get("targets")
         # each module's pair of hooks, put on for written steps only (see _set_call_hooks)
         self._call_hooks = ModuleHooks()
@@ -792,6 +787,20 @@ class ModuleMonitor(Monitor):
             hook.ins += ((vpp, e, names.grad_input(i), numbers.get(i, -1), counts[i], site),)
             touched.append(hook)
             touched.append(node)
+
+    def _add_part(self, number: int, parts: int, vpp: int, name: str, g: torch.Tensor) -> None:
+        """One part of the ``grad_input`` that sum ``number`` adds up (``parts`` in all)."""
+        sums = self._sums
+        acc = sums.get(number)
+        if acc is None:
+            acc = sums[number] = _GradInputSum(parts, vpp, name, g)
+        else:
+            total = acc.total
+            # Parts through a view's node and through its base's node differ only in shape.
+            acc.total = total + (g if g.shape == total.shape else g.reshape(total.shape))
+            acc.count += 1
+        if acc.count == acc.expected:
+            self._flush(number)
 
     def _flush(self, number: int) -> None:
         acc = self._sums.pop(number)
