@@ -1802,16 +1802,11 @@ static PyObject *grad_note_new(PyTypeObject *type, PyObject *args, PyObject *kwd
     GradNoteObject *n = (GradNoteObject *)type->tp_alloc(type, 0);
     if (n == NULL)
         return NULL;
-    Py_INCREF(monitor);
-    n->monitor = monitor;
-    Py_INCREF(source);
-    n->source = source;
-    Py_INCREF(index);
-    n->index = index;
-    Py_INCREF(state);
-    n->state = state;
-    Py_INCREF(slow);
-    n->slow = slow;
+    n->monitor = ref_or_none(monitor);
+    n->source = ref_or_none(source);
+    n->index = ref_or_none(index);
+    n->state = ref_or_none(state);
+    n->slow = ref_or_none(slow);
     return (PyObject *)n;
 }
 
@@ -1971,17 +1966,12 @@ static PyObject *node_hook_new(PyTypeObject *type, PyObject *args, PyObject *kwd
         Py_DECREF(h);
         return NULL;
     }
-    Py_INCREF(monitor);
-    h->monitor = monitor;
-    Py_INCREF(site);
-    h->site = site;
-    Py_INCREF(scope);
-    h->scope = scope;
-    Py_INCREF(kind);
-    h->kind = kind;
-    Py_INCREF(empty);
-    h->outs = empty;
-    h->ins = empty;
+    h->monitor = ref_or_none(monitor);
+    h->site = ref_or_none(site);
+    h->scope = ref_or_none(scope);
+    h->kind = ref_or_none(kind);
+    h->ins = ref_or_none(empty);
+    h->outs = empty; /* the new reference */
     return (PyObject *)h;
 }
 
