@@ -305,7 +305,7 @@ def test_a_node_hook_records_its_slots_contains_each_slots_error_and_lets_an_int
     assert ext is not None, "the extension is built on the test machines"
     hook = (ext.NodeHook(mod, module_mod._NODE_HOOK_SITE, "backward", object) if kind == "extension"
             else module_mod._NodeHook(mod, object))
-    assert (hook.outs, hook.ins, hook.pre, hook.post) == ((), (), False, False)
+    assert (hook.outs, hook.ins, hook.pre, hook.post) == ((), (), False, False) and hook.monitor is mod
     g_out, g_in, part = torch.randn(3, 4), torch.randn(3, 5), torch.randn(3, 5)
     hook.outs = ((0, 0, "n.grad_output.0", "site of n.grad_output"),)
     hook.ins = ((0, 1, "n.grad_input.0", -1, 1, "site of n.grad_input"),
@@ -328,3 +328,25 @@ def test_a_node_hook_records_its_slots_contains_each_slots_error_and_lets_an_int
     with pytest.raises(KeyboardInterrupt):
         hook((None, g_in), (g_out,))
     mon.stop()
+
+
+def test_the_extensions_node_hook_holds_its_monitor_weakly():
+    """The extension's ``NodeHook`` is not tracked by the garbage collector, so it holds its
+    monitor by a weak reference (a cycle through it could never be collected): once the
+    monitor is gone, the hook says so and does nothing when the engine calls it."""
+    import gc
+    import weakref
+
+    from msprobe.core.monitor_v2 import native
+    from msprobe.core.monitor_v2.frameworks.pytorch import module as module_mod
+
+    class Owner:  # stands in for the monitor: active, but never to be reached once gone
+        active = True
+
+    owner = Owner()
+    hook = native.extension().NodeHook(owner, module_mod._NODE_HOOK_SITE, "backward", object)
+    assert not gc.is_tracked(hook) and hook.monitor is owner
+    gone = weakref.ref(owner)
+    del owner
+    assert gone() is None and hook.monitor is None
+    assert hook((torch.ones(2),)) is None

@@ -1932,14 +1932,17 @@ static PyTypeObject GradNoteType = {
  * monitor.errors.report(site, exc), one outside the slots under `site`; an exception that
  * is not an Exception (KeyboardInterrupt) goes on. A grad_input slot with a sum number is
  * handed to monitor._add_part(number, parts, vpp, name, grad). Not tracked by the
- * collector (one is made per hooked node per written step): the one cycle it sits in
- * (monitor -> its pass's node table -> hook -> monitor) is broken by the monitor at the
- * end of each pass and step and at detach. */
+ * collector (one is made per hooked node per written step), it holds its monitor by a
+ * weak reference and so sits in no cycle (the monitor's node tables hold the hooks); a
+ * hook whose monitor is gone does nothing. */
 typedef struct {
     PyObject_HEAD
-    PyObject *monitor, *site, *scope, *kind, *outs, *ins;
+    PyObject *monitor; /* weakref.ref to the ModuleMonitor */
+    PyObject *site, *scope, *kind, *outs, *ins;
     char pre, post;
 } NodeHookObject;
+
+static PyObject *referent(PyObject *ref);
 
 static PyObject *str_attached, *str_errors, *str_read, *str_records, *str_busy, *str_report, *str_add_part;
 
@@ -1966,7 +1969,12 @@ static PyObject *node_hook_new(PyTypeObject *type, PyObject *args, PyObject *kwd
         Py_DECREF(h);
         return NULL;
     }
-    h->monitor = ref_or_none(monitor);
+    h->monitor = PyWeakref_NewRef(monitor, NULL);
+    if (h->monitor == NULL) {
+        Py_DECREF(empty);
+        Py_DECREF(h);
+        return NULL;
+    }
     h->site = ref_or_none(site);
     h->scope = ref_or_none(scope);
     h->kind = ref_or_none(kind);
@@ -2076,8 +2084,9 @@ static PyObject *node_hook_call(NodeHookObject *self, PyObject *args, PyObject *
         PyErr_SetString(PyExc_TypeError, "NodeHook(grads) or NodeHook(grad_inputs, grad_outputs)");
         return NULL;
     }
-    PyObject *monitor = self->monitor;
-    Py_INCREF(monitor);
+    PyObject *monitor = referent(self->monitor);
+    if (monitor == NULL) /* the monitor is gone */
+        Py_RETURN_NONE;
     PyObject *active = PyObject_GetAttr(monitor, str_active);
     int is_active = active == NULL ? -1 : PyObject_IsTrue(active);
     Py_XDECREF(active);
@@ -2133,8 +2142,19 @@ static PyObject *node_hook_call(NodeHookObject *self, PyObject *args, PyObject *
     return result;
 }
 
+static PyObject *node_hook_monitor(NodeHookObject *self, void *closure) {
+    PyObject *monitor = referent(self->monitor);
+    if (monitor == NULL)
+        Py_RETURN_NONE;
+    return monitor;
+}
+
+static PyGetSetDef node_hook_getset[] = {
+    {"monitor", (getter)node_hook_monitor, NULL, "the monitor, or None once it is gone", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyMemberDef node_hook_members[] = {
-    {"monitor", T_OBJECT, offsetof(NodeHookObject, monitor), READONLY, NULL},
     {"site", T_OBJECT, offsetof(NodeHookObject, site), READONLY, NULL},
     {"kind", T_OBJECT, offsetof(NodeHookObject, kind), READONLY, "the type of the node it is made for"},
     {"outs", T_OBJECT_EX, offsetof(NodeHookObject, outs), 0, "the grad_output slots"},
@@ -2153,6 +2173,7 @@ static PyTypeObject NodeHookType = {
     .tp_flags = Py_TPFLAGS_DEFAULT, /* not collected: see above */
     .tp_doc = "module.py's _NodeHook in C: the module monitor's hooks on one autograd node.",
     .tp_members = node_hook_members,
+    .tp_getset = node_hook_getset,
     .tp_new = node_hook_new,
 };
 
