@@ -14,7 +14,6 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
-#include <float.h>
 #include <stdlib.h>
 #include <time.h>
 
