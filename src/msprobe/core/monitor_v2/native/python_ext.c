@@ -1926,8 +1926,9 @@ static PyTypeObject GradNoteType = {
  * NodeHook(monitor, site, scope, kind): module.py's _NodeHook (its docstring says what it
  * does), in C. The Python code reads and sets its kind, outs, ins, pre and post as it does
  * _NodeHook's. A call, hook(grads) as a pre-hook or hook(grad_inputs, grad_outputs) as a
- * post-hook, runs as _NodeHook.__call__ runs: nothing while the monitor is not active; the
- * time counted in monitor.errors.busy; each slot's error reported once per slot site through
+ * post-hook, runs as a call of _NodeHook (ContainedHook.__call__, then its run) runs:
+ * nothing while the monitor is not active; the time counted in monitor.errors.busy; each
+ * slot's error reported once per slot site through
  * monitor.errors.report(site, exc), one outside the slots under `site`; an exception that
  * is not an Exception (KeyboardInterrupt) goes on. A grad_input slot with a sum number is
  * handed to monitor._add_part(number, parts, vpp, name, grad). Not tracked by the

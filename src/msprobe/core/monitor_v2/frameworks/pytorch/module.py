@@ -54,7 +54,6 @@ import functools
 import itertools
 import logging
 import threading
-from time import perf_counter
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -309,25 +308,16 @@ class _NodeHook(ContainedHook):
         self.pre = False  # registered as a pre-hook: the ``outs`` are recorded there
         self.post = False
 
-    def __call__(self, grads: Tuple, grad_outputs: Any = _NO_ARGUMENT) -> None:
-        """``ContainedHook.__call__`` with ``run`` written in: one Python call fewer per node."""
+    def run(self, grads: Tuple, grad_outputs: Any = _NO_ARGUMENT) -> None:
         monitor = self.monitor
-        if not monitor.active:
-            return None
-        errors = monitor.errors
-        start = perf_counter()
-        try:
-            if monitor.attached:
-                if grad_outputs is _NO_ARGUMENT:  # the pre-hook: ``grads`` are the node's incoming gradients
-                    self._outputs(monitor, grads)
-                else:
-                    if not self.pre:
-                        self._outputs(monitor, grad_outputs)
-                    self._inputs(monitor, grads)
-        except Exception as exc:  # noqa: BLE001 - containment is the point
-            errors.report(self.site, exc)
-        errors.busy += perf_counter() - start
-        return None  # a hook that returns a value could replace a tensor
+        if not monitor.attached:
+            return
+        if grad_outputs is _NO_ARGUMENT:  # the pre-hook: ``grads`` are the node's incoming gradients
+            self._outputs(monitor, grads)
+            return
+        if not self.pre:
+            self._outputs(monitor, grad_outputs)
+        self._inputs(monitor, grads)
 
     def _outputs(self, monitor: "ModuleMonitor", grad_outputs: Tuple) -> None:
         read, records = monitor._read, monitor._records
