@@ -201,3 +201,39 @@ def test_hooks_are_not_compiled_as_frames_of_their_own(write_config, caplog):
     assert limit_hits == []
     assert not any("module.py" in f and "hook" in f for f in frames), frames
     assert len(rows_of(mon.config.output_dir, "module")) > 0
+
+
+def test_the_call_hooks_in_c_make_way_for_the_python_hooks_before_dynamo_traces(write_config):
+    """The extension's ``CallHook`` runs the modules' common calls, but Dynamo must meet the
+    Python hooks (it cannot trace a C object): when it starts to compile, each ``CallHook``
+    is replaced by its Python hook, under the same handle, in the same place among the
+    module's hooks, and the compiled steps are recorded as the others."""
+    from msprobe.core.monitor_v2 import native
+
+    ext = native.extension()
+    if ext is None:
+        pytest.fail("the kernel's extension is not built here: there is no CallHook to replace")
+    model = TinyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    mon = TrainerMonitorV2(write_config({"monitors": {"module": {"enabled": True}}}))
+    mon.start(model=model, optimizer=opt)
+    user = model.fc1.register_forward_pre_hook(lambda m, args: None)  # after the monitor's
+    before = {name: list(getattr(model.fc1, name).items()) for name in ("_forward_pre_hooks", "_forward_hooks")}
+    assert all(type(h) is ext.CallHook for hooks in before.values() for _, h in hooks[:1])
+    batches = make_batches(2, seed=3)
+    cm = torch.compile(model, backend="eager")
+    for x, y in batches:
+        loss_fn(cm, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    for name, hooks in before.items():
+        after = list(getattr(model.fc1, name).items())
+        assert [i for i, _ in after] == [i for i, _ in hooks]  # the same handles, in the same order
+        for (_, was), (_, now) in zip(hooks, after):
+            assert now is (was.fallback if type(was) is ext.CallHook else was)
+    user.remove()
+    mon.stop()
+    assert mon.errors.count == 0
+    rows = rows_of(mon.config.output_dir, "module")
+    assert {r["step"] for r in rows} == {"0", "1"}
+    assert {"fc1.input.0", "fc1.output.0", "fc1.grad_output.0"} <= {r["module_name"] for r in rows}

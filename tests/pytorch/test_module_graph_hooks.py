@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from support import TinyMLP, assert_row_matches, find_row, loss_fn, make_batches, numpy_stats, rows_of
+from msprobe.core.monitor_v2 import native
+from msprobe.core.monitor_v2.frameworks.pytorch import module as module_mod
 from msprobe.core.monitor_v2.frameworks.pytorch.module import ModuleMonitor
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
@@ -258,9 +260,6 @@ def test_the_extensions_graph_walk_finds_the_python_walks_edges_in_its_order():
     graphs to the same ``(node, edge index)`` list, in the same order: a residual block
     whose input reaches two nodes, an input used three times through a shared node, a
     view of the input, and a boundary that stops the walk before the nodes made earlier."""
-    from msprobe.core.monitor_v2 import native
-    from msprobe.core.monitor_v2.frameworks.pytorch import module as module_mod
-
     ext = native.extension()
     assert ext is not None, "the extension is built on the test machines"
     get_seq = torch._C._autograd._get_sequence_nr
@@ -292,9 +291,6 @@ def test_a_node_hook_records_its_slots_contains_each_slots_error_and_lets_an_int
     ``grad_input`` slots from the outgoing ones, a sum's part goes to the running sum, a slot
     that fails is reported once under its own site while the others are still recorded, and
     an exception that is not an ``Exception`` (Ctrl-C) is not swallowed."""
-    from msprobe.core.monitor_v2 import native
-    from msprobe.core.monitor_v2.frameworks.pytorch import module as module_mod
-
     model = TinyMLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     mon = TrainerMonitorV2(write_config({"monitors": {"module": {"enabled": True, "targets": ["fc2"]}}}))
@@ -337,9 +333,6 @@ def test_the_extensions_node_hook_holds_its_monitor_weakly():
     import gc
     import weakref
 
-    from msprobe.core.monitor_v2 import native
-    from msprobe.core.monitor_v2.frameworks.pytorch import module as module_mod
-
     class Owner:  # stands in for the monitor: active, but never to be reached once gone
         active = True
 
@@ -350,3 +343,113 @@ def test_the_extensions_node_hook_holds_its_monitor_weakly():
     del owner
     assert gone() is None and hook.monitor is None
     assert hook((torch.ones(2),)) is None
+
+
+class _Mixed(torch.nn.Module):
+    """Calls of every kind the modules' call hooks meet: the common call (one tensor in, one
+    out: the residual blocks, in C with the extension), two inputs and a keyword (``_Shared``
+    with ``extra``), a view input (``x[:, :6]``), a tuple output, and a block whose forward
+    runs again in the backward pass (activation checkpointing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.Sequential(_Residual(), _Residual())
+        self.shared = _Shared()
+        self.split = _Split()
+        self.again = _Residual()
+
+    def forward(self, x):
+        h = self.blocks(x)
+        h = self.shared(h, extra=h * 0.5)
+        a, b = self.split(torch.cat([h, h], dim=-1)[..., :12])
+        h = a + b
+        return torch.utils.checkpoint.checkpoint(self.again, h, use_reentrant=False)
+
+
+class _Split(torch.nn.Module):
+    def forward(self, x):
+        return x[..., :6] * 2.0, x[..., 6:]
+
+
+def _mixed_rows(write_config, out_dir):
+    torch.manual_seed(11)
+    model = _Mixed()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMonitorV2(write_config({"output_dir": str(out_dir),
+                                         "monitors": {"module": {"enabled": True, "targets": []}}},
+                                        name=f"{out_dir.name}.json"))
+    mon.start(model=model, optimizer=opt)
+    monitor = next(m for m in mon.monitors if m.name == "module")
+    hook_types = {type(h) for m in model.modules() for h in m._forward_pre_hooks.values()}
+    leaf = torch.randn(4, 6, requires_grad=True)
+    for _ in range(2):
+        x = leaf * 2  # made by a node: the first block's input has a producer
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():  # an evaluation pass: eval_forward rows
+            model(x)
+    mon.stop()
+    assert mon.errors.count == 0
+    return rows_of(out_dir, "module"), monitor._native_calls, hook_types
+
+
+def test_the_call_hooks_in_c_give_the_python_hooks_rows(write_config, tmp_path, monkeypatch):
+    """With the extension, the modules' common calls run in its ``CallHook``: the rows are
+    those of the Python hooks, in the same order, value for value, for calls of every kind
+    (the ones ``CallHook`` hands to the Python hook too)."""
+    if native.extension() is None:
+        pytest.fail("the kernel's extension is not built here: CallHook cannot be compared")
+    fast, in_c, types = _mixed_rows(write_config, tmp_path / "c")
+    assert in_c and native.extension().CallHook in types
+    monkeypatch.setattr(module_mod, "_native_call_hooks", lambda ext: False)
+    slow, in_c, types = _mixed_rows(write_config, tmp_path / "python")
+    assert not in_c and native.extension().CallHook not in types
+    assert {r["scope"] for r in fast} == {"forward", "backward", "eval_forward"}
+    assert len(fast) > 100
+    assert fast == slow
+
+
+@pytest.mark.parametrize("kind", ["extension", "python"])
+@pytest.mark.parametrize("failing_row, site, left", [
+    ("fc2.input.0", "forward pre-hook of fc2", {("fc2.output.0", "forward"), ("fc2.grad_output.0", "backward")}),
+    ("fc2.output.0", "forward hook of fc2", {("fc2.input.0", "forward")}),
+])
+def test_an_error_in_a_call_hook_is_contained_once_and_training_is_unchanged(write_config, caplog, kind, failing_row,
+                                                                            site, left, monkeypatch):
+    """A forward read that fails, in the extension's ``CallHook`` or in the Python hook: one
+    error logged under its site, training bit-identical to an unmonitored copy, and the rows
+    that do not depend on it written. The input's read fails first in the pre-hook, so the
+    call has no state: its forward hook still records the output and its ``grad_output``
+    (and no ``grad_input``, whose producer was not taken); the output's read fails first in
+    the forward hook, before the graph hooks."""
+    if kind == "python":
+        monkeypatch.setattr(module_mod, "_native_call_hooks", lambda ext: False)
+    model = TinyMLP()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    mon = TrainerMonitorV2(write_config({"monitors": {"module": {"enabled": True, "targets": ["fc2"]}}}))
+    mon.start(model=model, optimizer=opt)
+    module = next(m for m in mon.monitors if m.name == "module")
+    assert module._native_calls == (kind == "extension" and native.extension() is not None)
+    read = module._read
+
+    def failing(t, vpp, name, scope, *args):
+        if name == failing_row:
+            raise RuntimeError("planted failure in a call hook")
+        return read(t, vpp, name, scope, *args)
+
+    module._read = failing
+    batches = make_batches(3)
+    with caplog.at_level(logging.ERROR, logger="msprobe.monitor_v2"):
+        train(model, opt, batches)
+    mon.stop()
+    train(ref, ref_opt, batches)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    sites = [r.getMessage() for r in caplog.records if "planted failure" in r.getMessage()]
+    assert len(sites) == 1 and site in sites[0]
+    rows = rows_of(mon.config.output_dir, "module")
+    assert {(r["module_name"], r["scope"]) for r in rows} == left
+    assert len({r["step"] for r in rows}) == 3

@@ -2712,6 +2712,613 @@ fail:
     return NULL;
 }
 
+/* ------------------------------------------------------------------ module call hooks
+ * CallHook(monitor, fallback, site, vpp, names, key, row, post): the module monitor's
+ * forward pre-hook (post false) or forward hook (post true) of one module, for its common
+ * call, in C: one tensor in (no keyword arguments), one tensor out. It does what the
+ * Python hook (`fallback`, eager_hook's of _ForwardPreHook or _ForwardHook) does for that
+ * call, in the same order and with the same objects: the input's or output's record, the
+ * call state (_Call) with the input's producer, and, after the call, the graph hooks of
+ * module._hook_graph_one (the output's node and the edges into the input's producer, on
+ * the nodes' NodeHook). Every other call (other arguments or outputs, a tensor subclass, a
+ * view's producer, a framework-internal pass, a call outside a model chunk's, a trace
+ * running: torch.compiler's flag) goes to `fallback`, whole; the parts of the common call
+ * that are not the common case (an input reached by several edges, an output without
+ * the one-edge input) call the monitor's own Python methods. Gated, timed and contained
+ * as ContainedHook: nothing while the monitor is not active, the time counted in
+ * monitor.errors.busy, an Exception reported under `site`. `row`: the input's row name
+ * (names.input(0)) for the pre-hook, the output's (names.output_0) for the forward hook.
+ * forward_api(...) hands over, once, the torch functions and the module's helpers it
+ * calls. Tracked by the collector: it holds its monitor. Dynamo never sees one: the
+ * monitor puts the Python hooks in their place before Dynamo compiles (module.py). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *monitor, *fallback, *site, *vpp, *names, *key, *row;
+    int post;
+    vectorcallfunc vectorcall;
+} CallHookObject;
+
+static struct {
+    PyObject *current_node, *sequence_nr, *grad_enabled, *tensor_type, *call_type, *compiler_dict, *known,
+        *classify, *producer, *output_edge, *register_fn, *forward, *eval_forward, *node_site, *node_scope;
+} fwd;
+#define FWD_COUNT 15
+
+static PyObject *str_pass, *str_internal, *str_depth, *str_evaluation, *str_nodes, *str_calls, *str_grad_fn,
+    *str_is_view, *str_output_nr, *str_requires_grad, *str_outer, *str_inputs, *str_boundary, *str_scope,
+    *str_hook_graph, *str_one_input_slots, *str_outs_0, *str_in_ones, *str_add_out, *str_add_in, *str_grad_output_0,
+    *str_register_hook, *str_register_prehook, *str_compiling_flag;
+
+static PyObject *py_forward_api(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != FWD_COUNT) {
+        PyErr_Format(PyExc_TypeError, "forward_api takes %d arguments", FWD_COUNT);
+        return NULL;
+    }
+    if (!PyDict_Check(args[5]) || !PyDict_Check(args[6]) || !PyType_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "forward_api: the tensor type, the compiler's dict, the known dict");
+        return NULL;
+    }
+    PyObject **slots = (PyObject **)&fwd;
+    for (int i = 0; i < FWD_COUNT; i++) {
+        Py_INCREF(args[i]);
+        Py_XSETREF(slots[i], args[i]);
+    }
+    Py_RETURN_NONE;
+}
+
+static int call_hook_traverse(CallHookObject *self, visitproc visit, void *arg) {
+    Py_VISIT(self->monitor);
+    Py_VISIT(self->fallback);
+    Py_VISIT(self->names);
+    return 0;
+}
+
+static int call_hook_clear(CallHookObject *self) {
+    Py_CLEAR(self->monitor);
+    Py_CLEAR(self->fallback);
+    Py_CLEAR(self->site);
+    Py_CLEAR(self->vpp);
+    Py_CLEAR(self->names);
+    Py_CLEAR(self->key);
+    Py_CLEAR(self->row);
+    return 0;
+}
+
+static PyObject *call_hook_vectorcall(CallHookObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames);
+
+static PyObject *call_hook_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"monitor", "fallback", "site", "vpp", "names", "key", "row", "post", NULL};
+    PyObject *a[7];
+    int post;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOUO!OO!Up:CallHook", kwlist, &a[0], &a[1], &a[2], &PyLong_Type,
+                                     &a[3], &a[4], &PyLong_Type, &a[5], &a[6], &post))
+        return NULL;
+    if (fwd.tensor_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "CallHook: forward_api(...) first");
+        return NULL;
+    }
+    CallHookObject *h = (CallHookObject *)type->tp_alloc(type, 0);
+    if (h == NULL)
+        return NULL;
+    PyObject **fields[] = {&h->monitor, &h->fallback, &h->site, &h->vpp, &h->names, &h->key, &h->row};
+    for (int i = 0; i < 7; i++) {
+        Py_INCREF(a[i]);
+        *fields[i] = a[i];
+    }
+    h->post = post;
+    h->vectorcall = (vectorcallfunc)call_hook_vectorcall;
+    return (PyObject *)h;
+}
+
+/* The monitor's NodeHook of `node` in this pass (module._node_hook): a new reference, or NULL
+   with the error set. */
+static PyObject *node_hook_of(PyObject *monitor, PyObject *nodes, PyObject *node) {
+    PyObject *seq = PyObject_CallMethodNoArgs(node, str_sequence_nr);
+    if (seq == NULL)
+        return NULL;
+    PyObject *kind = (PyObject *)Py_TYPE(node);
+    unsigned long long number = PyLong_AsUnsignedLongLong(seq);
+    if (number == (unsigned long long)-1 && PyErr_Occurred()) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    int shared = number == ~0ULL; /* a number nodes of that type share (AccumulateGrad's): no lookup */
+    if (!shared) {
+        PyObject *hook = PyDict_GetItemWithError(nodes, seq); /* borrowed */
+        if (hook != NULL && Py_TYPE(hook) == &NodeHookType && ((NodeHookObject *)hook)->kind == kind) {
+            Py_INCREF(hook);
+            Py_DECREF(seq);
+            return hook;
+        }
+        if (PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    PyObject *made_args = Py_BuildValue("(OOOO)", monitor, fwd.node_site, fwd.node_scope, kind);
+    PyObject *hook = made_args == NULL ? NULL : node_hook_new(&NodeHookType, made_args, NULL);
+    Py_XDECREF(made_args);
+    if (hook != NULL && !shared && PyDict_SetItem(nodes, seq, hook) < 0)
+        Py_CLEAR(hook);
+    Py_DECREF(seq);
+    return hook;
+}
+
+/* module._register(hook, node): 0, or -1 with the error set */
+static int register_node_hook(PyObject *hook, PyObject *node) {
+    if (Py_TYPE(hook) != &NodeHookType) {
+        PyObject *r = PyObject_CallFunctionObjArgs(fwd.register_fn, hook, node, NULL);
+        Py_XDECREF(r);
+        return r == NULL ? -1 : 0;
+    }
+    NodeHookObject *h = (NodeHookObject *)hook;
+    PyObject *method = NULL;
+    if (PyTuple_Check(h->ins) && PyTuple_GET_SIZE(h->ins) > 0) {
+        if (!h->post) {
+            h->post = 1;
+            method = str_register_hook;
+        }
+    } else if (!h->pre && !h->post) {
+        h->pre = 1;
+        method = str_register_prehook;
+    }
+    if (method == NULL)
+        return 0;
+    PyObject *handle = PyObject_CallMethodOneArg(node, method, hook);
+    Py_XDECREF(handle);
+    return handle == NULL ? -1 : 0;
+}
+
+/* hook.outs (a borrowed NodeHook's) with the slot of output nr of the module's one output
+   added, as names.add_out does: 0, or -1 with the error set */
+static int add_out_slot(PyObject *hook, PyObject *names, PyObject *vpp, PyObject *nr) {
+    NodeHookObject *h = (NodeHookObject *)hook;
+    PyObject *outs;
+    long at = PyLong_AsLong(nr);
+    if (at == -1 && PyErr_Occurred())
+        return -1;
+    if (at == 0 && PyTuple_Check(h->outs) && PyTuple_GET_SIZE(h->outs) == 0) {
+        outs = PyObject_GetAttr(names, str_outs_0);
+    } else {
+        PyObject *name = PyObject_GetAttr(names, str_grad_output_0);
+        outs = name == NULL ? NULL : PyObject_CallMethodObjArgs(names, str_add_out, h->outs, vpp, nr, name, NULL);
+        Py_XDECREF(name);
+    }
+    if (outs == NULL)
+        return -1;
+    Py_XSETREF(h->outs, outs);
+    return 0;
+}
+
+/* hook.ins (a borrowed NodeHook's) with the one-edge grad_input slot of edge e added
+   (names.add_in): 0, or -1 with the error set */
+static int add_in_slot(PyObject *hook, PyObject *names, PyObject *e) {
+    NodeHookObject *h = (NodeHookObject *)hook;
+    PyObject *ins = NULL;
+    if (PyTuple_Check(h->ins) && PyTuple_GET_SIZE(h->ins) == 0) {
+        PyObject *ones = PyObject_GetAttr(names, str_in_ones);
+        if (ones == NULL)
+            return -1;
+        ins = PyDict_Check(ones) ? PyDict_GetItemWithError(ones, e) : NULL; /* borrowed */
+        Py_XINCREF(ins);
+        Py_DECREF(ones);
+        if (ins == NULL && PyErr_Occurred())
+            return -1;
+    }
+    if (ins == NULL && (ins = PyObject_CallMethodObjArgs(names, str_add_in, h->ins, e, NULL)) == NULL)
+        return -1;
+    Py_XSETREF(h->ins, ins);
+    return 0;
+}
+
+/* module.ModuleMonitor._hook_graph_one: 0, or -1 with the error set */
+static int hook_graph_one(CallHookObject *self, PyObject *state, PyObject *output, PyObject *own, PyObject *edge,
+                          PyObject *call) {
+    PyObject *monitor = self->monitor, *names = self->names;
+    PyObject *nodes = NULL, *node = NULL, *nr = NULL, *out_hook = NULL, *boundary = NULL, *roots = NULL;
+    PyObject *found = NULL, *in_hooks = NULL, *in_hook = NULL, *in_node = NULL;
+    int result = -1;
+    if ((nodes = PyObject_GetAttr(state, str_nodes)) == NULL)
+        goto done;
+    if (nodes == Py_None) {
+        Py_DECREF(nodes);
+        if ((nodes = PyDict_New()) == NULL || PyObject_SetAttr(state, str_nodes, nodes) < 0)
+            goto done;
+    } else if (!PyDict_Check(nodes)) {
+        PyErr_SetString(PyExc_TypeError, "CallHook: the pass's node table is not a dict");
+        goto done;
+    }
+    int view = call_truth(output, str_is_view);
+    if (view < 0)
+        goto done;
+    if (view) {
+        PyObject *pair = PyObject_CallFunctionObjArgs(fwd.output_edge, output, own, call, NULL);
+        if (pair == NULL)
+            goto done;
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            Py_DECREF(pair);
+            PyErr_SetString(PyExc_TypeError, "CallHook: _output_edge gave no (node, nr)");
+            goto done;
+        }
+        node = PyTuple_GET_ITEM(pair, 0);
+        nr = PyTuple_GET_ITEM(pair, 1);
+        Py_INCREF(node);
+        Py_INCREF(nr);
+        Py_DECREF(pair);
+    } else {
+        node = own;
+        Py_INCREF(node);
+        if ((nr = PyObject_GetAttr(output, str_output_nr)) == NULL)
+            goto done;
+    }
+    if ((out_hook = node_hook_of(monitor, nodes, node)) == NULL)
+        goto done;
+    if (Py_TYPE(out_hook) != &NodeHookType) {
+        PyErr_SetString(PyExc_TypeError, "CallHook: a node hook that is not a NodeHook");
+        goto done;
+    }
+    if (add_out_slot(out_hook, names, self->vpp, nr) < 0)
+        goto done;
+    if ((boundary = PyObject_GetAttr(call, str_boundary)) == NULL || (roots = PyList_New(1)) == NULL)
+        goto done;
+    Py_INCREF(own);
+    PyList_SET_ITEM(roots, 0, own);
+    PyObject *walk[5] = {fwd.known, fwd.classify, edge, roots, boundary};
+    if ((found = py_edges_into(NULL, walk, 5)) == NULL)
+        goto done;
+    Py_ssize_t parts = PyList_GET_SIZE(found);
+    if (parts == 1) {
+        PyObject *pair = PyList_GET_ITEM(found, 0); /* (node, e), made by edges_into */
+        in_node = PyTuple_GET_ITEM(pair, 0);
+        Py_INCREF(in_node);
+        if ((in_hook = node_hook_of(monitor, nodes, in_node)) == NULL)
+            goto done;
+        if (Py_TYPE(in_hook) != &NodeHookType) {
+            PyErr_SetString(PyExc_TypeError, "CallHook: a node hook that is not a NodeHook");
+            goto done;
+        }
+        if (add_in_slot(in_hook, names, PyTuple_GET_ITEM(pair, 1)) < 0)
+            goto done;
+    } else if (parts > 1) {
+        in_hooks = PyObject_CallMethodObjArgs(monitor, str_one_input_slots, self->vpp, names, found, nodes, NULL);
+        if (in_hooks == NULL)
+            goto done;
+        if (!PyList_Check(in_hooks)) {
+            PyErr_SetString(PyExc_TypeError, "CallHook: _one_input_slots gave no list");
+            goto done;
+        }
+    }
+    /* registered as _hook_graph_one does: the output's node first, then each input edge's */
+    if (register_node_hook(out_hook, node) < 0)
+        goto done;
+    if (in_hook != NULL && register_node_hook(in_hook, in_node) < 0)
+        goto done;
+    if (in_hooks != NULL) {
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(in_hooks); i++) {
+            PyObject *pair = PyList_GET_ITEM(in_hooks, i);
+            if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+                PyErr_SetString(PyExc_TypeError, "CallHook: _one_input_slots gave no (hook, node)");
+                goto done;
+            }
+            if (register_node_hook(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1)) < 0)
+                goto done;
+        }
+    }
+    result = 0;
+done:
+    Py_XDECREF(nodes);
+    Py_XDECREF(node);
+    Py_XDECREF(nr);
+    Py_XDECREF(out_hook);
+    Py_XDECREF(boundary);
+    Py_XDECREF(roots);
+    Py_XDECREF(found);
+    Py_XDECREF(in_hooks);
+    Py_XDECREF(in_hook);
+    Py_XDECREF(in_node);
+    return result;
+}
+
+/* read(t, vpp, row, scope) appended to monitor._records: 0, or -1 with the error set */
+static int record_into(CallHookObject *self, PyObject *t, PyObject *scope) {
+    PyObject *read = PyObject_GetAttr(self->monitor, str_read);
+    if (read == NULL)
+        return -1;
+    PyObject *call_args[4] = {t, self->vpp, self->row, scope};
+    PyObject *rec = PyObject_Vectorcall(read, call_args, 4, NULL);
+    Py_DECREF(read);
+    if (rec == NULL)
+        return -1;
+    PyObject *records = PyObject_GetAttr(self->monitor, str_records);
+    int failed = records == NULL || !PyList_Check(records) || PyList_Append(records, rec) < 0;
+    if (records != NULL && !PyList_Check(records))
+        PyErr_SetString(PyExc_TypeError, "CallHook: monitor._records is not a list");
+    Py_XDECREF(records);
+    Py_DECREF(rec);
+    return failed ? -1 : 0;
+}
+
+/* whether torch._C._current_autograd_node() is None (not inside a backward pass: a
+   recomputation records no forward rows): 1, 0, or -1 with the error set */
+static int outside_backward(void) {
+    PyObject *node = PyObject_CallNoArgs(fwd.current_node);
+    if (node == NULL)
+        return -1;
+    int none = node == Py_None;
+    Py_DECREF(node);
+    return none;
+}
+
+/* the call state's key, (thread, module) */
+static PyObject *call_key(CallHookObject *self) {
+    PyObject *ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
+    if (ident == NULL)
+        return NULL;
+    PyObject *key = PyTuple_Pack(2, ident, self->key);
+    Py_DECREF(ident);
+    return key;
+}
+
+/* ModuleMonitor._before_forward of the common call: 0, or -1 with the error set */
+static int before_forward(CallHookObject *self, PyObject *t, PyObject *scope) {
+    PyObject *boundary = NULL, *fn = NULL, *producer = NULL, *inputs = NULL, *calls = NULL, *key = NULL;
+    PyObject *call = NULL;
+    int result = -1;
+    int outside = outside_backward();
+    if (outside < 0 || (outside && record_into(self, t, scope) < 0))
+        goto done;
+    if ((boundary = PyObject_CallNoArgs(fwd.sequence_nr)) == NULL || (fn = PyObject_GetAttr(t, str_grad_fn)) == NULL)
+        goto done;
+    if (fn == Py_None) {
+        producer = t;
+        Py_INCREF(producer);
+    } else {
+        int view = call_truth(t, str_is_view);
+        if (view < 0)
+            goto done;
+        if (view) {
+            producer = PyObject_CallOneArg(fwd.producer, t);
+        } else {
+            PyObject *nr = PyObject_GetAttr(t, str_output_nr);
+            PyObject *edge = nr == NULL ? NULL : PyTuple_Pack(2, fn, nr);
+            Py_XDECREF(nr);
+            producer = edge == NULL ? NULL : PyTuple_Pack(1, edge);
+            Py_XDECREF(edge);
+        }
+        if (producer == NULL)
+            goto done;
+    }
+    if ((inputs = PyList_New(1)) == NULL)
+        goto done;
+    PyList_SET_ITEM(inputs, 0, producer);
+    producer = NULL;
+    if ((calls = PyObject_GetAttr(self->monitor, str_calls)) == NULL || (key = call_key(self)) == NULL)
+        goto done;
+    if (!PyDict_Check(calls)) {
+        PyErr_SetString(PyExc_TypeError, "CallHook: monitor._calls is not a dict");
+        goto done;
+    }
+    PyObject *outer = PyDict_GetItemWithError(calls, key); /* borrowed */
+    if (outer == NULL && PyErr_Occurred())
+        goto done;
+    PyObject *made[4] = {inputs, boundary, scope, outer == NULL ? Py_None : outer};
+    if ((call = PyObject_Vectorcall(fwd.call_type, made, 4, NULL)) == NULL || PyDict_SetItem(calls, key, call) < 0)
+        goto done;
+    result = 0;
+done:
+    Py_XDECREF(boundary);
+    Py_XDECREF(fn);
+    Py_XDECREF(producer);
+    Py_XDECREF(inputs);
+    Py_XDECREF(calls);
+    Py_XDECREF(key);
+    Py_XDECREF(call);
+    return result;
+}
+
+/* call.inputs[0][0] where the call's inputs are one producer of one edge (module._one_edge):
+   a new reference; NULL without an error where they are not */
+static PyObject *one_edge(PyObject *call) {
+    PyObject *inputs = PyObject_GetAttr(call, str_inputs);
+    if (inputs == NULL)
+        return NULL;
+    PyObject *edge = NULL;
+    if (PyList_Check(inputs) && PyList_GET_SIZE(inputs) == 1) {
+        PyObject *producer = PyList_GET_ITEM(inputs, 0);
+        if (PyTuple_CheckExact(producer) && PyTuple_GET_SIZE(producer) == 1) {
+            edge = PyTuple_GET_ITEM(producer, 0);
+            Py_INCREF(edge);
+        }
+    }
+    Py_DECREF(inputs);
+    return edge;
+}
+
+/* ModuleMonitor._after_forward of a call with one tensor output, its call state `call`
+   (taken off the call table by the caller): 0, or -1 with the error set */
+static int after_forward(CallHookObject *self, PyObject *state, PyObject *output, PyObject *call) {
+    int outside = outside_backward();
+    if (outside < 0)
+        return -1;
+    if (outside) {
+        PyObject *scope = PyObject_GetAttr(call, str_scope);
+        int failed = scope == NULL || record_into(self, output, scope) < 0;
+        Py_XDECREF(scope);
+        if (failed)
+            return -1;
+    }
+    int wants = attr_truth(output, str_requires_grad);
+    if (wants > 0) {
+        PyObject *enabled = PyObject_CallNoArgs(fwd.grad_enabled);
+        wants = enabled == NULL ? -1 : PyObject_IsTrue(enabled);
+        Py_XDECREF(enabled);
+    }
+    if (wants <= 0)
+        return wants;
+    PyObject *edge = one_edge(call);
+    if (edge == NULL && PyErr_Occurred())
+        return -1;
+    PyObject *own = PyObject_GetAttr(output, str_grad_fn);
+    if (own == NULL) {
+        Py_XDECREF(edge);
+        return -1;
+    }
+    int result;
+    if (edge != NULL && own != Py_None) {
+        result = hook_graph_one(self, state, output, own, edge, call);
+    } else {
+        PyObject *outputs = PyTuple_Pack(1, output);
+        PyObject *name = outputs == NULL ? NULL : PyObject_GetAttr(self->names, str_grad_output_0);
+        PyObject *grad_names = name == NULL ? NULL : PyTuple_Pack(1, name);
+        PyObject *r = grad_names == NULL ? NULL : PyObject_CallMethodObjArgs(
+            self->monitor, str_hook_graph, self->vpp, self->names, outputs, grad_names, call, NULL);
+        result = r == NULL ? -1 : 0;
+        Py_XDECREF(r);
+        Py_XDECREF(outputs);
+        Py_XDECREF(name);
+        Py_XDECREF(grad_names);
+    }
+    Py_XDECREF(edge);
+    Py_DECREF(own);
+    return result;
+}
+
+/* errors.busy += seconds: 0, or -1 with the error set */
+static int add_busy(PyObject *errors, double seconds) {
+    PyObject *busy = PyObject_GetAttr(errors, str_busy);
+    PyObject *more = busy == NULL ? NULL : PyFloat_FromDouble(seconds);
+    PyObject *total = more == NULL ? NULL : PyNumber_InPlaceAdd(busy, more);
+    int failed = total == NULL || PyObject_SetAttr(errors, str_busy, total) < 0;
+    Py_XDECREF(busy);
+    Py_XDECREF(more);
+    Py_XDECREF(total);
+    return failed ? -1 : 0;
+}
+
+static PyObject *call_hook_vectorcall(CallHookObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *monitor = self->monitor;
+    if (kwnames != NULL || nargs != 3 + self->post)
+        goto fallback;
+    int active = attr_truth(monitor, str_active);
+    if (active <= 0)
+        return active < 0 ? NULL : none_ref();
+    /* a trace (torch.export, make_fx) sets torch.compiler's flag: the Python hook knows */
+    PyObject *flag = PyDict_GetItemWithError(fwd.compiler_dict, str_compiling_flag); /* borrowed */
+    if (flag == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        goto fallback;
+    }
+    if (flag != Py_False)
+        goto fallback;
+    PyObject *t = NULL, *scope = NULL;
+    if (!self->post) {
+        PyObject *inputs = args[1], *kwargs = args[2];
+        if (!PyTuple_Check(inputs) || PyTuple_GET_SIZE(inputs) != 1 || !PyDict_Check(kwargs) ||
+            PyDict_GET_SIZE(kwargs) != 0 || Py_TYPE(PyTuple_GET_ITEM(inputs, 0)) != (PyTypeObject *)fwd.tensor_type)
+            goto fallback;
+        t = PyTuple_GET_ITEM(inputs, 0);
+    } else {
+        t = args[3];
+        if (Py_TYPE(t) != (PyTypeObject *)fwd.tensor_type)
+            goto fallback;
+    }
+    PyObject *state = PyObject_GetAttr(monitor, str_pass);
+    if (state == NULL)
+        return NULL;
+    int internal = attr_truth(state, str_internal);
+    int depth = internal != 0 ? internal : attr_truth(state, str_depth);
+    if (internal != 0 || depth <= 0) { /* a framework-internal pass, a call outside the chunks' (or an error) */
+        Py_DECREF(state);
+        if (internal < 0 || depth < 0)
+            return NULL;
+        goto fallback;
+    }
+    PyObject *calls = NULL, *key = NULL, *call = NULL;
+    if (self->post) {
+        /* the call state: none (a hook put on during the call) goes to the Python hook */
+        if ((calls = PyObject_GetAttr(monitor, str_calls)) == NULL || (key = call_key(self)) == NULL ||
+            !PyDict_Check(calls)) {
+            Py_DECREF(state);
+            Py_XDECREF(calls);
+            Py_XDECREF(key);
+            if (PyErr_Occurred())
+                return NULL;
+            goto fallback;
+        }
+        call = PyDict_GetItemWithError(calls, key); /* borrowed */
+        if (call == NULL) {
+            Py_DECREF(state);
+            Py_DECREF(calls);
+            Py_DECREF(key);
+            if (PyErr_Occurred())
+                return NULL;
+            goto fallback;
+        }
+        Py_INCREF(call);
+    } else {
+        int evaluation = attr_truth(state, str_evaluation);
+        if (evaluation < 0) {
+            Py_DECREF(state);
+            return NULL;
+        }
+        scope = evaluation ? fwd.eval_forward : fwd.forward;
+    }
+    PyObject *errors = PyObject_GetAttr(monitor, str_errors);
+    if (errors == NULL) {
+        Py_DECREF(state);
+        Py_XDECREF(calls);
+        Py_XDECREF(key);
+        Py_XDECREF(call);
+        return NULL;
+    }
+    double start = monotonic_seconds();
+    int failed;
+    if (!self->post) {
+        failed = before_forward(self, t, scope);
+    } else {
+        PyObject *outer = PyObject_GetAttr(call, str_outer);
+        failed = outer == NULL ? -1 : outer == Py_None ? PyDict_DelItem(calls, key) : PyDict_SetItem(calls, key, outer);
+        Py_XDECREF(outer);
+        if (failed == 0)
+            failed = after_forward(self, state, t, call);
+    }
+    Py_DECREF(state);
+    Py_XDECREF(calls);
+    Py_XDECREF(key);
+    Py_XDECREF(call);
+    PyObject *result = NULL;
+    if ((failed == 0 || node_hook_contain(errors, self->site) == 0) && add_busy(errors, monotonic_seconds() - start) == 0)
+        result = none_ref(); /* a hook that returns a value could replace a tensor */
+    Py_DECREF(errors);
+    return result;
+fallback:
+    return PyObject_Vectorcall(self->fallback, args, nargs, kwnames);
+}
+
+static PyMemberDef call_hook_members[] = {
+    {"site", T_OBJECT, offsetof(CallHookObject, site), READONLY, NULL},
+    {"fallback", T_OBJECT, offsetof(CallHookObject, fallback), READONLY, "the Python hook of every other call"},
+    {"post", T_INT, offsetof(CallHookObject, post), READONLY, "a forward hook (not a pre-hook)"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject CallHookType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "_msprobe_monitor_native.CallHook",
+    .tp_basicsize = sizeof(CallHookObject),
+    .tp_dealloc = (destructor)gc_dealloc,
+    .tp_vectorcall_offset = offsetof(CallHookObject, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "The module monitor's forward pre-hook or forward hook of one module, its common call in C.",
+    .tp_traverse = (traverseproc)call_hook_traverse,
+    .tp_clear = (inquiry)call_hook_clear,
+    .tp_members = call_hook_members,
+    .tp_new = call_hook_new,
+};
+
 /* ---------------------------------------------------------------- Recorder
  * The engine's record(t, plan, vpp_stage, name, scope, micro_step, cache=True) for one
  * plan, as one C object: recorder(t, vpp_stage, name, scope[, micro_step]). The module
@@ -2905,6 +3512,7 @@ static PyMethodDef methods[] = {
     {"entries_again", (PyCFunction)(void (*)(void))py_entries_again, METH_FASTCALL, "StateListing.again's passes"},
     {"file_order", (PyCFunction)(void (*)(void))py_file_order, METH_FASTCALL, "monitor.weight_grad_rows"},
     {"edges_into", (PyCFunction)(void (*)(void))py_edges_into, METH_FASTCALL, "module._edges_into's walk"},
+    {"forward_api", (PyCFunction)(void (*)(void))py_forward_api, METH_FASTCALL, "what CallHook calls"},
     {"_format_float", py_format_float, METH_O, "one float cell, as format_rows writes it"},
     {"dtypes", py_dtypes, METH_NOARGS, "bit mask of the dtype codes this build reduces"},
     {NULL, NULL, 0, NULL},
@@ -2914,7 +3522,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_msprobe_monitor_nat
 
 PyMODINIT_FUNC PyInit__msprobe_monitor_native(void) {
     if (PyType_Ready(&RecordType) < 0 || PyType_Ready(&NoteStateType) < 0 || PyType_Ready(&GradNoteType) < 0 ||
-        PyType_Ready(&RecorderType) < 0 || PyType_Ready(&NodeHookType) < 0)
+        PyType_Ready(&RecorderType) < 0 || PyType_Ready(&NodeHookType) < 0 ||
+        PyType_Ready(&CallHookType) < 0)
         return NULL;
     str_active = PyUnicode_InternFromString("active");
     str_hooks_attr = PyUnicode_InternFromString("_post_accumulate_grad_hooks");
@@ -2923,20 +3532,29 @@ PyMODINIT_FUNC PyInit__msprobe_monitor_native(void) {
     PyObject **interned[] = {&str_is_cpu, &str_dtype, &str_layout, &str_is_nested, &str_is_contiguous, &str_is_neg,
                           &str_numel, &str_data_ptr, &str_is_inference, &str_version, &str_next_functions,
                           &str_sequence_nr, &str_attached, &str_errors, &str_read, &str_records, &str_busy,
-                          &str_report, &str_add_part};
+                          &str_report, &str_add_part, &str_pass, &str_internal, &str_depth, &str_evaluation,
+                          &str_nodes, &str_calls, &str_grad_fn, &str_is_view, &str_output_nr, &str_requires_grad,
+                          &str_outer, &str_inputs, &str_boundary, &str_scope, &str_hook_graph, &str_one_input_slots,
+                          &str_outs_0, &str_in_ones, &str_add_out, &str_add_in, &str_grad_output_0,
+                          &str_register_hook, &str_register_prehook, &str_compiling_flag};
     const char *texts[] = {"is_cpu", "dtype", "layout", "is_nested", "is_contiguous", "is_neg", "numel", "data_ptr",
                            "is_inference", "_version", "next_functions", "_sequence_nr", "attached", "errors",
-                           "_read", "_records", "busy", "report", "_add_part"};
-    for (int i = 0; i < 19; i++)
+                           "_read", "_records", "busy", "report", "_add_part", "_pass", "internal", "depth",
+                           "evaluation", "nodes", "_calls", "grad_fn", "_is_view", "output_nr", "requires_grad",
+                           "outer", "inputs", "boundary", "scope", "_hook_graph", "_one_input_slots", "outs_0",
+                           "_in_ones", "add_out", "add_in", "grad_output_0", "register_hook", "register_prehook",
+                           "_is_compiling_flag"};
+    for (size_t i = 0; i < sizeof(texts) / sizeof(texts[0]); i++)
         if ((*interned[i] = PyUnicode_InternFromString(texts[i])) == NULL)
             return NULL;
     pow10_init();
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    PyTypeObject *types[] = {&RecordType, &NoteStateType, &GradNoteType, &RecorderType, &NodeHookType};
-    const char *names[] = {"Record", "NoteState", "GradNote", "Recorder", "NodeHook"};
-    for (int i = 0; i < 5; i++) {
+    PyTypeObject *types[] = {&RecordType, &NoteStateType, &GradNoteType, &RecorderType, &NodeHookType,
+                             &CallHookType};
+    const char *names[] = {"Record", "NoteState", "GradNote", "Recorder", "NodeHook", "CallHook"};
+    for (int i = 0; i < 6; i++) {
         Py_INCREF(types[i]);
         if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
             Py_DECREF(types[i]);

@@ -63,6 +63,16 @@ class ModuleHooks:
         self._states.clear()
         self._ids.clear()
 
+    def replace(self, swap: Callable[[Any], Any]) -> None:
+        """Each hook added here replaced by ``swap(hook)`` where that is not None, in the same
+        place among its module's hooks (and under the same handle)."""
+        for handle in self._handles:
+            hooks = handle.hooks_dict_ref()
+            if hooks is not None and handle.id in hooks:
+                new = swap(hooks[handle.id])
+                if new is not None:
+                    hooks[handle.id] = new
+
     def handle_ids(self) -> List[int]:
         """The ids of the hooks added here, in the order they were added."""
         return [h.id for h in self._handles]

@@ -388,6 +388,27 @@ def _node_hook(monitor: "ModuleMonitor", nodes: Dict[int, _NodeHook], node: Any)
     return hook
 
 
+def _native_call_hooks(ext: Any) -> bool:
+    """Whether the extension's ``CallHook`` can run the modules' common calls here: this torch
+    has the sequence numbers the graph hooks need and ``torch.compiler``'s tracing flag (which
+    ``CallHook`` reads, as ``torch.compiler.is_compiling`` does, to leave a trace to the Python
+    hook). Hands the extension, once, the functions ``CallHook`` calls."""
+    global _FORWARD_API_SET
+    compiler = getattr(torch, "compiler", None)
+    flags = getattr(compiler, "__dict__", {})
+    if _get_sequence_nr is None or not isinstance(flags.get("_is_compiling_flag"), bool):
+        return False
+    if not _FORWARD_API_SET:
+        ext.forward_api(_current_autograd_node, _get_sequence_nr, torch.is_grad_enabled, _Tensor, _Call, flags,
+                        _ACCUMULATE_GRAD, _is_accumulate_grad, _producer, _output_edge, _register, rows.FORWARD,
+                        rows.EVAL_FORWARD, _NODE_HOOK_SITE, rows.BACKWARD)
+        _FORWARD_API_SET = True
+    return True
+
+
+_FORWARD_API_SET = False
+
+
 def _register(hook: _NodeHook, node: Any) -> None:
     """Put ``hook`` on ``node``, once: a post-hook where it has ``grad_input`` slots (it then
     reads the ``grad_output`` slots from the post-hook's second argument), a pre-hook
@@ -455,11 +476,23 @@ class ModuleMonitor(Monitor):
         targets: Sequence[str] = self.settings.get("targets")
         # each module's pair of hooks, put on for written steps only (see _set_call_hooks)
         self._call_hooks = ModuleHooks()
-        self._call_hook_specs: List[Tuple[torch.nn.Module, Any, Any]] = []
+        # (module, pre-hook, forward hook, and the extension's CallHook of each, or None)
+        self._call_hook_specs: List[Tuple[torch.nn.Module, Any, Any, Any, Any]] = []
         self._pass_hook_specs: List[Tuple[torch.nn.Module, Any, Any]] = []  # the chunks' (_track_passes)
         self._call_hooks_on = False
         self._keep_call_hooks = False  # set once Dynamo compiles (see _set_call_hooks)
         self._cancel_on_compile: Optional[Any] = None
+        self._native_calls = ext is not None and _native_call_hooks(ext)
+        if self._native_calls:
+            # Dynamo must find the Python hooks, not CallHook: they go in its place before it
+            # traces anything (_compile_started), so the call hooks in C are used only where
+            # that moment can be seen
+            if compiled_anything():
+                self._native_calls = False
+            else:
+                self._cancel_on_compile = on_next_compile(
+                    self.errors.wrap("module hooks at a compile start", self._compile_started))
+                self._native_calls = self._cancel_on_compile is not None
         self._removed: Optional[Tuple[List[int], List[Tuple[torch.nn.Module, Any]]]] = None  # see _set_call_hooks
         self._calls: Dict[Tuple[int, int], _Call] = {}  # (thread, module) -> innermost call in progress
         self._sums: Dict[int, _GradInputSum] = {}  # sum number -> the parts summed so far
@@ -528,14 +561,25 @@ class ModuleMonitor(Monitor):
         # owner=self: on steps that are not written the hooks return before any other call.
         # always_call: the post-hook also runs when forward raises (non-reentrant
         # checkpointing stops its recomputation that way), so the call state is dropped.
-        self._call_hook_specs.append((module, eager_hook(_ForwardPreHook(self, vpp, names, module), self),
-                                      eager_hook(_ForwardHook(self, vpp, names, module), self)))
+        before, after = _ForwardPreHook(self, vpp, names, module), _ForwardHook(self, vpp, names, module)
+        pre, post = eager_hook(before, self), eager_hook(after, self)
+        native_pre = native_post = None
+        if self._native_calls:
+            # the common call in C (the extension's CallHook); every other call goes to pre/post
+            call_hook = native.extension().CallHook
+            native_pre = call_hook(self, pre, before.site, vpp, names, id(module), names.input(0), False)
+            native_post = call_hook(self, post, after.site, vpp, names, id(module), names.output_0, True)
+        self._call_hook_specs.append((module, pre, post, native_pre, native_post))
 
     def _compile_started(self) -> None:
         """Dynamo starts to compile: the hooks go on before it traces and stay on."""
         self._cancel_on_compile = None
         self._keep_call_hooks = True
         if self.attached:
+            if self._native_calls and self._call_hooks_on:
+                # each CallHook's Python hook in its place, in the same place among the module's hooks
+                call_hook = native.extension().CallHook
+                self._call_hooks.replace(lambda hook: hook.fallback if type(hook) is call_hook else None)
             self._set_call_hooks(True)
 
     def _set_call_hooks(self, on: bool) -> None:
@@ -579,9 +623,10 @@ class ModuleMonitor(Monitor):
                 restore_order(module, order, renamed)
 
     def _add_call_hooks(self, hooks: ModuleHooks) -> None:
-        for module, pre, post in self._call_hook_specs:
-            hooks.forward_pre(module, pre, with_kwargs=True)
-            hooks.forward(module, post, with_kwargs=True, always_call=True)
+        in_c = self._native_calls and not self._keep_call_hooks  # see _compile_started
+        for module, pre, post, native_pre, native_post in self._call_hook_specs:
+            hooks.forward_pre(module, native_pre if in_c else pre, with_kwargs=True)
+            hooks.forward(module, native_post if in_c else post, with_kwargs=True, always_call=True)
         # after the modules': a chunk's pass is entered before and left after its own hooks
         for root, enter, leave in self._pass_hook_specs:
             hooks.forward_pre(root, enter, prepend=True, with_kwargs=True)
