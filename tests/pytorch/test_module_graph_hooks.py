@@ -314,8 +314,15 @@ def test_a_node_hook_records_its_slots_contains_each_slots_error_and_lets_an_int
     for record, t in zip(mod._records, (g_out, g_in)):
         assert record.numel == t.numel() and record.scope == "backward"
     assert mod.errors.count == errors_before + 1, "the IndexError of edge 7, contained"
-    assert mod._sums[41].count == 1 and mod._sums[41].total is g_in
-    mod._sums.clear()
+    assert mod._sums[41][module_mod._COUNT] == 1 and mod._sums[41][module_mod._TOTAL] is g_in
+    # the second part of sum 41 (through a view's node: another shape, as many elements)
+    mod._records.clear()
+    slots = hook.outs, hook.ins
+    hook.outs, hook.ins = (), ((0, 0, "s.grad_input.0", 41, 2, "site of s.grad_input"),)
+    assert hook((part.reshape(15),), (g_out,)) is None
+    assert 41 not in mod._sums, "read and dropped once its last part is in"
+    assert [(r.name, r.numel, r.scope) for r in mod._records] == [("s.grad_input.0", 15, "backward")]
+    hook.outs, hook.ins = slots
 
     def interrupted(*args):
         raise KeyboardInterrupt

@@ -19,6 +19,13 @@
 
 #include "stats_kernel.c"
 
+#if PY_VERSION_HEX < 0x030A0000 /* Py_NewRef is 3.10's */
+static inline PyObject *Py_NewRef(PyObject *obj) {
+    Py_INCREF(obj);
+    return obj;
+}
+#endif
+
 /* Above this many elements the GIL is released for the reduction, as ctypes does for
    every call (a small tensor's reduction is shorter than the hand-over). */
 #define RELEASE_GIL_ABOVE ((int64_t)1 << 16)
@@ -1575,6 +1582,17 @@ unread:
  * loop's own operation (==, the set, the same calls on the nodes), in C. */
 static PyObject *str_next_functions, *str_sequence_nr;
 
+/* Whether two graph edges, (node, output number) tuples, are unequal because their nodes
+   are two objects compared by identity (as graph nodes are): what == would find, without
+   its calls. 0 where == has to be asked. */
+static int identity_unequal(PyObject *a, PyObject *b) {
+    if (!PyTuple_CheckExact(a) || !PyTuple_CheckExact(b) || PyTuple_GET_SIZE(a) != 2 || PyTuple_GET_SIZE(b) != 2)
+        return 0;
+    PyObject *x = PyTuple_GET_ITEM(a, 0), *y = PyTuple_GET_ITEM(b, 0);
+    richcmpfunc by_identity = PyBaseObject_Type.tp_richcompare;
+    return x != y && Py_TYPE(x)->tp_richcompare == by_identity && Py_TYPE(y)->tp_richcompare == by_identity;
+}
+
 static PyObject *py_edges_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5 || !PyDict_Check(args[0]) || !PyList_Check(args[3])) {
         PyErr_SetString(PyExc_TypeError, "edges_into(known: dict, classify, target, roots: list, boundary)");
@@ -1611,11 +1629,13 @@ static PyObject *py_edges_into(PyObject *self, PyObject *const *args, Py_ssize_t
         }
         for (Py_ssize_t e = 0; e < PyTuple_GET_SIZE(edges); e++) {
             PyObject *edge = PyTuple_GET_ITEM(edges, e);
-            int equal = PyObject_RichCompareBool(edge, target, Py_EQ);
+            int equal = identity_unequal(edge, target) ? 0 : PyObject_RichCompareBool(edge, target, Py_EQ);
             if (equal < 0)
                 goto fail;
             if (equal) {
-                PyObject *pair = Py_BuildValue("(On)", node, e);
+                PyObject *index = PyLong_FromSsize_t(e);
+                PyObject *pair = index == NULL ? NULL : PyTuple_Pack(2, node, index);
+                Py_XDECREF(index);
                 if (pair == NULL)
                     goto fail;
                 int failed = PyList_Append(found, pair);
@@ -1944,7 +1964,8 @@ typedef struct {
 
 static PyObject *referent(PyObject *ref);
 
-static PyObject *str_attached, *str_errors, *str_read, *str_records, *str_busy, *str_report, *str_add_part;
+static PyObject *str_attached, *str_errors, *str_read, *str_records, *str_busy, *str_report, *str_sums, *str_shape,
+    *str_reshape, *str_read_sum, *_one_int;
 
 static void node_hook_dealloc(NodeHookObject *self) {
     Py_XDECREF(self->monitor);
@@ -2003,9 +2024,91 @@ static int node_hook_contain(PyObject *errors, PyObject *site) {
     return 0;
 }
 
+/* ModuleMonitor._add_part(number, parts, vpp, name, g) of a grad_input slot (vpp, e, name,
+   number, parts, site): the part added to the running sum in monitor._sums (a list
+   [expected, count, total, vpp, name]), the sum read with monitor._read_sum and its record
+   appended to monitor._records when its last part is in. 0, or -1 with the error set. */
+static int add_part(PyObject *monitor, PyObject *scope, PyObject *slot, PyObject *g) {
+    PyObject *number = PyTuple_GET_ITEM(slot, 3);
+    PyObject *sums = PyObject_GetAttr(monitor, str_sums);
+    if (sums == NULL)
+        return -1;
+    int result = -1;
+    PyObject *acc = PyDict_Check(sums) ? PyDict_GetItemWithError(sums, number) : NULL; /* borrowed */
+    if (!PyDict_Check(sums)) {
+        PyErr_SetString(PyExc_TypeError, "NodeHook: monitor._sums is not a dict");
+        goto done;
+    }
+    if (acc == NULL) {
+        if (PyErr_Occurred())
+            goto done;
+        PyObject *one = PyLong_FromLong(1);
+        PyObject *made = one == NULL ? NULL : PyList_New(5);
+        if (made == NULL) {
+            Py_XDECREF(one);
+            goto done;
+        }
+        PyObject *items[5] = {PyTuple_GET_ITEM(slot, 4), one, g, PyTuple_GET_ITEM(slot, 0), PyTuple_GET_ITEM(slot, 2)};
+        for (int i = 0; i < 5; i++)
+            PyList_SET_ITEM(made, i, Py_NewRef(items[i]));
+        Py_DECREF(one);
+        int failed = PyDict_SetItem(sums, number, made);
+        acc = made;
+        Py_DECREF(made); /* the dict holds it */
+        if (failed < 0)
+            goto done;
+    } else {
+        if (!PyList_CheckExact(acc) || PyList_GET_SIZE(acc) != 5) {
+            PyErr_SetString(PyExc_TypeError, "NodeHook: a running sum is not a list of 5");
+            goto done;
+        }
+        PyObject *total = PyList_GET_ITEM(acc, 2);
+        /* parts through a view's node and through its base's node differ only in shape */
+        PyObject *shape = PyObject_GetAttr(total, str_shape);
+        PyObject *own_shape = shape == NULL ? NULL : PyObject_GetAttr(g, str_shape);
+        int same = own_shape == NULL ? -1 : PyObject_RichCompareBool(own_shape, shape, Py_EQ);
+        PyObject *part = same < 0 ? NULL : same ? Py_NewRef(g) : PyObject_CallMethodOneArg(g, str_reshape, shape);
+        PyObject *sum = part == NULL ? NULL : PyNumber_Add(total, part);
+        Py_XDECREF(shape);
+        Py_XDECREF(own_shape);
+        Py_XDECREF(part);
+        if (sum == NULL)
+            goto done;
+        PyList_SetItem(acc, 2, sum); /* steals sum */
+        PyObject *count = PyNumber_Add(PyList_GET_ITEM(acc, 1), _one_int);
+        if (count == NULL)
+            goto done;
+        PyList_SetItem(acc, 1, count);
+    }
+    int complete = PyObject_RichCompareBool(PyList_GET_ITEM(acc, 1), PyList_GET_ITEM(acc, 0), Py_EQ);
+    if (complete < 0)
+        goto done;
+    if (complete) { /* ModuleMonitor._flush(number) */
+        Py_INCREF(acc);
+        int failed = PyDict_DelItem(sums, number);
+        PyObject *read = failed < 0 ? NULL : PyObject_GetAttr(monitor, str_read_sum);
+        PyObject *call_args[4] = {PyList_GET_ITEM(acc, 2), PyList_GET_ITEM(acc, 3), PyList_GET_ITEM(acc, 4), scope};
+        PyObject *rec = read == NULL ? NULL : PyObject_Vectorcall(read, call_args, 4, NULL);
+        PyObject *records = rec == NULL ? NULL : PyObject_GetAttr(monitor, str_records);
+        failed = records == NULL || !PyList_Check(records) || PyList_Append(records, rec) < 0;
+        if (records != NULL && !PyList_Check(records))
+            PyErr_SetString(PyExc_TypeError, "NodeHook: monitor._records is not a list");
+        Py_XDECREF(read);
+        Py_XDECREF(rec);
+        Py_XDECREF(records);
+        Py_DECREF(acc);
+        if (failed)
+            goto done;
+    }
+    result = 0;
+done:
+    Py_DECREF(sums);
+    return result;
+}
+
 /* One slot: slot[0] is the vpp stage, slot[1] the gradient's index in grads, slot[2] the
-   row name; the record appended to records (or the part handed to _add_part). 0, or -1
-   with the error set. */
+   row name; the record appended to records (or the part added to its running sum,
+   add_part). 0, or -1 with the error set. */
 static int node_hook_record(NodeHookObject *self, PyObject *read, PyObject *records, PyObject *slot,
                             PyObject *grads, PyObject *monitor) {
     Py_ssize_t size = PyTuple_GET_SIZE(slot);
@@ -2022,11 +2125,7 @@ static int node_hook_record(NodeHookObject *self, PyObject *read, PyObject *reco
             if (number == -1 && PyErr_Occurred()) {
                 failed = 1;
             } else if (number >= 0) {
-                PyObject *r = PyObject_CallMethodObjArgs(monitor, str_add_part, PyTuple_GET_ITEM(slot, 3),
-                                                         PyTuple_GET_ITEM(slot, 4), PyTuple_GET_ITEM(slot, 0),
-                                                         PyTuple_GET_ITEM(slot, 2), g, NULL);
-                failed = r == NULL;
-                Py_XDECREF(r);
+                failed = add_part(monitor, self->scope, slot, g) < 0;
                 Py_DECREF(g);
                 return failed ? -1 : 0;
             }
@@ -2718,43 +2817,103 @@ fail:
  * call, in C: one tensor in (no keyword arguments), one tensor out. It does what the
  * Python hook (`fallback`, eager_hook's of _ForwardPreHook or _ForwardHook) does for that
  * call, in the same order and with the same objects: the input's or output's record, the
- * call state (_Call) with the input's producer, and, after the call, the graph hooks of
- * module._hook_graph_one (the output's node and the edges into the input's producer, on
- * the nodes' NodeHook). Every other call (other arguments or outputs, a tensor subclass, a
- * view's producer, a framework-internal pass, a call outside a model chunk's, a trace
- * running: torch.compiler's flag) goes to `fallback`, whole; the parts of the common call
- * that are not the common case (an input reached by several edges, an output without
- * the one-edge input) call the monitor's own Python methods. Gated, timed and contained
- * as ContainedHook: nothing while the monitor is not active, the time counted in
- * monitor.errors.busy, an Exception reported under `site`. `row`: the input's row name
- * (names.input(0)) for the pre-hook, the output's (names.output_0) for the forward hook.
- * forward_api(...) hands over, once, the torch functions and the module's helpers it
- * calls. Tracked by the collector: it holds its monitor. Dynamo never sees one: the
- * monitor puts the Python hooks in their place before Dynamo compiles (module.py). */
+ * call state (CallState, module._Call's twin) with the input's producer, and, after the
+ * call, the graph hooks of module._hook_graph_one (the output's node and the edges into
+ * the input's producer, on the nodes' NodeHook). Every other call (other arguments or
+ * outputs, a tensor subclass, a framework-internal pass, a call outside a model chunk's,
+ * a trace running: torch.compiler's flag) goes to `fallback`, whole; the parts of the
+ * common call that are not its common case (a view, an output without the one-edge input)
+ * call module.py's own functions. Gated, timed and contained as ContainedHook: nothing
+ * while the monitor is not active, the time counted in monitor.errors.busy, an Exception
+ * reported under `site`. `row`: the input's row name (names.input(0)) for the pre-hook,
+ * the output's (names.output_0) for the forward hook. The monitor's per-thread pass, call
+ * table, errors and sum numbers, and the module's names, are read once, here: they are
+ * made before the hooks and never replaced. forward_api(...) hands over, once, the torch
+ * functions and module.py's helpers it calls. Tracked by the collector (it holds its
+ * monitor). Dynamo never sees one: the monitor puts the Python hooks in their place
+ * before Dynamo compiles (module.py). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *inputs, *boundary, *scope, *outer;
+} CallStateObject;
+
+static void call_state_dealloc(CallStateObject *self) {
+    Py_XDECREF(self->inputs);
+    Py_XDECREF(self->boundary);
+    Py_XDECREF(self->scope);
+    Py_XDECREF(self->outer);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject CallStateType;
+
+static PyObject *call_state_make(PyObject *inputs, PyObject *boundary, PyObject *scope, PyObject *outer) {
+    CallStateObject *s = (CallStateObject *)CallStateType.tp_alloc(&CallStateType, 0);
+    if (s == NULL)
+        return NULL;
+    s->inputs = ref_or_none(inputs);
+    s->boundary = ref_or_none(boundary);
+    s->scope = ref_or_none(scope);
+    s->outer = ref_or_none(outer);
+    return (PyObject *)s;
+}
+
+static PyObject *call_state_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"inputs", "boundary", "scope", "outer", NULL};
+    PyObject *inputs, *boundary, *scope, *outer;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO:CallState", kwlist, &inputs, &boundary, &scope, &outer))
+        return NULL;
+    return call_state_make(inputs, boundary, scope, outer);
+}
+
+static PyMemberDef call_state_members[] = {
+    {"inputs", T_OBJECT, offsetof(CallStateObject, inputs), READONLY, "each input's producer"},
+    {"boundary", T_OBJECT, offsetof(CallStateObject, boundary), READONLY, "the first sequence number of the call"},
+    {"scope", T_OBJECT, offsetof(CallStateObject, scope), READONLY, NULL},
+    {"outer", T_OBJECT, offsetof(CallStateObject, outer), READONLY, "the call it is nested in, or None"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+/* Not tracked by the collector: it lives from a module's pre-hook to its forward hook, and
+   holds a list of graph edges or tensors, an int, a str and another CallState. */
+static PyTypeObject CallStateType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "_msprobe_monitor_native.CallState",
+    .tp_basicsize = sizeof(CallStateObject),
+    .tp_dealloc = (destructor)call_state_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "module._Call in C: one module call's state between its pre-hook and its forward hook.",
+    .tp_members = call_state_members,
+    .tp_new = call_state_new,
+};
+
 typedef struct {
     PyObject_HEAD
     PyObject *monitor, *fallback, *site, *vpp, *names, *key, *row;
+    PyObject *pass, *calls, *errors, *sum_numbers, *monitor_ref; /* the monitor's, read once */
+    PyObject *outs_0, *in_ones, *grad_output_0, *grad_input_0, *in_site; /* the module's names' */
     int post;
     vectorcallfunc vectorcall;
 } CallHookObject;
+#define CALL_HOOK_OBJECTS 17
 
 static struct {
-    PyObject *current_node, *sequence_nr, *grad_enabled, *tensor_type, *call_type, *compiler_dict, *known,
-        *classify, *producer, *output_edge, *register_fn, *forward, *eval_forward, *node_site, *node_scope;
+    PyObject *current_node, *sequence_nr, *grad_enabled, *tensor_type, *compiler_dict, *known, *classify,
+        *producer, *output_edge, *register_fn, *forward, *eval_forward, *node_site, *node_scope;
 } fwd;
-#define FWD_COUNT 15
+#define FWD_COUNT 14
 
 static PyObject *str_pass, *str_internal, *str_depth, *str_evaluation, *str_nodes, *str_calls, *str_grad_fn,
-    *str_is_view, *str_output_nr, *str_requires_grad, *str_outer, *str_inputs, *str_boundary, *str_scope,
-    *str_hook_graph, *str_one_input_slots, *str_outs_0, *str_in_ones, *str_add_out, *str_add_in, *str_grad_output_0,
-    *str_register_hook, *str_register_prehook, *str_compiling_flag;
+    *str_is_view, *str_output_nr, *str_requires_grad, *str_hook_graph, *str_outs_0, *str_in_ones, *str_add_out,
+    *str_add_in, *str_grad_output_0, *str_grad_input, *str_grad_input_site, *str_sum_numbers, *str_register_hook,
+    *str_register_prehook, *str_compiling_flag;
 
 static PyObject *py_forward_api(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != FWD_COUNT) {
         PyErr_Format(PyExc_TypeError, "forward_api takes %d arguments", FWD_COUNT);
         return NULL;
     }
-    if (!PyDict_Check(args[5]) || !PyDict_Check(args[6]) || !PyType_Check(args[3])) {
+    if (!PyType_Check(args[3]) || !PyDict_Check(args[4]) || !PyDict_Check(args[5])) {
         PyErr_SetString(PyExc_TypeError, "forward_api: the tensor type, the compiler's dict, the known dict");
         return NULL;
     }
@@ -2766,21 +2925,23 @@ static PyObject *py_forward_api(PyObject *self, PyObject *const *args, Py_ssize_
     Py_RETURN_NONE;
 }
 
+static PyObject **call_hook_objects(CallHookObject *h, int i) {
+    PyObject **fields[CALL_HOOK_OBJECTS] = {
+        &h->monitor, &h->fallback, &h->site, &h->vpp, &h->names, &h->key, &h->row, &h->pass, &h->calls,
+        &h->errors, &h->sum_numbers, &h->monitor_ref, &h->outs_0, &h->in_ones, &h->grad_output_0, &h->grad_input_0,
+        &h->in_site};
+    return fields[i];
+}
+
 static int call_hook_traverse(CallHookObject *self, visitproc visit, void *arg) {
-    Py_VISIT(self->monitor);
-    Py_VISIT(self->fallback);
-    Py_VISIT(self->names);
+    for (int i = 0; i < CALL_HOOK_OBJECTS; i++)
+        Py_VISIT(*call_hook_objects(self, i));
     return 0;
 }
 
 static int call_hook_clear(CallHookObject *self) {
-    Py_CLEAR(self->monitor);
-    Py_CLEAR(self->fallback);
-    Py_CLEAR(self->site);
-    Py_CLEAR(self->vpp);
-    Py_CLEAR(self->names);
-    Py_CLEAR(self->key);
-    Py_CLEAR(self->row);
+    for (int i = 0; i < CALL_HOOK_OBJECTS; i++)
+        Py_CLEAR(*call_hook_objects(self, i));
     return 0;
 }
 
@@ -2800,19 +2961,59 @@ static PyObject *call_hook_new(PyTypeObject *type, PyObject *args, PyObject *kwd
     CallHookObject *h = (CallHookObject *)type->tp_alloc(type, 0);
     if (h == NULL)
         return NULL;
-    PyObject **fields[] = {&h->monitor, &h->fallback, &h->site, &h->vpp, &h->names, &h->key, &h->row};
     for (int i = 0; i < 7; i++) {
         Py_INCREF(a[i]);
-        *fields[i] = a[i];
+        *call_hook_objects(h, i) = a[i];
     }
     h->post = post;
     h->vectorcall = (vectorcallfunc)call_hook_vectorcall;
+    PyObject *monitor = a[0], *names = a[4];
+    PyObject *zero = PyLong_FromLong(0);
+    if (zero == NULL) {
+        Py_DECREF(h);
+        return NULL;
+    }
+    h->grad_input_0 = PyObject_CallMethodOneArg(names, str_grad_input, zero);
+    Py_DECREF(zero);
+    if (h->grad_input_0 == NULL || (h->pass = PyObject_GetAttr(monitor, str_pass)) == NULL || (h->calls = PyObject_GetAttr(monitor, str_calls)) == NULL ||
+        (h->errors = PyObject_GetAttr(monitor, str_errors)) == NULL ||
+        (h->sum_numbers = PyObject_GetAttr(monitor, str_sum_numbers)) == NULL ||
+        (h->monitor_ref = PyWeakref_NewRef(monitor, NULL)) == NULL ||
+        (h->outs_0 = PyObject_GetAttr(names, str_outs_0)) == NULL ||
+        (h->in_ones = PyObject_GetAttr(names, str_in_ones)) == NULL ||
+        (h->grad_output_0 = PyObject_GetAttr(names, str_grad_output_0)) == NULL ||
+        (h->in_site = PyObject_GetAttr(names, str_grad_input_site)) == NULL) {
+        Py_DECREF(h);
+        return NULL;
+    }
+    if (!PyDict_Check(h->calls) || !PyDict_Check(h->in_ones) || !PyIter_Check(h->sum_numbers)) {
+        PyErr_SetString(PyExc_TypeError, "CallHook: the monitor's _calls, the names' _in_ones (dicts), _sum_numbers");
+        Py_DECREF(h);
+        return NULL;
+    }
+    return (PyObject *)h;
+}
+
+/* A new NodeHook of the monitor (weak reference `monitor_ref`) for a node of type `kind` */
+static PyObject *node_hook_made(PyObject *monitor_ref, PyObject *kind) {
+    NodeHookObject *h = (NodeHookObject *)NodeHookType.tp_alloc(&NodeHookType, 0);
+    PyObject *empty = h == NULL ? NULL : PyTuple_New(0);
+    if (empty == NULL) {
+        Py_XDECREF(h);
+        return NULL;
+    }
+    h->monitor = ref_or_none(monitor_ref);
+    h->site = ref_or_none(fwd.node_site);
+    h->scope = ref_or_none(fwd.node_scope);
+    h->kind = ref_or_none(kind);
+    h->ins = ref_or_none(empty);
+    h->outs = empty; /* the new reference */
     return (PyObject *)h;
 }
 
 /* The monitor's NodeHook of `node` in this pass (module._node_hook): a new reference, or NULL
    with the error set. */
-static PyObject *node_hook_of(PyObject *monitor, PyObject *nodes, PyObject *node) {
+static PyObject *node_hook_of(CallHookObject *self, PyObject *nodes, PyObject *node) {
     PyObject *seq = PyObject_CallMethodNoArgs(node, str_sequence_nr);
     if (seq == NULL)
         return NULL;
@@ -2835,9 +3036,7 @@ static PyObject *node_hook_of(PyObject *monitor, PyObject *nodes, PyObject *node
             return NULL;
         }
     }
-    PyObject *made_args = Py_BuildValue("(OOOO)", monitor, fwd.node_site, fwd.node_scope, kind);
-    PyObject *hook = made_args == NULL ? NULL : node_hook_new(&NodeHookType, made_args, NULL);
-    Py_XDECREF(made_args);
+    PyObject *hook = node_hook_made(self->monitor_ref, kind);
     if (hook != NULL && !shared && PyDict_SetItem(nodes, seq, hook) < 0)
         Py_CLEAR(hook);
     Py_DECREF(seq);
@@ -2869,60 +3068,120 @@ static int register_node_hook(PyObject *hook, PyObject *node) {
     return handle == NULL ? -1 : 0;
 }
 
-/* hook.outs (a borrowed NodeHook's) with the slot of output nr of the module's one output
-   added, as names.add_out does: 0, or -1 with the error set */
-static int add_out_slot(PyObject *hook, PyObject *names, PyObject *vpp, PyObject *nr) {
-    NodeHookObject *h = (NodeHookObject *)hook;
+/* `slots` (a tuple) with `slot` added: a new reference, or NULL with the error set */
+static PyObject *tuple_plus(PyObject *slots, PyObject *slot) {
+    if (!PyTuple_Check(slots)) {
+        PyErr_SetString(PyExc_TypeError, "CallHook: a node hook's slots are not a tuple");
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(slots);
+    PyObject *more = PyTuple_New(n + 1);
+    if (more == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyTuple_SET_ITEM(more, i, Py_NewRef(PyTuple_GET_ITEM(slots, i)));
+    PyTuple_SET_ITEM(more, n, Py_NewRef(slot));
+    return more;
+}
+
+/* hook.outs (a NodeHook's) with the slot of output nr of the module's one output added, as
+   names.add_out does: 0, or -1 with the error set */
+static int add_out_slot(CallHookObject *self, NodeHookObject *h, PyObject *nr) {
     PyObject *outs;
     long at = PyLong_AsLong(nr);
     if (at == -1 && PyErr_Occurred())
         return -1;
-    if (at == 0 && PyTuple_Check(h->outs) && PyTuple_GET_SIZE(h->outs) == 0) {
-        outs = PyObject_GetAttr(names, str_outs_0);
-    } else {
-        PyObject *name = PyObject_GetAttr(names, str_grad_output_0);
-        outs = name == NULL ? NULL : PyObject_CallMethodObjArgs(names, str_add_out, h->outs, vpp, nr, name, NULL);
-        Py_XDECREF(name);
-    }
+    if (at == 0 && PyTuple_Check(h->outs) && PyTuple_GET_SIZE(h->outs) == 0)
+        outs = Py_NewRef(self->outs_0);
+    else
+        outs = PyObject_CallMethodObjArgs(self->names, str_add_out, h->outs, self->vpp, nr, self->grad_output_0, NULL);
     if (outs == NULL)
         return -1;
     Py_XSETREF(h->outs, outs);
     return 0;
 }
 
-/* hook.ins (a borrowed NodeHook's) with the one-edge grad_input slot of edge e added
-   (names.add_in): 0, or -1 with the error set */
-static int add_in_slot(PyObject *hook, PyObject *names, PyObject *e) {
-    NodeHookObject *h = (NodeHookObject *)hook;
+/* hook.ins (a NodeHook's) with the one-edge grad_input slot of edge e added (names.add_in):
+   0, or -1 with the error set */
+static int add_in_slot(CallHookObject *self, NodeHookObject *h, PyObject *e) {
     PyObject *ins = NULL;
     if (PyTuple_Check(h->ins) && PyTuple_GET_SIZE(h->ins) == 0) {
-        PyObject *ones = PyObject_GetAttr(names, str_in_ones);
-        if (ones == NULL)
-            return -1;
-        ins = PyDict_Check(ones) ? PyDict_GetItemWithError(ones, e) : NULL; /* borrowed */
-        Py_XINCREF(ins);
-        Py_DECREF(ones);
+        ins = PyDict_GetItemWithError(self->in_ones, e); /* borrowed */
         if (ins == NULL && PyErr_Occurred())
             return -1;
+        Py_XINCREF(ins);
     }
-    if (ins == NULL && (ins = PyObject_CallMethodObjArgs(names, str_add_in, h->ins, e, NULL)) == NULL)
+    if (ins == NULL && (ins = PyObject_CallMethodObjArgs(self->names, str_add_in, h->ins, e, NULL)) == NULL)
         return -1;
     Py_XSETREF(h->ins, ins);
     return 0;
 }
 
-/* module.ModuleMonitor._hook_graph_one: 0, or -1 with the error set */
-static int hook_graph_one(CallHookObject *self, PyObject *state, PyObject *output, PyObject *own, PyObject *edge,
-                          PyObject *call) {
-    PyObject *monitor = self->monitor, *names = self->names;
-    PyObject *nodes = NULL, *node = NULL, *nr = NULL, *out_hook = NULL, *boundary = NULL, *roots = NULL;
-    PyObject *found = NULL, *in_hooks = NULL, *in_hook = NULL, *in_node = NULL;
+/* The grad_input slots of the call's one input, reached by the edges `found` ((node, e)
+   pairs), added to their nodes' hooks (module.ModuleMonitor._one_input_slots); the hook
+   and node of each appended to `touched`. Several edges share one running sum, numbered
+   from the monitor's _sum_numbers. 0, or -1 with the error set. */
+static int one_input_slots(CallHookObject *self, PyObject *found, PyObject *nodes, PyObject *touched) {
+    Py_ssize_t parts = PyList_GET_SIZE(found);
+    PyObject *number = NULL, *count = NULL;
+    if (parts > 1) {
+        if ((number = PyIter_Next(self->sum_numbers)) == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_RuntimeError, "CallHook: the sum numbers ran out");
+            return -1;
+        }
+        if ((count = PyLong_FromSsize_t(parts)) == NULL) {
+            Py_DECREF(number);
+            return -1;
+        }
+    }
     int result = -1;
-    if ((nodes = PyObject_GetAttr(state, str_nodes)) == NULL)
+    for (Py_ssize_t i = 0; i < parts; i++) {
+        PyObject *pair = PyList_GET_ITEM(found, i); /* (node, e), made by edges_into */
+        PyObject *node = PyTuple_GET_ITEM(pair, 0), *e = PyTuple_GET_ITEM(pair, 1);
+        PyObject *hook = node_hook_of(self, nodes, node);
+        if (hook == NULL)
+            goto done;
+        if (Py_TYPE(hook) != &NodeHookType) {
+            Py_DECREF(hook);
+            PyErr_SetString(PyExc_TypeError, "CallHook: a node hook that is not a NodeHook");
+            goto done;
+        }
+        NodeHookObject *h = (NodeHookObject *)hook;
+        int failed;
+        if (number == NULL) {
+            failed = add_in_slot(self, h, e);
+        } else {
+            PyObject *slot = PyTuple_Pack(6, self->vpp, e, self->grad_input_0, number, count, self->in_site);
+            PyObject *ins = slot == NULL ? NULL : tuple_plus(h->ins, slot);
+            Py_XDECREF(slot);
+            failed = ins == NULL;
+            if (ins != NULL)
+                Py_XSETREF(h->ins, ins);
+        }
+        failed = failed || PyList_Append(touched, hook) < 0 || PyList_Append(touched, node) < 0;
+        Py_DECREF(hook);
+        if (failed)
+            goto done;
+    }
+    result = 0;
+done:
+    Py_XDECREF(number);
+    Py_XDECREF(count);
+    return result;
+}
+
+/* module.ModuleMonitor._hook_graph_one: 0, or -1 with the error set */
+static int hook_graph_one(CallHookObject *self, PyObject *output, PyObject *own, PyObject *edge,
+                          CallStateObject *call) {
+    PyObject *nodes = NULL, *node = NULL, *nr = NULL, *out_hook = NULL, *roots = NULL, *found = NULL;
+    PyObject *touched = NULL;
+    int result = -1;
+    if ((nodes = PyObject_GetAttr(self->pass, str_nodes)) == NULL)
         goto done;
     if (nodes == Py_None) {
         Py_DECREF(nodes);
-        if ((nodes = PyDict_New()) == NULL || PyObject_SetAttr(state, str_nodes, nodes) < 0)
+        if ((nodes = PyDict_New()) == NULL || PyObject_SetAttr(self->pass, str_nodes, nodes) < 0)
             goto done;
     } else if (!PyDict_Check(nodes)) {
         PyErr_SetString(PyExc_TypeError, "CallHook: the pass's node table is not a dict");
@@ -2932,7 +3191,7 @@ static int hook_graph_one(CallHookObject *self, PyObject *state, PyObject *outpu
     if (view < 0)
         goto done;
     if (view) {
-        PyObject *pair = PyObject_CallFunctionObjArgs(fwd.output_edge, output, own, call, NULL);
+        PyObject *pair = PyObject_CallFunctionObjArgs(fwd.output_edge, output, own, (PyObject *)call, NULL);
         if (pair == NULL)
             goto done;
         if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
@@ -2940,82 +3199,42 @@ static int hook_graph_one(CallHookObject *self, PyObject *state, PyObject *outpu
             PyErr_SetString(PyExc_TypeError, "CallHook: _output_edge gave no (node, nr)");
             goto done;
         }
-        node = PyTuple_GET_ITEM(pair, 0);
-        nr = PyTuple_GET_ITEM(pair, 1);
-        Py_INCREF(node);
-        Py_INCREF(nr);
+        node = Py_NewRef(PyTuple_GET_ITEM(pair, 0));
+        nr = Py_NewRef(PyTuple_GET_ITEM(pair, 1));
         Py_DECREF(pair);
     } else {
-        node = own;
-        Py_INCREF(node);
+        node = Py_NewRef(own);
         if ((nr = PyObject_GetAttr(output, str_output_nr)) == NULL)
             goto done;
     }
-    if ((out_hook = node_hook_of(monitor, nodes, node)) == NULL)
+    if ((out_hook = node_hook_of(self, nodes, node)) == NULL)
         goto done;
     if (Py_TYPE(out_hook) != &NodeHookType) {
         PyErr_SetString(PyExc_TypeError, "CallHook: a node hook that is not a NodeHook");
         goto done;
     }
-    if (add_out_slot(out_hook, names, self->vpp, nr) < 0)
+    if (add_out_slot(self, (NodeHookObject *)out_hook, nr) < 0 || (roots = PyList_New(1)) == NULL)
         goto done;
-    if ((boundary = PyObject_GetAttr(call, str_boundary)) == NULL || (roots = PyList_New(1)) == NULL)
+    PyList_SET_ITEM(roots, 0, Py_NewRef(own));
+    PyObject *walk[5] = {fwd.known, fwd.classify, edge, roots, call->boundary};
+    if ((found = py_edges_into(NULL, walk, 5)) == NULL || (touched = PyList_New(0)) == NULL ||
+        one_input_slots(self, found, nodes, touched) < 0)
         goto done;
-    Py_INCREF(own);
-    PyList_SET_ITEM(roots, 0, own);
-    PyObject *walk[5] = {fwd.known, fwd.classify, edge, roots, boundary};
-    if ((found = py_edges_into(NULL, walk, 5)) == NULL)
-        goto done;
-    Py_ssize_t parts = PyList_GET_SIZE(found);
-    if (parts == 1) {
-        PyObject *pair = PyList_GET_ITEM(found, 0); /* (node, e), made by edges_into */
-        in_node = PyTuple_GET_ITEM(pair, 0);
-        Py_INCREF(in_node);
-        if ((in_hook = node_hook_of(monitor, nodes, in_node)) == NULL)
-            goto done;
-        if (Py_TYPE(in_hook) != &NodeHookType) {
-            PyErr_SetString(PyExc_TypeError, "CallHook: a node hook that is not a NodeHook");
-            goto done;
-        }
-        if (add_in_slot(in_hook, names, PyTuple_GET_ITEM(pair, 1)) < 0)
-            goto done;
-    } else if (parts > 1) {
-        in_hooks = PyObject_CallMethodObjArgs(monitor, str_one_input_slots, self->vpp, names, found, nodes, NULL);
-        if (in_hooks == NULL)
-            goto done;
-        if (!PyList_Check(in_hooks)) {
-            PyErr_SetString(PyExc_TypeError, "CallHook: _one_input_slots gave no list");
-            goto done;
-        }
-    }
     /* registered as _hook_graph_one does: the output's node first, then each input edge's */
     if (register_node_hook(out_hook, node) < 0)
         goto done;
-    if (in_hook != NULL && register_node_hook(in_hook, in_node) < 0)
-        goto done;
-    if (in_hooks != NULL) {
-        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(in_hooks); i++) {
-            PyObject *pair = PyList_GET_ITEM(in_hooks, i);
-            if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
-                PyErr_SetString(PyExc_TypeError, "CallHook: _one_input_slots gave no (hook, node)");
-                goto done;
-            }
-            if (register_node_hook(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1)) < 0)
-                goto done;
-        }
-    }
+    for (Py_ssize_t i = 0; i + 1 < PyList_GET_SIZE(touched); i += 2)
+        if (register_node_hook(PyList_GET_ITEM(touched, i), PyList_GET_ITEM(touched, i + 1)) < 0)
+            goto done;
     result = 0;
 done:
     Py_XDECREF(nodes);
     Py_XDECREF(node);
     Py_XDECREF(nr);
     Py_XDECREF(out_hook);
-    Py_XDECREF(boundary);
     Py_XDECREF(roots);
     Py_XDECREF(found);
-    Py_XDECREF(in_hooks);
-    Py_XDECREF(in_hook);
-    Py_XDECREF(in_node);
+    Py_XDECREF(touched);
     return result;
 }
 
@@ -3059,94 +3278,77 @@ static PyObject *call_key(CallHookObject *self) {
     return key;
 }
 
+/* module._producer(t): its graph edges, or the tensor where it has no grad_fn (a new
+   reference, or NULL with the error set) */
+static PyObject *producer_of(PyObject *t) {
+    PyObject *fn = PyObject_GetAttr(t, str_grad_fn);
+    if (fn == NULL || fn == Py_None) {
+        Py_XDECREF(fn);
+        return fn == NULL ? NULL : Py_NewRef(t);
+    }
+    PyObject *producer = NULL;
+    int view = call_truth(t, str_is_view);
+    if (view > 0) { /* a view's edges and its base's (module._grad_edges) */
+        producer = PyObject_CallOneArg(fwd.producer, t);
+    } else if (view == 0) {
+        PyObject *nr = PyObject_GetAttr(t, str_output_nr);
+        PyObject *edge = nr == NULL ? NULL : PyTuple_Pack(2, fn, nr);
+        Py_XDECREF(nr);
+        producer = edge == NULL ? NULL : PyTuple_Pack(1, edge);
+        Py_XDECREF(edge);
+    }
+    Py_DECREF(fn);
+    return producer;
+}
+
 /* ModuleMonitor._before_forward of the common call: 0, or -1 with the error set */
 static int before_forward(CallHookObject *self, PyObject *t, PyObject *scope) {
-    PyObject *boundary = NULL, *fn = NULL, *producer = NULL, *inputs = NULL, *calls = NULL, *key = NULL;
-    PyObject *call = NULL;
+    PyObject *boundary = NULL, *producer = NULL, *inputs = NULL, *key = NULL, *call = NULL;
     int result = -1;
     int outside = outside_backward();
     if (outside < 0 || (outside && record_into(self, t, scope) < 0))
         goto done;
-    if ((boundary = PyObject_CallNoArgs(fwd.sequence_nr)) == NULL || (fn = PyObject_GetAttr(t, str_grad_fn)) == NULL)
-        goto done;
-    if (fn == Py_None) {
-        producer = t;
-        Py_INCREF(producer);
-    } else {
-        int view = call_truth(t, str_is_view);
-        if (view < 0)
-            goto done;
-        if (view) {
-            producer = PyObject_CallOneArg(fwd.producer, t);
-        } else {
-            PyObject *nr = PyObject_GetAttr(t, str_output_nr);
-            PyObject *edge = nr == NULL ? NULL : PyTuple_Pack(2, fn, nr);
-            Py_XDECREF(nr);
-            producer = edge == NULL ? NULL : PyTuple_Pack(1, edge);
-            Py_XDECREF(edge);
-        }
-        if (producer == NULL)
-            goto done;
-    }
-    if ((inputs = PyList_New(1)) == NULL)
+    if ((boundary = PyObject_CallNoArgs(fwd.sequence_nr)) == NULL || (producer = producer_of(t)) == NULL ||
+        (inputs = PyList_New(1)) == NULL)
         goto done;
     PyList_SET_ITEM(inputs, 0, producer);
     producer = NULL;
-    if ((calls = PyObject_GetAttr(self->monitor, str_calls)) == NULL || (key = call_key(self)) == NULL)
+    if ((key = call_key(self)) == NULL)
         goto done;
-    if (!PyDict_Check(calls)) {
-        PyErr_SetString(PyExc_TypeError, "CallHook: monitor._calls is not a dict");
-        goto done;
-    }
-    PyObject *outer = PyDict_GetItemWithError(calls, key); /* borrowed */
+    PyObject *outer = PyDict_GetItemWithError(self->calls, key); /* borrowed */
     if (outer == NULL && PyErr_Occurred())
         goto done;
-    PyObject *made[4] = {inputs, boundary, scope, outer == NULL ? Py_None : outer};
-    if ((call = PyObject_Vectorcall(fwd.call_type, made, 4, NULL)) == NULL || PyDict_SetItem(calls, key, call) < 0)
+    if ((call = call_state_make(inputs, boundary, scope, outer == NULL ? Py_None : outer)) == NULL ||
+        PyDict_SetItem(self->calls, key, call) < 0)
         goto done;
     result = 0;
 done:
     Py_XDECREF(boundary);
-    Py_XDECREF(fn);
     Py_XDECREF(producer);
     Py_XDECREF(inputs);
-    Py_XDECREF(calls);
     Py_XDECREF(key);
     Py_XDECREF(call);
     return result;
 }
 
 /* call.inputs[0][0] where the call's inputs are one producer of one edge (module._one_edge):
-   a new reference; NULL without an error where they are not */
-static PyObject *one_edge(PyObject *call) {
-    PyObject *inputs = PyObject_GetAttr(call, str_inputs);
-    if (inputs == NULL)
-        return NULL;
-    PyObject *edge = NULL;
+   borrowed; NULL where they are not */
+static PyObject *one_edge(CallStateObject *call) {
+    PyObject *inputs = call->inputs;
     if (PyList_Check(inputs) && PyList_GET_SIZE(inputs) == 1) {
         PyObject *producer = PyList_GET_ITEM(inputs, 0);
-        if (PyTuple_CheckExact(producer) && PyTuple_GET_SIZE(producer) == 1) {
-            edge = PyTuple_GET_ITEM(producer, 0);
-            Py_INCREF(edge);
-        }
+        if (PyTuple_CheckExact(producer) && PyTuple_GET_SIZE(producer) == 1)
+            return PyTuple_GET_ITEM(producer, 0);
     }
-    Py_DECREF(inputs);
-    return edge;
+    return NULL;
 }
 
 /* ModuleMonitor._after_forward of a call with one tensor output, its call state `call`
    (taken off the call table by the caller): 0, or -1 with the error set */
-static int after_forward(CallHookObject *self, PyObject *state, PyObject *output, PyObject *call) {
+static int after_forward(CallHookObject *self, PyObject *output, CallStateObject *call) {
     int outside = outside_backward();
-    if (outside < 0)
+    if (outside < 0 || (outside && record_into(self, output, call->scope) < 0))
         return -1;
-    if (outside) {
-        PyObject *scope = PyObject_GetAttr(call, str_scope);
-        int failed = scope == NULL || record_into(self, output, scope) < 0;
-        Py_XDECREF(scope);
-        if (failed)
-            return -1;
-    }
     int wants = attr_truth(output, str_requires_grad);
     if (wants > 0) {
         PyObject *enabled = PyObject_CallNoArgs(fwd.grad_enabled);
@@ -3156,29 +3358,22 @@ static int after_forward(CallHookObject *self, PyObject *state, PyObject *output
     if (wants <= 0)
         return wants;
     PyObject *edge = one_edge(call);
-    if (edge == NULL && PyErr_Occurred())
-        return -1;
     PyObject *own = PyObject_GetAttr(output, str_grad_fn);
-    if (own == NULL) {
-        Py_XDECREF(edge);
+    if (own == NULL)
         return -1;
-    }
     int result;
     if (edge != NULL && own != Py_None) {
-        result = hook_graph_one(self, state, output, own, edge, call);
+        result = hook_graph_one(self, output, own, edge, call);
     } else {
         PyObject *outputs = PyTuple_Pack(1, output);
-        PyObject *name = outputs == NULL ? NULL : PyObject_GetAttr(self->names, str_grad_output_0);
-        PyObject *grad_names = name == NULL ? NULL : PyTuple_Pack(1, name);
+        PyObject *grad_names = outputs == NULL ? NULL : PyTuple_Pack(1, self->grad_output_0);
         PyObject *r = grad_names == NULL ? NULL : PyObject_CallMethodObjArgs(
-            self->monitor, str_hook_graph, self->vpp, self->names, outputs, grad_names, call, NULL);
+            self->monitor, str_hook_graph, self->vpp, self->names, outputs, grad_names, (PyObject *)call, NULL);
         result = r == NULL ? -1 : 0;
         Py_XDECREF(r);
         Py_XDECREF(outputs);
-        Py_XDECREF(name);
         Py_XDECREF(grad_names);
     }
-    Py_XDECREF(edge);
     Py_DECREF(own);
     return result;
 }
@@ -3197,7 +3392,8 @@ static int add_busy(PyObject *errors, double seconds) {
 
 static PyObject *call_hook_vectorcall(CallHookObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    PyObject *monitor = self->monitor;
+    PyObject *monitor = self->monitor, *t, *key = NULL;
+    CallStateObject *call = NULL;
     if (kwnames != NULL || nargs != 3 + self->post)
         goto fallback;
     int active = attr_truth(monitor, str_active);
@@ -3205,14 +3401,11 @@ static PyObject *call_hook_vectorcall(CallHookObject *self, PyObject *const *arg
         return active < 0 ? NULL : none_ref();
     /* a trace (torch.export, make_fx) sets torch.compiler's flag: the Python hook knows */
     PyObject *flag = PyDict_GetItemWithError(fwd.compiler_dict, str_compiling_flag); /* borrowed */
-    if (flag == NULL) {
-        if (PyErr_Occurred())
+    if (flag != Py_False) {
+        if (flag == NULL && PyErr_Occurred())
             return NULL;
         goto fallback;
     }
-    if (flag != Py_False)
-        goto fallback;
-    PyObject *t = NULL, *scope = NULL;
     if (!self->post) {
         PyObject *inputs = args[1], *kwargs = args[2];
         if (!PyTuple_Check(inputs) || PyTuple_GET_SIZE(inputs) != 1 || !PyDict_Check(kwargs) ||
@@ -3224,75 +3417,46 @@ static PyObject *call_hook_vectorcall(CallHookObject *self, PyObject *const *arg
         if (Py_TYPE(t) != (PyTypeObject *)fwd.tensor_type)
             goto fallback;
     }
-    PyObject *state = PyObject_GetAttr(monitor, str_pass);
-    if (state == NULL)
+    int internal = attr_truth(self->pass, str_internal);
+    int depth = internal != 0 ? internal : attr_truth(self->pass, str_depth);
+    if (internal < 0 || depth < 0)
         return NULL;
-    int internal = attr_truth(state, str_internal);
-    int depth = internal != 0 ? internal : attr_truth(state, str_depth);
-    if (internal != 0 || depth <= 0) { /* a framework-internal pass, a call outside the chunks' (or an error) */
-        Py_DECREF(state);
-        if (internal < 0 || depth < 0)
-            return NULL;
+    if (internal || !depth) /* a framework-internal pass, a call outside the chunks' */
         goto fallback;
-    }
-    PyObject *calls = NULL, *key = NULL, *call = NULL;
+    PyObject *scope = NULL;
     if (self->post) {
-        /* the call state: none (a hook put on during the call) goes to the Python hook */
-        if ((calls = PyObject_GetAttr(monitor, str_calls)) == NULL || (key = call_key(self)) == NULL ||
-            !PyDict_Check(calls)) {
-            Py_DECREF(state);
-            Py_XDECREF(calls);
-            Py_XDECREF(key);
-            if (PyErr_Occurred())
-                return NULL;
-            goto fallback;
-        }
-        call = PyDict_GetItemWithError(calls, key); /* borrowed */
-        if (call == NULL) {
-            Py_DECREF(state);
-            Py_DECREF(calls);
+        /* the call state: none (a hook put on during the call), or the Python hook's: the Python hook */
+        if ((key = call_key(self)) == NULL)
+            return NULL;
+        PyObject *found = PyDict_GetItemWithError(self->calls, key); /* borrowed */
+        if (found == NULL || Py_TYPE(found) != &CallStateType) {
             Py_DECREF(key);
             if (PyErr_Occurred())
                 return NULL;
             goto fallback;
         }
-        Py_INCREF(call);
+        call = (CallStateObject *)Py_NewRef(found);
     } else {
-        int evaluation = attr_truth(state, str_evaluation);
-        if (evaluation < 0) {
-            Py_DECREF(state);
+        int evaluation = attr_truth(self->pass, str_evaluation);
+        if (evaluation < 0)
             return NULL;
-        }
         scope = evaluation ? fwd.eval_forward : fwd.forward;
-    }
-    PyObject *errors = PyObject_GetAttr(monitor, str_errors);
-    if (errors == NULL) {
-        Py_DECREF(state);
-        Py_XDECREF(calls);
-        Py_XDECREF(key);
-        Py_XDECREF(call);
-        return NULL;
     }
     double start = monotonic_seconds();
     int failed;
     if (!self->post) {
         failed = before_forward(self, t, scope);
     } else {
-        PyObject *outer = PyObject_GetAttr(call, str_outer);
-        failed = outer == NULL ? -1 : outer == Py_None ? PyDict_DelItem(calls, key) : PyDict_SetItem(calls, key, outer);
-        Py_XDECREF(outer);
+        failed = call->outer == Py_None ? PyDict_DelItem(self->calls, key) : PyDict_SetItem(self->calls, key, call->outer);
         if (failed == 0)
-            failed = after_forward(self, state, t, call);
+            failed = after_forward(self, t, call);
     }
-    Py_DECREF(state);
-    Py_XDECREF(calls);
     Py_XDECREF(key);
     Py_XDECREF(call);
-    PyObject *result = NULL;
-    if ((failed == 0 || node_hook_contain(errors, self->site) == 0) && add_busy(errors, monotonic_seconds() - start) == 0)
-        result = none_ref(); /* a hook that returns a value could replace a tensor */
-    Py_DECREF(errors);
-    return result;
+    if ((failed == 0 || node_hook_contain(self->errors, self->site) == 0) &&
+        add_busy(self->errors, monotonic_seconds() - start) == 0)
+        return none_ref(); /* a hook that returns a value could replace a tensor */
+    return NULL;
 fallback:
     return PyObject_Vectorcall(self->fallback, args, nargs, kwnames);
 }
@@ -3523,7 +3687,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_msprobe_monitor_nat
 PyMODINIT_FUNC PyInit__msprobe_monitor_native(void) {
     if (PyType_Ready(&RecordType) < 0 || PyType_Ready(&NoteStateType) < 0 || PyType_Ready(&GradNoteType) < 0 ||
         PyType_Ready(&RecorderType) < 0 || PyType_Ready(&NodeHookType) < 0 ||
-        PyType_Ready(&CallHookType) < 0)
+        PyType_Ready(&CallHookType) < 0 || PyType_Ready(&CallStateType) < 0)
         return NULL;
     str_active = PyUnicode_InternFromString("active");
     str_hooks_attr = PyUnicode_InternFromString("_post_accumulate_grad_hooks");
@@ -3532,29 +3696,31 @@ PyMODINIT_FUNC PyInit__msprobe_monitor_native(void) {
     PyObject **interned[] = {&str_is_cpu, &str_dtype, &str_layout, &str_is_nested, &str_is_contiguous, &str_is_neg,
                           &str_numel, &str_data_ptr, &str_is_inference, &str_version, &str_next_functions,
                           &str_sequence_nr, &str_attached, &str_errors, &str_read, &str_records, &str_busy,
-                          &str_report, &str_add_part, &str_pass, &str_internal, &str_depth, &str_evaluation,
+                          &str_report, &str_sums, &str_shape, &str_reshape, &str_read_sum, &str_pass, &str_internal, &str_depth, &str_evaluation,
                           &str_nodes, &str_calls, &str_grad_fn, &str_is_view, &str_output_nr, &str_requires_grad,
-                          &str_outer, &str_inputs, &str_boundary, &str_scope, &str_hook_graph, &str_one_input_slots,
-                          &str_outs_0, &str_in_ones, &str_add_out, &str_add_in, &str_grad_output_0,
-                          &str_register_hook, &str_register_prehook, &str_compiling_flag};
+                          &str_hook_graph, &str_outs_0, &str_in_ones, &str_add_out, &str_add_in, &str_grad_output_0,
+                          &str_grad_input, &str_grad_input_site, &str_sum_numbers, &str_register_hook,
+                          &str_register_prehook, &str_compiling_flag};
     const char *texts[] = {"is_cpu", "dtype", "layout", "is_nested", "is_contiguous", "is_neg", "numel", "data_ptr",
                            "is_inference", "_version", "next_functions", "_sequence_nr", "attached", "errors",
-                           "_read", "_records", "busy", "report", "_add_part", "_pass", "internal", "depth",
+                           "_read", "_records", "busy", "report", "_sums", "shape", "reshape", "_read_sum", "_pass", "internal", "depth",
                            "evaluation", "nodes", "_calls", "grad_fn", "_is_view", "output_nr", "requires_grad",
-                           "outer", "inputs", "boundary", "scope", "_hook_graph", "_one_input_slots", "outs_0",
-                           "_in_ones", "add_out", "add_in", "grad_output_0", "register_hook", "register_prehook",
+                           "_hook_graph", "outs_0", "_in_ones", "add_out", "add_in", "grad_output_0", "grad_input",
+                           "grad_input_site", "_sum_numbers", "register_hook", "register_prehook",
                            "_is_compiling_flag"};
     for (size_t i = 0; i < sizeof(texts) / sizeof(texts[0]); i++)
         if ((*interned[i] = PyUnicode_InternFromString(texts[i])) == NULL)
             return NULL;
+    if ((_one_int = PyLong_FromLong(1)) == NULL)
+        return NULL;
     pow10_init();
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
     PyTypeObject *types[] = {&RecordType, &NoteStateType, &GradNoteType, &RecorderType, &NodeHookType,
-                             &CallHookType};
-    const char *names[] = {"Record", "NoteState", "GradNote", "Recorder", "NodeHook", "CallHook"};
-    for (int i = 0; i < 6; i++) {
+                             &CallHookType, &CallStateType};
+    const char *names[] = {"Record", "NoteState", "GradNote", "Recorder", "NodeHook", "CallHook", "CallState"};
+    for (int i = 0; i < 7; i++) {
         Py_INCREF(types[i]);
         if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
             Py_DECREF(types[i]);

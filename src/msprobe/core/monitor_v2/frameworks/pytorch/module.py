@@ -255,22 +255,14 @@ class _Names:
         return name
 
 
-class _GradInputSum:
-    """The gradient one input receives through several graph edges: a running sum of
-    the parts in the order they arrive (``((p0 + p1) + p2)``, the order ``sum`` adds in),
-    one temporary of the gradient's size, recorded and dropped when the last part is in
-    (or at ``collect`` when some part never came). Made when the first part arrives:
-    the graph hooks' slots name it by a number (``ModuleMonitor._sums``), so that no
-    object lives from the forward pass to the backward pass for it."""
-
-    __slots__ = ("expected", "count", "total", "vpp", "name")
-
-    def __init__(self, expected: int, vpp: int, name: str, first: torch.Tensor) -> None:
-        self.expected = expected
-        self.count = 1
-        self.total = first
-        self.vpp = vpp
-        self.name = name
+# A running sum (``ModuleMonitor._sums``): the gradient one input receives through several
+# graph edges, the parts added in the order they arrive (``((p0 + p1) + p2)``, the order
+# ``sum`` adds in), one temporary of the gradient's size, recorded and dropped when the last
+# part is in (or at ``collect`` when some part never came). Made when the first part
+# arrives: the graph hooks' slots name it by a number, so that no object lives from the
+# forward pass to the backward pass for it. A list ``[expected, count, total, vpp, name]``,
+# which the extension's NodeHook reads and writes too.
+_EXPECTED, _COUNT, _TOTAL, _SUM_VPP, _SUM_NAME = range(5)
 
 
 class _NodeHook(ContainedHook):
@@ -399,7 +391,7 @@ def _native_call_hooks(ext: Any) -> bool:
     if _get_sequence_nr is None or not isinstance(flags.get("_is_compiling_flag"), bool):
         return False
     if not _FORWARD_API_SET:
-        ext.forward_api(_current_autograd_node, _get_sequence_nr, torch.is_grad_enabled, _Tensor, _Call, flags,
+        ext.forward_api(_current_autograd_node, _get_sequence_nr, torch.is_grad_enabled, _Tensor, flags,
                         _ACCUMULATE_GRAD, _is_accumulate_grad, _producer, _output_edge, _register, rows.FORWARD,
                         rows.EVAL_FORWARD, _NODE_HOOK_SITE, rows.BACKWARD)
         _FORWARD_API_SET = True
@@ -464,6 +456,8 @@ class ModuleMonitor(Monitor):
         self.plan = StatPlan.from_ops(self.settings.ops)
         # engine.record(t, plan, vpp, name, scope, cache=True) as one call (stats.py, recorder)
         self._read = self.session.engine.recorder(self.plan)
+        # a running sum's total is a temporary: read without the same-tensor cache
+        self._read_sum = self.session.engine.recorder(self.plan, cache=False)
         ext = native.extension()
         self._edges_into: Callable[[Tuple[Any, int], List[Any], int], List[Tuple[Any, int]]] = (
             _edges_into if ext is None else functools.partial(ext.edges_into, _ACCUMULATE_GRAD, _is_accumulate_grad))
@@ -493,9 +487,12 @@ class ModuleMonitor(Monitor):
                 self._cancel_on_compile = on_next_compile(
                     self.errors.wrap("module hooks at a compile start", self._compile_started))
                 self._native_calls = self._cancel_on_compile is not None
+        # the call state: the extension's CallState where CallHook runs (it reads its fields directly)
+        self._new_call: Callable[[List[Any], int, str, Optional[Any]], Any] = (
+            ext.CallState if self._native_calls else _Call)
         self._removed: Optional[Tuple[List[int], List[Tuple[torch.nn.Module, Any]]]] = None  # see _set_call_hooks
         self._calls: Dict[Tuple[int, int], _Call] = {}  # (thread, module) -> innermost call in progress
-        self._sums: Dict[int, _GradInputSum] = {}  # sum number -> the parts summed so far
+        self._sums: Dict[int, List[Any]] = {}  # sum number -> the parts summed so far (_EXPECTED...)
         self._sum_numbers = itertools.count()
         self._once = LogOnce()
         self._pass = _Pass()  # per thread: a background evaluation never joins the training pass
@@ -654,7 +651,7 @@ class ModuleMonitor(Monitor):
             producers = [_producer(t) for t in inputs]
         calls = self._calls
         call_key = (threading.get_ident(), key)
-        calls[call_key] = _Call(producers, boundary, scope, calls.get(call_key))
+        calls[call_key] = self._new_call(producers, boundary, scope, calls.get(call_key))
 
     def _after_forward(self, key: int, vpp: int, names: _Names, output: Any) -> None:
         calls = self._calls
@@ -829,18 +826,18 @@ class ModuleMonitor(Monitor):
         sums = self._sums
         acc = sums.get(number)
         if acc is None:
-            acc = sums[number] = _GradInputSum(parts, vpp, name, g)
+            acc = sums[number] = [parts, 1, g, vpp, name]
         else:
-            total = acc.total
+            total = acc[_TOTAL]
             # Parts through a view's node and through its base's node differ only in shape.
-            acc.total = total + (g if g.shape == total.shape else g.reshape(total.shape))
-            acc.count += 1
-        if acc.count == acc.expected:
+            acc[_TOTAL] = total + (g if g.shape == total.shape else g.reshape(total.shape))
+            acc[_COUNT] += 1
+        if acc[_COUNT] == acc[_EXPECTED]:
             self._flush(number)
 
     def _flush(self, number: int) -> None:
         acc = self._sums.pop(number)
-        self._records.append(self.session.engine.record(acc.total, self.plan, acc.vpp, acc.name, rows.BACKWARD))
+        self._records.append(self._read_sum(acc[_TOTAL], acc[_SUM_VPP], acc[_SUM_NAME], rows.BACKWARD))
 
     def _warn_once(self, key: str, message: str) -> None:
         self._once.warning(key, "monitor_v2 module: %s (logged once)", message)

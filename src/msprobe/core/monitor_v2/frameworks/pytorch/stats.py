@@ -462,8 +462,8 @@ class TorchStatsEngine:
                 return rec
         return self._record_other(t, plan, vpp_stage, name, scope, micro_step, cache)
 
-    def recorder(self, plan: StatPlan) -> Callable[..., Record]:
-        """``record(t, plan, vpp_stage, name, scope, micro_step, cache=True)`` for one plan, as
+    def recorder(self, plan: StatPlan, cache: bool = True) -> Callable[..., Record]:
+        """``record(t, plan, vpp_stage, name, scope, micro_step, cache)`` for one plan, as
         ``recorder(t, vpp_stage, name, scope[, micro_step])``: the extension's ``Recorder``
         where it is built (the fixed arguments kept in C: the module monitor records
         thousands of tensors a step, and the Python method around the C read cost more
@@ -472,16 +472,16 @@ class TorchStatsEngine:
         if self._tensor_record is None or not hasattr(self._native.ext, "Recorder"):
             def fallback(t: torch.Tensor, vpp_stage: int, name: str, scope: str,
                          micro_step: Optional[int] = None) -> Record:
-                return self.record(t, plan, vpp_stage, name, scope, micro_step, cache=True)
+                return self.record(t, plan, vpp_stage, name, scope, micro_step, cache=cache)
 
             return fallback
 
         def slow(t: torch.Tensor, vpp_stage: int, name: str, scope: str, micro_step: Optional[int]) -> Record:
-            return self._record_other(t, plan, vpp_stage, name, scope, micro_step, True)
+            return self._record_other(t, plan, vpp_stage, name, scope, micro_step, cache)
 
         # the cache dict is the one record() uses for this plan; forget() clears it in place
         return self._native.ext.Recorder(_PLAIN_TYPES, self._kernel_codes, torch.strided, torch.get_num_threads,
-                                         plan.nans, plan.zeros, self._buffer_cache(plan), slow)
+                                         plan.nans, plan.zeros, self._buffer_cache(plan) if cache else None, slow)
 
     def _buffer_cache(self, plan: StatPlan) -> Dict[int, Tuple["weakref.ref", int, Record]]:
         """The same-tensor cache of buffers the kernel read for ``plan``: first element's
