@@ -1950,8 +1950,9 @@ static PyTypeObject GradNoteType = {
  * nothing while the monitor is not active; the time counted in monitor.errors.busy; each
  * slot's error reported once per slot site through
  * monitor.errors.report(site, exc), one outside the slots under `site`; an exception that
- * is not an Exception (KeyboardInterrupt) goes on. A grad_input slot with a sum number is
- * handed to monitor._add_part(number, parts, vpp, name, grad). Not tracked by the
+ * is not an Exception (KeyboardInterrupt) goes on. A grad_input slot with a sum number adds
+ * its part to the running sum as monitor._add_part(number, parts, vpp, name, grad) does
+ * (add_part, in C). Not tracked by the
  * collector (one is made per hooked node per written step), it holds its monitor by a
  * weak reference and so sits in no cycle (the monitor's node tables hold the hooks); a
  * hook whose monitor is gone does nothing. */
@@ -2903,7 +2904,7 @@ static struct {
 } fwd;
 #define FWD_COUNT 14
 
-static PyObject *str_pass, *str_internal, *str_depth, *str_evaluation, *str_nodes, *str_calls, *str_grad_fn,
+static PyObject *str_pass, *str_scope, *str_nodes, *str_calls, *str_grad_fn,
     *str_is_view, *str_output_nr, *str_requires_grad, *str_hook_graph, *str_outs_0, *str_in_ones, *str_add_out,
     *str_add_in, *str_grad_output_0, *str_grad_input, *str_grad_input_site, *str_sum_numbers, *str_register_hook,
     *str_register_prehook, *str_compiling_flag;
@@ -3013,7 +3014,7 @@ static PyObject *node_hook_made(PyObject *monitor_ref, PyObject *kind) {
 
 /* The monitor's NodeHook of `node` in this pass (module._node_hook): a new reference, or NULL
    with the error set. */
-static PyObject *node_hook_of(CallHookObject *self, PyObject *nodes, PyObject *node) {
+static PyObject *node_hook_of(CallHookObject *self, PyObject *nodes, PyObject *node, int *looked_up) {
     PyObject *seq = PyObject_CallMethodNoArgs(node, str_sequence_nr);
     if (seq == NULL)
         return NULL;
@@ -3024,6 +3025,8 @@ static PyObject *node_hook_of(CallHookObject *self, PyObject *nodes, PyObject *n
         return NULL;
     }
     int shared = number == ~0ULL; /* a number nodes of that type share (AccumulateGrad's): no lookup */
+    if (looked_up != NULL)
+        *looked_up = !shared;
     if (!shared) {
         PyObject *hook = PyDict_GetItemWithError(nodes, seq); /* borrowed */
         if (hook != NULL && Py_TYPE(hook) == &NodeHookType && ((NodeHookObject *)hook)->kind == kind) {
@@ -3121,7 +3124,8 @@ static int add_in_slot(CallHookObject *self, NodeHookObject *h, PyObject *e) {
    pairs), added to their nodes' hooks (module.ModuleMonitor._one_input_slots); the hook
    and node of each appended to `touched`. Several edges share one running sum, numbered
    from the monitor's _sum_numbers. 0, or -1 with the error set. */
-static int one_input_slots(CallHookObject *self, PyObject *found, PyObject *nodes, PyObject *touched) {
+static int one_input_slots(CallHookObject *self, PyObject *found, PyObject *nodes, PyObject *touched,
+                           PyObject *known_node, PyObject *known_hook) {
     Py_ssize_t parts = PyList_GET_SIZE(found);
     PyObject *number = NULL, *count = NULL;
     if (parts > 1) {
@@ -3139,7 +3143,8 @@ static int one_input_slots(CallHookObject *self, PyObject *found, PyObject *node
     for (Py_ssize_t i = 0; i < parts; i++) {
         PyObject *pair = PyList_GET_ITEM(found, i); /* (node, e), made by edges_into */
         PyObject *node = PyTuple_GET_ITEM(pair, 0), *e = PyTuple_GET_ITEM(pair, 1);
-        PyObject *hook = node_hook_of(self, nodes, node);
+        /* the output's own node, most often (a Linear's, a norm's): its hook, looked up already */
+        PyObject *hook = node == known_node ? Py_NewRef(known_hook) : node_hook_of(self, nodes, node, NULL);
         if (hook == NULL)
             goto done;
         if (Py_TYPE(hook) != &NodeHookType) {
@@ -3207,7 +3212,8 @@ static int hook_graph_one(CallHookObject *self, PyObject *output, PyObject *own,
         if ((nr = PyObject_GetAttr(output, str_output_nr)) == NULL)
             goto done;
     }
-    if ((out_hook = node_hook_of(self, nodes, node)) == NULL)
+    int looked_up;
+    if ((out_hook = node_hook_of(self, nodes, node, &looked_up)) == NULL)
         goto done;
     if (Py_TYPE(out_hook) != &NodeHookType) {
         PyErr_SetString(PyExc_TypeError, "CallHook: a node hook that is not a NodeHook");
@@ -3218,7 +3224,7 @@ static int hook_graph_one(CallHookObject *self, PyObject *output, PyObject *own,
     PyList_SET_ITEM(roots, 0, Py_NewRef(own));
     PyObject *walk[5] = {fwd.known, fwd.classify, edge, roots, call->boundary};
     if ((found = py_edges_into(NULL, walk, 5)) == NULL || (touched = PyList_New(0)) == NULL ||
-        one_input_slots(self, found, nodes, touched) < 0)
+        one_input_slots(self, found, nodes, touched, looked_up ? node : NULL, out_hook) < 0)
         goto done;
     /* registered as _hook_graph_one does: the output's node first, then each input edge's */
     if (register_node_hook(out_hook, node) < 0)
@@ -3417,13 +3423,13 @@ static PyObject *call_hook_vectorcall(CallHookObject *self, PyObject *const *arg
         if (Py_TYPE(t) != (PyTypeObject *)fwd.tensor_type)
             goto fallback;
     }
-    int internal = attr_truth(self->pass, str_internal);
-    int depth = internal != 0 ? internal : attr_truth(self->pass, str_depth);
-    if (internal < 0 || depth < 0)
+    /* the pass's scope: None in a framework-internal pass or outside the chunks' calls */
+    PyObject *scope = PyObject_GetAttr(self->pass, str_scope);
+    if (scope == NULL)
         return NULL;
-    if (internal || !depth) /* a framework-internal pass, a call outside the chunks' */
+    Py_DECREF(scope); /* borrowed from here on: fwd's strings, which the module holds */
+    if (scope != fwd.forward && scope != fwd.eval_forward)
         goto fallback;
-    PyObject *scope = NULL;
     if (self->post) {
         /* the call state: none (a hook put on during the call), or the Python hook's: the Python hook */
         if ((key = call_key(self)) == NULL)
@@ -3436,11 +3442,6 @@ static PyObject *call_hook_vectorcall(CallHookObject *self, PyObject *const *arg
             goto fallback;
         }
         call = (CallStateObject *)Py_NewRef(found);
-    } else {
-        int evaluation = attr_truth(self->pass, str_evaluation);
-        if (evaluation < 0)
-            return NULL;
-        scope = evaluation ? fwd.eval_forward : fwd.forward;
     }
     double start = monotonic_seconds();
     int failed;
@@ -3696,15 +3697,13 @@ PyMODINIT_FUNC PyInit__msprobe_monitor_native(void) {
     PyObject **interned[] = {&str_is_cpu, &str_dtype, &str_layout, &str_is_nested, &str_is_contiguous, &str_is_neg,
                           &str_numel, &str_data_ptr, &str_is_inference, &str_version, &str_next_functions,
                           &str_sequence_nr, &str_attached, &str_errors, &str_read, &str_records, &str_busy,
-                          &str_report, &str_sums, &str_shape, &str_reshape, &str_read_sum, &str_pass, &str_internal, &str_depth, &str_evaluation,
-                          &str_nodes, &str_calls, &str_grad_fn, &str_is_view, &str_output_nr, &str_requires_grad,
+                          &str_report, &str_sums, &str_shape, &str_reshape, &str_read_sum, &str_pass, &str_scope, &str_nodes, &str_calls, &str_grad_fn, &str_is_view, &str_output_nr, &str_requires_grad,
                           &str_hook_graph, &str_outs_0, &str_in_ones, &str_add_out, &str_add_in, &str_grad_output_0,
                           &str_grad_input, &str_grad_input_site, &str_sum_numbers, &str_register_hook,
                           &str_register_prehook, &str_compiling_flag};
     const char *texts[] = {"is_cpu", "dtype", "layout", "is_nested", "is_contiguous", "is_neg", "numel", "data_ptr",
                            "is_inference", "_version", "next_functions", "_sequence_nr", "attached", "errors",
-                           "_read", "_records", "busy", "report", "_sums", "shape", "reshape", "_read_sum", "_pass", "internal", "depth",
-                           "evaluation", "nodes", "_calls", "grad_fn", "_is_view", "output_nr", "requires_grad",
+                           "_read", "_records", "busy", "report", "_sums", "shape", "reshape", "_read_sum", "_pass", "scope", "nodes", "_calls", "grad_fn", "_is_view", "output_nr", "requires_grad",
                            "_hook_graph", "outs_0", "_in_ones", "add_out", "add_in", "grad_output_0", "grad_input",
                            "grad_input_site", "_sum_numbers", "register_hook", "register_prehook",
                            "_is_compiling_flag"};

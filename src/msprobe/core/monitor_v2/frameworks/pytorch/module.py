@@ -166,12 +166,21 @@ class _Call:
 class _Pass(threading.local):
     """One thread's pass: nesting of model chunk calls in progress, whether the
     outermost one is an evaluation pass, nesting of framework-internal chunk calls
-    (passes.py), and the graph hooks put on nodes of this thread's pass (``_NodeHook``)."""
+    (passes.py), and the graph hooks put on nodes of this thread's pass (``_NodeHook``).
+    ``scope``: the forward scope of a module call inside a chunk's call that is not
+    internal, None otherwise (``settled``): the one attribute the extension's ``CallHook``
+    reads to know that it decides the call."""
 
     depth = 0
     evaluation = False
     internal = 0
     nodes: Optional[Dict[int, "_NodeHook"]] = None
+    scope: Optional[str] = None
+
+    def settled(self) -> None:
+        """``scope`` after a change of ``depth``, ``internal`` or ``evaluation``."""
+        self.scope = None if self.internal or not self.depth else (
+            rows.EVAL_FORWARD if self.evaluation else rows.FORWARD)
 
 
 class _Names:
@@ -528,6 +537,7 @@ class ModuleMonitor(Monitor):
                     state.internal = 1
                     self._once.info(("internal", what), "monitor_v2 module: %s is a framework-internal pass, not "
                                     "training: no module rows for it (logged once)", what)
+            state.settled()
 
         def leave(mod: torch.nn.Module, args: Tuple, output: Any) -> None:
             state = self._pass
@@ -538,6 +548,7 @@ class ModuleMonitor(Monitor):
                     state.nodes = None
             if state.internal:
                 state.internal -= 1
+            state.settled()
 
         self._pass_hook_specs.append((root, eager_hook(self.errors.wrap("module pass tracking", enter)),
                                       eager_hook(self.errors.wrap("module pass tracking", leave))))
@@ -856,6 +867,7 @@ class ModuleMonitor(Monitor):
         self._pass.depth = 0  # no model call of this thread spans a step boundary; never let a count drift
         self._pass.internal = 0
         self._pass.nodes = None
+        self._pass.scope = None
 
     def collect(self) -> List[Record]:
         for number in list(self._sums):
