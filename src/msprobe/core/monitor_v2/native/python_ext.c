@@ -3398,18 +3398,22 @@ static int add_busy(PyObject *errors, double seconds) {
 
 static PyObject *call_hook_vectorcall(CallHookObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    PyObject *monitor = self->monitor, *t, *key = NULL;
+    PyObject *monitor = self->monitor, *t, *key = NULL, *scope;
     CallStateObject *call = NULL;
+    double start = monotonic_seconds();
+    int failed = -1;
     if (kwnames != NULL || nargs != 3 + self->post)
         goto fallback;
     int active = attr_truth(monitor, str_active);
-    if (active <= 0)
-        return active < 0 ? NULL : none_ref();
+    if (active == 0)
+        return none_ref();
+    if (active < 0)
+        goto done;
     /* a trace (torch.export, make_fx) sets torch.compiler's flag: the Python hook knows */
     PyObject *flag = PyDict_GetItemWithError(fwd.compiler_dict, str_compiling_flag); /* borrowed */
     if (flag != Py_False) {
         if (flag == NULL && PyErr_Occurred())
-            return NULL;
+            goto done;
         goto fallback;
     }
     if (!self->post) {
@@ -3424,34 +3428,31 @@ static PyObject *call_hook_vectorcall(CallHookObject *self, PyObject *const *arg
             goto fallback;
     }
     /* the pass's scope: None in a framework-internal pass or outside the chunks' calls */
-    PyObject *scope = PyObject_GetAttr(self->pass, str_scope);
-    if (scope == NULL)
-        return NULL;
-    Py_DECREF(scope); /* borrowed from here on: fwd's strings, which the module holds */
+    if ((scope = PyObject_GetAttr(self->pass, str_scope)) == NULL)
+        goto done;
+    Py_DECREF(scope); /* compared by identity only: fwd holds both strings */
     if (scope != fwd.forward && scope != fwd.eval_forward)
         goto fallback;
-    if (self->post) {
-        /* the call state: none (a hook put on during the call), or the Python hook's: the Python hook */
-        if ((key = call_key(self)) == NULL)
-            return NULL;
-        PyObject *found = PyDict_GetItemWithError(self->calls, key); /* borrowed */
-        if (found == NULL || Py_TYPE(found) != &CallStateType) {
-            Py_DECREF(key);
-            if (PyErr_Occurred())
-                return NULL;
-            goto fallback;
-        }
-        call = (CallStateObject *)Py_NewRef(found);
-    }
-    double start = monotonic_seconds();
-    int failed;
     if (!self->post) {
         failed = before_forward(self, t, scope);
-    } else {
-        failed = call->outer == Py_None ? PyDict_DelItem(self->calls, key) : PyDict_SetItem(self->calls, key, call->outer);
-        if (failed == 0)
-            failed = after_forward(self, t, call);
+        goto done;
     }
+    /* the call state: none (a hook put on during the call), or the Python hook's: the Python hook */
+    if ((key = call_key(self)) == NULL)
+        goto done;
+    PyObject *found = PyDict_GetItemWithError(self->calls, key); /* borrowed */
+    if (found == NULL || Py_TYPE(found) != &CallStateType) {
+        if (PyErr_Occurred())
+            goto done;
+        Py_DECREF(key);
+        goto fallback;
+    }
+    call = (CallStateObject *)Py_NewRef(found);
+    failed = call->outer == Py_None ? PyDict_DelItem(self->calls, key) : PyDict_SetItem(self->calls, key, call->outer);
+    if (failed == 0)
+        failed = after_forward(self, t, call);
+done:
+    /* contained as ContainedHook contains: an Exception is reported under the hook's site */
     Py_XDECREF(key);
     Py_XDECREF(call);
     if ((failed == 0 || node_hook_contain(self->errors, self->site) == 0) &&
