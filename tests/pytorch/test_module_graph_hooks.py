@@ -460,3 +460,27 @@ def test_an_error_in_a_call_hook_is_contained_once_and_training_is_unchanged(wri
     rows = rows_of(mon.config.output_dir, "module")
     assert {(r["module_name"], r["scope"]) for r in rows} == left
     assert len({r["step"] for r in rows}) == 3
+
+
+@pytest.mark.parametrize("kind", ["extension", "python"])
+def test_an_interrupt_in_a_call_hook_is_not_swallowed(write_config, kind, monkeypatch):
+    """Ctrl-C while a call hook reads (a ``KeyboardInterrupt``, not an ``Exception``) stops
+    the forward pass, in the extension's ``CallHook`` as in the Python hook."""
+    if kind == "python":
+        monkeypatch.setattr(module_mod, "_native_call_hooks", lambda ext: False)
+    model = TinyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMonitorV2(write_config({"monitors": {"module": {"enabled": True, "targets": ["fc2"]}}}))
+    mon.start(model=model, optimizer=opt)
+    module = next(m for m in mon.monitors if m.name == "module")
+    assert module._native_calls == (kind == "extension")
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    module._read = interrupted
+    x, y = make_batches(1)[0]
+    with pytest.raises(KeyboardInterrupt):
+        loss_fn(model, x, y)
+    mon.stop()
+    assert mon.errors.count == 0
