@@ -2836,6 +2836,9 @@ fail:
 typedef struct {
     PyObject_HEAD
     PyObject *inputs, *boundary, *scope, *outer;
+    /* whether the pre-hook ran outside a backward pass (not a recomputation): 1 or 0, -1
+       where the Python pre-hook made it (the forward hook then asks again) */
+    int outside;
 } CallStateObject;
 
 static void call_state_dealloc(CallStateObject *self) {
@@ -2856,6 +2859,7 @@ static PyObject *call_state_make(PyObject *inputs, PyObject *boundary, PyObject 
     s->boundary = ref_or_none(boundary);
     s->scope = ref_or_none(scope);
     s->outer = ref_or_none(outer);
+    s->outside = -1;
     return (PyObject *)s;
 }
 
@@ -3324,8 +3328,10 @@ static int before_forward(CallHookObject *self, PyObject *t, PyObject *scope) {
     PyObject *outer = PyDict_GetItemWithError(self->calls, key); /* borrowed */
     if (outer == NULL && PyErr_Occurred())
         goto done;
-    if ((call = call_state_make(inputs, boundary, scope, outer == NULL ? Py_None : outer)) == NULL ||
-        PyDict_SetItem(self->calls, key, call) < 0)
+    if ((call = call_state_make(inputs, boundary, scope, outer == NULL ? Py_None : outer)) == NULL)
+        goto done;
+    ((CallStateObject *)call)->outside = outside; /* the forward hook runs where its pre-hook ran */
+    if (PyDict_SetItem(self->calls, key, call) < 0)
         goto done;
     result = 0;
 done:
@@ -3352,7 +3358,7 @@ static PyObject *one_edge(CallStateObject *call) {
 /* ModuleMonitor._after_forward of a call with one tensor output, its call state `call`
    (taken off the call table by the caller): 0, or -1 with the error set */
 static int after_forward(CallHookObject *self, PyObject *output, CallStateObject *call) {
-    int outside = outside_backward();
+    int outside = call->outside >= 0 ? call->outside : outside_backward();
     if (outside < 0 || (outside && record_into(self, output, call->scope) < 0))
         return -1;
     int wants = attr_truth(output, str_requires_grad);
