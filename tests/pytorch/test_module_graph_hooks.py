@@ -484,3 +484,23 @@ def test_an_interrupt_in_a_call_hook_is_not_swallowed(write_config, kind, monkey
         loss_fn(model, x, y)
     mon.stop()
     assert mon.errors.count == 0
+
+
+def test_the_extensions_hooks_count_their_time_in_the_monitors_busy_seconds(write_config):
+    """``CallHook`` and ``NodeHook`` add their time to the errors' C clock, not to a Python
+    attribute: ``busy_seconds`` (what ``stop()`` reports) includes it, and a Python hook's
+    ``busy +=`` still adds to it."""
+    ext = native.extension()
+    model = TinyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMonitorV2(write_config({"monitors": {"module": {"enabled": True, "targets": []}}}))
+    mon.start(model=model, optimizer=opt)
+    clock = mon.errors.clock
+    assert type(clock) is ext.BusyClock and clock.seconds == 0.0
+    train(model, opt, make_batches(2))
+    assert clock.seconds > 0.0
+    counted = mon.busy_seconds
+    assert counted >= clock.seconds
+    mon.errors.busy += 1.5  # as a Python hook adds its time
+    assert mon.busy_seconds == pytest.approx(counted + 1.5)
+    mon.stop()

@@ -1593,6 +1593,61 @@ static int identity_unequal(PyObject *a, PyObject *b) {
     return x != y && Py_TYPE(x)->tp_richcompare == by_identity && Py_TYPE(y)->tp_richcompare == by_identity;
 }
 
+/* The walk's visited nodes: a few, in an array compared by identity (a set costs its
+   allocation and a hash a node), as long as every node is of a type compared by identity
+   (graph nodes are); a set from the first one that is not, or past VISITED_SMALL. */
+#define VISITED_SMALL 16
+typedef struct {
+    PyObject *small[VISITED_SMALL];
+    int n;
+    PyObject *set;
+} visited_t;
+
+static int by_identity(PyObject *x) {
+    return Py_TYPE(x)->tp_richcompare == PyBaseObject_Type.tp_richcompare &&
+           Py_TYPE(x)->tp_hash == PyBaseObject_Type.tp_hash;
+}
+
+static int visited_to_set(visited_t *v) {
+    if ((v->set = PySet_New(NULL)) == NULL)
+        return -1;
+    int failed = 0;
+    for (int i = 0; i < v->n; i++) {
+        failed = failed || PySet_Add(v->set, v->small[i]) < 0;
+        Py_DECREF(v->small[i]);
+    }
+    v->n = 0;
+    return failed ? -1 : 0;
+}
+
+static int visited_contains(visited_t *v, PyObject *node) {
+    if (v->set == NULL && !by_identity(node) && visited_to_set(v) < 0)
+        return -1;
+    if (v->set != NULL)
+        return PySet_Contains(v->set, node);
+    for (int i = 0; i < v->n; i++)
+        if (v->small[i] == node)
+            return 1;
+    return 0;
+}
+
+static int visited_add(visited_t *v, PyObject *node) {
+    if (v->set == NULL && (v->n == VISITED_SMALL || !by_identity(node)) && visited_to_set(v) < 0)
+        return -1;
+    if (v->set != NULL)
+        return PySet_Add(v->set, node);
+    Py_INCREF(node);
+    v->small[v->n++] = node;
+    return 0;
+}
+
+static void visited_free(visited_t *v) {
+    for (int i = 0; i < v->n; i++)
+        Py_DECREF(v->small[i]);
+    v->n = 0;
+    Py_CLEAR(v->set);
+}
+
 static PyObject *py_edges_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5 || !PyDict_Check(args[0]) || !PyList_Check(args[3])) {
         PyErr_SetString(PyExc_TypeError, "edges_into(known: dict, classify, target, roots: list, boundary)");
@@ -1600,10 +1655,10 @@ static PyObject *py_edges_into(PyObject *self, PyObject *const *args, Py_ssize_t
     }
     PyObject *known = args[0], *classify = args[1], *target = args[2], *boundary = args[4];
     PyObject *found = PyList_New(0);
-    PyObject *visited = PySet_New(NULL);
+    visited_t visited = {{NULL}, 0, NULL};
     PyObject *stack = PyList_GetSlice(args[3], 0, PyList_GET_SIZE(args[3]));
     PyObject *node = NULL, *edges = NULL;
-    if (found == NULL || visited == NULL || stack == NULL)
+    if (found == NULL || stack == NULL)
         goto fail;
     while (PyList_GET_SIZE(stack) > 0) {
         Py_ssize_t top = PyList_GET_SIZE(stack) - 1;
@@ -1611,14 +1666,14 @@ static PyObject *py_edges_into(PyObject *self, PyObject *const *args, Py_ssize_t
         Py_INCREF(node);
         if (PyList_SetSlice(stack, top, top + 1, NULL) < 0)
             goto fail;
-        int seen = PySet_Contains(visited, node);
+        int seen = visited_contains(&visited, node);
         if (seen < 0)
             goto fail;
         if (seen) {
             Py_CLEAR(node);
             continue;
         }
-        if (PySet_Add(visited, node) < 0)
+        if (visited_add(&visited, node) < 0)
             goto fail;
         edges = PyObject_GetAttr(node, str_next_functions);
         if (edges == NULL)
@@ -1669,7 +1724,7 @@ static PyObject *py_edges_into(PyObject *self, PyObject *const *args, Py_ssize_t
                 walk = seq == NULL ? -1 : PyObject_RichCompareBool(seq, boundary, Py_GE);
                 Py_XDECREF(seq);
                 if (walk > 0) {
-                    int in = PySet_Contains(visited, child);
+                    int in = visited_contains(&visited, child);
                     walk = in < 0 ? -1 : !in;
                 }
             }
@@ -1682,14 +1737,14 @@ static PyObject *py_edges_into(PyObject *self, PyObject *const *args, Py_ssize_t
         Py_CLEAR(edges);
         Py_CLEAR(node);
     }
-    Py_DECREF(visited);
+    visited_free(&visited);
     Py_DECREF(stack);
     return found;
 fail:
     Py_XDECREF(node);
     Py_XDECREF(edges);
     Py_XDECREF(found);
-    Py_XDECREF(visited);
+    visited_free(&visited);
     Py_XDECREF(stack);
     return NULL;
 }
@@ -1942,6 +1997,42 @@ static PyTypeObject GradNoteType = {
     .tp_new = grad_note_new,
 };
 
+/* ------------------------------------------------------------------ busy clock
+ * BusyClock(): the seconds the extension's hooks spent, as a C double that NodeHook and
+ * CallHook add to (monitor.ContainedErrors.busy includes it): adding to the errors' Python
+ * attribute costs two attribute calls and a float object a hook call. */
+typedef struct {
+    PyObject_HEAD
+    double seconds;
+} BusyClockObject;
+
+static PyMemberDef busy_clock_members[] = {
+    {"seconds", T_DOUBLE, offsetof(BusyClockObject, seconds), 0, "seconds counted so far"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject BusyClockType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "_msprobe_monitor_native.BusyClock",
+    .tp_basicsize = sizeof(BusyClockObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The seconds the extension's hooks spent (monitor.ContainedErrors.clock).",
+    .tp_members = busy_clock_members,
+    .tp_new = PyType_GenericNew,
+};
+
+/* the clock of `errors` (errors.clock) where it is a BusyClock: a new reference; NULL
+   (no error set) where it is not */
+static PyObject *clock_of(PyObject *errors) {
+    PyObject *clock = PyObject_GetAttrString(errors, "clock");
+    if (clock == NULL || !Py_IS_TYPE(clock, &BusyClockType)) {
+        PyErr_Clear();
+        Py_XDECREF(clock);
+        return NULL;
+    }
+    return clock;
+}
+
 /* ------------------------------------------------------------------ node hooks
  * NodeHook(monitor, site, scope, kind): module.py's _NodeHook (its docstring says what it
  * does), in C. The Python code reads and sets its kind, outs, ins, pre and post as it does
@@ -1960,6 +2051,7 @@ typedef struct {
     PyObject_HEAD
     PyObject *monitor; /* weakref.ref to the ModuleMonitor */
     PyObject *site, *scope, *kind, *outs, *ins;
+    PyObject *clock; /* the errors' BusyClock, or NULL: errors.busy */
     char pre, post;
 } NodeHookObject;
 
@@ -1975,14 +2067,21 @@ static void node_hook_dealloc(NodeHookObject *self) {
     Py_XDECREF(self->kind);
     Py_XDECREF(self->outs);
     Py_XDECREF(self->ins);
+    Py_XDECREF(self->clock);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static PyObject *node_hook_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"monitor", "site", "scope", "kind", NULL};
-    PyObject *monitor, *site, *scope, *kind;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OUUO:NodeHook", kwlist, &monitor, &site, &scope, &kind))
+    static char *kwlist[] = {"monitor", "site", "scope", "kind", "clock", NULL};
+    PyObject *monitor, *site, *scope, *kind, *clock = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OUUO|O:NodeHook", kwlist, &monitor, &site, &scope, &kind, &clock))
         return NULL;
+    if (clock == Py_None)
+        clock = NULL;
+    if (clock != NULL && !Py_IS_TYPE(clock, &BusyClockType)) {
+        PyErr_SetString(PyExc_TypeError, "NodeHook: clock must be a BusyClock or None");
+        return NULL;
+    }
     NodeHookObject *h = (NodeHookObject *)type->tp_alloc(type, 0);
     if (h == NULL)
         return NULL;
@@ -2002,6 +2101,8 @@ static PyObject *node_hook_new(PyTypeObject *type, PyObject *args, PyObject *kwd
     h->kind = ref_or_none(kind);
     h->ins = ref_or_none(empty);
     h->outs = empty; /* the new reference */
+    Py_XINCREF(clock);
+    h->clock = clock;
     return (PyObject *)h;
 }
 
@@ -2146,18 +2247,22 @@ static int node_hook_record(NodeHookObject *self, PyObject *read, PyObject *reco
    from `grads`, each slot's error contained. 0, or -1 with an error that is not to be
    contained (set). */
 static int node_hook_slots(NodeHookObject *self, PyObject *slots, PyObject *grads, PyObject *monitor,
-                           PyObject *errors) {
+                           PyObject *errors, PyObject **read_fn, PyObject **records_list) {
     if (!PyTuple_Check(slots) || PyTuple_GET_SIZE(slots) == 0)
         return 0;
-    PyObject *read = PyObject_GetAttr(monitor, str_read);
-    PyObject *records = read == NULL ? NULL : PyObject_GetAttr(monitor, str_records);
-    if (records == NULL || !PyList_Check(records)) {
-        if (records != NULL)
-            PyErr_SetString(PyExc_TypeError, "NodeHook: monitor._records is not a list");
-        Py_XDECREF(read);
-        Py_XDECREF(records);
-        return -2; /* an error outside the slots */
+    if (*records_list == NULL) { /* monitor._read and monitor._records, once a call */
+        if (*read_fn == NULL && (*read_fn = PyObject_GetAttr(monitor, str_read)) == NULL)
+            return -2; /* an error outside the slots */
+        PyObject *found = PyObject_GetAttr(monitor, str_records);
+        if (found == NULL || !PyList_Check(found)) {
+            if (found != NULL)
+                PyErr_SetString(PyExc_TypeError, "NodeHook: monitor._records is not a list");
+            Py_XDECREF(found);
+            return -2;
+        }
+        *records_list = found;
     }
+    PyObject *read = *read_fn, *records = *records_list;
     int result = 0;
     Py_INCREF(slots); /* a slot's Python code may replace the hook's tuple */
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(slots); i++) {
@@ -2174,8 +2279,6 @@ static int node_hook_slots(NodeHookObject *self, PyObject *slots, PyObject *grad
         }
     }
     Py_DECREF(slots);
-    Py_DECREF(read);
-    Py_DECREF(records);
     return result;
 }
 
@@ -2209,22 +2312,27 @@ static PyObject *node_hook_call(NodeHookObject *self, PyObject *args, PyObject *
     if (is_attached < 0) {
         failed = -1;
     } else if (is_attached) {
-        PyObject *grads = PyTuple_GET_ITEM(args, 0);
+        PyObject *grads = PyTuple_GET_ITEM(args, 0), *read = NULL, *records = NULL;
         int r = 0;
         if (PyTuple_GET_SIZE(args) == 1) { /* the pre-hook: grads are the node's incoming gradients */
-            r = node_hook_slots(self, self->outs, grads, monitor, errors);
+            r = node_hook_slots(self, self->outs, grads, monitor, errors, &read, &records);
         } else {
             if (!self->pre)
-                r = node_hook_slots(self, self->outs, PyTuple_GET_ITEM(args, 1), monitor, errors);
+                r = node_hook_slots(self, self->outs, PyTuple_GET_ITEM(args, 1), monitor, errors, &read, &records);
             if (r == 0)
-                r = node_hook_slots(self, self->ins, grads, monitor, errors);
+                r = node_hook_slots(self, self->ins, grads, monitor, errors, &read, &records);
         }
+        Py_XDECREF(read);
+        Py_XDECREF(records);
         failed = r == 0 ? 0 : r == -2 ? -1 : -2;
     }
     if (failed == -1 && node_hook_contain(errors, self->site) < 0)
         failed = -2;
     PyObject *result = NULL;
-    if (failed == 0 || failed == -1) {
+    if ((failed == 0 || failed == -1) && self->clock != NULL) {
+        ((BusyClockObject *)self->clock)->seconds += monotonic_seconds() - start;
+        result = none_ref();
+    } else if (failed == 0 || failed == -1) {
         /* errors.busy += elapsed, as the Python hook does */
         PyObject *busy = PyObject_GetAttr(errors, str_busy);
         PyObject *more = busy == NULL ? NULL : PyFloat_FromDouble(monotonic_seconds() - start);
@@ -2897,10 +3005,13 @@ typedef struct {
     PyObject *monitor, *fallback, *site, *vpp, *names, *key, *row;
     PyObject *pass, *calls, *errors, *sum_numbers, *monitor_ref; /* the monitor's, read once */
     PyObject *outs_0, *in_ones, *grad_output_0, *grad_input_0, *in_site; /* the module's names' */
+    PyObject *clock; /* the errors' BusyClock, or NULL: errors.busy */
+    PyObject *thread_key; /* the call table's key (thread, module) of the thread `thread`, or NULL */
+    unsigned long thread;
     int post;
     vectorcallfunc vectorcall;
 } CallHookObject;
-#define CALL_HOOK_OBJECTS 17
+#define CALL_HOOK_OBJECTS 19
 
 static struct {
     PyObject *current_node, *sequence_nr, *grad_enabled, *tensor_type, *compiler_dict, *known, *classify,
@@ -2934,7 +3045,7 @@ static PyObject **call_hook_objects(CallHookObject *h, int i) {
     PyObject **fields[CALL_HOOK_OBJECTS] = {
         &h->monitor, &h->fallback, &h->site, &h->vpp, &h->names, &h->key, &h->row, &h->pass, &h->calls,
         &h->errors, &h->sum_numbers, &h->monitor_ref, &h->outs_0, &h->in_ones, &h->grad_output_0, &h->grad_input_0,
-        &h->in_site};
+        &h->in_site, &h->clock, &h->thread_key};
     return fields[i];
 }
 
@@ -2991,6 +3102,7 @@ static PyObject *call_hook_new(PyTypeObject *type, PyObject *args, PyObject *kwd
         Py_DECREF(h);
         return NULL;
     }
+    h->clock = clock_of(h->errors);
     if (!PyDict_Check(h->calls) || !PyDict_Check(h->in_ones) || !PyIter_Check(h->sum_numbers)) {
         PyErr_SetString(PyExc_TypeError, "CallHook: the monitor's _calls, the names' _in_ones (dicts), _sum_numbers");
         Py_DECREF(h);
@@ -3000,7 +3112,7 @@ static PyObject *call_hook_new(PyTypeObject *type, PyObject *args, PyObject *kwd
 }
 
 /* A new NodeHook of the monitor (weak reference `monitor_ref`) for a node of type `kind` */
-static PyObject *node_hook_made(PyObject *monitor_ref, PyObject *kind) {
+static PyObject *node_hook_made(PyObject *monitor_ref, PyObject *kind, PyObject *clock) {
     NodeHookObject *h = (NodeHookObject *)NodeHookType.tp_alloc(&NodeHookType, 0);
     PyObject *empty = h == NULL ? NULL : PyTuple_New(0);
     if (empty == NULL) {
@@ -3013,6 +3125,8 @@ static PyObject *node_hook_made(PyObject *monitor_ref, PyObject *kind) {
     h->kind = ref_or_none(kind);
     h->ins = ref_or_none(empty);
     h->outs = empty; /* the new reference */
+    Py_XINCREF(clock);
+    h->clock = clock;
     return (PyObject *)h;
 }
 
@@ -3043,7 +3157,7 @@ static PyObject *node_hook_of(CallHookObject *self, PyObject *nodes, PyObject *n
             return NULL;
         }
     }
-    PyObject *hook = node_hook_made(self->monitor_ref, kind);
+    PyObject *hook = node_hook_made(self->monitor_ref, kind, self->clock);
     if (hook != NULL && !shared && PyDict_SetItem(nodes, seq, hook) < 0)
         Py_CLEAR(hook);
     Py_DECREF(seq);
@@ -3280,11 +3394,18 @@ static int outside_backward(void) {
 
 /* the call state's key, (thread, module) */
 static PyObject *call_key(CallHookObject *self) {
-    PyObject *ident = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
+    unsigned long thread = PyThread_get_thread_ident();
+    if (self->thread_key != NULL && self->thread == thread) /* the same thread as last time, most often */
+        return Py_NewRef(self->thread_key);
+    PyObject *ident = PyLong_FromUnsignedLong(thread);
     if (ident == NULL)
         return NULL;
     PyObject *key = PyTuple_Pack(2, ident, self->key);
     Py_DECREF(ident);
+    if (key != NULL) {
+        Py_XSETREF(self->thread_key, Py_NewRef(key));
+        self->thread = thread;
+    }
     return key;
 }
 
@@ -3433,17 +3554,20 @@ static PyObject *call_hook_vectorcall(CallHookObject *self, PyObject *const *arg
         if (Py_TYPE(t) != (PyTypeObject *)fwd.tensor_type)
             goto fallback;
     }
-    /* the pass's scope: None in a framework-internal pass or outside the chunks' calls */
-    if ((scope = PyObject_GetAttr(self->pass, str_scope)) == NULL)
-        goto done;
-    Py_DECREF(scope); /* compared by identity only: fwd holds both strings */
-    if (scope != fwd.forward && scope != fwd.eval_forward)
-        goto fallback;
     if (!self->post) {
+        /* the pass's scope: None in a framework-internal pass or outside the chunks' calls */
+        if ((scope = PyObject_GetAttr(self->pass, str_scope)) == NULL)
+            goto done;
+        Py_DECREF(scope); /* compared by identity only: fwd holds both strings */
+        if (scope != fwd.forward && scope != fwd.eval_forward)
+            goto fallback;
         failed = before_forward(self, t, scope);
         goto done;
     }
-    /* the call state: none (a hook put on during the call), or the Python hook's: the Python hook */
+    /* The call state: none (a hook put on during the call, an internal pass), or the
+       Python hook's: the Python hook. A pre-hook makes one only outside an internal pass,
+       and the chunk calls and internal passes inside the module's call are over when its
+       forward hook runs: the pass is as the pre-hook saw it. */
     if ((key = call_key(self)) == NULL)
         goto done;
     PyObject *found = PyDict_GetItemWithError(self->calls, key); /* borrowed */
@@ -3461,9 +3585,13 @@ done:
     /* contained as ContainedHook contains: an Exception is reported under the hook's site */
     Py_XDECREF(key);
     Py_XDECREF(call);
-    if ((failed == 0 || node_hook_contain(self->errors, self->site) == 0) &&
-        add_busy(self->errors, monotonic_seconds() - start) == 0)
-        return none_ref(); /* a hook that returns a value could replace a tensor */
+    if (failed != 0 && node_hook_contain(self->errors, self->site) != 0)
+        return NULL;
+    if (self->clock != NULL)
+        ((BusyClockObject *)self->clock)->seconds += monotonic_seconds() - start;
+    else if (add_busy(self->errors, monotonic_seconds() - start) != 0)
+        return NULL;
+    return none_ref(); /* a hook that returns a value could replace a tensor */
     return NULL;
 fallback:
     return PyObject_Vectorcall(self->fallback, args, nargs, kwnames);
@@ -3695,7 +3823,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_msprobe_monitor_nat
 PyMODINIT_FUNC PyInit__msprobe_monitor_native(void) {
     if (PyType_Ready(&RecordType) < 0 || PyType_Ready(&NoteStateType) < 0 || PyType_Ready(&GradNoteType) < 0 ||
         PyType_Ready(&RecorderType) < 0 || PyType_Ready(&NodeHookType) < 0 ||
-        PyType_Ready(&CallHookType) < 0 || PyType_Ready(&CallStateType) < 0)
+        PyType_Ready(&CallHookType) < 0 || PyType_Ready(&CallStateType) < 0 ||
+        PyType_Ready(&BusyClockType) < 0)
         return NULL;
     str_active = PyUnicode_InternFromString("active");
     str_hooks_attr = PyUnicode_InternFromString("_post_accumulate_grad_hooks");
@@ -3724,9 +3853,10 @@ PyMODINIT_FUNC PyInit__msprobe_monitor_native(void) {
     if (m == NULL)
         return NULL;
     PyTypeObject *types[] = {&RecordType, &NoteStateType, &GradNoteType, &RecorderType, &NodeHookType,
-                             &CallHookType, &CallStateType};
-    const char *names[] = {"Record", "NoteState", "GradNote", "Recorder", "NodeHook", "CallHook", "CallState"};
-    for (int i = 0; i < 7; i++) {
+                             &CallHookType, &CallStateType, &BusyClockType};
+    const char *names[] = {"Record", "NoteState", "GradNote", "Recorder", "NodeHook", "CallHook", "CallState",
+                           "BusyClock"};
+    for (int i = 0; i < 8; i++) {
         Py_INCREF(types[i]);
         if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
             Py_DECREF(types[i]);

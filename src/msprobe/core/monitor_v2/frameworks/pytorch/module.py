@@ -473,9 +473,11 @@ class ModuleMonitor(Monitor):
         # a node's hooks: _NodeHook, or the extension's NodeHook (the same in C, and not an
         # object the garbage collector tracks: about 750 fewer a written step per 1,000
         # tensors; it holds the monitor by a weak reference, so it sits in no cycle)
+        if ext is not None and self.errors.clock is None:
+            self.errors.clock = ext.BusyClock()  # the extension's hooks count their time here
         self._new_node_hook: Callable[[type], Any] = (
             functools.partial(_NodeHook, self) if ext is None
-            else functools.partial(ext.NodeHook, self, _NODE_HOOK_SITE, rows.BACKWARD))
+            else functools.partial(ext.NodeHook, self, _NODE_HOOK_SITE, rows.BACKWARD, clock=self.errors.clock))
         targets: Sequence[str] = self.settings.get("targets")
         # each module's pair of hooks, put on for written steps only (see _set_call_hooks)
         self._call_hooks = ModuleHooks()
