@@ -23,7 +23,10 @@ def train(model, opt, batches):
         opt.zero_grad()
 
 
-def test_an_error_in_a_graph_hook_is_contained_and_training_is_unchanged(write_config, caplog):
+def _train_with_a_failing_read(write_config, caplog, fails):
+    """TinyMLP trained 3 steps with the module monitor on ``fc2``, its reads failing where
+    ``fails(name, scope)`` says; checked bit-identical to an unmonitored copy. Returns the
+    monitor (stopped), the module monitor and the planted failures' log messages."""
     model = TinyMLP()
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -34,8 +37,8 @@ def test_an_error_in_a_graph_hook_is_contained_and_training_is_unchanged(write_c
     read = module._read  # the engine's recorder: the monitor's own code, not the framework
 
     def failing(t, vpp, name, scope, *args):
-        if scope == "backward":
-            raise RuntimeError("planted failure in a graph hook")
+        if fails(name, scope):
+            raise RuntimeError("planted failure in a hook")
         return read(t, vpp, name, scope, *args)
 
     module._read = failing
@@ -46,7 +49,11 @@ def test_an_error_in_a_graph_hook_is_contained_and_training_is_unchanged(write_c
     train(ref, ref_opt, batches)
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
-    sites = [r.getMessage() for r in caplog.records if "planted failure" in r.getMessage()]
+    return mon, module, [r.getMessage() for r in caplog.records if "planted failure" in r.getMessage()]
+
+
+def test_an_error_in_a_graph_hook_is_contained_and_training_is_unchanged(write_config, caplog):
+    mon, _, sites = _train_with_a_failing_read(write_config, caplog, lambda name, scope: scope == "backward")
     assert len([m for m in sites if "grad_output hook of fc2" in m]) == 1
     assert len([m for m in sites if "grad_input hook of fc2" in m]) == 1
     rows = rows_of(mon.config.output_dir, "module")
@@ -432,30 +439,8 @@ def test_an_error_in_a_call_hook_is_contained_once_and_training_is_unchanged(wri
     the forward hook, before the graph hooks."""
     if kind == "python":
         monkeypatch.setattr(module_mod, "_native_call_hooks", lambda ext: False)
-    model = TinyMLP()
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    mon = TrainerMonitorV2(write_config({"monitors": {"module": {"enabled": True, "targets": ["fc2"]}}}))
-    mon.start(model=model, optimizer=opt)
-    module = next(m for m in mon.monitors if m.name == "module")
+    mon, module, sites = _train_with_a_failing_read(write_config, caplog, lambda name, scope: name == failing_row)
     assert module._native_calls == (kind == "extension" and native.extension() is not None)
-    read = module._read
-
-    def failing(t, vpp, name, scope, *args):
-        if name == failing_row:
-            raise RuntimeError("planted failure in a call hook")
-        return read(t, vpp, name, scope, *args)
-
-    module._read = failing
-    batches = make_batches(3)
-    with caplog.at_level(logging.ERROR, logger="msprobe.monitor_v2"):
-        train(model, opt, batches)
-    mon.stop()
-    train(ref, ref_opt, batches)
-    for p, q in zip(model.parameters(), ref.parameters()):
-        assert torch.equal(p, q)
-    sites = [r.getMessage() for r in caplog.records if "planted failure" in r.getMessage()]
     assert len(sites) == 1 and site in sites[0]
     rows = rows_of(mon.config.output_dir, "module")
     assert {(r["module_name"], r["scope"]) for r in rows} == left
