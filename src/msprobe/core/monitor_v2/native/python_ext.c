@@ -1585,12 +1585,15 @@ static PyObject *str_next_functions, *str_sequence_nr;
 /* Whether two graph edges, (node, output number) tuples, are unequal because their nodes
    are two objects compared by identity (as graph nodes are): what == would find, without
    its calls. 0 where == has to be asked. */
+static int equal_by_identity(PyObject *x) {
+    return Py_TYPE(x)->tp_richcompare == PyBaseObject_Type.tp_richcompare;
+}
+
 static int identity_unequal(PyObject *a, PyObject *b) {
     if (!PyTuple_CheckExact(a) || !PyTuple_CheckExact(b) || PyTuple_GET_SIZE(a) != 2 || PyTuple_GET_SIZE(b) != 2)
         return 0;
     PyObject *x = PyTuple_GET_ITEM(a, 0), *y = PyTuple_GET_ITEM(b, 0);
-    richcmpfunc by_identity = PyBaseObject_Type.tp_richcompare;
-    return x != y && Py_TYPE(x)->tp_richcompare == by_identity && Py_TYPE(y)->tp_richcompare == by_identity;
+    return x != y && equal_by_identity(x) && equal_by_identity(y);
 }
 
 /* The walk's visited nodes: a few, in an array compared by identity (a set costs its
@@ -1604,8 +1607,7 @@ typedef struct {
 } visited_t;
 
 static int by_identity(PyObject *x) {
-    return Py_TYPE(x)->tp_richcompare == PyBaseObject_Type.tp_richcompare &&
-           Py_TYPE(x)->tp_hash == PyBaseObject_Type.tp_hash;
+    return equal_by_identity(x) && Py_TYPE(x)->tp_hash == PyBaseObject_Type.tp_hash;
 }
 
 static int visited_to_set(visited_t *v) {
@@ -1997,6 +1999,9 @@ static PyTypeObject GradNoteType = {
     .tp_new = grad_note_new,
 };
 
+static PyObject *str_attached, *str_errors, *str_read, *str_records, *str_busy, *str_report, *str_sums, *str_shape,
+    *str_reshape, *str_read_sum, *_one_int;
+
 /* ------------------------------------------------------------------ busy clock
  * BusyClock(): the seconds the extension's hooks spent, as a C double that NodeHook and
  * CallHook add to (monitor.ContainedErrors.busy includes it): adding to the errors' Python
@@ -2033,12 +2038,29 @@ static PyObject *clock_of(PyObject *errors) {
     return clock;
 }
 
+/* The hook's time counted: on its clock (a BusyClock) where it has one, else errors.busy +=
+   seconds, as the Python hooks count theirs. 0, or -1 with the error set. */
+static int count_busy(PyObject *clock, PyObject *errors, double seconds) {
+    if (clock != NULL) {
+        ((BusyClockObject *)clock)->seconds += seconds;
+        return 0;
+    }
+    PyObject *busy = PyObject_GetAttr(errors, str_busy);
+    PyObject *more = busy == NULL ? NULL : PyFloat_FromDouble(seconds);
+    PyObject *total = more == NULL ? NULL : PyNumber_InPlaceAdd(busy, more);
+    int failed = total == NULL || PyObject_SetAttr(errors, str_busy, total) < 0;
+    Py_XDECREF(busy);
+    Py_XDECREF(more);
+    Py_XDECREF(total);
+    return failed ? -1 : 0;
+}
+
 /* ------------------------------------------------------------------ node hooks
  * NodeHook(monitor, site, scope, kind): module.py's _NodeHook (its docstring says what it
  * does), in C. The Python code reads and sets its kind, outs, ins, pre and post as it does
  * _NodeHook's. A call, hook(grads) as a pre-hook or hook(grad_inputs, grad_outputs) as a
  * post-hook, runs as a call of _NodeHook (ContainedHook.__call__, then its run) runs:
- * nothing while the monitor is not active; the time counted in monitor.errors.busy; each
+ * nothing while the monitor is not active; the time counted (count_busy); each
  * slot's error reported once per slot site through
  * monitor.errors.report(site, exc), one outside the slots under `site`; an exception that
  * is not an Exception (KeyboardInterrupt) goes on. A grad_input slot with a sum number adds
@@ -2057,8 +2079,6 @@ typedef struct {
 
 static PyObject *referent(PyObject *ref);
 
-static PyObject *str_attached, *str_errors, *str_read, *str_records, *str_busy, *str_report, *str_sums, *str_shape,
-    *str_reshape, *str_read_sum, *_one_int;
 
 static void node_hook_dealloc(NodeHookObject *self) {
     Py_XDECREF(self->monitor);
@@ -2069,6 +2089,27 @@ static void node_hook_dealloc(NodeHookObject *self) {
     Py_XDECREF(self->ins);
     Py_XDECREF(self->clock);
     Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* A new NodeHook of the monitor held by the weak reference `monitor_ref`, for a node of
+   type `kind`, its slots empty; `clock` a BusyClock or NULL */
+static PyObject *node_hook_made(PyTypeObject *type, PyObject *monitor_ref, PyObject *site, PyObject *scope,
+                                PyObject *kind, PyObject *clock) {
+    NodeHookObject *h = (NodeHookObject *)type->tp_alloc(type, 0);
+    PyObject *empty = h == NULL ? NULL : PyTuple_New(0);
+    if (empty == NULL) {
+        Py_XDECREF(h);
+        return NULL;
+    }
+    h->monitor = ref_or_none(monitor_ref);
+    h->site = ref_or_none(site);
+    h->scope = ref_or_none(scope);
+    h->kind = ref_or_none(kind);
+    h->ins = ref_or_none(empty);
+    h->outs = empty; /* the new reference */
+    Py_XINCREF(clock);
+    h->clock = clock;
+    return (PyObject *)h;
 }
 
 static PyObject *node_hook_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -2082,28 +2123,12 @@ static PyObject *node_hook_new(PyTypeObject *type, PyObject *args, PyObject *kwd
         PyErr_SetString(PyExc_TypeError, "NodeHook: clock must be a BusyClock or None");
         return NULL;
     }
-    NodeHookObject *h = (NodeHookObject *)type->tp_alloc(type, 0);
-    if (h == NULL)
+    PyObject *ref = PyWeakref_NewRef(monitor, NULL);
+    if (ref == NULL)
         return NULL;
-    PyObject *empty = PyTuple_New(0);
-    if (empty == NULL) {
-        Py_DECREF(h);
-        return NULL;
-    }
-    h->monitor = PyWeakref_NewRef(monitor, NULL);
-    if (h->monitor == NULL) {
-        Py_DECREF(empty);
-        Py_DECREF(h);
-        return NULL;
-    }
-    h->site = ref_or_none(site);
-    h->scope = ref_or_none(scope);
-    h->kind = ref_or_none(kind);
-    h->ins = ref_or_none(empty);
-    h->outs = empty; /* the new reference */
-    Py_XINCREF(clock);
-    h->clock = clock;
-    return (PyObject *)h;
+    PyObject *h = node_hook_made(type, ref, site, scope, kind, clock);
+    Py_DECREF(ref);
+    return h;
 }
 
 /* Report the raised Exception through errors.report(site, exc) and clear it: 0; -1 where
@@ -2124,6 +2149,21 @@ static int node_hook_contain(PyObject *errors, PyObject *site) {
         return -1;
     Py_DECREF(result);
     return 0;
+}
+
+/* monitor.<read_name>(t, vpp, name, scope) (`call_args`), its record appended to
+   monitor._records: 0, or -1 with the error set */
+static int read_into(PyObject *monitor, PyObject *read_name, PyObject *const call_args[4]) {
+    PyObject *read = PyObject_GetAttr(monitor, read_name);
+    PyObject *rec = read == NULL ? NULL : PyObject_Vectorcall(read, call_args, 4, NULL);
+    PyObject *records = rec == NULL ? NULL : PyObject_GetAttr(monitor, str_records);
+    int failed = records == NULL || !PyList_Check(records) || PyList_Append(records, rec) < 0;
+    if (records != NULL && !PyList_Check(records))
+        PyErr_SetString(PyExc_TypeError, "monitor._records is not a list");
+    Py_XDECREF(read);
+    Py_XDECREF(rec);
+    Py_XDECREF(records);
+    return failed ? -1 : 0;
 }
 
 /* ModuleMonitor._add_part(number, parts, vpp, name, g) of a grad_input slot (vpp, e, name,
@@ -2187,17 +2227,8 @@ static int add_part(PyObject *monitor, PyObject *scope, PyObject *slot, PyObject
         goto done;
     if (complete) { /* ModuleMonitor._flush(number) */
         Py_INCREF(acc);
-        int failed = PyDict_DelItem(sums, number);
-        PyObject *read = failed < 0 ? NULL : PyObject_GetAttr(monitor, str_read_sum);
         PyObject *call_args[4] = {PyList_GET_ITEM(acc, 2), PyList_GET_ITEM(acc, 3), PyList_GET_ITEM(acc, 4), scope};
-        PyObject *rec = read == NULL ? NULL : PyObject_Vectorcall(read, call_args, 4, NULL);
-        PyObject *records = rec == NULL ? NULL : PyObject_GetAttr(monitor, str_records);
-        failed = records == NULL || !PyList_Check(records) || PyList_Append(records, rec) < 0;
-        if (records != NULL && !PyList_Check(records))
-            PyErr_SetString(PyExc_TypeError, "NodeHook: monitor._records is not a list");
-        Py_XDECREF(read);
-        Py_XDECREF(rec);
-        Py_XDECREF(records);
+        int failed = PyDict_DelItem(sums, number) < 0 || read_into(monitor, str_read_sum, call_args) < 0;
         Py_DECREF(acc);
         if (failed)
             goto done;
@@ -2329,22 +2360,8 @@ static PyObject *node_hook_call(NodeHookObject *self, PyObject *args, PyObject *
     if (failed == -1 && node_hook_contain(errors, self->site) < 0)
         failed = -2;
     PyObject *result = NULL;
-    if ((failed == 0 || failed == -1) && self->clock != NULL) {
-        ((BusyClockObject *)self->clock)->seconds += monotonic_seconds() - start;
+    if ((failed == 0 || failed == -1) && count_busy(self->clock, errors, monotonic_seconds() - start) == 0)
         result = none_ref();
-    } else if (failed == 0 || failed == -1) {
-        /* errors.busy += elapsed, as the Python hook does */
-        PyObject *busy = PyObject_GetAttr(errors, str_busy);
-        PyObject *more = busy == NULL ? NULL : PyFloat_FromDouble(monotonic_seconds() - start);
-        PyObject *total = more == NULL ? NULL : PyNumber_InPlaceAdd(busy, more);
-        if (total != NULL && PyObject_SetAttr(errors, str_busy, total) == 0) {
-            Py_INCREF(Py_None);
-            result = Py_None;
-        }
-        Py_XDECREF(busy);
-        Py_XDECREF(more);
-        Py_XDECREF(total);
-    }
     Py_DECREF(errors);
     Py_DECREF(monitor);
     return result;
@@ -2933,7 +2950,7 @@ fail:
  * a trace running: torch.compiler's flag) goes to `fallback`, whole; the parts of the
  * common call that are not its common case (a view, an output without the one-edge input)
  * call module.py's own functions. Gated, timed and contained as ContainedHook: nothing
- * while the monitor is not active, the time counted in monitor.errors.busy, an Exception
+ * while the monitor is not active, the time counted (count_busy), an Exception
  * reported under `site`. `row`: the input's row name (names.input(0)) for the pre-hook,
  * the output's (names.output_0) for the forward hook. The monitor's per-thread pass, call
  * table, errors and sum numbers, and the module's names, are read once, here: they are
@@ -3111,25 +3128,6 @@ static PyObject *call_hook_new(PyTypeObject *type, PyObject *args, PyObject *kwd
     return (PyObject *)h;
 }
 
-/* A new NodeHook of the monitor (weak reference `monitor_ref`) for a node of type `kind` */
-static PyObject *node_hook_made(PyObject *monitor_ref, PyObject *kind, PyObject *clock) {
-    NodeHookObject *h = (NodeHookObject *)NodeHookType.tp_alloc(&NodeHookType, 0);
-    PyObject *empty = h == NULL ? NULL : PyTuple_New(0);
-    if (empty == NULL) {
-        Py_XDECREF(h);
-        return NULL;
-    }
-    h->monitor = ref_or_none(monitor_ref);
-    h->site = ref_or_none(fwd.node_site);
-    h->scope = ref_or_none(fwd.node_scope);
-    h->kind = ref_or_none(kind);
-    h->ins = ref_or_none(empty);
-    h->outs = empty; /* the new reference */
-    Py_XINCREF(clock);
-    h->clock = clock;
-    return (PyObject *)h;
-}
-
 /* The monitor's NodeHook of `node` in this pass (module._node_hook): a new reference, or NULL
    with the error set. */
 static PyObject *node_hook_of(CallHookObject *self, PyObject *nodes, PyObject *node, int *looked_up) {
@@ -3157,7 +3155,8 @@ static PyObject *node_hook_of(CallHookObject *self, PyObject *nodes, PyObject *n
             return NULL;
         }
     }
-    PyObject *hook = node_hook_made(self->monitor_ref, kind, self->clock);
+    PyObject *hook = node_hook_made(&NodeHookType, self->monitor_ref, fwd.node_site, fwd.node_scope, kind,
+                                    self->clock);
     if (hook != NULL && !shared && PyDict_SetItem(nodes, seq, hook) < 0)
         Py_CLEAR(hook);
     Py_DECREF(seq);
@@ -3364,21 +3363,8 @@ done:
 
 /* read(t, vpp, row, scope) appended to monitor._records: 0, or -1 with the error set */
 static int record_into(CallHookObject *self, PyObject *t, PyObject *scope) {
-    PyObject *read = PyObject_GetAttr(self->monitor, str_read);
-    if (read == NULL)
-        return -1;
     PyObject *call_args[4] = {t, self->vpp, self->row, scope};
-    PyObject *rec = PyObject_Vectorcall(read, call_args, 4, NULL);
-    Py_DECREF(read);
-    if (rec == NULL)
-        return -1;
-    PyObject *records = PyObject_GetAttr(self->monitor, str_records);
-    int failed = records == NULL || !PyList_Check(records) || PyList_Append(records, rec) < 0;
-    if (records != NULL && !PyList_Check(records))
-        PyErr_SetString(PyExc_TypeError, "CallHook: monitor._records is not a list");
-    Py_XDECREF(records);
-    Py_DECREF(rec);
-    return failed ? -1 : 0;
+    return read_into(self->monitor, str_read, call_args);
 }
 
 /* whether torch._C._current_autograd_node() is None (not inside a backward pass: a
@@ -3511,18 +3497,6 @@ static int after_forward(CallHookObject *self, PyObject *output, CallStateObject
     return result;
 }
 
-/* errors.busy += seconds: 0, or -1 with the error set */
-static int add_busy(PyObject *errors, double seconds) {
-    PyObject *busy = PyObject_GetAttr(errors, str_busy);
-    PyObject *more = busy == NULL ? NULL : PyFloat_FromDouble(seconds);
-    PyObject *total = more == NULL ? NULL : PyNumber_InPlaceAdd(busy, more);
-    int failed = total == NULL || PyObject_SetAttr(errors, str_busy, total) < 0;
-    Py_XDECREF(busy);
-    Py_XDECREF(more);
-    Py_XDECREF(total);
-    return failed ? -1 : 0;
-}
-
 static PyObject *call_hook_vectorcall(CallHookObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     PyObject *monitor = self->monitor, *t, *key = NULL, *scope;
@@ -3587,9 +3561,7 @@ done:
     Py_XDECREF(call);
     if (failed != 0 && node_hook_contain(self->errors, self->site) != 0)
         return NULL;
-    if (self->clock != NULL)
-        ((BusyClockObject *)self->clock)->seconds += monotonic_seconds() - start;
-    else if (add_busy(self->errors, monotonic_seconds() - start) != 0)
+    if (count_busy(self->clock, self->errors, monotonic_seconds() - start) != 0)
         return NULL;
     return none_ref(); /* a hook that returns a value could replace a tensor */
     return NULL;

@@ -470,11 +470,11 @@ class ModuleMonitor(Monitor):
         ext = native.extension()
         self._edges_into: Callable[[Tuple[Any, int], List[Any], int], List[Tuple[Any, int]]] = (
             _edges_into if ext is None else functools.partial(ext.edges_into, _ACCUMULATE_GRAD, _is_accumulate_grad))
+        if ext is not None and self.errors.clock is None:
+            self.errors.clock = ext.BusyClock()  # the extension's hooks count their time here
         # a node's hooks: _NodeHook, or the extension's NodeHook (the same in C, and not an
         # object the garbage collector tracks: about 750 fewer a written step per 1,000
         # tensors; it holds the monitor by a weak reference, so it sits in no cycle)
-        if ext is not None and self.errors.clock is None:
-            self.errors.clock = ext.BusyClock()  # the extension's hooks count their time here
         self._new_node_hook: Callable[[type], Any] = (
             functools.partial(_NodeHook, self) if ext is None
             else functools.partial(ext.NodeHook, self, _NODE_HOOK_SITE, rows.BACKWARD, clock=self.errors.clock))
