@@ -71,3 +71,40 @@ def test_hooks_do_not_synchronise(tmp_path, per_micro_batch):
         assert torch.equal(a, b)
     assert len(rows_of(mon.config.output_dir, "module")) > 0
     assert len(rows_of(mon.config.output_dir, "weight_grad")) > 0
+
+
+def test_record_many_on_a_gpu_reads_groups_without_a_sync():
+    """The reads at the optimizer step and the batched ``unreduced`` read reduce small
+    tensors of one shape in groups (stats._grouped_vectors): one stack and a few
+    reductions per group, all on the device. Under the sync check, then against NumPy."""
+    import math
+
+    from support import numpy_stats
+    from msprobe.core.monitor_v2.frameworks.pytorch.stats import TorchStatsEngine
+    from msprobe.core.monitor_v2.stats import StatPlan, merge_records
+
+    g = torch.Generator().manual_seed(0)
+    host = [torch.randn(64, 64, generator=g) for _ in range(40)] + [torch.randn(64, generator=g) for _ in range(40)]
+    host += [torch.randn(64, generator=g).bfloat16() for _ in range(8)] + [torch.randn(1 << 17, generator=g)]
+    host[3][1, 2] = math.nan
+    host[50][:8] = 0.0
+    tensors = [t.cuda() for t in host]
+    plan = StatPlan.from_ops(["min", "max", "mean", "norm", "nans", "zeros"])
+    keys = [(0, f"t{i}", "param", None) for i in range(len(tensors))]
+    engine = TorchStatsEngine()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        records = engine.record_many(tensors, plan, keys)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    engine.to_host(records)
+    for t, rec in zip(host, records):
+        stat = merge_records(0, [rec])[0].stat
+        want = numpy_stats(t)
+        assert stat.nans == want["nans"]
+        assert stat.zeros == int((t.double().numpy() == 0).sum())
+        for op in ("min", "max", "mean", "norm"):
+            got = stat.value(op)
+            assert (math.isnan(got) and math.isnan(want[op])) or math.isclose(got, want[op], rel_tol=1e-9,
+                                                                             abs_tol=1e-12), (op, got, want[op])

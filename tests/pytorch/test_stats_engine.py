@@ -575,9 +575,16 @@ def test_host_transfers_do_not_grow_with_tensor_count(monkeypatch, many, with_na
         assert len(rows) == n
         for t, row in zip(tensors, rows):
             assert_stats({op: row.stat.value(op) for op in ALL_OPS}, numpy_stats(t))
-    assert counts[3] == counts[300], counts
-    # The one-pass kernel reads host memory and returns host values: nothing to move.
-    assert (counts[300] == 0) if stats_path == "native" else (1 <= counts[300] <= 2), counts
+    # The one-pass kernel reads host memory and returns host values: nothing to move. So
+    # does record_many's grouped ATen read on the CPU (300 tensors in five shapes: five
+    # groups); three tensors of three shapes are reduced alone, their vectors (and NaN
+    # counts) moved in one transfer each.
+    if stats_path == "native":
+        assert counts[3] == counts[300] == 0, counts
+    elif many:
+        assert 1 <= counts[3] <= 2 and counts[300] == 0, counts
+    else:
+        assert counts[3] == counts[300] and 1 <= counts[300] <= 2, counts
 
 
 def test_host_transfers_bounded_per_dtype_group(monkeypatch):

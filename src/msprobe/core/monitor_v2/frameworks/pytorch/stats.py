@@ -178,6 +178,72 @@ def _kernel_buffers(tensors: Sequence[torch.Tensor],
     return pointers, counts, codes
 
 
+# record_many's grouped ATen reductions (tensors the one-pass kernel does not read: every
+# tensor on an accelerator, the CPU ones without a C compiler): a tensor of at most
+# _GROUP_MAX_NUMEL elements joins the others of its device, dtype and shape, stacked
+# _GROUP_ELEMENTS elements at a time (a bounded temporary: 16 MiB of fp32 and its fp64 cast).
+# A larger tensor is reduced alone: its reductions' fixed cost is small beside its data.
+_GROUP_MAX_NUMEL = 1 << 16
+_GROUP_ELEMENTS = 1 << 22
+_GROUPED_DTYPES = frozenset((torch.float32, torch.float64, torch.bfloat16, torch.float16))
+
+
+def _groupable_shape(t: torch.Tensor) -> Optional[Tuple[int, ...]]:
+    """The shape under which ``t`` joins a group of ``_grouped_vectors``, or None where
+    it is reduced alone: anything but a plain, dense, non-empty, small floating-point
+    tensor of a usual dtype (the per-tensor path prepares the others: DTensors, complex,
+    integer, 1-byte, quantized, sparse and nested tensors, and those with a sign or
+    conjugate bit, whose stack would resolve the bit into a copy)."""
+    if (type(t) not in _PLAIN_TYPES or t.dtype not in _GROUPED_DTYPES or t.layout is not torch.strided
+            or t.is_nested or t.is_meta or t.is_neg()):
+        return None
+    numel = t.numel()
+    if not 0 < numel <= _GROUP_MAX_NUMEL:
+        return None
+    return tuple(t.shape)
+
+
+def _grouped_vectors(group: List[torch.Tensor], plan: StatPlan,
+                     zero_of: Callable[[torch.device, torch.dtype], torch.Tensor],
+                     ) -> Tuple[Sequence[Any], Sequence[Any], Sequence[Any], int]:
+    """``(vectors, nans, zeros, numel)`` of tensors of one device, dtype and shape, as
+    ``_vector`` gives them one by one: each vector ``[min, max, sum, norm]`` with the sums
+    accumulated in fp64 (fp32 on devices without it), NaN and zero counts as integers.
+
+    The tensors are stacked into one ``[n, numel]`` temporary (freed when the read ends:
+    nothing is kept) and reduced along its rows: one ``aminmax``, one sum, one norm and
+    one NaN count for the whole group, where each tensor alone costs five or six ATen
+    calls whose fixed cost, not the data, is most of a small tensor's time. On an
+    accelerator nothing is read back (the results are one ``[n, 4]`` device tensor and
+    its rows, which ``to_host`` moves with the step's others); on the CPU, where reading a
+    value is not a synchronisation, the results are host values, and the NaN count runs
+    only where a statistic is not finite (as ``_nan_count`` does)."""
+    numel = group[0].numel()
+    device = group[0].device
+    wide = _wide_dtype(device)
+    with torch.no_grad():
+        # every value of the other dtypes is exact in the wide one: min, max, NaN and
+        # zero counts read from the cast are those of the tensors (and bf16/fp16
+        # reductions in fp32 or fp64 are the fast ones on the CPU)
+        x = torch.stack(group).view(len(group), numel).to(wide)
+        zero = zero_of(device, wide).expand(len(group))
+        total = x.sum(dim=1) if plan.total else zero
+        norm = torch.linalg.vector_norm(x, dim=1) if plan.norm else zero
+        mn, mx = torch.aminmax(x, dim=1) if plan.minmax else (zero, zero)
+        vectors = torch.stack((mn, mx, total, norm), dim=1)
+        nans: Optional[torch.Tensor] = None
+        if plan.nans:
+            probe = norm if plan.norm else total if plan.total else mx if plan.minmax else None
+            if device.type != "cpu" or probe is None or not bool(torch.isfinite(probe).all()):
+                nans = torch.isnan(x).sum(dim=1)
+        zeros = torch.count_nonzero(x == 0, dim=1) if plan.zeros else None
+    if device.type == "cpu":  # host values: no transfer at the step's end, nothing for to_host to do
+        return (vectors.tolist(), [None] * len(group) if nans is None else nans.tolist(),
+                [None] * len(group) if zeros is None else zeros.tolist(), numel)
+    return (vectors.unbind(0), [None] * len(group) if nans is None else nans.unbind(0),
+            [None] * len(group) if zeros is None else zeros.unbind(0), numel)
+
+
 def _memory_key(t: torch.Tensor, plan: StatPlan) -> Optional[Tuple[int, int, torch.dtype, Tuple[bool, ...]]]:
     """Where a tensor's values live; the same key means the same values."""
     pointer = _data_pointer(t)
@@ -635,7 +701,7 @@ class TorchStatsEngine:
         take ``_compute``'s ATen path one by one, in their place in the result."""
         kernel = self._native
         if kernel is None:
-            return [self._Record(*key, *self._compute_aten(t, plan, key[1])) for t, key in zip(tensors, keys)]
+            return self._records_aten(tensors, plan, keys)
         threads = torch.get_num_threads()
         fast = self._records_of
         if fast is not None:  # _kernel_buffers' checks and the read in C; None: one it does not read
@@ -645,28 +711,73 @@ class TorchStatsEngine:
         buffers = _kernel_buffers(tensors, self._kernel_codes)
         if buffers is not None:  # the common case: every tensor is one the kernel reads
             return kernel.host_records(keys, *buffers, threads, plan.nans, plan.zeros, self._Record.host)
-        # a tensor the kernel does not read in the list: each tensor on its own path
-        records: List[Any] = []
-        batched: List[int] = []  # indices in ``records`` of the kernel's buffers
+        # a tensor the kernel does not read in the list: the kernel's in one call, the
+        # others through ATen (grouped where they can be), each record in its place
+        records: List[Any] = list(keys)  # each replaced below
+        batched: List[int] = []  # indices of the kernel's buffers
+        others: List[int] = []  # indices of the tensors ATen reduces
         pointers: List[int] = []
         counts: List[int] = []
         codes: List[int] = []
-        for t, key in zip(tensors, keys):
+        for i, t in enumerate(tensors):
             buffer = self._native_buffer(t)
             if buffer is None:
-                records.append(self._Record(*key, *self._compute_aten(t, plan, key[1])))
+                others.append(i)
                 continue
-            batched.append(len(records))
-            records.append(key)  # replaced below
+            batched.append(i)
             pointers.append(buffer[0])
             counts.append(buffer[1])
             codes.append(buffer[2])
         if batched:
-            read = kernel.host_records([records[i] for i in batched], pointers, counts, codes, threads, plan.nans,
+            read = kernel.host_records([keys[i] for i in batched], pointers, counts, codes, threads, plan.nans,
                                        plan.zeros, self._Record.host)
             for i, rec in zip(batched, read):
                 records[i] = rec
+        if others:
+            read = self._records_aten([tensors[i] for i in others], plan, [keys[i] for i in others])
+            for i, rec in zip(others, read):
+                records[i] = rec
         return records
+
+    def _records_aten(self, tensors: Sequence[torch.Tensor], plan: StatPlan,
+                      keys: Sequence[Tuple[int, str, str, Optional[int]]]) -> List[Record]:
+        """``record_many`` of tensors the one-pass kernel does not read: small tensors of
+        one device, dtype and shape (a model's repeated layers, an MoE model's experts) in
+        grouped reductions (``_grouped_vectors``: a handful of ATen calls per group
+        instead of five or six per tensor, none of which waits for the device), the others
+        one by one."""
+        records: List[Any] = [None] * len(tensors)
+        groups: Dict[Tuple[Any, ...], List[int]] = {}
+        for i, t in enumerate(tensors):
+            shape = _groupable_shape(t)
+            if shape is None:
+                records[i] = self._Record(*keys[i], *self._compute_aten(t, plan, keys[i][1]))
+            else:
+                groups.setdefault((t.device, t.dtype, shape), []).append(i)
+        for (_, _, shape), members in groups.items():
+            per_chunk = max(1, _GROUP_ELEMENTS // max(1, math.prod(shape)))
+            for start in range(0, len(members), per_chunk):
+                chunk = members[start:start + per_chunk]
+                group = [tensors[i] for i in chunk]
+                read = self._grouped_read(group, plan) if len(chunk) > 1 else None
+                if read is None:
+                    for i in chunk:
+                        records[i] = self._Record(*keys[i], *self._compute_aten(tensors[i], plan, keys[i][1]))
+                    continue
+                vectors, nans, zeros, numel = read
+                for j, i in enumerate(chunk):
+                    records[i] = self._Record(*keys[i], vectors[j], nans[j], numel, zeros[j])
+        return records
+
+    def _grouped_read(self, group: List[torch.Tensor],
+                      plan: StatPlan) -> Optional[Tuple[Sequence[Any], Sequence[Any], Sequence[Any], int]]:
+        """``(vectors, nans, zeros, numel)`` of a group (``_grouped_vectors``), or None
+        where the device cannot reduce it so (it is then reduced one tensor at a time,
+        where the per-tensor path finds and says what the device lacks)."""
+        try:
+            return _grouped_vectors(group, plan, self._zero)
+        except (RuntimeError, TypeError, NotImplementedError):
+            return None
 
     def warn_unobserved(self, name: str, why: str) -> None:
         """Say once per kind of tensor that its rows are left out."""

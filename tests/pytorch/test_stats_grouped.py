@@ -1,0 +1,215 @@
+"""``record_many`` reduces the tensors the one-pass kernel does not read (every tensor on
+an accelerator; CPU tensors without a C compiler, fp64 and strided views with one) in
+groups: small tensors of one device, dtype and shape are stacked and reduced along rows,
+a few ATen calls per group instead of five or six per tensor.
+
+Every value is checked against NumPy on a copy of the tensor; the number of ATen
+reductions is counted with a dispatch mode (the calls torch itself sees), so a group that
+falls apart into per-tensor calls fails here. On the CPU the same code runs as on a GPU,
+with host values at the end instead of device tensors; the GPU case (no host sync) is in
+test_gpu_no_sync.py.
+"""
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from support import assert_row_matches, find_row, numpy_stats, rows_of
+from msprobe.core.monitor_v2 import native
+from msprobe.core.monitor_v2.frameworks.pytorch import stats as torch_stats
+from msprobe.core.monitor_v2.frameworks.pytorch.stats import TorchStatsEngine
+from msprobe.core.monitor_v2.stats import StatPlan, merge_records
+from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
+
+# numpy_stats on arrays holding inf and -inf warns about inf - inf; that NaN is expected.
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+ALL_OPS = ("min", "max", "mean", "norm", "nans", "zeros")
+
+
+class AtenCalls(TorchDispatchMode):
+    """Counts the ATen operators run inside it, by name (``aminmax``, ``sum``...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _layer_tensors(layers: int, seed: int = 0):
+    """The parameters a stack of ``layers`` identical blocks would have: shapes repeat
+    once per block, in several dtypes, with NaN, inf, zeros and a transposed view among
+    them, plus tensors that are reduced alone (large, integer, empty, negative-bit, meta)."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = []
+    for i in range(layers):
+        tensors.append(torch.randn(16, 16, generator=g) * (i + 1))
+        tensors.append(torch.randn(16, generator=g).double() - 0.5)
+        tensors.append((torch.randn(3, 5, generator=g) * 4).bfloat16())
+        tensors.append(torch.randn(7, generator=g).half())
+        tensors.append(torch.randn(6, 4, generator=g).t())  # not contiguous: stacks all the same
+    tensors[0][3, 4] = math.nan
+    tensors[5][0, 0] = math.inf
+    tensors[5][1, 1] = -math.inf
+    tensors[10][2] = math.nan
+    tensors[10][3] = math.inf
+    tensors[15][:4] = 0.0
+    tensors[7][0, :] = 0.0
+    tensors += [torch.randn(1 << 17, generator=g), torch.arange(-5, 9), torch.empty(0), torch._neg_view(tensors[1]),
+                torch.empty(3, device="meta")]
+    return tensors
+
+
+def _stats_of(engine, tensors, ops=ALL_OPS):
+    keys = [(0, f"t{i}", "param", None) for i in range(len(tensors))]
+    records = engine.record_many(tensors, StatPlan.from_ops(ops), keys)
+    engine.to_host(records)
+    assert [r.key for r in records] == keys
+    return [{op: row.stat.value(op) for op in ops} if (row := _row(rec)) else None for rec in records]
+
+
+def _row(rec):
+    rows = merge_records(0, [rec])
+    return rows[0] if rows else None
+
+
+def _want(t):
+    t = t.resolve_neg()  # a copy of the values it stands for
+    want = numpy_stats(t)
+    want["zeros"] = int((t.detach().to(torch.float64).numpy() == 0).sum())
+    return want
+
+
+def _assert_close(got, want, what, rtol=1e-12):
+    for op, w in want.items():
+        if op not in got:
+            continue
+        g = got[op]
+        if op in ("nans", "zeros"):
+            assert g == w, f"{what} {op}: {g} != {w}"
+        elif math.isnan(w):
+            assert math.isnan(g), f"{what} {op}: {g} != nan"
+        else:
+            assert math.isclose(g, w, rel_tol=rtol, abs_tol=rtol), f"{what} {op}: {g} != {w}"
+
+
+@pytest.fixture(params=["aten", "native"])
+def engine(request, monkeypatch):
+    """An engine without the C kernel (every tensor through ATen) and one with it (which
+    still leaves fp64 tensors and strided views to ATen)."""
+    if request.param == "aten":
+        monkeypatch.setenv(native.ENV_SWITCH, "0")
+        e = TorchStatsEngine()
+        assert e._native is None
+    else:
+        monkeypatch.delenv(native.ENV_SWITCH, raising=False)
+        assert native.load() is not None, "the one-pass kernel did not build: is a C compiler (gcc) installed?"
+        e = TorchStatsEngine()
+    return e
+
+
+@pytest.mark.parametrize("ops", [ALL_OPS, ("min", "max"), ("norm", "nans"), ("mean", "zeros"), ("nans",)],
+                         ids=lambda ops: "-".join(ops))
+def test_grouped_statistics_equal_numpy(engine, ops):
+    """The sums of a group are accumulated in fp64: each grouped tensor's statistics are
+    NumPy's in fp64 to 1e-12, the counts exact, a NaN or an infinity only where it is (the
+    tensors reduced alone or by the C kernel, whose fp32 partial sums are good to 1e-7,
+    to 1e-6)."""
+    tensors = _layer_tensors(12)
+    before = [t.clone() for t in tensors[:-1]]
+    got = _stats_of(engine, tensors, ops)
+    for i, (t, g) in enumerate(zip(tensors[:-1], got)):
+        grouped = i < 60 and (engine._native is None or t.dtype == torch.float64 or not t.is_contiguous())
+        _assert_close(g, {op: v for op, v in _want(t).items() if op in ops}, f"tensor {i} {t.dtype} {tuple(t.shape)}",
+                      rtol=1e-12 if grouped else 1e-6)
+    assert got[-1] is None  # the meta tensor: no statistics, said once
+    assert all(torch.equal(a, b) or (a.isnan() == b.isnan()).all() for a, b in zip(tensors[:-1], before))
+
+
+def test_one_group_is_one_reduction_of_each_kind():
+    """60 tensors in five shapes and dtypes, each shape repeated 12 times: five groups, so
+    five ``aminmax`` and five norms, where the tensors one by one took one of each per
+    tensor. The large, integer and negative-bit tensors take their own calls."""
+    engine = TorchStatsEngine(use_native=False)
+    tensors = _layer_tensors(12)[:60]
+    plan = StatPlan.from_ops(("min", "max", "mean", "norm", "nans"))
+    keys = [(0, f"t{i}", "param", None) for i in range(len(tensors))]
+    with AtenCalls() as grouped:
+        engine.record_many(tensors, plan, keys)
+    with AtenCalls() as alone:
+        for t, key in zip(tensors, keys):
+            engine.record(t, plan, *key)
+    assert grouped.calls["aminmax"] == 5, grouped.calls
+    assert grouped.calls["linalg_vector_norm"] == 5, grouped.calls
+    assert grouped.calls["stack"] <= 10, grouped.calls
+    assert alone.calls["aminmax"] == 60, alone.calls
+    assert sum(grouped.calls.values()) * 8 < sum(alone.calls.values()), (grouped.calls, alone.calls)
+
+
+def test_a_group_larger_than_the_temporary_is_stacked_in_parts(monkeypatch):
+    """The stacked temporary is bounded: a group of more elements than
+    ``_GROUP_ELEMENTS`` is reduced in parts, each tensor still once."""
+    monkeypatch.setattr(torch_stats, "_GROUP_ELEMENTS", 16 * 16 * 5)  # five 16x16 tensors a part
+    engine = TorchStatsEngine(use_native=False)
+    g = torch.Generator().manual_seed(4)
+    tensors = [torch.randn(16, 16, generator=g) + i for i in range(23)]
+    with AtenCalls() as calls:
+        got = _stats_of(engine, tensors)
+    assert calls.calls["aminmax"] == 5  # 5 + 5 + 5 + 5 + 3
+    for i, (t, g) in enumerate(zip(tensors, got)):
+        _assert_close(g, _want(t), f"tensor {i}")
+
+
+def test_a_group_of_one_and_a_large_tensor_are_reduced_alone():
+    """A shape seen once gains nothing from a stack (it would be a copy): it is reduced as
+    ``record`` reduces it, bit for bit; so is a tensor above ``_GROUP_MAX_NUMEL``."""
+    g = torch.Generator().manual_seed(5)
+    tensors = [torch.randn(9, 3, generator=g).t(), torch.randn(torch_stats._GROUP_MAX_NUMEL + 1, generator=g).double(),
+               torch.randn(torch_stats._GROUP_MAX_NUMEL + 1, generator=g).double()]
+    plan = StatPlan.from_ops(ALL_OPS)
+    keys = [(0, f"t{i}", "param", None) for i in range(len(tensors))]
+    engine = TorchStatsEngine(use_native=False)
+    many = engine.record_many(tensors, plan, keys)
+    alone = [engine.record(t, plan, *key) for t, key in zip(tensors, keys)]
+    engine.to_host(many + alone)
+    for a, b in zip(many, alone):
+        assert [v.hex() for v in a.vector] == [v.hex() for v in b.vector]
+        assert (a.nans or 0, a.zeros, a.numel) == (b.nans or 0, b.zeros, b.numel)
+
+
+def test_grouped_reads_in_training_rows_equal_numpy(tmp_path, monkeypatch):
+    """End to end without the C kernel: a model of repeated blocks trained with AdamW; the
+    ``param`` and ``optimizer`` rows (read in groups at the optimizer step) against NumPy on
+    copies of the parameters and the moments."""
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)) for _ in range(6)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mon = TrainerMonitorV2({"output_dir": str(tmp_path / "out"),
+                            "monitors": {"param": {"enabled": True}, "optimizer": {"enabled": True}}})
+    mon.start(model=model, optimizer=opt)
+    assert mon._session.engine._native is None
+    expected = []
+    for _ in range(2):
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        expected.append({n: (p.detach().clone(), opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone())
+                         for n, p in model.named_parameters()})
+        opt.zero_grad()
+        mon.step()
+    mon.stop()
+    assert mon.errors.count == 0
+    params, moments = rows_of(mon.config.output_dir, "param"), rows_of(mon.config.output_dir, "optimizer")
+    for step, state in enumerate(expected):
+        for name, (param, exp_avg, exp_avg_sq) in state.items():
+            assert_row_matches(find_row(params, step=step, module_name=name, scope="param_updated"),
+                               numpy_stats(param))
+            assert_row_matches(find_row(moments, step=step, module_name=f"{name}.exp_avg"), numpy_stats(exp_avg))
+            assert_row_matches(find_row(moments, step=step, module_name=f"{name}.exp_avg_sq"),
+                               numpy_stats(exp_avg_sq))
