@@ -10,6 +10,8 @@ import random
 
 import pytest
 
+from support.extras import require
+
 from msprobe.core.monitor_v2.rows import ALL_OPS, DEFAULT_OPS
 from msprobe.core.monitor_v2.schedule import StepSchedule
 from msprobe.core.monitor_v2.stats import Row, Stat, format_value
@@ -75,3 +77,30 @@ def test_hostile_names_read_back_as_one_cell_each(tmp_path):
     assert parsed[1 + HOSTILE_NAMES.index('say "hi"')][2] == 'say "hi"'
     assert '"a,b"' in text and '"say ""hi"""' in text
     writer.close()
+
+
+def _csv_module_cell(text: str) -> str:
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerow([csv_cell(text), ""])
+    return buf.getvalue()[:-2]
+
+
+def test_a_name_cell_is_what_the_csv_module_writes_for_any_text():
+    """``_row_cell`` writes a name without a comma, quote or line break as it is and leaves
+    the others to the csv module: the same text for every string (hypothesis draws any
+    unicode, with the characters that matter made likely), and for the hostile names."""
+    require("hypothesis", "the cell property test draws its names with it")
+    from hypothesis import given, settings, strategies as st
+
+    from msprobe.core.monitor_v2.writer import _row_cell
+
+    for name in HOSTILE_NAMES:
+        assert _row_cell(name) == _csv_module_cell(name), name
+    alphabet = st.one_of(st.sampled_from(list(',"\r\n\t\'=+-@ \x00\u2028\udcff')), st.characters())
+
+    @settings(max_examples=3000, deadline=None)
+    @given(st.text(alphabet=alphabet, max_size=12))
+    def check(text):
+        assert _row_cell.__wrapped__(text) == _csv_module_cell(text)
+
+    check()
