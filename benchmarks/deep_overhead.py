@@ -15,8 +15,10 @@ statistic).
 As in overhead.py, the same model and optimizer alternate timed windows of training
 steps without and with the monitor in one process, the order flipped every round
 (benchmarks/alternating.py). For each tensor count and config the table gives the
-median ratio (with / without) and its spread over rounds, the median ratio of the
-process's CPU time (steadier on a shared machine), the plain step time, the
+median ratio (with / without) and its spread over rounds, the same ratio for the steps
+after each window's first (the first written step after ``start()`` makes the run's files
+and caches; the later ones are what a long run pays a written step), the median ratio of
+the process's CPU time (steadier on a shared machine), the plain step time, the
 monitor's own time per written step (timed inside it) and that time divided by the
 number of parameter tensors, the same per tensor for the steps after each window's
 first (which makes the window's files and caches: the steady state of a long run), and
@@ -122,10 +124,13 @@ class DeepBench:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
 
-    def window(self, cfg: Optional[dict]) -> Tuple[float, float]:
+    def window(self, cfg: Optional[dict]) -> Tuple[float, ...]:
         """(wall seconds, this process's CPU seconds) of ``steps_per_window`` steps: on a
         shared machine the CPU time is the steadier of the two (a core taken by another
-        process stretches the wall time, not this process's CPU time)."""
+        process stretches the wall time, not this process's CPU time); with more than one
+        step a window, then the wall seconds of the steps after the first (the first
+        written step after ``start()`` makes the run's files and the row keys' caches:
+        the steps after it are what a long run pays for each written step)."""
         mon = None
         if cfg is not None:
             out = os.path.join(self.out, "run")
@@ -137,16 +142,19 @@ class DeepBench:
         t0, c0 = time.perf_counter(), time.process_time()
         steps = self.args.steps_per_window
         self.train_steps(1)
+        self.sync()
+        t1 = time.perf_counter()
         after_first = mon.busy_seconds if mon is not None else 0.0  # an attribute read: nothing to time
         self.train_steps(steps - 1)
         self.sync()
-        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+        end = time.perf_counter()
+        elapsed, cpu = end - t0, time.process_time() - c0
         if mon is not None:
             self.busy = mon.busy_seconds
             if steps > 1:
                 self.later_steps.append((self.busy - after_first) / (steps - 1))
             mon.stop()
-        return elapsed, cpu
+        return (elapsed, cpu, end - t1) if steps > 1 else (elapsed, cpu)
 
     def run_config(self, name: str, cfg: dict) -> dict:
         self.later_steps = []
@@ -160,6 +168,9 @@ class DeepBench:
             "min": timed.min,
             "max": timed.max,
             "cpu_median": statistics.median(timed.more_ratios[0]),
+            # the wall-time ratio of the steps after each window's first (NaN with one step a window)
+            "later_median": (statistics.median(timed.more_ratios[1]) if len(timed.more_ratios) > 1
+                             else float("nan")),
             "plain_ms": timed.plain_median * 1e3,
             "own_ms": own_ms,
             "own_us_per_tensor": own_ms * 1e3 / self.tensors,
@@ -230,18 +241,21 @@ def main(argv: Optional[List[str]] = None) -> int:
                 row = bench.run_config(name, cfg)
                 rows.append(row)
                 print(f"  {tensors} tensors, {name:<26} ratio {row['median']:.3f} "
-                      f"({row['min']:.3f}..{row['max']:.3f}); {row['own_us_per_tensor']:.1f} us per tensor "
+                      f"({row['min']:.3f}..{row['max']:.3f}), {row['later_median']:.3f} after a window's first "
+                      f"step; {row['own_us_per_tensor']:.1f} us per tensor "
                       f"({row['later_us_per_tensor']:.1f} after a window's first step); load {row['load']:.2f}",
                       flush=True)
         finally:
             bench.close()
     print()
-    print("| tensors | config | median ratio (with / without) | spread (min..max) | CPU-time ratio | plain step | "
-          "monitor per step | monitor per tensor | per tensor after a window's first step | load |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| tensors | config | median ratio (with / without) | spread (min..max) | ratio after a window's first step "
+          "| CPU-time ratio | plain step | monitor per step | monitor per tensor | per tensor after a window's first "
+          "step | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
-        later = row["later_us_per_tensor"]
+        later, later_ratio = row["later_us_per_tensor"], row["later_median"]
         print(f"| {row['tensors']} | {row['config']} | {row['median']:.3f} | {row['min']:.3f}..{row['max']:.3f} | "
+              f"{'-' if later_ratio != later_ratio else f'{later_ratio:.3f}'} | "
               f"{row['cpu_median']:.3f} | {row['plain_ms']:.1f} ms | {row['own_ms']:.2f} ms | {row['own_us_per_tensor']:.1f} us | "
               f"{'-' if later != later else f'{later:.1f} us'} | {row['load']:.2f} |")
     if args.json:

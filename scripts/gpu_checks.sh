@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device checks, prepared to run in one go on a machine with an NVIDIA GPU:
-# the no-synchronisation tests (hooks; the zeros count on the device), then the overhead benchmark on the GPU.
+# the no-synchronisation tests (hooks; grouped reads; the zeros count on the device), then the overhead benchmarks
+# (the default model and the per-tensor one) on the GPU.
 # Writes its results to ${OUT:-gpu_results}/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,3 +14,6 @@ python3 -m venv .venv-gpu
 .venv-gpu/bin/python -m pytest -q -rs tests/pytorch/test_gpu_no_sync.py \
     tests/pytorch/test_zeros.py::test_zeros_on_a_gpu_stay_on_the_device_until_to_host 2>&1 | tee "$out/no_sync_test.txt"
 .venv-gpu/bin/python benchmarks/overhead.py --device cuda --threads 4 --rounds 5 2>&1 | tee "$out/overhead_cuda.txt"
+# the per-tensor axis on the GPU: grouped reads at the optimizer step, per-tensor reductions in the module hooks
+.venv-gpu/bin/python benchmarks/deep_overhead.py --device cuda --threads 4 --rounds 5 --tensors 1000 --tensors 4000 \
+    2>&1 | tee "$out/deep_overhead_cuda.txt"
