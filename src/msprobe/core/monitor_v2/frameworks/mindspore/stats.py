@@ -71,6 +71,46 @@ _COMPLEX = tuple(d for d in (getattr(ms, "complex64", None), getattr(ms, "comple
 
 _MISSING = object()
 
+# record_many on the device: tensors of these dtypes with at most _GROUP_MAX_NUMEL elements
+# are reduced in groups of one dtype and shape, stacked _GROUP_ELEMENTS elements at a time
+# (a bounded temporary); a larger tensor alone (its primitives' fixed cost is small beside
+# its data). The PyTorch engine's thresholds.
+_GROUPED = (ms.float32, ms.float64, ms.float16, ms.bfloat16)
+_GROUP_MAX_NUMEL = 1 << 16
+_GROUP_ELEMENTS = 1 << 22
+_NO_STACK: set = set()  # dtypes this device cannot stack (found by trying): cast to fp32 first
+
+
+def _grouped_vectors(group: List[ms.Tensor], plan: StatPlan,
+                     numel: int) -> Tuple[Sequence[ms.Tensor], Optional[Sequence[ms.Tensor]],
+                                          Optional[Sequence[ms.Tensor]]]:
+    """``(vectors, nans, zeros)`` of tensors of one dtype and shape, each what
+    ``MsStatsEngine._vector`` gives alone (``[min, max, sum, sum of squares]``, the NaN
+    count also where min and max are asked for, since MindSpore's CPU min/max skip NaN):
+    the tensors stacked into one ``[n, numel]`` temporary and reduced along its rows, then
+    the results split into per-tensor device tensors for ``to_host``. Nothing is read back."""
+    dtype = group[0].dtype
+    if dtype in _NO_STACK:
+        group = [t.astype(ms.float32) for t in group]
+    try:
+        x = ops.stack(group).reshape(len(group), numel)
+    except (TypeError, RuntimeError, ValueError):
+        if dtype in _FLOATS or dtype in _NO_STACK:
+            raise
+        _NO_STACK.add(dtype)  # MindSpore's CPU has no bf16 stack: each cast to fp32 first from now on
+        return _grouped_vectors(group, plan, numel)
+    if x.dtype not in _FLOATS:
+        x = x.astype(ms.float32)  # MindSpore's CPU reductions have no bf16 kernels
+    zero = ops.zeros(len(group), x.dtype)
+    mn = x.min(axis=1) if plan.minmax else zero
+    mx = x.max(axis=1) if plan.minmax else zero
+    total = x.sum(axis=1) if plan.total else zero
+    sumsq = (x * x).sum(axis=1) if plan.norm else zero
+    vectors = ops.unstack(ops.stack((mn, mx, total, sumsq), axis=1), axis=0)
+    nans = ops.unstack(ops.isnan(x).sum(axis=1), axis=0) if (plan.nans or plan.minmax) else None
+    zeros = ops.unstack((x == 0).astype(ms.int64).sum(axis=1), axis=0) if plan.zeros else None
+    return vectors, nans, zeros
+
 
 # The fewest tensors ``record_many`` sends to the kernel in one call: the batched call
 # has a fixed cost of its own (the argument arrays, about 10 us from Python), and with
@@ -205,6 +245,8 @@ class MsStatsEngine:
         objects) is most of the kernel's share. The kernel reduces each buffer as a call
         of its own would, with the same thread count, so the numbers are the same to the
         bit. The other tensors take ``record``'s path one by one, in their place."""
+        if not self._host and self._batched:
+            return self._device_many(tensors, plan, keys)
         kernel = self._native
         if kernel is None or not self._batched or len(tensors) < _BATCH_FROM:
             return [self.record(t, plan, *key) for t, key in zip(tensors, keys)]
@@ -252,6 +294,41 @@ class MsStatsEngine:
             for i, rec in zip(batched, read):
                 records[i] = rec
         return records
+
+    def _device_many(self, tensors: Sequence[ms.Tensor], plan: StatPlan,
+                     keys: Sequence[Tuple[int, str, str, Optional[int]]]) -> List[Record]:
+        """``record_many`` on the device: small floating-point tensors of one dtype and shape
+        (a model's repeated layers) in groups (``_grouped_vectors``: a stack and six
+        reductions a group, where each tensor alone takes eight primitives), the others
+        one by one through ``record``."""
+        records: List[object] = [None] * len(tensors)
+        groups: Dict[Tuple[object, Tuple[int, ...]], List[int]] = {}
+        for i, t in enumerate(tensors):
+            numel = int(t.size)
+            if t.dtype in _GROUPED and 0 < numel <= _GROUP_MAX_NUMEL:
+                groups.setdefault((t.dtype, tuple(t.shape)), []).append(i)
+            else:
+                records[i] = self.record(t, plan, *keys[i])
+        for (_, shape), members in groups.items():
+            numel = math.prod(shape)
+            per_chunk = max(1, _GROUP_ELEMENTS // numel)
+            for start in range(0, len(members), per_chunk):
+                chunk = members[start:start + per_chunk]
+                read = None
+                if len(chunk) > 1:
+                    try:
+                        read = _grouped_vectors([tensors[i] for i in chunk], plan, numel)
+                    except (TypeError, RuntimeError, ValueError):
+                        read = None  # each tensor alone: record() names what fails
+                if read is None:
+                    for i in chunk:
+                        records[i] = self.record(tensors[i], plan, *keys[i])
+                    continue
+                vectors, nans, zeros = read
+                for j, i in enumerate(chunk):
+                    records[i] = self._Record(*keys[i], vectors[j], None if nans is None else nans[j], numel,
+                                              None if zeros is None else zeros[j])
+        return records  # type: ignore[return-value]
 
     def _unobserved_record(self, t: ms.Tensor, key: Tuple[int, str, str, Optional[int]],
                            exc: BaseException) -> Record:
