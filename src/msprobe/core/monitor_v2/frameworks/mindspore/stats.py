@@ -298,8 +298,9 @@ class MsStatsEngine:
     def _device_many(self, tensors: Sequence[ms.Tensor], plan: StatPlan,
                      keys: Sequence[Tuple[int, str, str, Optional[int]]]) -> List[Record]:
         """``record_many`` on the device: small floating-point tensors of one dtype and shape
-        (a model's repeated layers) in groups (``_grouped_vectors``: a stack and six
-        reductions a group, where each tensor alone takes eight primitives), the others
+        (a model's repeated layers) in groups (``_grouped_vectors``: a stack, six
+        reductions and the splits, about a dozen primitives a group, where each tensor
+        alone takes eight), the others
         one by one through ``record``."""
         records: List[object] = [None] * len(tensors)
         groups: Dict[Tuple[object, Tuple[int, ...]], List[int]] = {}
