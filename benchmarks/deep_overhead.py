@@ -174,7 +174,7 @@ class DeepBench:
             "plain_ms": timed.plain_median * 1e3,
             "own_ms": own_ms,
             "own_us_per_tensor": own_ms * 1e3 / self.tensors,
-            # NaN with one step per window (--smoke)
+            # NaN with one step per window
             "later_us_per_tensor": (statistics.median(self.later_steps) * 1e6 / self.tensors
                                     if self.later_steps else float("nan")),
             "load": load_average(),
@@ -209,7 +209,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.tensors = args.tensors or [40]
-        args.rounds, args.steps_per_window, args.warmup = 1, 1, 1
+        # two steps a window: the columns of the steps after a window's first are exercised too
+        args.rounds, args.steps_per_window, args.warmup = 1, 2, 1
     args.tensors = args.tensors or [1000, 4000]
     return args
 

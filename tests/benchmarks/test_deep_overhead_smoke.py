@@ -1,6 +1,6 @@
 """The per-tensor-cost benchmark (benchmarks/deep_overhead.py) runs end to end in its
-smoke mode (a 40-tensor model, one round), so that it cannot rot; its numbers are not
-asserted (ratios are measured, not tested)."""
+smoke mode (a 40-tensor model, one round of two-step windows), so that it cannot rot;
+its numbers are not asserted (ratios are measured, not tested)."""
 
 import json
 import subprocess
@@ -20,10 +20,11 @@ def test_deep_overhead_benchmark_smoke_mode_prints_every_config_and_writes_json(
         ("40", "weight_grad"), ("40", "all"), ("40", "all, step outside window")]
     for cells in table:
         assert float(cells[3]) > 0
-        assert cells[5].strip() == "-", "one step a window in smoke mode: no later steps"
+        assert float(cells[5]) > 0  # the ratio of the steps after a window's first (two steps a window)
         assert float(cells[6]) > 0  # the CPU-time ratio
         assert cells[9].strip().endswith(" us")
-        assert cells[10].strip() == "-", "one step a window in smoke mode: no later steps"
+        assert cells[10].strip().endswith(" us")  # the monitor's time per tensor after a window's first step
     rows = json.loads(out.read_text())["rows"]
     assert [row["config"] for row in rows] == ["weight_grad", "all", "all, step outside window"]
     assert all(row["tensors"] == 40 and row["own_us_per_tensor"] >= 0 for row in rows)
+    assert all(row["later_median"] > 0 and row["later_us_per_tensor"] >= 0 for row in rows)
