@@ -166,6 +166,19 @@ def test_a_group_larger_than_the_temporary_is_stacked_in_parts(monkeypatch):
         _assert_close(g, _want(t), f"tensor {i}")
 
 
+def test_channels_last_weights_are_grouped_too():
+    """Conv weights in channels_last stack into a block that is not row-major: still one
+    group (one ``aminmax``), each tensor's statistics NumPy's."""
+    g = torch.Generator().manual_seed(6)
+    tensors = [torch.randn(8, 4, 3, 3, generator=g).to(memory_format=torch.channels_last) * (i + 1) for i in range(6)]
+    assert not tensors[0].is_contiguous()
+    with AtenCalls() as calls:
+        got = _stats_of(TorchStatsEngine(use_native=False), tensors)
+    assert calls.calls["aminmax"] == 1, calls.calls
+    for i, (t, g) in enumerate(zip(tensors, got)):
+        _assert_close(g, _want(t), f"tensor {i}")
+
+
 def test_a_group_of_one_and_a_large_tensor_are_reduced_alone():
     """A shape seen once gains nothing from a stack (it would be a copy): it is reduced as
     ``record`` reduces it, bit for bit; so is a tensor above ``_GROUP_MAX_NUMEL``."""

@@ -225,7 +225,10 @@ def _grouped_vectors(group: List[torch.Tensor], plan: StatPlan,
         # every value of the other dtypes is exact in the wide one: min, max, NaN and
         # zero counts read from the cast are those of the tensors (and bf16/fp16
         # reductions in fp32 or fp64 are the fast ones on the CPU)
-        x = torch.stack(group).view(len(group), numel).to(wide)
+        # reshape, not view: tensors in another memory format (channels_last conv weights)
+        # stack into a block that is not row-major, and are copied into one (a second
+        # temporary of the same bound)
+        x = torch.stack(group).reshape(len(group), numel).to(wide)
         zero = zero_of(device, wide).expand(len(group))
         total = x.sum(dim=1) if plan.total else zero
         norm = torch.linalg.vector_norm(x, dim=1) if plan.norm else zero
