@@ -16,7 +16,7 @@ from support.ms_helpers import ms, np, np_stats  # noqa: E402
 
 from msprobe.core.monitor_v2.frameworks.mindspore import stats as ms_stats  # noqa: E402
 from msprobe.core.monitor_v2.frameworks.mindspore.stats import MsStatsEngine  # noqa: E402
-from msprobe.core.monitor_v2.stats import StatPlan, merge_records  # noqa: E402
+from msprobe.core.monitor_v2.stats import GROUP_MAX_NUMEL, StatPlan, merge_records  # noqa: E402
 
 NAN, INF = float("nan"), float("inf")
 
@@ -42,7 +42,7 @@ def _layers(blocks: int):
     zeros = pairs[5][1].copy()
     zeros[:3] = 0.0
     pairs[5] = (ms.Tensor(zeros), zeros)
-    large = rng.standard_normal(ms_stats._GROUP_MAX_NUMEL + 1).astype(np.float32)
+    large = rng.standard_normal(GROUP_MAX_NUMEL + 1).astype(np.float32)
     ints = np.arange(-5, 9, dtype=np.int32)
     pairs += [(ms.Tensor(large), large.astype(np.float64)), (ms.Tensor(ints), ints.astype(np.float64)),
               (ms.Tensor(np.zeros((0,), np.float32)), np.zeros((0,)))]
@@ -75,7 +75,7 @@ def test_grouped_device_reads_equal_numpy(ops, monkeypatch):
     # fp32 8x8, fp64 8, fp16 2x3, bf16 4 (MindSpore's CPU stacks it after a cast to fp32);
     # only the large, the integer and the empty tensor are reduced alone
     assert len(groups) >= 4 and set(groups) == {10}, groups  # one more where bf16's stack is found missing
-    assert sorted(alone) == sorted([(ms_stats._GROUP_MAX_NUMEL + 1,), (14,), (0,)]), alone
+    assert sorted(alone) == sorted([(GROUP_MAX_NUMEL + 1,), (14,), (0,)]), alone
     engine.to_host(records)
     assert [r.key for r in records] == keys
     for i, ((_, ref), rec) in enumerate(zip(pairs, records)):

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from support import assert_row_matches, find_row, numpy_stats, rows_of
 from msprobe.core.monitor_v2 import native
-from msprobe.core.monitor_v2.frameworks.pytorch import stats as torch_stats
+from msprobe.core.monitor_v2 import stats as core_stats
 from msprobe.core.monitor_v2.frameworks.pytorch.stats import TorchStatsEngine
 from msprobe.core.monitor_v2.stats import StatPlan, merge_records
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
@@ -154,8 +154,8 @@ def test_one_group_is_one_reduction_of_each_kind():
 
 def test_a_group_larger_than_the_temporary_is_stacked_in_parts(monkeypatch):
     """The stacked temporary is bounded: a group of more elements than
-    ``_GROUP_ELEMENTS`` is reduced in parts, each tensor still once."""
-    monkeypatch.setattr(torch_stats, "_GROUP_ELEMENTS", 16 * 16 * 5)  # five 16x16 tensors a part
+    ``GROUP_ELEMENTS`` is reduced in parts, each tensor still once."""
+    monkeypatch.setattr(core_stats, "GROUP_ELEMENTS", 16 * 16 * 5)  # five 16x16 tensors a part
     engine = TorchStatsEngine(use_native=False)
     g = torch.Generator().manual_seed(4)
     tensors = [torch.randn(16, 16, generator=g) + i for i in range(23)]
@@ -181,10 +181,10 @@ def test_channels_last_weights_are_grouped_too():
 
 def test_a_group_of_one_and_a_large_tensor_are_reduced_alone():
     """A shape seen once gains nothing from a stack (it would be a copy): it is reduced as
-    ``record`` reduces it, bit for bit; so is a tensor above ``_GROUP_MAX_NUMEL``."""
+    ``record`` reduces it, bit for bit; so is a tensor above ``GROUP_MAX_NUMEL``."""
     g = torch.Generator().manual_seed(5)
-    tensors = [torch.randn(9, 3, generator=g).t(), torch.randn(torch_stats._GROUP_MAX_NUMEL + 1, generator=g).double(),
-               torch.randn(torch_stats._GROUP_MAX_NUMEL + 1, generator=g).double()]
+    tensors = [torch.randn(9, 3, generator=g).t(), torch.randn(core_stats.GROUP_MAX_NUMEL + 1, generator=g).double(),
+               torch.randn(core_stats.GROUP_MAX_NUMEL + 1, generator=g).double()]
     plan = StatPlan.from_ops(ALL_OPS)
     keys = [(0, f"t{i}", "param", None) for i in range(len(tensors))]
     engine = TorchStatsEngine(use_native=False)

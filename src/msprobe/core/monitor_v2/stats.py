@@ -14,7 +14,7 @@ the monitor's ``ops`` do not ask for it; counts are summed when rows merge.
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 from . import native
 from .rows import COUNT_OPS
@@ -151,6 +151,43 @@ def record_type() -> type:
 
 # Empty tensors never reach the device: their statistics are known.
 EMPTY_VECTOR: Tuple[float, ...] = (math.nan, math.nan, 0.0, 0.0)
+
+# The engines' grouped reads (``read_grouped``): a tensor of at most GROUP_MAX_NUMEL
+# elements joins the others of its group, stacked GROUP_ELEMENTS elements at a time (a
+# bounded temporary: 16 MiB of fp32 and its fp64 cast). A larger tensor is read alone:
+# its reductions' fixed cost is small beside its data.
+GROUP_MAX_NUMEL = 1 << 16
+GROUP_ELEMENTS = 1 << 22
+
+
+def read_grouped(count: int, group_of: Callable[[int], Optional[Tuple[Hashable, int]]],
+                 read_group: Callable[[List[int]], Optional[List[Any]]],
+                 read_one: Callable[[int], Any]) -> List[Any]:
+    """The records of ``count`` tensors, in their order, read in groups where they can be:
+    the engines' ``record_many`` for tensors their one-pass reads do not take.
+
+    ``group_of(i)`` is ``(key, element count)`` of tensor ``i`` (one key: one device, dtype
+    and shape), or None for a tensor read alone (``read_one(i)``), as is one of more than
+    ``GROUP_MAX_NUMEL`` elements or none. The members of a key are handed to
+    ``read_group`` (their indices) ``GROUP_ELEMENTS`` elements at a time; a part of one
+    tensor gains nothing from a stack and is read alone, and so is a part ``read_group``
+    could not read (it returns None: the per-tensor path then finds and says why)."""
+    records: List[Any] = [None] * count
+    groups: Dict[Tuple[Hashable, int], List[int]] = {}
+    for i in range(count):
+        group = group_of(i)
+        if group is None or not 0 < group[1] <= GROUP_MAX_NUMEL:
+            records[i] = read_one(i)
+        else:
+            groups.setdefault(group, []).append(i)
+    for (_, numel), members in groups.items():
+        per_part = max(1, GROUP_ELEMENTS // numel)
+        for start in range(0, len(members), per_part):
+            part = members[start:start + per_part]
+            read = read_group(part) if len(part) > 1 else None
+            for i, rec in zip(part, read if read is not None else map(read_one, part)):
+                records[i] = rec
+    return records
 
 
 class Record:

@@ -32,7 +32,7 @@ path) and from ``(flat == 0).sum()`` on the device elsewhere.
 import logging
 import math
 from collections import defaultdict
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import mindspore as ms
@@ -41,7 +41,7 @@ from mindspore import ops
 from ... import native
 from ...logonce import LogOnce
 from ...monitor import short_error
-from ...stats import EMPTY_VECTOR, Record, StatPlan, record_type
+from ...stats import EMPTY_VECTOR, Record, StatPlan, read_grouped, record_type
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
@@ -71,13 +71,9 @@ _COMPLEX = tuple(d for d in (getattr(ms, "complex64", None), getattr(ms, "comple
 
 _MISSING = object()
 
-# record_many on the device: tensors of these dtypes with at most _GROUP_MAX_NUMEL elements
-# are reduced in groups of one dtype and shape, stacked _GROUP_ELEMENTS elements at a time
-# (a bounded temporary); a larger tensor alone (its primitives' fixed cost is small beside
-# its data). The PyTorch engine's thresholds.
+# record_many on the device: tensors of these dtypes are reduced in groups of one dtype and
+# shape (``read_grouped``, whose bounds the PyTorch engine shares)
 _GROUPED = (ms.float32, ms.float64, ms.float16, ms.bfloat16)
-_GROUP_MAX_NUMEL = 1 << 16
-_GROUP_ELEMENTS = 1 << 22
 _NO_STACK: set = set()  # dtypes this device cannot stack (found by trying): cast to fp32 first
 
 
@@ -300,36 +296,21 @@ class MsStatsEngine:
         """``record_many`` on the device: small floating-point tensors of one dtype and shape
         (a model's repeated layers) in groups (``_grouped_vectors``: a stack, six
         reductions and the splits, about a dozen primitives a group, where each tensor
-        alone takes eight), the others
-        one by one through ``record``."""
-        records: List[object] = [None] * len(tensors)
-        groups: Dict[Tuple[object, Tuple[int, ...]], List[int]] = {}
-        for i, t in enumerate(tensors):
-            numel = int(t.size)
-            if t.dtype in _GROUPED and 0 < numel <= _GROUP_MAX_NUMEL:
-                groups.setdefault((t.dtype, tuple(t.shape)), []).append(i)
-            else:
-                records[i] = self.record(t, plan, *keys[i])
-        for (_, shape), members in groups.items():
-            numel = math.prod(shape)
-            per_chunk = max(1, _GROUP_ELEMENTS // numel)
-            for start in range(0, len(members), per_chunk):
-                chunk = members[start:start + per_chunk]
-                read = None
-                if len(chunk) > 1:
-                    try:
-                        read = _grouped_vectors([tensors[i] for i in chunk], plan, numel)
-                    except (TypeError, RuntimeError, ValueError):
-                        read = None  # each tensor alone: record() names what fails
-                if read is None:
-                    for i in chunk:
-                        records[i] = self.record(tensors[i], plan, *keys[i])
-                    continue
-                vectors, nans, zeros = read
-                for j, i in enumerate(chunk):
-                    records[i] = self._Record(*keys[i], vectors[j], None if nans is None else nans[j], numel,
-                                              None if zeros is None else zeros[j])
-        return records  # type: ignore[return-value]
+        alone takes eight), the others one by one through ``record``."""
+        def group_of(i: int) -> Optional[Tuple[Any, int]]:
+            t = tensors[i]
+            return ((t.dtype, tuple(t.shape)), int(t.size)) if t.dtype in _GROUPED else None
+
+        def read_group(part: List[int]) -> Optional[List[Record]]:
+            numel = int(tensors[part[0]].size)
+            try:
+                vectors, nans, zeros = _grouped_vectors([tensors[i] for i in part], plan, numel)
+            except (TypeError, RuntimeError, ValueError):
+                return None  # each tensor alone: record() names what fails
+            return [self._Record(*keys[i], vectors[j], None if nans is None else nans[j], numel,
+                                 None if zeros is None else zeros[j]) for j, i in enumerate(part)]
+
+        return read_grouped(len(tensors), group_of, read_group, lambda i: self.record(tensors[i], plan, *keys[i]))
 
     def _unobserved_record(self, t: ms.Tensor, key: Tuple[int, str, str, Optional[int]],
                            exc: BaseException) -> Record:

@@ -59,7 +59,7 @@ import torch
 from ... import native
 from ...logonce import LogOnce
 from ...monitor import short_error
-from ...stats import EMPTY_VECTOR, Record, StatPlan, record_type
+from ...stats import EMPTY_VECTOR, Record, StatPlan, read_grouped, record_type
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
@@ -178,29 +178,21 @@ def _kernel_buffers(tensors: Sequence[torch.Tensor],
     return pointers, counts, codes
 
 
-# record_many's grouped ATen reductions (tensors the one-pass kernel does not read: every
-# tensor on an accelerator, the CPU ones without a C compiler): a tensor of at most
-# _GROUP_MAX_NUMEL elements joins the others of its device, dtype and shape, stacked
-# _GROUP_ELEMENTS elements at a time (a bounded temporary: 16 MiB of fp32 and its fp64 cast).
-# A larger tensor is reduced alone: its reductions' fixed cost is small beside its data.
-_GROUP_MAX_NUMEL = 1 << 16
-_GROUP_ELEMENTS = 1 << 22
+# record_many's grouped ATen reductions (``read_grouped``: tensors the one-pass kernel does
+# not read, every tensor on an accelerator and the CPU ones without a C compiler)
 _GROUPED_DTYPES = frozenset((torch.float32, torch.float64, torch.bfloat16, torch.float16))
 
 
-def _groupable_shape(t: torch.Tensor) -> Optional[Tuple[int, ...]]:
-    """The shape under which ``t`` joins a group of ``_grouped_vectors``, or None where
-    it is reduced alone: anything but a plain, dense, non-empty, small floating-point
-    tensor of a usual dtype (the per-tensor path prepares the others: DTensors, complex,
-    integer, 1-byte, quantized, sparse and nested tensors, and those with a sign or
-    conjugate bit, whose stack would resolve the bit into a copy)."""
+def _group_key(t: torch.Tensor) -> Optional[Tuple[torch.device, torch.dtype, Tuple[int, ...]]]:
+    """The group ``t`` joins in ``_grouped_vectors`` (its device, dtype and shape), or None
+    where it is reduced alone: anything but a plain, dense floating-point tensor of a usual
+    dtype (the per-tensor path prepares the others: DTensors, complex, integer, 1-byte,
+    quantized, sparse and nested tensors, and those with a sign bit, whose stack would
+    resolve the bit into a copy)."""
     if (type(t) not in _PLAIN_TYPES or t.dtype not in _GROUPED_DTYPES or t.layout is not torch.strided
             or t.is_nested or t.is_meta or t.is_neg()):
         return None
-    numel = t.numel()
-    if not 0 < numel <= _GROUP_MAX_NUMEL:
-        return None
-    return tuple(t.shape)
+    return t.device, t.dtype, tuple(t.shape)
 
 
 def _grouped_vectors(group: List[torch.Tensor], plan: StatPlan,
@@ -240,11 +232,12 @@ def _grouped_vectors(group: List[torch.Tensor], plan: StatPlan,
             if device.type != "cpu" or probe is None or not bool(torch.isfinite(probe).all()):
                 nans = torch.isnan(x).sum(dim=1)
         zeros = torch.count_nonzero(x == 0, dim=1) if plan.zeros else None
-    if device.type == "cpu":  # host values: no transfer at the step's end, nothing for to_host to do
-        return (vectors.tolist(), [None] * len(group) if nans is None else nans.tolist(),
-                [None] * len(group) if zeros is None else zeros.tolist(), numel)
-    return (vectors.unbind(0), [None] * len(group) if nans is None else nans.unbind(0),
-            [None] * len(group) if zeros is None else zeros.unbind(0), numel)
+    # the CPU's as host values (no transfer at the step's end, nothing for to_host to do),
+    # an accelerator's as rows of the device tensors
+    split = torch.Tensor.tolist if device.type == "cpu" else torch.Tensor.unbind
+    absent = [None] * len(group)
+    return (split(vectors), absent if nans is None else split(nans), absent if zeros is None else split(zeros),
+            numel)
 
 
 def _memory_key(t: torch.Tensor, plan: StatPlan) -> Optional[Tuple[int, int, torch.dtype, Tuple[bool, ...]]]:
@@ -749,28 +742,21 @@ class TorchStatsEngine:
         grouped reductions (``_grouped_vectors``: a handful of ATen calls per group
         instead of five or six per tensor, none of which waits for the device), the others
         one by one."""
-        records: List[Any] = [None] * len(tensors)
-        groups: Dict[Tuple[Any, ...], List[int]] = {}
-        for i, t in enumerate(tensors):
-            shape = _groupable_shape(t)
-            if shape is None:
-                records[i] = self._Record(*keys[i], *self._compute_aten(t, plan, keys[i][1]))
-            else:
-                groups.setdefault((t.device, t.dtype, shape), []).append(i)
-        for (_, _, shape), members in groups.items():
-            per_chunk = max(1, _GROUP_ELEMENTS // max(1, math.prod(shape)))
-            for start in range(0, len(members), per_chunk):
-                chunk = members[start:start + per_chunk]
-                group = [tensors[i] for i in chunk]
-                read = self._grouped_read(group, plan) if len(chunk) > 1 else None
-                if read is None:
-                    for i in chunk:
-                        records[i] = self._Record(*keys[i], *self._compute_aten(tensors[i], plan, keys[i][1]))
-                    continue
-                vectors, nans, zeros, numel = read
-                for j, i in enumerate(chunk):
-                    records[i] = self._Record(*keys[i], vectors[j], nans[j], numel, zeros[j])
-        return records
+        def group_of(i: int) -> Optional[Tuple[Any, int]]:
+            key = _group_key(tensors[i])
+            return None if key is None else (key, tensors[i].numel())
+
+        def read_group(part: List[int]) -> Optional[List[Record]]:
+            read = self._grouped_read([tensors[i] for i in part], plan)
+            if read is None:
+                return None
+            vectors, nans, zeros, numel = read
+            return [self._Record(*keys[i], vectors[j], nans[j], numel, zeros[j]) for j, i in enumerate(part)]
+
+        def read_one(i: int) -> Record:
+            return self._Record(*keys[i], *self._compute_aten(tensors[i], plan, keys[i][1]))
+
+        return read_grouped(len(tensors), group_of, read_group, read_one)
 
     def _grouped_read(self, group: List[torch.Tensor],
                       plan: StatPlan) -> Optional[Tuple[Sequence[Any], Sequence[Any], Sequence[Any], int]]:
