@@ -10,6 +10,7 @@ with host values at the end instead of device tensors; the GPU case (no host syn
 test_gpu_no_sync.py.
 """
 
+import copy
 import math
 from collections import Counter
 
@@ -20,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from support import assert_row_matches, find_row, numpy_stats, rows_of
 from msprobe.core.monitor_v2 import native
 from msprobe.core.monitor_v2 import stats as core_stats
+from msprobe.core.monitor_v2.frameworks.pytorch import stats as torch_stats
 from msprobe.core.monitor_v2.frameworks.pytorch.stats import TorchStatsEngine
 from msprobe.core.monitor_v2.stats import StatPlan, merge_records
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
@@ -129,7 +131,9 @@ def test_grouped_statistics_equal_numpy(engine, ops):
         _assert_close(g, {op: v for op, v in _want(t).items() if op in ops}, f"tensor {i} {t.dtype} {tuple(t.shape)}",
                       rtol=1e-12 if grouped else 1e-6)
     assert got[-1] is None  # the meta tensor: no statistics, said once
-    assert all(torch.equal(a, b) or (a.isnan() == b.isnan()).all() for a, b in zip(tensors[:-1], before))
+    # the engine never modifies a monitored tensor: every value as it was, NaN where it was
+    assert all(torch.allclose(a.double(), b.double(), rtol=0.0, atol=0.0, equal_nan=True)
+               for a, b in zip(tensors[:-1], before))
 
 
 def test_one_group_is_one_reduction_of_each_kind():
@@ -179,6 +183,21 @@ def test_channels_last_weights_are_grouped_too():
         _assert_close(g, _want(t), f"tensor {i}")
 
 
+def test_a_group_the_device_cannot_reduce_is_read_one_tensor_at_a_time(monkeypatch):
+    """A group read that fails (a device without fp64 kernels, memory for the stack) costs
+    no row: each of its tensors is reduced alone, with NumPy's values."""
+    def no_group(*args, **kwargs):
+        raise RuntimeError("no fp64 reductions on this device")
+
+    monkeypatch.setattr(torch_stats, "_grouped_vectors", no_group)
+    tensors = _layer_tensors(4)[:20]
+    with AtenCalls() as calls:
+        got = _stats_of(TorchStatsEngine(use_native=False), tensors)
+    assert calls.calls["aminmax"] == 20, calls.calls
+    for i, (t, g) in enumerate(zip(tensors, got)):
+        _assert_close(g, _want(t), f"tensor {i}", rtol=1e-6)
+
+
 def test_a_group_of_one_and_a_large_tensor_are_reduced_alone():
     """A shape seen once gains nothing from a stack (it would be a copy): it is reduced as
     ``record`` reduces it, bit for bit; so is a tensor above ``GROUP_MAX_NUMEL``."""
@@ -196,31 +215,45 @@ def test_a_group_of_one_and_a_large_tensor_are_reduced_alone():
         assert (a.nans or 0, a.zeros, a.numel) == (b.nans or 0, b.zeros, b.numel)
 
 
-def test_grouped_reads_in_training_rows_equal_numpy(tmp_path, monkeypatch):
-    """End to end without the C kernel: a model of repeated blocks trained with AdamW; the
-    ``param`` and ``optimizer`` rows (read in groups at the optimizer step) against NumPy on
-    copies of the parameters and the moments."""
+def test_grouped_reads_in_training_rows_equal_numpy_and_training_is_unchanged(tmp_path, monkeypatch):
+    """End to end without the C kernel: a model of repeated blocks trained with AdamW beside
+    an unmonitored twin. The gradients read in groups when each backward pass ends (inside
+    ``backward()``: ``unreduced``) and the parameters and moments read in groups at the
+    optimizer step are NumPy's on the twin's copies, and the parameters stay bit-identical
+    to the twin's."""
     monkeypatch.setenv(native.ENV_SWITCH, "0")
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)) for _ in range(6)])
+    twin = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
     mon = TrainerMonitorV2({"output_dir": str(tmp_path / "out"),
-                            "monitors": {"param": {"enabled": True}, "optimizer": {"enabled": True}}})
+                            "monitors": {"param": {"enabled": True}, "optimizer": {"enabled": True},
+                                         "weight_grad": {"enabled": True}}})
     mon.start(model=model, optimizer=opt)
     assert mon._session.engine._native is None
     expected = []
+    g = torch.Generator().manual_seed(1)
     for _ in range(2):
-        model(torch.randn(4, 8)).pow(2).mean().backward()
+        x = torch.randn(4, 8, generator=g)
+        model(x).pow(2).mean().backward()
+        twin(x).pow(2).mean().backward()
+        grads = {n: p.grad.clone() for n, p in twin.named_parameters()}
         opt.step()
-        expected.append({n: (p.detach().clone(), opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone())
-                         for n, p in model.named_parameters()})
+        twin_opt.step()
+        expected.append({n: (grads[n], p.detach().clone(), twin_opt.state[p]["exp_avg"].clone(),
+                             twin_opt.state[p]["exp_avg_sq"].clone()) for n, p in twin.named_parameters()})
         opt.zero_grad()
-        mon.step()
+        twin_opt.zero_grad()
     mon.stop()
     assert mon.errors.count == 0
+    for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p, q), n
     params, moments = rows_of(mon.config.output_dir, "param"), rows_of(mon.config.output_dir, "optimizer")
+    grad_rows = rows_of(mon.config.output_dir, "weight_grad")
     for step, state in enumerate(expected):
-        for name, (param, exp_avg, exp_avg_sq) in state.items():
+        for name, (grad, param, exp_avg, exp_avg_sq) in state.items():
+            assert_row_matches(find_row(grad_rows, step=step, module_name=name, scope="unreduced"), numpy_stats(grad))
             assert_row_matches(find_row(params, step=step, module_name=name, scope="param_updated"),
                                numpy_stats(param))
             assert_row_matches(find_row(moments, step=step, module_name=f"{name}.exp_avg"), numpy_stats(exp_avg))
