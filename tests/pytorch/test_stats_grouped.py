@@ -183,6 +183,23 @@ def test_channels_last_weights_are_grouped_too():
         _assert_close(g, _want(t), f"tensor {i}")
 
 
+@pytest.mark.parametrize("ops", [ALL_OPS, ("nans",), ("norm", "nans"), ("min", "max")], ids="-".join)
+def test_off_the_cpu_a_group_read_reads_nothing_back(ops):
+    """Off the CPU the group's results stay on the device: no value is read back to decide
+    anything (reading one there would be a host synchronisation inside a hook). Tensors on
+    ``meta``, where any read of a value raises, stand in for an accelerator here; the GPU
+    check is test_gpu_no_sync.py."""
+    group = [torch.empty(4, 5, device="meta") for _ in range(3)]
+    plan = StatPlan.from_ops(ops)
+    vectors, nans, zeros, numel = torch_stats._grouped_vectors(group, plan, TorchStatsEngine(use_native=False)._zero)
+    assert numel == 20 and len(vectors) == len(nans) == len(zeros) == 3
+    assert all(v.device.type == "meta" and v.shape == (4,) for v in vectors)
+    if plan.nans:  # counted on the device for every tensor, not skipped after a host probe
+        assert all(n.device.type == "meta" for n in nans)
+    if plan.zeros:
+        assert all(z.device.type == "meta" for z in zeros)
+
+
 def test_a_group_the_device_cannot_reduce_is_read_one_tensor_at_a_time(monkeypatch):
     """A group read that fails (a device without fp64 kernels, memory for the stack) costs
     no row: each of its tensors is reduced alone, with NumPy's values."""
