@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/deep_overhead.py --tensors 10000 --only weight_grad
     .venv/bin/python benchmarks/deep_overhead.py --smoke               # tiny and quick (CI)
     .venv/bin/python benchmarks/deep_overhead.py --json deep.json      # also the rows as JSON
+    .venv/bin/python benchmarks/deep_overhead.py --ddp --only weight_grad  # the model under torch DDP
 
 The default benchmark (benchmarks/overhead.py) has ~100 parameter tensors of ~100k
 elements each, where the monitor's cost follows the bytes it reads. This one isolates
@@ -24,6 +25,11 @@ number of parameter tensors, the same per tensor for the steps after each window
 first (which makes the window's files and caches: the steady state of a long run), and
 the machine's load average at the end of the row (the numbers are only comparable at
 the same load).
+
+``--ddp`` trains the model under torch's ``DistributedDataParallel`` in a one-process gloo
+group (``--ddp-bucket-view`` with ``gradient_as_bucket_view=True``): the reducer's hooks,
+bucket copies and all-reduce run as on a cluster, and the monitor reads gradients as it
+does under DDP.
 """
 
 import argparse
@@ -103,11 +109,22 @@ class DeepBench:
         torch.manual_seed(0)
         self.device = torch.device(args.device)
         self.model = DeepStack(tensors // TENSORS_PER_BLOCK, args.width).to(self.device)
+        self.out = tempfile.mkdtemp(prefix="msprobe_deep_bench_")
+        self.group = False
+        ddp = getattr(args, "ddp", False) or getattr(args, "ddp_bucket_view", False)
+        if ddp:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                store = dist.FileStore(os.path.join(self.out, "store"), 1)
+                dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+                self.group = True
+            self.model = nn.parallel.DistributedDataParallel(
+                self.model, gradient_as_bucket_view=bool(getattr(args, "ddp_bucket_view", False)))
         # foreach: the optimizer's own per-tensor cost is one fused pass, as on a GPU by default
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, foreach=True)
         g = torch.Generator().manual_seed(0)
         self.batch = torch.randn(args.batch, args.width, generator=g).to(self.device)
-        self.out = tempfile.mkdtemp(prefix="msprobe_deep_bench_")
         self.busy = 0.0  # seconds the last monitored window spent in the monitor's code
         # the monitor's seconds per step after each monitored window's first step (the first
         # makes the window's files and caches): the steady state of a long run
@@ -181,6 +198,10 @@ class DeepBench:
         }
 
     def close(self) -> None:
+        if self.group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
         shutil.rmtree(self.out, ignore_errors=True)
 
 
@@ -204,6 +225,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--only", action="append", help="run only configs whose name is this (repeatable)")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one round: checks that the benchmark runs")
+    p.add_argument("--ddp", action="store_true",
+                   help="the model under torch DistributedDataParallel (one-process gloo group)")
+    p.add_argument("--ddp-bucket-view", action="store_true",
+                   help="as --ddp, with gradient_as_bucket_view=True")
     p.add_argument("--no-native", action="store_true",
                    help="ATen reductions only, without the one-pass C kernel (as on a machine without a C compiler)")
     args = p.parse_args(argv)
@@ -229,7 +254,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     torch.set_num_threads(args.threads)
     kernel = "ATen reductions only (--no-native)" if native.load() is None else "one-pass C kernel"
     print(f"model: {TENSORS_PER_BLOCK} tensors per block (Linear({args.width}, {args.width}) + "
-          f"LayerNorm({args.width})), batch {args.batch}; AdamW (foreach); device {args.device}, "
+          f"LayerNorm({args.width})), batch {args.batch}; AdamW (foreach); "
+          f"{'under DDP (gradient_as_bucket_view), ' if args.ddp_bucket_view else 'under DDP, ' if args.ddp else ''}"
+          f"device {args.device}, "
           f"{args.threads} thread(s)")
     print(f"{args.rounds} rounds x {args.steps_per_window} steps per window; torch {torch.__version__}; "
           f"CPU statistics: {kernel}; load at start {load_average():.2f}")

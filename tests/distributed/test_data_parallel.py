@@ -42,7 +42,7 @@ def local_grad(ref, step, name):
     return sum(g[name] for g in ref["grads"][step])
 
 
-def check_unreduced(refs, rows, mbs):
+def check_unreduced(refs, rows, mbs, acc=ACC):
     for r in range(2):
         for s in range(STEPS):
             for name in PARAMS:
@@ -51,11 +51,11 @@ def check_unreduced(refs, rows, mbs):
                         row = pick(rows[r], step=s, module_name=name, scope="unreduced", micro_step=mb)
                         assert_row_matches(row, numpy_stats(refs[r]["grads"][s][mb - 1][name]), rtol=1e-4, atol=1e-6)
                 else:
-                    row = pick(rows[r], step=s, module_name=name, scope="unreduced", micro_step=ACC)
+                    row = pick(rows[r], step=s, module_name=name, scope="unreduced", micro_step=acc)
                     assert_row_matches(row, numpy_stats(local_grad(refs[r], s, name)), rtol=1e-4, atol=1e-6)
     # the two ranks saw different data: their local gradients differ
-    a = pick(rows[0], step=0, module_name="fc1.weight", scope="unreduced", micro_step=ACC)
-    b = pick(rows[1], step=0, module_name="fc1.weight", scope="unreduced", micro_step=ACC)
+    a = pick(rows[0], step=0, module_name="fc1.weight", scope="unreduced", micro_step=acc)
+    b = pick(rows[1], step=0, module_name="fc1.weight", scope="unreduced", micro_step=acc)
     assert a["norm"] != b["norm"]
 
 
@@ -124,6 +124,9 @@ def check_merge(out, refs, mbs, tmp_path):
 def test_ddp_unreduced_is_local_and_reduced_is_the_mean(tmp_path, mbs):
     out, refs, rows = run("ddp", tmp_path, mbs)
     check_unreduced(refs, rows, mbs)
+    # accumulated rows: DDP (no bucket view) writes .grad only at the pass's end, so the
+    # local gradients are read in one batch there, before that write
+    assert [ref["batched"] for ref in refs] == [not mbs] * 2
     check_layout(out, "ddp", refs, rows)
     check_merge(out, refs, mbs, tmp_path)
     if not mbs:
@@ -152,6 +155,23 @@ def test_ddp_unreduced_is_local_and_reduced_is_the_mean(tmp_path, mbs):
     # the monitored training is bit-identical to the unmonitored one (all monitors, cc too)
     for r in range(2):
         assert torch.load(out / f"bitwise_rank{r}.pt")["bit_identical"] is True
+
+
+@pytest.mark.parametrize("mode", ["ddp_bucket_view", "ddp_static_graph"])
+def test_ddp_that_writes_grad_during_backward_is_read_in_each_hook(tmp_path, mode):
+    """A bucket view makes .grad the bucket, all-reduced in place as its bucket fills;
+    static_graph queues its first iteration's all-reduce as backward starts. Either would
+    write the mean into .grad before an end-of-pass batch read: each gradient is read in
+    its own hook, and the rows are still each rank's local gradient."""
+    out, refs, rows = run(mode, tmp_path)
+    acc = 1 if mode == "ddp_static_graph" else ACC  # static_graph fails in torch under no_sync()
+    check_unreduced(refs, rows, mbs=False, acc=acc)
+    assert [ref["batched"] for ref in refs] == [False, False]
+    for s in range(STEPS):
+        for name in PARAMS:
+            mean = (local_grad(refs[0], s, name) + local_grad(refs[1], s, name)) / 2
+            assert_row_matches(pick(rows[0], step=s, module_name=name, scope="reduced"), numpy_stats(mean),
+                               rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["fsdp1", "fsdp1_orig", "fsdp2"])

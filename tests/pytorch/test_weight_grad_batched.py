@@ -179,3 +179,34 @@ def test_with_the_extension_one_python_hook_per_pass_arms_the_rest_in_c(write_co
         row = find_row(rows, module_name=name, scope="unreduced")
         assert row["micro_step"] == "2"
         assert_row_matches(row, numpy_stats(g))
+
+
+def test_ddp_without_a_bucket_view_is_read_in_one_batch(write_config, tmp_path):
+    """DDP's default reducer copies gradients into its own buckets and writes the mean
+    back into .grad only when the backward pass ends, after the monitor's end-of-pass
+    read (tested with two ranks in tests/distributed/test_data_parallel.py): one batch."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = TinyMLP()
+        ref = copy.deepcopy(model)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        mon = TrainerMonitorV2(write_config({"monitors": {"weight_grad": {"enabled": True}}}))
+        mon.start(model=ddp, optimizer=opt)
+        monitor = weight_grad_monitor(mon)
+        assert monitor._batched
+        reads = []
+        original = monitor._read_batch
+        monitor._batch_site = lambda: (reads.append(len(monitor._pending)), original())
+        x, y = make_batches(1)[0]
+        want = reference_grads(ref, [(x, y)])
+        loss_fn(ddp, x, y).backward()
+        opt.step()
+        mon.stop()
+    finally:
+        dist.destroy_process_group()
+    assert reads == [len(want)]  # every parameter in the one end-of-pass read
+    rows = rows_of(mon.config.output_dir, "weight_grad")
+    for name, g in want.items():
+        assert_row_matches(find_row(rows, module_name=name, scope="unreduced"), numpy_stats(g))

@@ -2,12 +2,14 @@
 
     data_parallel.py MODE OUT_DIR [--mbs]
 
-MODE: ddp | fsdp1 | fsdp1_orig | fsdp2. Each rank trains the same model on different
+MODE: ddp | ddp_bucket_view | ddp_static_graph | fsdp1 | fsdp1_orig | fsdp2. Each rank trains the same model on different
 data with gradient accumulation (2 micro-batches; DDP's no_sync on the first), with the
 weight_grad/optimizer/param monitors on, and saves the references the test needs:
 - ``ref_rank<r>.pt``: for every step, each parameter's local gradient per micro-batch,
   computed with torch.autograd.grad on an unmonitored plain copy whose parameters are
   synced from the trained model at the start of each step;
+  and whether weight_grad read the accumulated ``unreduced`` gradients in one batch at
+  the end of the backward pass (``batched``) rather than in each parameter's hook;
 - ``losses_rank<r>.pt``: the losses with the monitor, and (ddp) without it.
 """
 
@@ -46,7 +48,7 @@ def loss_of(model, x, y):
 
 def full_state(model, mode):
     """Unsharded parameters by original name (collectives: call outside the monitor)."""
-    if mode == "ddp":
+    if mode.startswith("ddp"):
         return {n: p.detach().clone() for n, p in model.module.named_parameters()}
     if mode == "fsdp2":
         return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
@@ -59,6 +61,10 @@ def full_state(model, mode):
 def wrap(model, mode):
     if mode == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model)
+    if mode == "ddp_bucket_view":  # .grad is the bucket: all-reduced in place during backward
+        return torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+    if mode == "ddp_static_graph":  # the first iteration's all-reduce is queued as backward starts
+        return torch.nn.parallel.DistributedDataParallel(model, static_graph=True)
     if mode == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -100,7 +106,9 @@ def reference_grads(mode, out_dir, mbs):
     data = batches(rank)
     # Reading full parameters needs collectives (FSDP); the monitors used here make none.
     mon = TrainerMonitorV2(cfg)
-    mon.start(model=model, optimizer=opt, grad_acc_steps=ACC)
+    # static_graph fails inside torch's reducer under no_sync(): one micro-batch a step
+    acc = 1 if mode == "ddp_static_graph" else ACC
+    mon.start(model=model, optimizer=opt, grad_acc_steps=acc)
     names = [n for n, _ in ref.named_parameters()]
     refs, losses = [], []
     for s in range(STEPS):
@@ -108,14 +116,14 @@ def reference_grads(mode, out_dir, mbs):
         with torch.no_grad():
             for n, p in ref.named_parameters():
                 p.copy_(state[n])
-        micro = data[s * ACC:(s + 1) * ACC]
+        micro = data[s * ACC:s * ACC + acc]
         step_refs = []
         for x, y in micro:
             grads = torch.autograd.grad(loss_of(ref, x, y) / ACC, list(ref.parameters()))
             step_refs.append({n: g.clone() for n, g in zip(names, grads)})
         refs.append(step_refs)
         for i, (x, y) in enumerate(micro):
-            last = i == ACC - 1
+            last = i == acc - 1
             if mode == "fsdp2":
                 model.set_requires_gradient_sync(last)
                 ctx = _nullcontext()
@@ -127,8 +135,10 @@ def reference_grads(mode, out_dir, mbs):
             losses.append(loss.detach().clone())
         opt.step()
         opt.zero_grad()
+    batched = next(m for m in mon.monitors if m.name == "weight_grad")._batched
     mon.stop()
-    torch.save({"grads": refs, "losses": torch.stack(losses)}, os.path.join(out_dir, f"ref_rank{rank}.pt"))
+    torch.save({"grads": refs, "losses": torch.stack(losses), "batched": batched},
+               os.path.join(out_dir, f"ref_rank{rank}.pt"))
 
 
 def bit_identical_ddp(out_dir):

@@ -20,8 +20,9 @@ capture instead, or says why the value cannot be captured exactly (``stacks/``).
 ``reduced`` is what the session's training stack reports at the optimizer step:
 ``param.grad`` for plain torch/DDP/FSDP, the stack's reduced buffers otherwise.
 
-Batched ``unreduced`` reads (plain torch in one process, without a data-parallel
-wrapper, accumulated gradients): the post-accumulate hook only notes the parameter, and one callback queued
+Batched ``unreduced`` reads (plain torch in one process, or chunks that are torch DDPs
+writing ``.grad`` only at the pass's end, see ``_ddp_writes_at_end``; accumulated
+gradients): the post-accumulate hook only notes the parameter, and one callback queued
 on the autograd engine reads the whole backward pass's gradients at once when that pass
 ends (one call of the statistics kernel instead of one per parameter). Nothing holds a
 gradient in between: the note is the parameter's own record, and ``.grad`` is read in the
@@ -30,10 +31,11 @@ nothing of plain torch modifies its ``.grad`` (each leaf accumulates once per pa
 clipping, unscaling or a manual all-reduce run after ``backward()`` returns); what could
 is read at once instead: a parameter with another post-accumulate hook (an optimizer
 step in backward), a backward under compiled autograd, and every gradient under a
-data-parallel wrapper (DDP's reducer, whose bucket view all-reduces ``.grad`` in place
-during backward), FSDP, or a training stack of its own, and whenever more than one
-process trains (a DDP wrapper may sit around the model given to ``start()``, or be made
-after it: checked again at each backward pass).
+data-parallel wrapper that writes ``.grad`` during backward (DDP with a bucket view, which
+all-reduces ``.grad`` in place, or ``static_graph``; apex's or another ``*DataParallel``),
+FSDP, or a training stack of its own, and whenever more than one process trains with
+chunks that are not such DDPs (a DDP wrapper may sit around the model given to
+``start()``, or be made after it: checked again at each backward pass).
 """
 
 import functools
@@ -257,10 +259,11 @@ class WeightGradMonitor(Monitor):
         if self._checked_task != task:  # once per backward pass: what holds for all its hooks
             self._checked_task = task
             self._task_compiled = _in_compiled_autograd()
-            if self._batched and task >= 0 and _multi_process():
+            if self._batched and task >= 0 and _multi_process() and not _ddp_chunks(self.session.chunks):
                 # A data-parallel wrapper around the model given to start() (or one made
                 # after it) would all-reduce .grad during backward: from now on, read in
-                # the hook.
+                # the hook. Chunks that are torch DDPs writing .grad only at the pass's end
+                # keep the batch (their flags are read again here: _set_static_graph()).
                 self._batched = False
                 self._sync_notes()
                 logger.info("monitor_v2 weight_grad: %d processes train: 'unreduced' gradients are read in each "
@@ -430,17 +433,52 @@ def _batchable(session: TorchSession) -> bool:
         return False
     if "horovod.torch" in sys.modules:  # its hooks all-reduce .grad in place during backward
         return False
-    if _multi_process():  # a DDP wrapper may sit around the model given to start()
+    # More than one process: a DDP wrapper may sit around the model given to start(),
+    # unless the chunks given are torch DDPs themselves.
+    if _multi_process() and not _ddp_chunks(session.chunks):
         return False
     composable = getattr(getattr(torch.distributed, "_composable_state", None), "_module_state_mapping", None)
     for chunk in session.chunks:
         for module in chunk.modules():
-            # torch DDP, apex's and other wrappers named so; replicate()/fully_shard() state
-            if any("DataParallel" in cls.__name__ for cls in type(module).__mro__):
+            # torch DDP that writes .grad in place during backward, apex's and other wrappers
+            # named so; replicate()/fully_shard() state
+            if any("DataParallel" in cls.__name__ for cls in type(module).__mro__) and not _ddp_writes_at_end(module):
                 return False
             if composable is not None and module in composable:
                 return False
     return True
+
+
+def _ddp_writes_at_end(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is torch's DDP in the configuration whose reducer leaves each
+    parameter's ``.grad`` as accumulated until the backward pass ends.
+
+    Without ``gradient_as_bucket_view`` the reducer copies each ready gradient into its
+    bucket (divided on the way) and all-reduces the bucket, a buffer of its own; it writes
+    the averaged values back into ``.grad`` only in ``finalize_backward``, an end-of-pass
+    callback it queues on the autograd engine once the last bucket is ready. The monitor's
+    callback is queued earlier, at the pass's first post-accumulate hook (those run inside
+    the accumulation, before the reducer's hooks on the same node), and the engine runs
+    callbacks in the order they were queued: the batch reads the local gradients. Anything
+    that writes ``.grad`` sooner is left out: a bucket view (``.grad`` is the bucket, divided
+    and all-reduced in place as its bucket fills), ``static_graph`` (its first iteration's
+    delayed all-reduce is queued at the start of backward, before the monitor's callback),
+    DDP's own mixed precision, delayed all-reduce parameters and the compiled python
+    reducer (which all-reduces in post-accumulate hooks). A missing attribute is a
+    feature this torch does not have."""
+    if not isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        return False
+    return (getattr(module, "gradient_as_bucket_view", None) is False
+            and getattr(module, "static_graph", None) is False
+            and getattr(module, "mixed_precision", None) is None
+            and not getattr(module, "_delay_all_reduce_params", None)
+            and not getattr(module, "_use_python_reducer", False))
+
+
+def _ddp_chunks(chunks: Sequence[torch.nn.Module]) -> bool:
+    """Every chunk given to ``start()`` is a torch DDP that writes ``.grad`` only when
+    the backward pass ends: no other data-parallel wrapper can sit around them."""
+    return bool(chunks) and all(map(_ddp_writes_at_end, chunks))
 
 
 def _fsdp2_reduces(module: torch.nn.Module) -> Optional[Callable[[], bool]]:
