@@ -98,6 +98,8 @@ def test_unreduced_accumulated_is_main_grad_before_the_sync(out, config):
             for name in r["names"]:
                 row = pick(wg, step=s, module_name=name, scope="unreduced", micro_step=ACC)
                 assert_row_matches(row, numpy_stats(st["acc"][-1][name]), rtol=RTOL, atol=ATOL)
+        # read in one batch at the end of each step's last backward pass, every parameter in it
+        assert r["deferred_reads"] == [len(r["names"])] * len(r["steps"]), r["deferred_reads"]
     # the ranks saw different data: their local gradients differ
     a = pick(rows(out, config, "acc", "weight_grad", 0), step=0, module_name="output_layer.weight", scope="unreduced")
     b = pick(rows(out, config, "acc", "weight_grad", 1), step=0, module_name="output_layer.weight", scope="unreduced")

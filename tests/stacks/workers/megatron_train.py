@@ -170,7 +170,11 @@ def train(config: str, run: str, out_dir: str):
             del inner._get_model_param_range_map
         else:  # "chunks": the model as a list of (one) model chunks, as with virtual pipelining
             mon.start(model=[ddp] if run == "chunks" else ddp, optimizer=opt, grad_acc_steps=ACC)
-    ref = {"steps": [], "losses": []}
+    ref = {"steps": [], "losses": [], "deferred_reads": []}
+    if mon is not None:  # how many accumulated main_grads each end-of-pass batch read
+        wg = next(m for m in mon.monitors if m.name == "weight_grad")
+        read = wg._deferred_site
+        wg._deferred_site = lambda: (ref["deferred_reads"].append(len(wg._deferred)), read())
     for step in range(STEPS):
         ddp.zero_grad_buffer()
         opt.zero_grad()

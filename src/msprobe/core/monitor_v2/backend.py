@@ -40,14 +40,18 @@ class UnreducedCapture:
     last micro-batch); ``grad`` may be a zero-argument callable returning it, for a value
     that costs work to build (called only when the row is recorded). ``not_observable``
     instead is the reason why the value cannot be captured exactly: it is logged once and
-    no ``unreduced`` rows are written."""
+    no ``unreduced`` rows are written. ``stable_in_pass``: nothing changes an accumulated
+    value given to ``on_accumulated`` before its backward pass ends (no reduction starts
+    inside backward), so the monitor may read all of a pass's values at its end, in one
+    batch, instead of one at a time in the hooks."""
 
     def __init__(self, install: Optional[Callable[[GradCallback, GradCallback], List[Any]]] = None,
-                 not_observable: Optional[str] = None) -> None:
+                 not_observable: Optional[str] = None, stable_in_pass: bool = False) -> None:
         if (install is None) == (not_observable is None):
             raise ValueError("UnreducedCapture needs exactly one of install / not_observable")
         self.install = install
         self.not_observable = not_observable
+        self.stable_in_pass = stable_in_pass
 
 
 @runtime_checkable

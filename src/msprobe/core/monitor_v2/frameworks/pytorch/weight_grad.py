@@ -108,6 +108,7 @@ class WeightGradMonitor(Monitor):
         # set below where the whole backward pass's gradients may be read at its end
         self._batched = False
         self._batch_site = self.errors.wrap("weight_grad unreduced batch", self._read_batch)
+        self._deferred_site = self.errors.wrap("weight_grad unreduced batch", self._read_deferred)
         capture = session.stack.unreduced_capture(table, self.per_micro_batch, self.micro_batches)
         if capture is not None:
             self._attach_capture(capture)
@@ -139,9 +140,13 @@ class WeightGradMonitor(Monitor):
                            capture.not_observable)
             return
         site = "weight_grad unreduced hook"
+        on_accumulated = self._on_accumulated_value
+        if capture.stable_in_pass and not self.per_micro_batch and _ENGINE is not None and hasattr(
+                _ENGINE, "queue_callback"):
+            on_accumulated = self._on_accumulated_deferred
         self._handles.extend(capture.install(
             self.errors.wrap(site, lambda info, grad: self._on_micro_batch_grad(self._adapter_source(info), grad)),
-            self.errors.wrap(site, lambda info, grad: self._on_accumulated_value(self._adapter_source(info), grad)),
+            self.errors.wrap(site, lambda info, grad: on_accumulated(self._adapter_source(info), grad)),
         ))
 
     def _adapter_source(self, info: ParamInfo) -> GradSource:
@@ -198,6 +203,8 @@ class WeightGradMonitor(Monitor):
         # batched reads: sources whose gradient the running backward pass accumulated, and
         # the graph task whose end reads them (-1: no read queued)
         self._pending: List[GradSource] = []
+        # a training stack's accumulated values (stable until the pass ends), and how each is read
+        self._deferred: List[Tuple[GradSource, Any]] = []
         self._queued_task = -1
         # the backward pass whose hooks last ran, and whether it runs under compiled autograd
         self._checked_task = -2
@@ -250,6 +257,34 @@ class WeightGradMonitor(Monitor):
             if callable(grad):  # built only for the row that is recorded
                 grad = grad()
             self._record(source, grad, 0)
+
+    def _on_accumulated_deferred(self, source: GradSource, grad: Any) -> None:
+        """``_on_accumulated_value`` for a training stack whose accumulated value stays as
+        it is until the backward pass ends (``UnreducedCapture.stable_in_pass``): noted,
+        and read with the pass's others in one batch when the pass ends."""
+        if not self.active:
+            return
+        if self._count_pass(source) < self.micro_batches or grad is None:
+            return
+        task = _graph_task_id()
+        if task < 0 or _in_compiled_autograd():  # no pass to wait for (or hooks run at trace time)
+            self._record(source, grad() if callable(grad) else grad, 0)
+            return
+        if self._queued_task != task:
+            self._queued_task = task
+            _ENGINE.queue_callback(self._deferred_site)
+        self._deferred.append((source, grad))
+
+    def _read_deferred(self) -> None:
+        """At the end of a backward pass: the stack's values its hooks noted, in one batch."""
+        self._queued_task = -1
+        deferred, self._deferred = self._deferred, []
+        values = [grad() if callable(grad) else grad for _, grad in deferred]
+        found = [(source, value) for (source, _), value in zip(deferred, values) if value is not None]
+        if not found:
+            return
+        records = self.session.engine.record_many([v for _, v in found], self.plan, [s.key for s, _ in found])
+        self._unreduced.update(zip((s.slot for s, _ in found), records))
 
     def _on_accumulated_grad_batched(self, source: GradSource, tensor: torch.Tensor) -> None:
         """``_on_accumulated_grad`` for a plain parameter, read at the end of the pass."""
@@ -317,7 +352,8 @@ class WeightGradMonitor(Monitor):
     def _read_batch_late(self) -> None:
         """Notes whose end-of-pass read never ran (the backward pass raised, or an engine
         that runs no callbacks): read now, later than their pass, and said once."""
-        if not self._pending:
+        late = self._pending or [source for source, _ in self._deferred]
+        if not late:
             self._queued_task = -1
             return
         self._once.warning(
@@ -325,8 +361,11 @@ class WeightGradMonitor(Monitor):
             "monitor_v2 weight_grad: at step %d the end of a backward pass was not seen (it raised, or the "
             "autograd engine ran no end-of-pass callback); the 'unreduced' rows of %d parameter(s) (e.g. %s) "
             "are read at the optimizer step instead, after anything done to the gradients since. Logged once.",
-            self.step, len(self._pending), self._pending[0].rows[0][1])
-        self._read_batch()
+            self.step, len(late), late[0].rows[0][1])
+        if self._deferred:
+            self._read_deferred()
+        else:
+            self._read_batch()
 
     def _warn_reduced_early(self, source: GradSource) -> None:
         self._once.warning(
@@ -342,7 +381,7 @@ class WeightGradMonitor(Monitor):
     def before_optimizer_step(self) -> None:
         if not self.active:
             return
-        if self._pending or self._queued_task >= 0:
+        if self._pending or self._deferred or self._queued_task >= 0:
             self._read_batch_late()
         if not self.per_micro_batch:
             self._read_short_sources()
@@ -373,7 +412,7 @@ class WeightGradMonitor(Monitor):
                 self._record(s, s.plain_param.grad, 0)
 
     def collect(self) -> List[Record]:
-        if self._pending or self._queued_task >= 0:
+        if self._pending or self._deferred or self._queued_task >= 0:
             self._read_batch_late()
         records = weight_grad_rows(self._unreduced, self._reduced, self._passes, self.micro_batches)
         self._reset()

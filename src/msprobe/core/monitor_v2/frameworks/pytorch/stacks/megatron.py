@@ -421,7 +421,10 @@ class MegatronStack(TrainingStack):
                 "Megatron-Core's DistributedDataParallel with overlap_grad_reduce=True starts reducing "
                 "main_grad inside the last backward pass, so the accumulated local gradient is never whole "
                 "and unreduced at one point (monitor_mbs_grad=true gives each micro-batch's own gradient)"))
-        return UnreducedCapture(install=functools.partial(self._install_unreduced, per_micro_batch, table))
+        # main_grad is reduced only by finish_grad_sync(), after backward: a pass's
+        # accumulated values can be read at its end, in one batch
+        return UnreducedCapture(install=functools.partial(self._install_unreduced, per_micro_batch, table),
+                                stable_in_pass=True)
 
     def _install_unreduced(self, per_micro_batch: bool, table: ParamTable, on_micro_batch: GradCallback,
                            on_accumulated: GradCallback) -> List[Any]:
