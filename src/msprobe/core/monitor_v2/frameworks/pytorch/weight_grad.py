@@ -231,10 +231,17 @@ class WeightGradMonitor(Monitor):
 
     def _record(self, source: GradSource, grad: torch.Tensor, micro_step: int) -> None:
         engine = self.session.engine
-        for k, (vpp, name, seg) in enumerate(source.rows):
-            t = grad if seg is None else seg.view(grad)
-            self._unreduced[(source.index, micro_step, k)] = engine.record(
-                t, self.plan, vpp, name, UNREDUCED, micro_step or None)
+        rows = source.rows
+        if len(rows) == 1:
+            vpp, name, seg = rows[0]
+            self._unreduced[(source.index, micro_step, 0)] = engine.record(
+                grad if seg is None else seg.view(grad), self.plan, vpp, name, UNREDUCED, micro_step or None)
+            return
+        # an FSDP1 flat gradient: the views of its parameters in one read
+        tensors = [grad if seg is None else seg.view(grad) for _, _, seg in rows]
+        keys = [(vpp, name, UNREDUCED, micro_step or None) for vpp, name, _ in rows]
+        for k, rec in enumerate(engine.record_many(tensors, self.plan, keys)):
+            self._unreduced[(source.index, micro_step, k)] = rec
 
     def _on_micro_batch_grad(self, source: GradSource, grad: torch.Tensor) -> None:
         if self.active:
