@@ -288,7 +288,8 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"{'-' if later != later else f'{later:.1f} us'} | {row['load']:.2f} |")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"torch": torch.__version__, "kernel": kernel, "rounds": args.rounds,
+            ddp = "gradient_as_bucket_view" if args.ddp_bucket_view else "default" if args.ddp else None
+            json.dump({"torch": torch.__version__, "kernel": kernel, "ddp": ddp, "rounds": args.rounds,
                        "steps_per_window": args.steps_per_window, "width": args.width, "rows": rows}, f, indent=1)
     return 0
 

@@ -28,3 +28,15 @@ def test_deep_overhead_benchmark_smoke_mode_prints_every_config_and_writes_json(
     assert [row["config"] for row in rows] == ["weight_grad", "all", "all, step outside window"]
     assert all(row["tensors"] == 40 and row["own_us_per_tensor"] >= 0 for row in rows)
     assert all(row["later_median"] > 0 and row["later_us_per_tensor"] >= 0 for row in rows)
+
+
+def test_deep_overhead_under_ddp_trains_the_model_wrapped_in_a_one_process_group(tmp_path):
+    out = tmp_path / "deep.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--smoke", "--ddp", "--only", "weight_grad", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "under DDP, " in proc.stdout
+    doc = json.loads(out.read_text())
+    assert doc["ddp"] == "default"
+    assert [(row["tensors"], row["config"]) for row in doc["rows"]] == [(40, "weight_grad")]
+    assert doc["rows"][0]["median"] > 0
