@@ -66,11 +66,14 @@ class StepProbe(pl.Callback):
             self.seen.append((trainer.global_step, self.monitored.monitor.current_step))
 
 
-def fit(config=None, strategy="auto", devices=1, extra_callbacks=()):
-    """Train once; returns (module, callback, probe)."""
+def fit(config=None, strategy="auto", devices=1, extra_callbacks=(), bind=None):
+    """Train once; returns (module, callback, probe). ``bind``: an extra callback given
+    the monitor's callback as its ``monitored``."""
     pl.seed_everything(0, verbose=False)
     module = Regressor()
     monitored = MonitorLightningCallback(config) if config is not None else None
+    if bind is not None:
+        bind.monitored = monitored
     probe = StepProbe(monitored)
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, accumulate_grad_batches=ACC,

@@ -36,14 +36,27 @@ class CloneLocalGrads(pl.Callback):
         trainer.strategy.model.register_comm_hook(None, clone_then_average)
 
 
+class BatchedProbe(pl.Callback):
+    """Whether weight_grad reads the local gradients in one batch a backward pass (the
+    callback names DDPStrategy's DDP to the monitor), at each training batch's end."""
+
+    def __init__(self, monitored):
+        self.monitored, self.seen = monitored, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        wg = next(m for m in self.monitored.monitor.monitors if m.name == "weight_grad")
+        self.seen.append(wg._batched)
+
+
 def strategy():
     return DDPStrategy(process_group_backend="gloo")
 
 
 def main(out_dir: str) -> None:
     local_on, local_off = {}, {}
+    batched = BatchedProbe(None)
     module, monitored, probe = fit({"output_dir": out_dir, "monitors": CONFIG_MONITORS}, strategy(), 2,
-                                   [CloneLocalGrads(local_on)])
+                                   [CloneLocalGrads(local_on), batched], bind=batched)
     plain, _, _ = fit(None, strategy(), 2, [CloneLocalGrads(local_off)])
     rank = dist.get_rank()
     assert torch.equal(torch.stack(module.losses), torch.stack(plain.losses))
@@ -58,7 +71,7 @@ def main(out_dir: str) -> None:
             mean = (other[0][step][name] + other[1][step][name]) / 2
             assert torch.allclose(mean, reduced, rtol=1e-5, atol=1e-7), (step, name)
             assert not torch.equal(other[0][step][name], other[1][step][name]), (step, name)
-    torch.save({"ok": True, "rank": rank}, os.path.join(out_dir, f"ref_rank{rank}.pt"))
+    torch.save({"ok": True, "rank": rank, "batched": batched.seen}, os.path.join(out_dir, f"ref_rank{rank}.pt"))
 
 
 if __name__ == "__main__":

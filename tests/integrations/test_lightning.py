@@ -32,6 +32,9 @@ def test_lightning_ddp_two_processes(tmp_path):
     for rank in range(2):
         saved = torch.load(out / f"ref_rank{rank}.pt", weights_only=False)
         assert saved["ok"], saved
+        # DDPStrategy's DDP (no bucket view) is named to the monitor: the local gradients
+        # of each backward pass are read in one batch at its end, and are still the local ones
+        assert saved["batched"] and all(saved["batched"]), saved["batched"]
     # Each rank wrote its own local gradients; DDP averages them into 'reduced'.
     assert (out / "rank_0").is_dir() and (out / "rank_1").is_dir()
 

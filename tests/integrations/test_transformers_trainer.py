@@ -208,3 +208,29 @@ def test_trainer_callback_puts_train_back_when_it_stops(tmp_path):
         keys_after = set(vars(trainer))
         callback._unguard()
         assert set(vars(trainer)) == keys_after and trainer.train.__func__ is transformers.Trainer.train
+
+
+def test_trainer_under_ddp_reads_local_gradients_in_one_batch_a_pass(tmp_path):
+    """Two gloo ranks: the Trainer wraps the model in DDP (``model_wrapped``) and the
+    callback names that DDP to the monitor, so weight_grad reads each backward pass's local
+    gradients in one batch at its end. The rows are each rank's local accumulated gradient
+    (cloned by a communication hook as it enters the all-reduce), different on the ranks."""
+    from pathlib import Path
+
+    from support import run_torchrun
+
+    out = tmp_path / "ddp"
+    run_torchrun(Path(__file__).with_name("trainer_ddp_worker.py"), out, nproc=2, timeout=300)
+    refs = [torch.load(out / f"ref_rank{r}.pt", weights_only=False) for r in range(2)]
+    for r, ref in enumerate(refs):
+        assert ref["world"] == 2
+        assert ref["batched"] and all(ref["batched"]), ref["batched"]
+        rows = rows_of(out / "run", "weight_grad", r)
+        assert sorted(ref["local"]) == [0, 1, 2]
+        for step, grads in ref["local"].items():
+            assert sorted(grads) == sorted(ref["names"])
+            for name, grad in grads.items():
+                row = find_row(rows, step=step, module_name=name, scope="unreduced")
+                assert_row_matches(row, numpy_stats(grad), rtol=1e-4, atol=1e-7)
+    name = refs[0]["names"][0]
+    assert not torch.equal(refs[0]["local"][0][name], refs[1]["local"][0][name])

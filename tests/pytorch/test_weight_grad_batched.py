@@ -210,3 +210,23 @@ def test_ddp_without_a_bucket_view_is_read_in_one_batch(write_config, tmp_path):
     rows = rows_of(mon.config.output_dir, "weight_grad")
     for name, g in want.items():
         assert_row_matches(find_row(rows, module_name=name, scope="unreduced"), numpy_stats(g))
+
+
+def test_a_named_ddp_counts_only_around_the_model_given(write_config, tmp_path):
+    """An integration names the DDP its framework made (start()'s ``_ddp_wrapper``): it
+    vouches for the model given only if that model is inside it."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model, other = TinyMLP(), TinyMLP()
+        around, elsewhere = (torch.nn.parallel.DistributedDataParallel(m) for m in (model, other))
+        seen = {}
+        for name, wrapper in (("around", around), ("elsewhere", elsewhere)):
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            mon = TrainerMonitorV2(write_config({"monitors": {"weight_grad": {"enabled": True}}}))
+            mon.start(model=model, optimizer=opt, _ddp_wrapper=wrapper)
+            seen[name] = weight_grad_monitor(mon)._ddps
+            mon.stop()
+    finally:
+        dist.destroy_process_group()
+    assert seen == {"around": [around], "elsewhere": []}

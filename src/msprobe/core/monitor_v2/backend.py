@@ -28,6 +28,12 @@ ParamTensors = List[Tuple[ParamInfo, Any]]
 GradCallback = Callable[[ParamInfo, Any], None]
 
 
+# start()'s context key by which an integration names the data-parallel wrapper its
+# framework made around the model it gives the monitor (Lightning's strategy.model, the
+# Trainer's model_wrapped): weight_grad may then read local gradients in one batch a pass
+DATA_PARALLEL_WRAPPER = "_ddp_wrapper"
+
+
 class UnreducedCapture:
     """How ``weight_grad`` captures ``unreduced`` gradients under a training stack.
 

@@ -8,6 +8,7 @@ import os
 from typing import Any, Mapping, Optional, Union
 
 from ..analysis.command import pip_command
+from ..backend import DATA_PARALLEL_WRAPPER
 from ..errors import MissingDependencyError
 from ..logonce import LogOnce
 from ..trainer import TrainerMonitorV2
@@ -36,6 +37,19 @@ def deepspeed_engine(*candidates: Any) -> Any:
     for candidate in candidates:
         if any(c.__name__ == "DeepSpeedEngine" for c in type(candidate).__mro__):
             return candidate
+    return None
+
+
+def torch_ddp(*candidates: Any) -> Optional[dict]:
+    """``{DATA_PARALLEL_WRAPPER: wrapper}`` for the first of ``candidates`` that is
+    torch's ``DistributedDataParallel`` (None if none is): the wrapper a framework made
+    around the model it gives its callbacks, passed to ``start()`` so that ``weight_grad``
+    knows what reduces the gradients (it reads them in one batch at the end of each
+    backward pass where that DDP allows). Recognised by class, as torch defines it."""
+    for candidate in candidates:
+        if any(c.__name__ == "DistributedDataParallel" and c.__module__ == "torch.nn.parallel.distributed"
+               for c in type(candidate).__mro__):
+            return {DATA_PARALLEL_WRAPPER: candidate}
     return None
 
 

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from ..analysis.command import pip_command
 from ..errors import MissingDependencyError
-from ._common import ConfigSource, FrameworkStepMonitor, deepspeed_engine, require
+from ._common import ConfigSource, FrameworkStepMonitor, deepspeed_engine, require, torch_ddp
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
@@ -71,8 +71,10 @@ class MonitorLightningCallback(_pl.Callback):
         # DeepSpeedStrategy: the engine (strategy.model, whose module is pl_module) holds the
         # ZeRO partitions and the real step.
         model = deepspeed_engine(getattr(trainer.strategy, "model", None)) or pl_module
+        # DDPStrategy: strategy.model is torch's DDP around (a wrapper of) pl_module
         self.driver.start(model, optimizers[0], global_step=trainer.global_step,
-                          grad_acc_steps=trainer.accumulate_grad_batches)
+                          grad_acc_steps=trainer.accumulate_grad_batches,
+                          **(torch_ddp(getattr(trainer.strategy, "model", None)) or {}))
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.driver.sync(trainer.global_step)

@@ -8,7 +8,7 @@ import sys
 from typing import Any, Optional
 
 from ..patching import Patch, replace_attribute
-from ._common import ConfigSource, FrameworkStepMonitor, deepspeed_engine, require
+from ._common import ConfigSource, FrameworkStepMonitor, deepspeed_engine, require, torch_ddp
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
@@ -73,8 +73,10 @@ class MonitorTrainerCallback(_transformers.TrainerCallback):
         engine = deepspeed_engine(getattr(trainer, "deepspeed", None), getattr(trainer, "model_wrapped", None))
         if engine is not None and getattr(engine, "module", None) is model:
             model = engine
+        # several processes: model_wrapped is torch's DDP around model
         self.driver.start(model, optimizer, global_step=state.global_step,
-                          grad_acc_steps=args.gradient_accumulation_steps)
+                          grad_acc_steps=args.gradient_accumulation_steps,
+                          **(torch_ddp(getattr(trainer, "model_wrapped", None)) or {}))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.driver.sync(state.global_step)

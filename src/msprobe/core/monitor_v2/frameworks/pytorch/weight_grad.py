@@ -20,8 +20,9 @@ capture instead, or says why the value cannot be captured exactly (``stacks/``).
 ``reduced`` is what the session's training stack reports at the optimizer step:
 ``param.grad`` for plain torch/DDP/FSDP, the stack's reduced buffers otherwise.
 
-Batched ``unreduced`` reads (plain torch in one process, or chunks that are torch DDPs
-writing ``.grad`` only at the pass's end, see ``_ddp_writes_at_end``; accumulated
+Batched ``unreduced`` reads (plain torch in one process, or chunks that are, or are inside
+the wrapper an integration names, torch DDPs writing ``.grad`` only at the pass's end, see
+``_ddp_writes_at_end``; accumulated
 gradients): the post-accumulate hook only notes the parameter, and one callback queued
 on the autograd engine reads the whole backward pass's gradients at once when that pass
 ends (one call of the statistics kernel instead of one per parameter). Nothing holds a
@@ -48,6 +49,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 
 from ... import native
+from ...backend import DATA_PARALLEL_WRAPPER
 from ...config import resolve_micro_batches
 from ...monitor import ContainedHook, Monitor, weight_grad_rows
 from ...logonce import LogOnce
@@ -113,6 +115,7 @@ class WeightGradMonitor(Monitor):
         if capture is not None:
             self._attach_capture(capture)
             return
+        self._ddps = _ddp_wrappers(session)  # whose flags each pass checks again (more than one process)
         self._batched = not self.per_micro_batch and _batchable(session)
         ext = native.extension() if self._batched else None
         if ext is not None:
@@ -301,7 +304,8 @@ class WeightGradMonitor(Monitor):
         if self._checked_task != task:  # once per backward pass: what holds for all its hooks
             self._checked_task = task
             self._task_compiled = _in_compiled_autograd()
-            if self._batched and task >= 0 and _multi_process() and not _ddp_chunks(self.session.chunks):
+            if self._batched and task >= 0 and _multi_process() and not (
+                    self._ddps and all(map(_ddp_writes_at_end, self._ddps))):
                 # A data-parallel wrapper around the model given to start() (or one made
                 # after it) would all-reduce .grad during backward: from now on, read in
                 # the hook. Chunks that are torch DDPs writing .grad only at the pass's end
@@ -480,8 +484,9 @@ def _batchable(session: TorchSession) -> bool:
     if "horovod.torch" in sys.modules:  # its hooks all-reduce .grad in place during backward
         return False
     # More than one process: a DDP wrapper may sit around the model given to start(),
-    # unless the chunks given are torch DDPs themselves.
-    if _multi_process() and not _ddp_chunks(session.chunks):
+    # unless the chunks given are torch DDPs themselves, or inside the one a framework named.
+    ddps = _ddp_wrappers(session)
+    if _multi_process() and not (ddps and all(map(_ddp_writes_at_end, ddps))):
         return False
     composable = getattr(getattr(torch.distributed, "_composable_state", None), "_module_state_mapping", None)
     for chunk in session.chunks:
@@ -521,10 +526,19 @@ def _ddp_writes_at_end(module: torch.nn.Module) -> bool:
             and not getattr(module, "_use_python_reducer", False))
 
 
-def _ddp_chunks(chunks: Sequence[torch.nn.Module]) -> bool:
-    """Every chunk given to ``start()`` is a torch DDP that writes ``.grad`` only when
-    the backward pass ends: no other data-parallel wrapper can sit around them."""
-    return bool(chunks) and all(map(_ddp_writes_at_end, chunks))
+def _ddp_wrappers(session: TorchSession) -> List[torch.nn.Module]:
+    """The torch DDPs that every chunk given to ``start()`` is, or is inside (the wrapper
+    an integration named); empty where some chunk is neither. Where all of them write
+    ``.grad`` only when the backward pass ends (``_ddp_writes_at_end``, asked at each
+    pass), no other data-parallel wrapper can sit around the chunks."""
+    chunks = session.chunks
+    if chunks and all(isinstance(c, torch.nn.parallel.DistributedDataParallel) for c in chunks):
+        return list(chunks)
+    outer = session.context.get(DATA_PARALLEL_WRAPPER)
+    if not chunks or not isinstance(outer, torch.nn.parallel.DistributedDataParallel):
+        return []
+    inside = {id(m) for m in outer.modules()}
+    return [outer] if all(id(chunk) in inside for chunk in chunks) else []
 
 
 def _fsdp2_reduces(module: torch.nn.Module) -> Optional[Callable[[], bool]]:
