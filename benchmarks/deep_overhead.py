@@ -27,7 +27,7 @@ the machine's load average at the end of the row (the numbers are only comparabl
 the same load).
 
 ``--ddp`` trains the model under torch's ``DistributedDataParallel`` in a one-process gloo
-group (``--ddp-bucket-view`` with ``gradient_as_bucket_view=True``): the reducer's hooks,
+(NCCL on CUDA) group (``--ddp-bucket-view`` with ``gradient_as_bucket_view=True``): the reducer's hooks,
 bucket copies and all-reduce run as on a cluster, and the monitor reads gradients as it
 does under DDP.
 """
@@ -117,7 +117,8 @@ class DeepBench:
 
             if not dist.is_initialized():
                 store = dist.FileStore(os.path.join(self.out, "store"), 1)
-                dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+                backend = "nccl" if self.device.type == "cuda" else "gloo"
+                dist.init_process_group(backend, store=store, rank=0, world_size=1)
                 self.group = True
             self.model = nn.parallel.DistributedDataParallel(
                 self.model, gradient_as_bucket_view=bool(getattr(args, "ddp_bucket_view", False)))
@@ -226,7 +227,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one round: checks that the benchmark runs")
     p.add_argument("--ddp", action="store_true",
-                   help="the model under torch DistributedDataParallel (one-process gloo group)")
+                   help="the model under torch DistributedDataParallel (one-process gloo group; NCCL on CUDA)")
     p.add_argument("--ddp-bucket-view", action="store_true",
                    help="as --ddp, with gradient_as_bucket_view=True")
     p.add_argument("--no-native", action="store_true",

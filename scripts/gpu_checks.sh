@@ -17,3 +17,6 @@ python3 -m venv .venv-gpu
 # the per-tensor axis on the GPU: grouped reads at the optimizer step, per-tensor reductions in the module hooks
 .venv-gpu/bin/python benchmarks/deep_overhead.py --device cuda --threads 4 --rounds 5 --tensors 1000 --tensors 4000 \
     2>&1 | tee "$out/deep_overhead_cuda.txt"
+# under DDP (one-process NCCL group): the local gradients of each backward pass in one grouped read
+.venv-gpu/bin/python benchmarks/deep_overhead.py --device cuda --threads 4 --rounds 5 --tensors 1000 --ddp \
+    --only weight_grad 2>&1 | tee "$out/deep_overhead_ddp_cuda.txt"
