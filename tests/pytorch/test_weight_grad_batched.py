@@ -1,12 +1,13 @@
 """weight_grad's batched 'unreduced' read (the gradients of a backward pass read together
 when the pass ends): the rows are those of the gradients as each was accumulated, even
 where something else changes .grad in the same pass (another post-accumulate hook: the
-optimizer-step-in-backward pattern), and data-parallel wrappers keep the
-per-parameter read. References are computed independently with torch.autograd.grad on
+optimizer-step-in-backward pattern), DDP without a bucket view is read in the batch too,
+and wrappers that change .grad during backward keep the per-parameter read. References are computed independently with torch.autograd.grad on
 a copy of the model."""
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -88,18 +89,27 @@ def test_another_post_accumulate_hook_changing_grad_is_read_before_it(write_conf
         assert_row_matches(find_row(rows, module_name=name, scope="unreduced"), numpy_stats(g))
 
 
-def test_ddp_keeps_the_per_parameter_read(write_config, tmp_path):
-    """Under DDP the bucket view all-reduces .grad in place during backward: no batch."""
+@pytest.mark.parametrize("bucket_view", [False, True], ids=["default", "bucket-view"])
+def test_ddp_is_read_in_one_batch_unless_grad_is_the_bucket(write_config, tmp_path, bucket_view):
+    """DDP's default reducer copies gradients into its own buckets and writes the mean
+    back into .grad only when the backward pass ends, after the monitor's end-of-pass
+    read (tested with two ranks in tests/distributed/test_data_parallel.py): one batch.
+    With a bucket view .grad is the bucket, all-reduced in place during backward: each
+    gradient is read in its own hook."""
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         model = TinyMLP()
         ref = copy.deepcopy(model)
-        ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=bucket_view)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         mon = TrainerMonitorV2(write_config({"monitors": {"weight_grad": {"enabled": True}}}))
         mon.start(model=ddp, optimizer=opt)
-        assert not weight_grad_monitor(mon)._batched
+        monitor = weight_grad_monitor(mon)
+        assert monitor._batched is not bucket_view
+        reads = []
+        original = monitor._read_batch
+        monitor._batch_site = lambda: (reads.append(len(monitor._pending)), original())
         x, y = make_batches(1)[0]
         want = reference_grads(ref, [(x, y)])
         loss_fn(ddp, x, y).backward()
@@ -107,6 +117,7 @@ def test_ddp_keeps_the_per_parameter_read(write_config, tmp_path):
         mon.stop()
     finally:
         dist.destroy_process_group()
+    assert reads == ([] if bucket_view else [len(want)])  # every parameter in the one end-of-pass read
     rows = rows_of(mon.config.output_dir, "weight_grad")
     for name, g in want.items():
         assert_row_matches(find_row(rows, module_name=name, scope="unreduced"), numpy_stats(g))
@@ -179,37 +190,6 @@ def test_with_the_extension_one_python_hook_per_pass_arms_the_rest_in_c(write_co
         row = find_row(rows, module_name=name, scope="unreduced")
         assert row["micro_step"] == "2"
         assert_row_matches(row, numpy_stats(g))
-
-
-def test_ddp_without_a_bucket_view_is_read_in_one_batch(write_config, tmp_path):
-    """DDP's default reducer copies gradients into its own buckets and writes the mean
-    back into .grad only when the backward pass ends, after the monitor's end-of-pass
-    read (tested with two ranks in tests/distributed/test_data_parallel.py): one batch."""
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        model = TinyMLP()
-        ref = copy.deepcopy(model)
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        mon = TrainerMonitorV2(write_config({"monitors": {"weight_grad": {"enabled": True}}}))
-        mon.start(model=ddp, optimizer=opt)
-        monitor = weight_grad_monitor(mon)
-        assert monitor._batched
-        reads = []
-        original = monitor._read_batch
-        monitor._batch_site = lambda: (reads.append(len(monitor._pending)), original())
-        x, y = make_batches(1)[0]
-        want = reference_grads(ref, [(x, y)])
-        loss_fn(ddp, x, y).backward()
-        opt.step()
-        mon.stop()
-    finally:
-        dist.destroy_process_group()
-    assert reads == [len(want)]  # every parameter in the one end-of-pass read
-    rows = rows_of(mon.config.output_dir, "weight_grad")
-    for name, g in want.items():
-        assert_row_matches(find_row(rows, module_name=name, scope="unreduced"), numpy_stats(g))
 
 
 def test_a_named_ddp_counts_only_around_the_model_given(write_config, tmp_path):
