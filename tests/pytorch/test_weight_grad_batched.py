@@ -210,3 +210,33 @@ def test_a_named_ddp_counts_only_around_the_model_given(write_config, tmp_path):
     finally:
         dist.destroy_process_group()
     assert seen == {"around": [around], "elsewhere": []}
+
+
+def test_a_gradient_larger_than_a_group_member_is_read_in_its_own_hook(write_config):
+    """Nothing would batch a gradient of more than GROUP_MAX_NUMEL elements (every engine
+    reduces it alone), and in its hook it is still in the CPU's caches: it is read there.
+    The small ones wait for the end-of-pass batch. Every row is the gradient's."""
+    from msprobe.core.monitor_v2.stats import GROUP_MAX_NUMEL
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.Tanh(), torch.nn.Linear(300, 2))
+    assert model[0].weight.numel() > GROUP_MAX_NUMEL
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMonitorV2(write_config({"monitors": {"weight_grad": {"enabled": True}}}))
+    mon.start(model=model, optimizer=opt)
+    monitor = weight_grad_monitor(mon)
+    reads = []
+    original = monitor._read_batch
+    monitor._batch_site = lambda: (reads.append(sorted(s.rows[0][1] for s in monitor._pending)), original())
+    x, y = torch.randn(4, 300), torch.randn(4, 2)
+    params = list(ref.parameters())
+    want = dict(zip([n for n, _ in ref.named_parameters()],
+                    torch.autograd.grad(torch.nn.functional.mse_loss(ref(x), y), params)))
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    mon.stop()
+    assert reads == [["0.bias", "2.bias", "2.weight"]]  # 0.weight was read in its hook
+    rows = rows_of(mon.config.output_dir, "weight_grad")
+    for name, g in want.items():
+        assert_row_matches(find_row(rows, module_name=name, scope="unreduced"), numpy_stats(g))

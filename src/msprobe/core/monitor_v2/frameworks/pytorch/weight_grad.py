@@ -55,7 +55,7 @@ from ...monitor import ContainedHook, Monitor, weight_grad_rows
 from ...logonce import LogOnce
 from ...patching import remove_all
 from ...rows import REDUCED, UNREDUCED, WEIGHT_GRAD
-from ...stats import Record
+from ...stats import GROUP_MAX_NUMEL, Record
 from ...param_table import ParamInfo
 from .session import TorchSession, world_size
 from .stacks.fsdp import FlatSegment, fsdp2_params
@@ -168,7 +168,12 @@ class WeightGradMonitor(Monitor):
             hook = functools.partial(self._on_micro_batch_grad, source)
             self._handles.append(tensor.register_hook(self.errors.wrap(site, hook)))
         else:
-            if self._batched and source.plain_param is tensor and len(source.rows) == 1:
+            # A gradient larger than a group's member is read in its own hook: nothing would
+            # batch it (every engine reduces it alone), and on the CPU it is still in the
+            # caches there, where the end of the pass reads it from memory again (GPT-sized
+            # tensors: 12.1 -> 9.8 ms a step for weight_grad).
+            if (self._batched and source.plain_param is tensor and len(source.rows) == 1
+                    and tensor.numel() <= GROUP_MAX_NUMEL):
                 if self._notes is not None:  # one Python hook for all of them, called with the source
                     if self._slow_note is None:
                         self._slow_note = _BatchedGradHook(self, None, site)
