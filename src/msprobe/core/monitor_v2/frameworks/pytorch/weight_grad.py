@@ -23,7 +23,8 @@ capture instead, or says why the value cannot be captured exactly (``stacks/``).
 Batched ``unreduced`` reads (plain torch in one process, or chunks that are, or are inside
 the wrapper an integration names, torch DDPs writing ``.grad`` only at the pass's end, see
 ``_ddp_writes_at_end``; accumulated
-gradients): the post-accumulate hook only notes the parameter, and one callback queued
+gradients of at most ``GROUP_MAX_NUMEL`` elements; a larger one is read in its hook, where
+it is still in the caches): the post-accumulate hook only notes the parameter, and one callback queued
 on the autograd engine reads the whole backward pass's gradients at once when that pass
 ends (one call of the statistics kernel instead of one per parameter). Nothing holds a
 gradient in between: the note is the parameter's own record, and ``.grad`` is read in the
