@@ -5,7 +5,7 @@ import dataclasses
 import importlib
 import logging
 import os
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Dict, Mapping, Optional, Union
 
 from ..analysis.command import pip_command
 from ..backend import DATA_PARALLEL_WRAPPER
@@ -40,9 +40,9 @@ def deepspeed_engine(*candidates: Any) -> Any:
     return None
 
 
-def torch_ddp(*candidates: Any) -> Optional[dict]:
+def torch_ddp(*candidates: Any) -> Dict[str, Any]:
     """``{DATA_PARALLEL_WRAPPER: wrapper}`` for the first of ``candidates`` that is
-    torch's ``DistributedDataParallel`` (None if none is): the wrapper a framework made
+    torch's ``DistributedDataParallel`` (empty if none is): the wrapper a framework made
     around the model it gives its callbacks, passed to ``start()`` so that ``weight_grad``
     knows what reduces the gradients (it reads them in one batch at the end of each
     backward pass where that DDP allows). Recognised by class, as torch defines it."""
@@ -50,7 +50,7 @@ def torch_ddp(*candidates: Any) -> Optional[dict]:
         if any(c.__name__ == "DistributedDataParallel" and c.__module__ == "torch.nn.parallel.distributed"
                for c in type(candidate).__mro__):
             return {DATA_PARALLEL_WRAPPER: candidate}
-    return None
+    return {}
 
 
 class FrameworkStepMonitor:

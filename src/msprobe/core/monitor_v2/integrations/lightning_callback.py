@@ -74,7 +74,7 @@ class MonitorLightningCallback(_pl.Callback):
         # DDPStrategy: strategy.model is torch's DDP around (a wrapper of) pl_module
         self.driver.start(model, optimizers[0], global_step=trainer.global_step,
                           grad_acc_steps=trainer.accumulate_grad_batches,
-                          **(torch_ddp(getattr(trainer.strategy, "model", None)) or {}))
+                          **torch_ddp(getattr(trainer.strategy, "model", None)))
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.driver.sync(trainer.global_step)

@@ -76,7 +76,7 @@ class MonitorTrainerCallback(_transformers.TrainerCallback):
         # several processes: model_wrapped is torch's DDP around model
         self.driver.start(model, optimizer, global_step=state.global_step,
                           grad_acc_steps=args.gradient_accumulation_steps,
-                          **(torch_ddp(getattr(trainer, "model_wrapped", None)) or {}))
+                          **torch_ddp(getattr(trainer, "model_wrapped", None)))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.driver.sync(state.global_step)

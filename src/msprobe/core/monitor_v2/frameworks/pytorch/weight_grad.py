@@ -117,7 +117,7 @@ class WeightGradMonitor(Monitor):
             self._attach_capture(capture)
             return
         self._ddps = _ddp_wrappers(session)  # whose flags each pass checks again (more than one process)
-        self._batched = not self.per_micro_batch and _batchable(session)
+        self._batched = not self.per_micro_batch and _batchable(session, self._ddps)
         ext = native.extension() if self._batched else None
         if ext is not None:
             self._grad_note = ext.GradNote
@@ -310,8 +310,7 @@ class WeightGradMonitor(Monitor):
         if self._checked_task != task:  # once per backward pass: what holds for all its hooks
             self._checked_task = task
             self._task_compiled = _in_compiled_autograd()
-            if self._batched and task >= 0 and _multi_process() and not (
-                    self._ddps and all(map(_ddp_writes_at_end, self._ddps))):
+            if self._batched and task >= 0 and _multi_process() and not _all_write_at_end(self._ddps):
                 # A data-parallel wrapper around the model given to start() (or one made
                 # after it) would all-reduce .grad during backward: from now on, read in
                 # the hook. Chunks that are torch DDPs writing .grad only at the pass's end
@@ -479,7 +478,7 @@ def _multi_process() -> bool:
     return world_size() > 1
 
 
-def _batchable(session: TorchSession) -> bool:
+def _batchable(session: TorchSession, ddps: Sequence[torch.nn.Module]) -> bool:
     """Whether nothing but the user's own code can modify a parameter's ``.grad`` between
     its accumulation and the end of the backward pass (see the module doc). Unknown
     wrappers and missing engine features say no: the per-parameter read stays."""
@@ -490,9 +489,9 @@ def _batchable(session: TorchSession) -> bool:
     if "horovod.torch" in sys.modules:  # its hooks all-reduce .grad in place during backward
         return False
     # More than one process: a DDP wrapper may sit around the model given to start(),
-    # unless the chunks given are torch DDPs themselves, or inside the one a framework named.
-    ddps = _ddp_wrappers(session)
-    if _multi_process() and not (ddps and all(map(_ddp_writes_at_end, ddps))):
+    # unless the chunks given are torch DDPs themselves, or inside the one a framework
+    # named (``ddps``: ``_ddp_wrappers(session)``).
+    if _multi_process() and not _all_write_at_end(ddps):
         return False
     composable = getattr(getattr(torch.distributed, "_composable_state", None), "_module_state_mapping", None)
     for chunk in session.chunks:
@@ -530,6 +529,12 @@ def _ddp_writes_at_end(module: torch.nn.Module) -> bool:
             and getattr(module, "mixed_precision", None) is None
             and not getattr(module, "_delay_all_reduce_params", None)
             and not getattr(module, "_use_python_reducer", False))
+
+
+def _all_write_at_end(ddps: Sequence[torch.nn.Module]) -> bool:
+    """``ddps`` (``_ddp_wrappers``) vouch for the chunks: there are some, and each writes
+    ``.grad`` only when the backward pass ends."""
+    return bool(ddps) and all(map(_ddp_writes_at_end, ddps))
 
 
 def _ddp_wrappers(session: TorchSession) -> List[torch.nn.Module]:
