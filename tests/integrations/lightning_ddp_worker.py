@@ -12,6 +12,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_app import CONFIG_MONITORS, check_run, fit  # noqa: E402
+from support.ddp import clone_then_average  # noqa: E402
 
 
 class CloneLocalGrads(pl.Callback):
@@ -24,16 +25,8 @@ class CloneLocalGrads(pl.Callback):
 
     def on_fit_start(self, trainer, pl_module):
         names = {id(p): n for n, p in pl_module.named_parameters()}
-        local = self.local
-
-        def clone_then_average(state, bucket):
-            step = local.setdefault(trainer.global_step, {})
-            for p, g in zip(bucket.parameters(), bucket.gradients()):
-                step[names[id(p)]] = g.detach().clone()
-            buffer = bucket.buffer().div_(dist.get_world_size())
-            return dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0])
-
-        trainer.strategy.model.register_comm_hook(None, clone_then_average)
+        trainer.strategy.model.register_comm_hook(
+            None, clone_then_average(self.local, names, lambda: trainer.global_step))
 
 
 class BatchedProbe(pl.Callback):

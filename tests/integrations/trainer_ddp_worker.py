@@ -18,6 +18,7 @@ import torch.distributed as dist
 import transformers
 
 from msprobe.core.monitor_v2.integrations import MonitorTrainerCallback
+from support.ddp import clone_then_average
 
 STEPS, GRAD_ACC, BATCH, VOCAB, SEQ = 3, 2, 2, 16, 6
 
@@ -32,16 +33,7 @@ class CloneLocalGrads(transformers.TrainerCallback):
         ddp = trainer.model_wrapped
         assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel), type(ddp)
         names = {id(p): n for n, p in model.named_parameters()}
-        local = self.local
-
-        def clone_then_average(state_, bucket):
-            step = local.setdefault(trainer.state.global_step, {})
-            for p, g in zip(bucket.parameters(), bucket.gradients()):
-                step[names[id(p)]] = g.detach().clone()
-            buffer = bucket.buffer().div_(dist.get_world_size())
-            return dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0])
-
-        ddp.register_comm_hook(None, clone_then_average)
+        ddp.register_comm_hook(None, clone_then_average(self.local, names, lambda: trainer.state.global_step))
 
     def on_step_end(self, args, state, control, **kwargs):
         wg = next(m for m in self.monitored.monitor.monitors if m.name == "weight_grad")

@@ -5,8 +5,9 @@ Importable as ``support`` from every test module (pytest puts ``tests/`` on ``sy
 ``pythonpath`` in ``pyproject.toml``) and from every worker started by ``run_torchrun`` or
 ``run_msrun`` (they put ``tests/`` on ``PYTHONPATH``). Framework-specific helpers stay in
 their own submodules, imported only after the framework's ``support.extras.require``:
-``support.ms_helpers`` (MindSpore) and ``support.shards`` (sharded-tensor checks);
-``support.extras`` holds the one rule for the optional libraries."""
+``support.ms_helpers`` (MindSpore), ``support.shards`` (sharded-tensor checks) and
+``support.ddp`` (a DDP communication hook that clones local gradients); ``support.extras``
+holds the one rule for the optional libraries."""
 
 from support.launch import free_port, run_msrun, run_torchrun, worker_env
 from support.models import TinyMLP, loss_fn, make_batches
