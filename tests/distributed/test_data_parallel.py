@@ -152,9 +152,12 @@ def test_ddp_unreduced_is_local_and_reduced_is_the_mean(tmp_path, mbs):
             assert {k: r0[k] for k in ("min", "max", "mean", "norm")} == {k: r1[k] for k in ("min", "max", "mean", "norm")}
             assert r0["micro_step"] == str(ACC)
             assert_row_matches(r0, numpy_stats(mean), rtol=1e-4, atol=1e-6)
-    # the monitored training is bit-identical to the unmonitored one (all monitors, cc too)
+    # the monitored training is bit-identical to the unmonitored one (all monitors, cc too;
+    # a row per micro-batch, and accumulated rows read in the end-of-pass batch)
     for r in range(2):
-        assert torch.load(out / f"bitwise_rank{r}.pt")["bit_identical"] is True
+        bitwise = torch.load(out / f"bitwise_rank{r}.pt")
+        assert bitwise["bit_identical"] is True
+        assert bitwise["batched"] is True
 
 
 @pytest.mark.parametrize("mode", ["ddp_bucket_view", "ddp_static_graph"])

@@ -142,17 +142,18 @@ def reference_grads(mode, out_dir, mbs):
 
 
 def bit_identical_ddp(out_dir):
-    """Losses and parameters with and without the monitor, same process group."""
+    """Losses and parameters with and without the monitor, same process group: with a row
+    per micro-batch (tensor hooks), and accumulated (the end-of-pass batch under DDP)."""
     results = {}
-    for monitored in (False, True):
+    for monitored in (None, "mbs", "accumulated"):
         torch.manual_seed(0)
         model = torch.nn.parallel.DistributedDataParallel(Net())
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
         mon = None
         if monitored:
             mon = TrainerMonitorV2({
-                "output_dir": os.path.join(out_dir, "bitwise"),
-                "monitors": {"weight_grad": {"enabled": True, "monitor_mbs_grad": True},
+                "output_dir": os.path.join(out_dir, f"bitwise_{monitored}"),
+                "monitors": {"weight_grad": {"enabled": True, "monitor_mbs_grad": monitored == "mbs"},
                              "optimizer": {"enabled": True}, "param": {"enabled": True},
                              "module": {"enabled": True}, "cc": {"enabled": True, "cc_pre_hook": True}},
             })
@@ -169,11 +170,13 @@ def bit_identical_ddp(out_dir):
             opt.step()
             opt.zero_grad()
         if mon is not None:
+            if monitored == "accumulated":  # the end-of-pass batch was what ran
+                batched = next(m for m in mon.monitors if m.name == "weight_grad")._batched
             mon.stop()
         results[monitored] = (torch.stack(losses), [p.detach().clone() for p in model.parameters()])
-    same = torch.equal(results[False][0], results[True][0]) and all(
-        torch.equal(a, b) for a, b in zip(results[False][1], results[True][1]))
-    torch.save({"bit_identical": same}, os.path.join(out_dir, f"bitwise_rank{dist.get_rank()}.pt"))
+    same = all(torch.equal(results[None][0], results[m][0]) and all(
+        torch.equal(a, b) for a, b in zip(results[None][1], results[m][1])) for m in ("mbs", "accumulated"))
+    torch.save({"bit_identical": same, "batched": batched}, os.path.join(out_dir, f"bitwise_rank{dist.get_rank()}.pt"))
 
 
 def main() -> None:
