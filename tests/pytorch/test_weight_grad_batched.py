@@ -240,3 +240,31 @@ def test_a_gradient_larger_than_a_group_member_is_read_in_its_own_hook(write_con
     rows = rows_of(mon.config.output_dir, "weight_grad")
     for name, g in want.items():
         assert_row_matches(find_row(rows, module_name=name, scope="unreduced"), numpy_stats(g))
+
+
+def test_an_error_in_the_end_of_pass_read_is_logged_once_and_training_goes_on(write_config, caplog):
+    """The batch read runs as an autograd-engine callback, inside backward(): an exception
+    there would leave backward() with it. It is contained, said once under its site, and the
+    training is what it is without the monitor."""
+    model = TinyMLP()
+    twin = copy.deepcopy(model)
+    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin))
+    mon = TrainerMonitorV2(write_config({"monitors": {"weight_grad": {"enabled": True}}}))
+    mon.start(model=model, optimizer=opt)
+    assert weight_grad_monitor(mon)._batched
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("statistics engine broke")
+
+    mon._session.engine.record_many = broken
+    with caplog.at_level("WARNING", logger="msprobe.monitor_v2"):
+        for x, y in make_batches(3):
+            for m, o in ((model, opt), (twin, twin_opt)):
+                loss_fn(m, x, y).backward()
+                o.step()
+                o.zero_grad()
+        mon.stop()
+    said = [r.getMessage() for r in caplog.records if "weight_grad unreduced batch" in r.getMessage()]
+    assert len(said) == 1 and "statistics engine broke" in said[0], said
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
