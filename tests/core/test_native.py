@@ -262,3 +262,25 @@ def test_the_cache_directory_is_created_0750_whatever_the_umask(tmp_path):
     assert oct(os.stat(cache).st_mode & 0o777) == oct(0o750)
     assert oct(os.stat(tmp_path / "new").st_mode & 0o777) == oct(0o750)
     assert not os.stat(path).st_mode & 0o022
+
+
+def test_our_cached_library_with_a_second_hard_link_is_built_again_in_its_place(tmp_path):
+    # perf record's build-id cache (~/.debug) hard-links every library it samples: the
+    # file is still ours, but one link is the check, so every later process built a
+    # private copy (seconds each) and said nothing
+    cache = tmp_path / "cache"
+    path = json.loads(_run(LOAD_AND_REPORT, {native.ENV_CACHE: str(cache)}).stdout)
+    other = tmp_path / "debug_link.so"
+    os.link(path, other)
+    old_inode = os.stat(path).st_ino
+    res = _run(LOAD_AND_USE, {native.ENV_CACHE: str(cache)})
+    assert res.returncode == 0, res.stderr
+    loaded, stats = json.loads(res.stdout)
+    assert loaded == path and stats == [-2.0, 4.0, 3.0, pytest.approx(21 ** 0.5)]
+    assert os.stat(path).st_nlink == 1 and os.stat(path).st_ino != old_inode, "a new file under the cache's name"
+    assert os.stat(other).st_ino == old_inode, "the other link is left as it was"
+    assert "2 hard links" in res.stderr and "building it again in its place" in res.stderr, res.stderr
+    built = os.stat(path).st_mtime_ns
+    again = _run(LOAD_AND_REPORT, {native.ENV_CACHE: str(cache)})
+    assert json.loads(again.stdout) == path and os.stat(path).st_mtime_ns == built, "reused from then on"
+    assert "hard links" not in again.stderr

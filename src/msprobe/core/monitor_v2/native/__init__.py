@@ -10,7 +10,10 @@ the system C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``; about 0.4 s),
 the library in a cache directory and checks it on known data before using it. The cache is
 used only if this user owns it and nobody else can write it, and a cached file is loaded
 only if it is a regular file of this user (never a link); otherwise the kernel is built in
-a private temporary directory, removed again once the library is loaded. Without a
+a private temporary directory, removed again once the library is loaded. Our own cached
+file that has gained a second hard link (``perf record`` links every library it samples
+into ``~/.debug``) is built again in its place, once, instead of privately by every
+process that follows. Without a
 compiler, or with ``MSPROBE_MONITOR_NATIVE=0``, ``load()`` returns ``None`` and the
 engines use framework reductions: the same numbers, slower. Nothing here knows a
 framework: callers pass a data pointer, an element count and a dtype code.
@@ -343,7 +346,13 @@ def _cached_build(compiler: List[str], flags: List[str], name: str, source: str)
             if info is not None:
                 if _trusted(info):
                     return path, None
-                continue  # a link or someone else's file: build a private copy instead
+                if not _own_with_other_links(info):
+                    continue  # a link or someone else's file: build a private copy instead
+                # Our own build, also reached by another name (perf's build-id cache links
+                # every library it samples): built again under this name, so that the next
+                # process finds one link instead of building a private copy each time.
+                logger.info("monitor_v2: the cached kernel %s has %d hard links (perf record's build-id cache "
+                            "makes one); building it again in its place", path, info.st_nlink)
         # Ranks that start together each build under their own name; the rename is atomic.
         partial = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
@@ -372,15 +381,21 @@ def _discard(directory: Optional[str]) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _trusted(info: os.stat_result) -> bool:
+def _trusted(info: os.stat_result, links: int = 1) -> bool:
     """A cached library (``lstat``, never followed) is loaded only if it is a regular file
-    with one link that this user owns and nobody else may write (a link or a file planted
-    in a shared cache directory must not be a way to run code here)."""
-    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+    with ``links`` links (one: the cache's name alone) that this user owns and nobody else
+    may write (a link or a file planted in a shared cache directory must not be a way to
+    run code here)."""
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != links:
         return False
     if not hasattr(os, "getuid"):
         return True
     return info.st_uid == os.geteuid() and not info.st_mode & 0o022
+
+
+def _own_with_other_links(info: os.stat_result) -> bool:
+    """A cached library that is this user's regular file, safe but for a second hard link."""
+    return stat.S_ISREG(info.st_mode) and info.st_nlink > 1 and _trusted(info, links=info.st_nlink)
 
 
 def _remove(path: str) -> None:
