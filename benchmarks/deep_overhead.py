@@ -22,9 +22,10 @@ and caches; the later ones are what a long run pays a written step), the median 
 the process's CPU time (steadier on a shared machine), the plain step time, the
 monitor's own time per written step (timed inside it) and that time divided by the
 number of parameter tensors, the same per tensor for the steps after each window's
-first (which makes the window's files and caches: the steady state of a long run), and
-the machine's load average at the end of the row (the numbers are only comparable at
-the same load).
+first (which makes the window's files and caches: the steady state of a long run), the
+garbage collector's time per step in the windows without and with the monitor (a cost of
+the monitor that its own clock does not see), and the machine's load average at the end
+of the row (the numbers are only comparable at the same load).
 
 ``--ddp`` trains the model under torch's ``DistributedDataParallel`` in a one-process gloo
 (NCCL on CUDA) group (``--ddp-bucket-view`` with ``gradient_as_bucket_view=True``): the reducer's hooks,
@@ -33,6 +34,7 @@ does under DDP.
 """
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -100,6 +102,33 @@ def load_average() -> float:
         return float("nan")
 
 
+class GcClock:
+    """The seconds Python's garbage collector runs while the block runs (``gc.callbacks``).
+
+    The monitor's Python objects (and the graph nodes' Python objects that its hooks make
+    torch create) trigger young collections during training; they are neither in the
+    monitor's own clock nor in an instruction count with the collector off, so they are
+    shown apart. Each window starts after a full collection (``alternating.settle``): the
+    rare full collection of a long run is under-counted here."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+    def __enter__(self) -> "GcClock":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+
 class DeepBench:
     def __init__(self, tensors: int, args: argparse.Namespace) -> None:
         if tensors % TENSORS_PER_BLOCK:
@@ -130,6 +159,10 @@ class DeepBench:
         # the monitor's seconds per step after each monitored window's first step (the first
         # makes the window's files and caches): the steady state of a long run
         self.later_steps: List[float] = []
+        # seconds per step the garbage collector ran inside the windows, without and with
+        # the monitor (its time is the part of the monitor's cost that no instruction count
+        # and no clock inside the monitor sees: see GcClock)
+        self.gc_per_step: Dict[bool, List[float]] = {False: [], True: []}
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -159,13 +192,15 @@ class DeepBench:
         settle()
         t0, c0 = time.perf_counter(), time.process_time()
         steps = self.args.steps_per_window
-        self.train_steps(1)
-        self.sync()
-        t1 = time.perf_counter()
-        after_first = mon.busy_seconds if mon is not None else 0.0  # an attribute read: nothing to time
-        self.train_steps(steps - 1)
-        self.sync()
-        end = time.perf_counter()
+        with GcClock() as collector:
+            self.train_steps(1)
+            self.sync()
+            t1 = time.perf_counter()
+            after_first = mon.busy_seconds if mon is not None else 0.0  # an attribute read: nothing to time
+            self.train_steps(steps - 1)
+            self.sync()
+            end = time.perf_counter()
+        self.gc_per_step[mon is not None].append(collector.seconds / steps)
         elapsed, cpu = end - t0, time.process_time() - c0
         if mon is not None:
             self.busy = mon.busy_seconds
@@ -176,6 +211,7 @@ class DeepBench:
 
     def run_config(self, name: str, cfg: dict) -> dict:
         self.later_steps = []
+        self.gc_per_step = {False: [], True: []}
         timed = alternate(lambda monitored: self.window(cfg if monitored else None), lambda: self.busy,
                           self.args.rounds, self.args.steps_per_window)
         own_ms = timed.busy_ms  # per step (the window's steps are all written, or none)
@@ -195,6 +231,8 @@ class DeepBench:
             # NaN with one step per window
             "later_us_per_tensor": (statistics.median(self.later_steps) * 1e6 / self.tensors
                                     if self.later_steps else float("nan")),
+            "gc_plain_ms": statistics.median(self.gc_per_step[False]) * 1e3,
+            "gc_monitored_ms": statistics.median(self.gc_per_step[True]) * 1e3,
             "load": load_average(),
         }
 
@@ -272,21 +310,23 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(f"  {tensors} tensors, {name:<26} ratio {row['median']:.3f} "
                       f"({row['min']:.3f}..{row['max']:.3f}), {row['later_median']:.3f} after a window's first "
                       f"step; {row['own_us_per_tensor']:.1f} us per tensor "
-                      f"({row['later_us_per_tensor']:.1f} after a window's first step); load {row['load']:.2f}",
+                      f"({row['later_us_per_tensor']:.1f} after a window's first step); garbage collector "
+                      f"{row['gc_plain_ms']:.2f} -> {row['gc_monitored_ms']:.2f} ms a step; load {row['load']:.2f}",
                       flush=True)
         finally:
             bench.close()
     print()
     print("| tensors | config | median ratio (with / without) | spread (min..max) | ratio after a window's first step "
           "| CPU-time ratio | plain step | monitor per step | monitor per tensor | per tensor after a window's first "
-          "step | load |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "step | garbage collector per step (without -> with) | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         later, later_ratio = row["later_us_per_tensor"], row["later_median"]
         print(f"| {row['tensors']} | {row['config']} | {row['median']:.3f} | {row['min']:.3f}..{row['max']:.3f} | "
               f"{'-' if later_ratio != later_ratio else f'{later_ratio:.3f}'} | "
               f"{row['cpu_median']:.3f} | {row['plain_ms']:.1f} ms | {row['own_ms']:.2f} ms | {row['own_us_per_tensor']:.1f} us | "
-              f"{'-' if later != later else f'{later:.1f} us'} | {row['load']:.2f} |")
+              f"{'-' if later != later else f'{later:.1f} us'} | "
+              f"{row['gc_plain_ms']:.2f} -> {row['gc_monitored_ms']:.2f} ms | {row['load']:.2f} |")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             ddp = "gradient_as_bucket_view" if args.ddp_bucket_view else "default" if args.ddp else None

@@ -2,6 +2,7 @@
 smoke mode (a 40-tensor model, one round of two-step windows), so that it cannot rot;
 its numbers are not asserted (ratios are measured, not tested)."""
 
+import gc
 import json
 import subprocess
 import sys
@@ -24,10 +25,27 @@ def test_deep_overhead_benchmark_smoke_mode_prints_every_config_and_writes_json(
         assert float(cells[6]) > 0  # the CPU-time ratio
         assert cells[9].strip().endswith(" us")
         assert cells[10].strip().endswith(" us")  # the monitor's time per tensor after a window's first step
+        plain_gc, monitored_gc = cells[11].strip().removesuffix(" ms").split(" -> ")  # the collector's time a step
+        assert float(plain_gc) >= 0 and float(monitored_gc) >= 0
     rows = json.loads(out.read_text())["rows"]
     assert [row["config"] for row in rows] == ["weight_grad", "all", "all, step outside window"]
     assert all(row["tensors"] == 40 and row["own_us_per_tensor"] >= 0 for row in rows)
     assert all(row["later_median"] > 0 and row["later_us_per_tensor"] >= 0 for row in rows)
+    assert all(row["gc_plain_ms"] >= 0 and row["gc_monitored_ms"] >= 0 for row in rows)
+
+
+def test_the_garbage_collector_clock_counts_the_collections_inside_its_block_only():
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        from deep_overhead import GcClock
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    with GcClock() as clock:
+        gc.collect()
+    inside = clock.seconds
+    assert inside > 0
+    gc.collect()  # after the block: not counted, and the callback is gone
+    assert clock.seconds == inside and clock._callback not in gc.callbacks
 
 
 def test_deep_overhead_under_ddp_trains_the_model_wrapped_in_a_one_process_group(tmp_path):
