@@ -257,3 +257,26 @@ def test_list_of_chunks_prefixes_names_and_changes_no_value(out):
             key = lambda r: (r["step"], r["module_name"].split(":", 1)[-1], r["scope"], r.get("micro_step"))
             assert sorted((key(r), r["norm"], r["min"], r["max"]) for r in chunked) == \
                 sorted((key(r), r["norm"], r["min"], r["max"]) for r in single)
+
+
+def test_an_error_in_the_end_of_pass_read_of_main_grad_is_said_once_and_training_goes_on(out):
+    """Without overlap_grad_reduce the accumulated main_grads are read in one batch, in a
+    callback of the autograd engine, inside backward(). The worker makes that read raise
+    ("broken" run): it is contained and said once under its site, the pass's unreduced rows
+    are left out, the reduced rows at the step are written, and the training is the one
+    without the monitor, bit for bit."""
+    for rank in RANKS:
+        r = ref(out, "fp32", "broken", rank)
+        assert r["deferred_reads"] == [len(r["names"])] * STEPS, "the end-of-pass batch read was the one that ran"
+        said = [m for level, m in r["logs"] if "weight_grad unreduced batch" in m]
+        assert len(said) == 1 and "statistics engine broke inside backward" in said[0], said
+        wg = rows(out, "fp32", "broken", "weight_grad", rank)
+        assert [x for x in wg if x["scope"] == "unreduced"] == []
+        base = ref(out, "fp32", "plain", rank)
+        for s, st in enumerate(base["steps"]):
+            for name in base["names"]:
+                assert_row_matches(pick(wg, step=s, module_name=name, scope="reduced"), numpy_stats(st["synced"][name]),
+                                   rtol=RTOL, atol=ATOL)
+        for name, p in base["final"].items():
+            assert torch.equal(p, r["final"][name]), name
+        assert r["restored"]

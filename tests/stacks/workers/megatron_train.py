@@ -157,6 +157,8 @@ def train(config: str, run: str, out_dir: str):
         }
         if run == "acc":
             monitors["module"] = {"enabled": True}
+        if run == "broken":  # the end-of-pass read of main_grad raises: see below
+            monitors = {"weight_grad": {"enabled": True}}
         mon = TrainerMonitorV2({"output_dir": run_dir, "async_write": False, "monitors": monitors})
         before_start = {"optimizer": set(vars(opt)), "ddp": set(vars(ddp))}
         if run == "moved":  # a Megatron version without the private range map, while start() reads it
@@ -170,6 +172,18 @@ def train(config: str, run: str, out_dir: str):
             del inner._get_model_param_range_map
         else:  # "chunks": the model as a list of (one) model chunks, as with virtual pipelining
             mon.start(model=[ddp] if run == "chunks" else ddp, optimizer=opt, grad_acc_steps=ACC)
+        if run == "broken":
+            # The statistics engine fails inside backward() only, where the batch of main_grads
+            # is read (an autograd-engine callback); the reduced rows at the step still work.
+            engine = mon._session.engine
+            record_many = engine.record_many
+
+            def failing_inside_backward(*args, **kwargs):
+                if torch._C._current_graph_task_id() >= 0:
+                    raise RuntimeError("statistics engine broke inside backward")
+                return record_many(*args, **kwargs)
+
+            engine.record_many = failing_inside_backward
     ref = {"steps": [], "losses": [], "deferred_reads": []}
     if mon is not None:  # how many accumulated main_grads each end-of-pass batch read
         wg = next(m for m in mon.monitors if m.name == "weight_grad")
@@ -222,6 +236,8 @@ def main() -> None:
     for config in configs:
         for run in ("acc", "mbs") if CONFIGS[config][2] else ("plain", "acc", "mbs"):
             train(config, run, out_dir)
+    if "fp32" in configs:
+        train("fp32", "broken", out_dir)
     if "fp32-distopt" in configs:
         train("fp32-distopt", "moved", out_dir)
         train("fp32-distopt", "chunks", out_dir)
