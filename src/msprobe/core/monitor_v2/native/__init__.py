@@ -381,21 +381,25 @@ def _discard(directory: Optional[str]) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _trusted(info: os.stat_result, links: int = 1) -> bool:
-    """A cached library (``lstat``, never followed) is loaded only if it is a regular file
-    with ``links`` links (one: the cache's name alone) that this user owns and nobody else
-    may write (a link or a file planted in a shared cache directory must not be a way to
-    run code here)."""
-    if not stat.S_ISREG(info.st_mode) or info.st_nlink != links:
+def _ours(info: os.stat_result) -> bool:
+    """A regular file (``lstat``, never followed) that this user owns and nobody else may write."""
+    if not stat.S_ISREG(info.st_mode):
         return False
     if not hasattr(os, "getuid"):
         return True
     return info.st_uid == os.geteuid() and not info.st_mode & 0o022
 
 
+def _trusted(info: os.stat_result) -> bool:
+    """A cached library is loaded only if it is ``_ours`` with one link, the cache's name
+    alone (a link or a file planted in a shared cache directory must not be a way to run
+    code here)."""
+    return info.st_nlink == 1 and _ours(info)
+
+
 def _own_with_other_links(info: os.stat_result) -> bool:
-    """A cached library that is this user's regular file, safe but for a second hard link."""
-    return stat.S_ISREG(info.st_mode) and info.st_nlink > 1 and _trusted(info, links=info.st_nlink)
+    """A cached library that is ``_ours``, safe but for a second hard link."""
+    return info.st_nlink > 1 and _ours(info)
 
 
 def _remove(path: str) -> None:
