@@ -322,8 +322,10 @@ def _cache_problem(directory: str) -> Optional[str]:
         return exc.strerror or str(exc)
 
 
-def _cached_build(compiler: List[str], flags: List[str], name: str, source: str) -> Tuple[str, Optional[str]]:
-    """``(path of the library, private directory to remove after loading or None)``."""
+def _cached_build(compiler: List[str], flags: List[str], name: str, source: str,
+                  libraries: Sequence[str] = ()) -> Tuple[str, Optional[str]]:
+    """``(path of the library, private directory to remove after loading or None)``;
+    ``libraries``: linker arguments that must follow the source (``-l...``)."""
     cache = _cache_dir()
     problem = _cache_problem(cache)
     if problem is not None:
@@ -356,8 +358,8 @@ def _cached_build(compiler: List[str], flags: List[str], name: str, source: str)
         # Ranks that start together each build under their own name; the rename is atomic.
         partial = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
-            result = subprocess.run(compiler + flags + ["-o", partial, source],
-                                    capture_output=True, text=True, timeout=120)
+            result = subprocess.run(compiler + flags + ["-o", partial, source] + list(libraries),
+                                    capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.TimeoutExpired) as exc:
             _discard(private)
             raise _Unavailable(f"running {compiler[0]} failed: {exc}") from None

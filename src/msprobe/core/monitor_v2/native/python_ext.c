@@ -3163,6 +3163,22 @@ static PyObject *node_hook_of(CallHookObject *self, PyObject *nodes, PyObject *n
     return hook;
 }
 
+/* The C++ graph hooks' register(node, hook, post) and edges_into(target, roots, boundary)
+   (frameworks/pytorch/graph_hooks.py), or NULL: torch's Python API (Node.register_hook,
+   register_prehook, next_functions). Set by graph_api(). */
+static PyObject *graph_register_fn = NULL, *graph_edges_fn = NULL;
+
+static PyObject *py_graph_api(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || (args[0] == Py_None) != (args[1] == Py_None) ||
+        (args[0] != Py_None && (!PyCallable_Check(args[0]) || !PyCallable_Check(args[1])))) {
+        PyErr_SetString(PyExc_TypeError, "graph_api(register, edges_into): two callables, or None and None");
+        return NULL;
+    }
+    Py_XSETREF(graph_register_fn, args[0] == Py_None ? NULL : (Py_INCREF(args[0]), args[0]));
+    Py_XSETREF(graph_edges_fn, args[1] == Py_None ? NULL : (Py_INCREF(args[1]), args[1]));
+    Py_RETURN_NONE;
+}
+
 /* module._register(hook, node): 0, or -1 with the error set */
 static int register_node_hook(PyObject *hook, PyObject *node) {
     if (Py_TYPE(hook) != &NodeHookType) {
@@ -3183,6 +3199,17 @@ static int register_node_hook(PyObject *hook, PyObject *node) {
     }
     if (method == NULL)
         return 0;
+    if (graph_register_fn != NULL) {
+        PyObject *args[3] = {node, hook, method == str_register_hook ? Py_True : Py_False};
+        PyObject *done = PyObject_Vectorcall(graph_register_fn, args, 3, NULL);
+        if (done == NULL)
+            return -1;
+        int put = done == Py_True;
+        Py_DECREF(done);
+        if (put)
+            return 0;
+        /* not one of torch's C++ nodes: the Python API */
+    }
     PyObject *handle = PyObject_CallMethodOneArg(node, method, hook);
     Py_XDECREF(handle);
     return handle == NULL ? -1 : 0;
@@ -3339,8 +3366,19 @@ static int hook_graph_one(CallHookObject *self, PyObject *output, PyObject *own,
     if (add_out_slot(self, (NodeHookObject *)out_hook, nr) < 0 || (roots = PyList_New(1)) == NULL)
         goto done;
     PyList_SET_ITEM(roots, 0, Py_NewRef(own));
+    if (graph_edges_fn != NULL) {
+        PyObject *cpp_walk[3] = {edge, roots, call->boundary};
+        if ((found = PyObject_Vectorcall(graph_edges_fn, cpp_walk, 3, NULL)) == NULL)
+            goto done;
+        if (found == Py_None) /* a node that is not one of torch's C++ nodes */
+            Py_CLEAR(found);
+        else if (!PyList_Check(found)) {
+            PyErr_SetString(PyExc_TypeError, "CallHook: the C++ edges_into gave no list");
+            goto done;
+        }
+    }
     PyObject *walk[5] = {fwd.known, fwd.classify, edge, roots, call->boundary};
-    if ((found = py_edges_into(NULL, walk, 5)) == NULL || (touched = PyList_New(0)) == NULL ||
+    if ((found == NULL && (found = py_edges_into(NULL, walk, 5)) == NULL) || (touched = PyList_New(0)) == NULL ||
         one_input_slots(self, found, nodes, touched, looked_up ? node : NULL, out_hook) < 0)
         goto done;
     /* registered as _hook_graph_one does: the output's node first, then each input edge's */
@@ -3785,6 +3823,8 @@ static PyMethodDef methods[] = {
     {"file_order", (PyCFunction)(void (*)(void))py_file_order, METH_FASTCALL, "monitor.weight_grad_rows"},
     {"edges_into", (PyCFunction)(void (*)(void))py_edges_into, METH_FASTCALL, "module._edges_into's walk"},
     {"forward_api", (PyCFunction)(void (*)(void))py_forward_api, METH_FASTCALL, "what CallHook calls"},
+    {"graph_api", (PyCFunction)(void (*)(void))py_graph_api, METH_FASTCALL,
+     "graph_api(register, edges_into): what CallHook uses instead of torch's Python API (None, None: that API)"},
     {"_format_float", py_format_float, METH_O, "one float cell, as format_rows writes it"},
     {"dtypes", py_dtypes, METH_NOARGS, "bit mask of the dtype codes this build reduces"},
     {NULL, NULL, 0, NULL},

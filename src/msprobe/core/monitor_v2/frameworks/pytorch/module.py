@@ -64,6 +64,7 @@ from ...monitor import ContainedHook, Monitor, select_modules
 from ...stats import Record
 from ...structure import flatten_tensors, named_outputs
 from .compile import compiled_anything, eager_hook, on_next_compile, warn_if_already_compiled
+from . import graph_hooks
 from .copies import ModuleHooks, hook_order, restore_order
 from .passes import internal_pass
 from .stats import StatPlan
@@ -413,14 +414,52 @@ _FORWARD_API_SET = False
 def _register(hook: _NodeHook, node: Any) -> None:
     """Put ``hook`` on ``node``, once: a post-hook where it has ``grad_input`` slots (it then
     reads the ``grad_output`` slots from the post-hook's second argument), a pre-hook
-    otherwise. Slots added after it is on are read all the same."""
+    otherwise. Slots added after it is on are read all the same. Through the C++ graph
+    hooks where they are in use and the node is one of torch's C++ nodes (the extension's
+    ``CallHook`` does the same), else through torch's Python API."""
+    put = _graph.register
     if hook.ins:
         if not hook.post:
             hook.post = True
-            node.register_hook(hook)
+            if put is None or not put(node, hook, True):
+                node.register_hook(hook)
     elif not hook.pre and not hook.post:
         hook.pre = True
-        node.register_prehook(hook)
+        if put is None or not put(node, hook, False):
+            node.register_prehook(hook)
+
+
+class _GraphHooks:
+    """How this process puts node hooks on: ``register`` and ``edges_into`` are the C++
+    graph hooks' (graph_hooks.py) once built, else None (torch's Python API);
+    ``uncontained``: the library's count of errors that came out of a hook, already said."""
+
+    __slots__ = ("register", "edges_into", "uncontained")
+
+    def __init__(self) -> None:
+        self.register: Optional[Callable[[Any, Any, bool], bool]] = None
+        self.edges_into: Optional[Callable[[Tuple[Any, int], List[Any], int], Optional[List[Tuple[Any, int]]]]] = None
+        self.uncontained = 0
+
+    def update(self, ext: Any, once: LogOnce) -> None:
+        """Between steps: start using the library once it is built (the extension's
+        ``CallHook`` too), and say once if an error came out of one of its hooks."""
+        if ext is None:
+            return
+        library = graph_hooks.library()
+        if library is None:
+            return
+        if self.register is None:
+            self.register, self.edges_into = library.register, library.edges_into
+            ext.graph_api(library.register, library.edges_into)
+        uncontained = library.uncontained()
+        if uncontained > self.uncontained:
+            self.uncontained = uncontained
+            once.warning("graph.uncontained", "monitor_v2 module: %d error(s) came out of the module monitor's "
+                         "graph hooks and were dropped; training went on (logged once)", uncontained)
+
+
+_graph = _GraphHooks()
 
 
 class _ForwardPreHook(ContainedHook):
@@ -468,7 +507,7 @@ class ModuleMonitor(Monitor):
         # a running sum's total is a temporary: read without the same-tensor cache
         self._read_sum = self.session.engine.recorder(self.plan, cache=False)
         ext = native.extension()
-        self._edges_into: Callable[[Tuple[Any, int], List[Any], int], List[Tuple[Any, int]]] = (
+        self._edges_into_api: Callable[[Tuple[Any, int], List[Any], int], List[Tuple[Any, int]]] = (
             _edges_into if ext is None else functools.partial(ext.edges_into, _ACCUMULATE_GRAD, _is_accumulate_grad))
         if ext is not None and self.errors.clock is None:
             self.errors.clock = ext.BusyClock()  # the extension's hooks count their time here
@@ -517,6 +556,21 @@ class ModuleMonitor(Monitor):
         # and puts them back in this place among the modules' hooks
         self._set_call_hooks(True)
         warn_if_already_compiled()
+        self._ext = ext
+        self._update_graph_hooks()
+
+    def _edges_into(self, target: Tuple[Any, int], roots: List[Any], boundary: int) -> List[Tuple[Any, int]]:
+        """``_edges_into``'s walk: on torch's C++ nodes in C++ where the graph hooks are built,
+        else through the Python API (in C with the kernel's extension)."""
+        walk = _graph.edges_into
+        found = walk(target, roots, boundary) if walk is not None else None
+        return found if found is not None else self._edges_into_api(target, roots, boundary)
+
+    def _update_graph_hooks(self) -> None:
+        try:
+            _graph.update(self._ext, self._once)
+        except Exception as exc:  # noqa: BLE001 - an optional speed-up never stops a step
+            self.errors.report("module graph hooks between steps", exc)
 
     def _track_passes(self, root: torch.nn.Module) -> None:
         """Hooks around each call of a model chunk: the first to run before the call and
@@ -874,6 +928,7 @@ class ModuleMonitor(Monitor):
     def collect(self) -> List[Record]:
         for number in list(self._sums):
             self._flush(number)
+        self._update_graph_hooks()
         return super().collect()
 
     def detach(self) -> None:

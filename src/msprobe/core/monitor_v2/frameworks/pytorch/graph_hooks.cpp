@@ -1,0 +1,285 @@
+/* The module monitor's graph hooks put on autograd nodes from C++.
+
+   Through torch's Python API, putting a hook on a node (Node.register_hook,
+   register_prehook) runs torch.autograd.function._register_hook in Python: a hook
+   dictionary (an OrderedDict) and a RemovableHandle for each node, both objects of the
+   garbage collector that live as long as the graph. A module call's hooks cost about
+   2 us there, and the dictionaries make about a quarter of the objects that the
+   collector moves to its oldest generation during a written step. Here the hook is added
+   to the node directly (Node::add_post_hook / add_pre_hook): no dictionary, no handle.
+
+   The hook object is the monitor's (module.py's _NodeHook or the extension's NodeHook):
+   called with the GIL held, with the same arguments torch's Python hooks get (a post-hook
+   (grad_inputs, grad_outputs), a pre-hook (grad_outputs,)), its result ignored (the
+   monitor's hooks never replace a gradient). The monitor's hooks contain their own
+   errors; an error that still comes out of one is counted (uncontained()) and cleared, so
+   that it never reaches the backward pass.
+
+   Compiled autograd asks each hook to hand it the Python object to call in the graph it
+   traces (compiled_args): these hand it the monitor's hook, as torch's Python hooks hand
+   theirs, so a compiled backward pass calls the same hook with the same arguments
+   (compiled_requests() counts the requests).
+
+   Only nodes that torch implements in C++ (THPCppFunction) are handled here; register()
+   returns False for any other node (a custom autograd.Function's), and the monitor then
+   uses the Python API. Built by graph_hooks.py against the headers of the torch that
+   runs; nothing here is used where that build fails. */
+
+#include <Python.h>
+
+#include <torch/csrc/PyInterpreter.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/python_cpp_function.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/dynamo/compiled_autograd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <memory>
+#include <unordered_set>
+#include <vector>
+
+namespace {
+
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+std::atomic<long long> hooks_added{0};
+std::atomic<long long> uncontained_errors{0};
+std::atomic<long long> compiled_requests_seen{0};
+
+/* the gradients as a tuple of tensors (None where undefined): a new reference, or NULL */
+PyObject *as_tuple(const variable_list &grads) {
+    PyObject *tuple = PyTuple_New(static_cast<Py_ssize_t>(grads.size()));
+    if (tuple == nullptr)
+        return nullptr;
+    for (size_t i = 0; i < grads.size(); i++) {
+        PyObject *item;
+        if (grads[i].defined()) {
+            item = THPVariable_Wrap(grads[i]);
+            if (item == nullptr) {
+                Py_DECREF(tuple);
+                return nullptr;
+            }
+        } else {
+            Py_INCREF(Py_None);
+            item = Py_None;
+        }
+        PyTuple_SET_ITEM(tuple, static_cast<Py_ssize_t>(i), item);
+    }
+    return tuple;
+}
+
+/* hook(*args) with the GIL held, each argument a gradient list; never raises */
+void call_hook(PyObject *hook, const variable_list &first, const variable_list *second) {
+    PyGILState_STATE gil = PyGILState_Ensure();
+    PyObject *a = as_tuple(first);
+    PyObject *b = (a == nullptr || second == nullptr) ? nullptr : as_tuple(*second);
+    PyObject *result = nullptr;
+    if (a != nullptr && (second == nullptr || b != nullptr))
+        result = second == nullptr ? PyObject_CallOneArg(hook, a) : PyObject_CallFunctionObjArgs(hook, a, b, nullptr);
+    if (result == nullptr) {
+        uncontained_errors.fetch_add(1, std::memory_order_relaxed);
+        PyErr_Clear();
+    }
+    Py_XDECREF(result);
+    Py_XDECREF(a);
+    Py_XDECREF(b);
+    PyGILState_Release(gil);
+}
+
+/* a reference held by a node, dropped with the GIL; leaked if Python has already gone
+   (a graph freed at exit), as torch does for its own Python hooks */
+void drop(PyObject *hook) {
+    if (!Py_IsInitialized())
+        return;
+    PyGILState_STATE gil = PyGILState_Ensure();
+    Py_DECREF(hook);
+    PyGILState_Release(gil);
+}
+
+/* torch's C++ node behind a node object, or nullptr where it is not one of those */
+Node *cpp_node(PyObject *obj) {
+    if (!torch::autograd::THPCppFunction_Check(obj))
+        return nullptr;
+    return reinterpret_cast<torch::autograd::THPCppFunction *>(obj)->cdata.get();
+}
+
+struct PostHook final : torch::autograd::FunctionPostHook {
+    PyObject *hook;
+    explicit PostHook(PyObject *h) : hook(h) { Py_INCREF(h); }
+    ~PostHook() override { drop(hook); }
+    variable_list operator()(const variable_list &grad_inputs, const variable_list &grad_outputs) override {
+        call_hook(hook, grad_inputs, &grad_outputs);
+        return grad_inputs;
+    }
+    void compiled_args(torch::dynamo::autograd::CompiledNodeArgs &args) const override {
+        compiled_requests_seen.fetch_add(1, std::memory_order_relaxed);
+        Py_INCREF(hook); /* the SafePyObject takes this reference */
+        args.add_post_hook(c10::SafePyObject(hook, getPyInterpreter()));
+    }
+};
+
+struct PreHook final : torch::autograd::FunctionPreHook {
+    PyObject *hook;
+    explicit PreHook(PyObject *h) : hook(h) { Py_INCREF(h); }
+    ~PreHook() override { drop(hook); }
+    variable_list operator()(const variable_list &grad_outputs) override {
+        call_hook(hook, grad_outputs, nullptr);
+        return grad_outputs;
+    }
+    void compiled_args(torch::dynamo::autograd::CompiledNodeArgs &args) const override {
+        compiled_requests_seen.fetch_add(1, std::memory_order_relaxed);
+        Py_INCREF(hook); /* the SafePyObject takes this reference */
+        args.add_pre_hook(c10::SafePyObject(hook, getPyInterpreter()));
+    }
+};
+
+/* register(node, hook, post): True where the hook is on the node (a post-hook if post,
+   else a pre-hook); False where the node is not one of torch's C++ nodes */
+PyObject *register_hook(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "register(node, hook, post) takes 3 arguments");
+        return nullptr;
+    }
+    int post = PyObject_IsTrue(args[2]);
+    if (post < 0)
+        return nullptr;
+    Node *node = cpp_node(args[0]);
+    if (node == nullptr)
+        Py_RETURN_FALSE;
+    try {
+        if (post)
+            node->add_post_hook(std::make_unique<PostHook>(args[1]));
+        else
+            node->add_pre_hook(std::make_unique<PreHook>(args[1]));
+    } catch (const std::exception &exc) {
+        PyErr_SetString(PyExc_RuntimeError, exc.what());
+        return nullptr;
+    }
+    hooks_added.fetch_add(1, std::memory_order_relaxed);
+    Py_RETURN_TRUE;
+}
+
+/* The nodes a walk has visited: a few in an array, a set past that. */
+class Visited {
+  public:
+    bool contains(const Node *node) const {
+        if (!set_.empty())
+            return set_.count(node) != 0;
+        return std::find(small_.begin(), small_.end(), node) != small_.end();
+    }
+    void add(const Node *node) {
+        if (set_.empty() && small_.size() < 16) {
+            small_.push_back(node);
+            return;
+        }
+        if (set_.empty())
+            set_.insert(small_.begin(), small_.end());
+        set_.insert(node);
+    }
+
+  private:
+    std::vector<const Node *> small_;
+    std::unordered_set<const Node *> set_;
+};
+
+/* edges_into(target, roots, boundary) -> [(node, edge index), ...], or None where a node
+   given is not one of torch's C++ nodes (the caller then walks through the Python API).
+
+   module.py's _edges_into on the C++ graph: from the nodes `roots` (a list), depth first
+   with a stack, each node once, the edges equal to `target` ((node, output number)) in the
+   order that loop finds them; a child is walked into where it is not a leaf's
+   accumulator and its sequence number is at least `boundary`. Only the nodes of the edges
+   found get a Python object (the one torch keeps for the node); the walk itself makes
+   none, and no tuple of next_functions. */
+PyObject *edges_into(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 2 || !PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "edges_into(target: (node, nr), roots: list, boundary)");
+        return nullptr;
+    }
+    Node *target = cpp_node(PyTuple_GET_ITEM(args[0], 0));
+    long long target_nr = PyLong_AsLongLong(PyTuple_GET_ITEM(args[0], 1));
+    long long boundary = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred())
+        return nullptr;
+    if (target == nullptr)
+        Py_RETURN_NONE;
+    /* a node on the stack: its own Python object where it is a root, else the edge's pointer */
+    struct Entry {
+        Node *node;
+        PyObject *root;
+        const torch::autograd::Edge *edge;
+    };
+    std::vector<Entry> stack;
+    Py_ssize_t n_roots = PyList_GET_SIZE(args[1]);
+    for (Py_ssize_t i = 0; i < n_roots; i++) {
+        PyObject *root = PyList_GET_ITEM(args[1], i);
+        Node *node = cpp_node(root);
+        if (node == nullptr)
+            Py_RETURN_NONE;
+        stack.push_back({node, root, nullptr});
+    }
+    PyObject *found = PyList_New(0);
+    if (found == nullptr)
+        return nullptr;
+    Visited visited;
+    try {
+        while (!stack.empty()) {
+            Entry entry = stack.back();
+            stack.pop_back();
+            if (visited.contains(entry.node))
+                continue;
+            visited.add(entry.node);
+            const auto &edges = entry.node->next_edges();
+            for (size_t e = 0; e < edges.size(); e++) {
+                const torch::autograd::Edge &edge = edges[e];
+                Node *child = edge.function.get();
+                if (child == target && static_cast<long long>(edge.input_nr) == target_nr) {
+                    PyObject *node_obj = entry.root != nullptr ? (Py_INCREF(entry.root), entry.root)
+                                                               : torch::autograd::functionToPyObject(entry.edge->function);
+                    PyObject *pair = node_obj == nullptr ? nullptr : Py_BuildValue("(Nn)", node_obj, (Py_ssize_t)e);
+                    if (pair == nullptr || PyList_Append(found, pair) < 0) {
+                        Py_XDECREF(pair);
+                        Py_DECREF(found);
+                        return nullptr;
+                    }
+                    Py_DECREF(pair);
+                    continue;
+                }
+                if (child == nullptr || dynamic_cast<torch::autograd::AccumulateGrad *>(child) != nullptr)
+                    continue;
+                if ((boundary < 0 || child->sequence_nr() >= static_cast<uint64_t>(boundary)) && !visited.contains(child))
+                    stack.push_back({child, nullptr, &edge});
+            }
+        }
+    } catch (const std::exception &exc) {
+        Py_DECREF(found);
+        PyErr_SetString(PyExc_RuntimeError, exc.what());
+        return nullptr;
+    }
+    return found;
+}
+
+PyObject *counter(std::atomic<long long> &value) { return PyLong_FromLongLong(value.load()); }
+PyObject *hooks(PyObject *, PyObject *) { return counter(hooks_added); }
+PyObject *uncontained(PyObject *, PyObject *) { return counter(uncontained_errors); }
+PyObject *compiled_requests(PyObject *, PyObject *) { return counter(compiled_requests_seen); }
+
+PyMethodDef methods[] = {
+    {"register", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(register_hook)), METH_FASTCALL,
+     "register(node, hook, post): put hook on one of torch's C++ nodes; False for other nodes"},
+    {"edges_into", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(edges_into)), METH_FASTCALL,
+     "edges_into(target, roots, boundary): module.py's _edges_into on torch's C++ nodes; None for other nodes"},
+    {"hooks", hooks, METH_NOARGS, "hooks put on nodes by this library in this process"},
+    {"uncontained", uncontained, METH_NOARGS, "errors that came out of a hook (cleared, not raised)"},
+    {"compiled_requests", compiled_requests, METH_NOARGS,
+     "times compiled autograd asked one of these hooks to register itself (they do not)"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "_msprobe_monitor_graph", nullptr, -1, methods};
+
+} // namespace
+
+PyMODINIT_FUNC PyInit__msprobe_monitor_graph(void) { return PyModule_Create(&module); }

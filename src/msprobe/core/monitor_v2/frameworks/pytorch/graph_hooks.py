@@ -1,0 +1,262 @@
+"""The module monitor's graph hooks put on autograd nodes from C++ (``graph_hooks.cpp``).
+
+Through torch's Python API every node hook costs a hook dictionary and a handle, made in
+Python and kept by the garbage collector as long as the graph. The C++ library adds the
+monitor's hook to the node directly: same hook object, same arguments, same order.
+
+It is built against the headers of the torch that runs (``torch/include``), with the
+system C++ compiler (``$CXX``, else ``c++``, ``g++`` or ``clang++``), once per torch
+version and machine, into the kernel's cache directory (the same checks: a directory
+only this user can write, a regular file of this user with one link). A build takes 10 to
+30 s, so it runs in a background thread the first time and the monitor uses torch's
+Python API until it is there: ``library()`` looks at each written step's start. Ranks
+that start together build once: the first takes a lock file, the others wait for its
+library. Where it cannot be built (no compiler, no headers, a cache that cannot be used,
+a torch whose headers differ) the Python API stays in use, said once at INFO: the rows
+are the same. ``MSPROBE_MONITOR_GRAPH=0`` keeps the Python API (and so does
+``MSPROBE_MONITOR_NATIVE=0``, which turns off the compiled code altogether)."""
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import shlex
+import shutil
+import sysconfig
+import threading
+import time
+from typing import Any, List, Optional, Tuple
+
+import torch
+
+from ... import native
+
+logger = logging.getLogger("msprobe.monitor_v2")
+
+ENV_SWITCH = "MSPROBE_MONITOR_GRAPH"
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "graph_hooks.cpp")
+_MODULE = "_msprobe_monitor_graph"
+# a lock file older than this is taken to be left by a build that died
+_STALE_LOCK_SECONDS = 600.0
+
+_lock = threading.Lock()
+_library: Any = None
+_state = "new"  # new -> building -> ready | unavailable
+_build: Optional["_Build"] = None
+
+
+def library() -> Any:
+    """The built library (``register``, ``hooks``, ``uncontained``, ``compiled_requests``),
+    or None while it is being built in the background or where it cannot be. The first
+    call loads a cached build at once, or starts the build; the calls after it load the
+    build once it is done. Call it on the training thread, between steps."""
+    global _state, _library, _build
+    with _lock:
+        if _state == "new":
+            _state = "unavailable"
+            try:
+                _build = _Build.start()
+            except native._Unavailable as exc:
+                logger.info("monitor_v2 module: graph hooks through torch's Python API (%s)", exc)
+            except Exception as exc:  # noqa: BLE001 - an optional speed-up never stops training
+                logger.info("monitor_v2 module: graph hooks through torch's Python API (%s: %s)",
+                            type(exc).__name__, exc)
+            else:
+                _state = "building"
+        if _state == "building" and _build is not None and _build.done():
+            build, _build = _build, None
+            _state = "unavailable"
+            try:
+                _library = build.load()
+            except Exception as exc:  # noqa: BLE001 - an optional speed-up never stops training
+                logger.info("monitor_v2 module: graph hooks through torch's Python API (the C++ graph hooks: "
+                            "%s: %s)", type(exc).__name__, exc)
+            else:
+                _state = "ready"
+        return _library
+
+
+def wait(timeout: float = 300.0) -> Any:
+    """``library()`` once any build under way has finished (tests, benchmarks)."""
+    library()
+    build = _build
+    if build is not None:
+        build.thread.join(timeout)
+    return library()
+
+
+def enabled() -> bool:
+    """Whether the C++ graph hooks may be used in this process (the switches)."""
+    off = ("0", "false", "no", "off")
+    return (os.environ.get(ENV_SWITCH, "1").strip().lower() not in off
+            and os.environ.get(native.ENV_SWITCH, "1").strip().lower() not in off)
+
+
+class _Build:
+    """One build of the library: loaded from the cache at once, or built in a thread."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.thread = threading.Thread(target=self._run, name="msprobe-monitor-graph-build", daemon=True)
+        self.error: Optional[str] = None
+        self.compiler: List[str] = []
+        self.flags: List[str] = []
+        self.libraries: List[str] = []
+
+    @classmethod
+    def start(cls) -> "_Build":
+        if not enabled():
+            raise native._Unavailable(f"{ENV_SWITCH} or {native.ENV_SWITCH} is off")
+        if native.extension() is None:
+            raise native._Unavailable("the kernel's extension is not built")
+        compiler = _compiler()
+        flags, libraries = _flags()
+        with open(_SOURCE, "rb") as f:
+            source = f.read()
+        version = f"{torch.__version__} {getattr(torch.version, 'git_version', '')}"
+        key = hashlib.sha256(b"\0".join([source, " ".join(compiler + flags + libraries).encode(),
+                                         version.encode()])).hexdigest()[:16]
+        suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+        cache = native._cache_dir()
+        problem = native._cache_problem(cache)
+        if problem is not None:
+            # built for one process only it would cost every rank its 10 to 30 s of a core
+            raise native._Unavailable(f"the cache {cache} is not used ({problem})")
+        build = cls(os.path.join(cache, f"graph_hooks-{key}{suffix}"))
+        build.compiler, build.flags, build.libraries = compiler, flags, libraries
+        if build._cached():
+            return build  # done(): the thread is never started
+        logger.info("monitor_v2 module: building the C++ graph hooks for torch %s in the background (once "
+                    "per torch version, 10 to 30 s of one core); torch's Python API until then", torch.__version__)
+        build.thread.start()
+        return build
+
+    def _cached(self) -> bool:
+        try:
+            info = os.lstat(self.path)
+        except OSError:
+            return False
+        return native._trusted(info)
+
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+    def _run(self) -> None:
+        try:
+            lock = self.path + ".lock"
+            if not _take(lock):
+                _await(self.path, lock)
+                if self._cached():
+                    return
+                _take(lock, stale=True)
+            try:
+                _, private = native._cached_build(self.compiler, self.flags, os.path.basename(self.path), _SOURCE,
+                                                  self.libraries)
+            finally:
+                native._remove(lock)
+            if private is not None:
+                # the cache's entry is a link or not this user's file: no build for this process
+                # alone (every rank would pay for its own), the Python API instead
+                shutil.rmtree(private, ignore_errors=True)
+                self.error = f"{self.path} is not a regular file of this user; not replaced"
+        except native._Unavailable as exc:
+            self.error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - reported by load()
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def load(self) -> Any:
+        if self.error is not None:
+            raise native._Unavailable(self.error)
+        if not self._cached():
+            raise native._Unavailable(f"{self.path} was not built")
+        loader = importlib.machinery.ExtensionFileLoader(_MODULE, self.path)
+        spec = importlib.util.spec_from_file_location(_MODULE, self.path, loader=loader)
+        if spec is None:
+            raise native._Unavailable(f"cannot load {self.path}")
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+        _self_test(module)
+        return module
+
+
+def _take(lock: str, stale: bool = False) -> bool:
+    """Create the lock file (0640); False where another process holds a fresh one. With
+    ``stale``, a lock left by a build that died is taken over."""
+    if stale:
+        native._remove(lock)
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0), 0o640)
+    except FileExistsError:
+        try:
+            age = time.time() - os.lstat(lock).st_mtime
+        except OSError:
+            return _take(lock) if not stale else False
+        if age > _STALE_LOCK_SECONDS:
+            return _take(lock, stale=True) if not stale else False
+        return False
+    os.close(fd)
+    return True
+
+
+def _await(path: str, lock: str) -> None:
+    """Wait while another process builds ``path`` (its lock file is there)."""
+    deadline = time.monotonic() + _STALE_LOCK_SECONDS
+    while time.monotonic() < deadline and os.path.lexists(lock) and not os.path.lexists(path):
+        time.sleep(0.5)
+
+
+def _compiler() -> List[str]:
+    cxx = os.environ.get("CXX")
+    if cxx:
+        return shlex.split(cxx)
+    for name in ("c++", "g++", "clang++"):
+        path = shutil.which(name)
+        if path:
+            return [path]
+    raise native._Unavailable("no C++ compiler found; set CXX or install g++")
+
+
+def _flags() -> Tuple[List[str], List[str]]:
+    """(compiler flags, linker arguments after the source) for this torch and Python."""
+    root = os.path.dirname(os.path.abspath(torch.__file__))
+    include = os.path.join(root, "include")
+    if not os.path.isfile(os.path.join(include, "torch", "csrc", "autograd", "python_cpp_function.h")):
+        raise native._Unavailable(f"torch's C++ headers are not installed ({include})")
+    python_include = native._python_include()
+    if python_include is None:
+        raise native._Unavailable("this interpreter's Python.h is not installed")
+    lib = os.path.join(root, "lib")
+    abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
+    # torch 2.9 and later need C++20 for their headers, older ones C++17
+    standard = "-std=c++20" if _version() >= (2, 9) else "-std=c++17"
+    flags = ["-O2", "-fPIC", "-shared", standard, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-isystem", include,
+             "-isystem", os.path.join(include, "torch", "csrc", "api", "include"), "-isystem", python_include]
+    libraries = [f"-L{lib}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python", f"-Wl,-rpath,{lib}"]
+    return flags, libraries
+
+
+def _version() -> Tuple[int, int]:
+    try:
+        major, minor = torch.__version__.split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return (0, 0)
+
+
+def _self_test(module: Any) -> None:
+    """A pre-hook and a post-hook on a small graph: called once each, with the node's
+    incoming gradients (and its results, for the post-hook), the gradient unchanged."""
+    seen: List[Tuple[Any, ...]] = []
+    x = torch.tensor([1.0, -2.0, 3.0], requires_grad=True)
+    y = x * 2.0
+    node = y.grad_fn
+    if not (module.register(node, lambda grads: seen.append(("pre", grads)), False)
+            and module.register(node, lambda results, grads: seen.append(("post", results, grads)), True)):
+        raise native._Unavailable("self-test: a C++ node was not accepted")
+    y.sum().backward()
+    ok = (len(seen) == 2 and seen[0][0] == "pre" and seen[1][0] == "post"
+          and torch.equal(seen[0][1][0], torch.ones(3)) and torch.equal(seen[1][1][0], torch.full((3,), 2.0))
+          and torch.equal(x.grad, torch.full((3,), 2.0)))
+    if not ok:
+        raise native._Unavailable(f"self-test failed: {seen}")
