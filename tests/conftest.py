@@ -15,6 +15,18 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "(support.extras.needs)")
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The module monitor's C++ graph hooks built (or found in the cache) before the first
+    test, so that every test of this process takes the same path rather than one that
+    changes when a background build ends (tests/pytorch/test_graph_hooks_library.py tests
+    both paths and the build itself)."""
+    try:
+        from msprobe.core.monitor_v2.frameworks.pytorch import graph_hooks
+    except ImportError:  # an environment without torch
+        return
+    graph_hooks.wait()
+
+
 @pytest.hookimpl(tryfirst=True)  # before the fixtures: a skipped test launches no training run
 def pytest_runtest_setup(item: pytest.Item) -> None:
     check_marks(item)

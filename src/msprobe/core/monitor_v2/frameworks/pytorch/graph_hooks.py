@@ -69,6 +69,8 @@ def library() -> Any:
             _state = "unavailable"
             try:
                 _library = build.load()
+            except native._Unavailable as exc:
+                logger.info("monitor_v2 module: graph hooks through torch's Python API (the C++ graph hooks: %s)", exc)
             except Exception as exc:  # noqa: BLE001 - an optional speed-up never stops training
                 logger.info("monitor_v2 module: graph hooks through torch's Python API (the C++ graph hooks: "
                             "%s: %s)", type(exc).__name__, exc)
@@ -114,16 +116,12 @@ class _Build:
         flags, libraries = _flags()
         with open(_SOURCE, "rb") as f:
             source = f.read()
-        version = f"{torch.__version__} {getattr(torch.version, 'git_version', '')}"
-        key = hashlib.sha256(b"\0".join([source, " ".join(compiler + flags + libraries).encode(),
-                                         version.encode()])).hexdigest()[:16]
-        suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
         cache = native._cache_dir()
         problem = native._cache_problem(cache)
         if problem is not None:
             # built for one process only it would cost every rank its 10 to 30 s of a core
             raise native._Unavailable(f"the cache {cache} is not used ({problem})")
-        build = cls(os.path.join(cache, f"graph_hooks-{key}{suffix}"))
+        build = cls(os.path.join(cache, _library_name(source, compiler, flags, libraries)))
         build.compiler, build.flags, build.libraries = compiler, flags, libraries
         if build._cached():
             return build  # done(): the thread is never started
@@ -144,6 +142,13 @@ class _Build:
 
     def _run(self) -> None:
         try:
+            try:
+                info: Optional[os.stat_result] = os.lstat(self.path)
+            except FileNotFoundError:
+                info = None
+            if info is not None and not (native._trusted(info) or native._own_with_other_links(info)):
+                self.error = f"{self.path} is not a regular file of this user; left as it is"
+                return
             lock = self.path + ".lock"
             if not _take(lock):
                 _await(self.path, lock)
@@ -159,7 +164,7 @@ class _Build:
                 # the cache's entry is a link or not this user's file: no build for this process
                 # alone (every rank would pay for its own), the Python API instead
                 shutil.rmtree(private, ignore_errors=True)
-                self.error = f"{self.path} is not a regular file of this user; not replaced"
+                self.error = f"{self.path} is not a regular file of this user; left as it is"
         except native._Unavailable as exc:
             self.error = str(exc)
         except Exception as exc:  # noqa: BLE001 - reported by load()
@@ -178,6 +183,22 @@ class _Build:
         loader.exec_module(module)
         _self_test(module)
         return module
+
+
+def _library_name(source: bytes, compiler: List[str], flags: List[str], libraries: List[str]) -> str:
+    """The cached library's file name: one per source, compiler, flags and torch build."""
+    version = f"{torch.__version__} {getattr(torch.version, 'git_version', '')}"
+    key = hashlib.sha256(b"\0".join([source, " ".join(compiler + flags + libraries).encode(),
+                                     version.encode()])).hexdigest()[:16]
+    return f"graph_hooks-{key}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
+
+
+def library_path() -> str:
+    """Where this process's build of the library is cached (it may not be there yet)."""
+    with open(_SOURCE, "rb") as f:
+        source = f.read()
+    flags, libraries = _flags()
+    return os.path.join(native._cache_dir(), _library_name(source, _compiler(), flags, libraries))
 
 
 def _take(lock: str, stale: bool = False) -> bool:

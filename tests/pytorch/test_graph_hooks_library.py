@@ -1,0 +1,339 @@
+"""The module monitor's graph hooks put on autograd nodes from C++ (``graph_hooks.cpp``,
+built by ``frameworks/pytorch/graph_hooks.py``): built and in use, the same rows as through
+torch's Python API on every kind of graph the module monitor meets, its walk equal to the
+Python one, a compiled backward pass calling the same hooks, an error never reaching the
+backward pass, and torch's Python API, said at INFO, where the library cannot be built."""
+
+import copy
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import pytest
+import torch
+from torch import nn
+
+from support import TinyMLP, loss_fn, make_batches, numpy_stats, rows_of
+from support.launch import worker_env
+from test_module import TinyGPT, make_data, run_monitored
+from msprobe.core.monitor_v2 import native
+from msprobe.core.monitor_v2.frameworks.pytorch import graph_hooks
+from msprobe.core.monitor_v2.frameworks.pytorch import module as module_mod
+from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
+
+EVERY_MODULE = {"module": {"enabled": True, "targets": []}}
+
+
+@pytest.fixture(scope="module")
+def library():
+    lib = graph_hooks.wait()
+    assert lib is not None, "the C++ graph hooks were not built here: see the INFO line of graph_hooks"
+    return lib
+
+
+@pytest.fixture
+def python_api(monkeypatch):
+    """Torch's Python API for the node hooks, as where the library cannot be built: call the
+    fixture's value to switch; the C++ hooks are back after the test."""
+    ext = native.extension()
+    saved = (module_mod._graph.register, module_mod._graph.edges_into)
+
+    def switch() -> None:
+        monkeypatch.setattr(graph_hooks, "library", lambda: None)
+        module_mod._graph.register = module_mod._graph.edges_into = None
+        ext.graph_api(None, None)
+
+    yield switch
+    module_mod._graph.register, module_mod._graph.edges_into = saved
+    ext.graph_api(*saved)
+
+
+def csv_files(out: Path) -> Dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(Path(out).rglob("*.csv"))}
+
+
+class DeepStack(nn.Module):
+    """Residual Linear + LayerNorm blocks: the shape of the per-tensor benchmark's model."""
+
+    def __init__(self, blocks: int = 6, width: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width)) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def _train_gpt(out: Path, ckpt) -> Tuple[List[torch.Tensor], Dict[str, torch.Tensor]]:
+    model = TinyGPT(ckpt=ckpt)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    config = {"output_dir": str(out), "monitors": EVERY_MODULE}
+    _, losses = run_monitored(model, [[b] for b in make_data(3)], config, optimizer=opt)
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("ckpt", [None, "nonreentrant", "reentrant"])
+def test_rows_are_the_same_through_cpp_and_through_torchs_python_api(tmp_path, library, python_api, ckpt):
+    # TinyGPT: attention, a module called twice, split and dict outputs, in-place ops, tied
+    # weights, and a checkpointed block (reentrant: its nodes are a custom Function's, which
+    # stay with the Python API)
+    before = library.hooks()
+    losses, params = _train_gpt(tmp_path / "cpp", ckpt)
+    put = library.hooks() - before
+    assert put > 0, "no hook went through the C++ library"
+    python_api()
+    ref_losses, ref_params = _train_gpt(tmp_path / "python", ckpt)
+    assert library.hooks() == before + put, "the Python API run put hooks from C++"
+    cpp, python = csv_files(tmp_path / "cpp"), csv_files(tmp_path / "python")
+    assert any(name.startswith("module") for name in cpp)
+    assert b",backward," in b"".join(cpp.values())
+    assert cpp == python
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    assert all(torch.equal(params[k], ref_params[k]) for k in params)
+
+
+def test_deep_stack_rows_match_independent_gradients(tmp_path, library):
+    """Every block's grad_output through the C++ hooks equals the gradient that
+    ``torch.autograd.grad`` gives on an unmonitored copy (NumPy statistics)."""
+    torch.manual_seed(0)
+    model = DeepStack()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    outs = {}
+    h = x
+    for i, block in enumerate(ref.blocks):
+        outs[i] = block(h)
+        h = h + outs[i]
+    grads = torch.autograd.grad(h.pow(2).mean(), [outs[i] for i in outs])
+    before = library.hooks()
+    mon = TrainerMonitorV2({"output_dir": str(tmp_path / "out"), "monitors": EVERY_MODULE})
+    mon.start(model=model, optimizer=opt)
+    model(x).pow(2).mean().backward()
+    opt.step()
+    mon.stop()
+    assert library.hooks() > before
+    rows = {r["module_name"]: r for r in rows_of(mon.config.output_dir, "module") if r["scope"] == "backward"}
+    for i, g in enumerate(grads):
+        row = rows[f"blocks.{i}.grad_output.0"]
+        expected = numpy_stats(g)
+        for op in ("min", "max", "mean", "norm"):
+            assert float(row[op]) == pytest.approx(expected[op], rel=1e-5, abs=1e-7), (i, op)
+
+
+def _graphs():
+    """(name, target edge, roots, boundary) of graphs a module call can leave."""
+    w = torch.randn(3, 3, requires_grad=True)
+    cases = []
+
+    def producer(t):
+        return (t.grad_fn, t.output_nr)
+
+    inp = torch.randn(2, 3) @ w  # made before the call: its node is the target, not walked into
+    boundary = torch._C._autograd._get_sequence_nr()
+    out = torch.relu(inp @ w) + inp * 2  # the input reached by two edges
+    cases.append(("two edges", producer(inp), [out.grad_fn], boundary))
+
+    leaf = torch.randn(2, 3, requires_grad=True)  # a leaf input: its accumulator is the target
+    boundary = torch._C._autograd._get_sequence_nr()
+    out = (leaf * leaf).sum(dim=1)
+    cases.append(("leaf", (out.grad_fn.next_functions[0][0].next_functions[0][0], 0), [out.grad_fn], boundary))
+
+    base = torch.randn(4, 3) @ w
+    boundary = torch._C._autograd._get_sequence_nr()
+    view = base.view(2, 6)
+    view.mul_(3)  # an in-place op on a view inside the call
+    out = view.tanh()
+    cases.append(("view, in place", producer(base), [out.grad_fn], boundary))
+
+    a = torch.randn(2, 3) @ w
+    b = torch.randn(2, 3) @ w
+    boundary = torch._C._autograd._get_sequence_nr()
+    first, second = (a * b).unbind(0)
+    cases.append(("two roots", producer(a), [second.grad_fn, first.grad_fn], boundary))
+    cases.append(("no boundary", producer(a), [second.grad_fn], 0))
+    return cases
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_the_walk_in_cpp_finds_what_the_python_walk_finds(library, case):
+    name, target, roots, boundary = _graphs()[case]
+    expected = module_mod._edges_into(target, roots, boundary)
+    found = library.edges_into(target, roots, boundary)
+    assert expected, name
+    assert [(type(n), e) for n, e in found] == [(type(n), e) for n, e in expected], name
+    assert all(n is m and e == f for (n, e), (m, f) in zip(found, expected)), name
+
+
+class _Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+def test_a_custom_functions_node_is_left_to_the_python_api(library):
+    x = torch.randn(3, requires_grad=True)
+    y = _Double.apply(x * 1.0)
+    assert library.register(y.grad_fn, lambda *args: None, True) is False
+    assert library.edges_into((x.grad_fn, 0), [y.grad_fn], 0) is None
+
+
+def test_a_hook_that_raises_never_reaches_the_backward_pass(tmp_path, library, caplog):
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2.0
+    before = library.uncontained()
+
+    def raising(grad_inputs, grad_outputs):
+        raise RuntimeError("planted failure")
+
+    assert library.register(y.grad_fn, raising, True)
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
+    assert library.uncontained() == before + 1
+    # the module monitor says it once, at its next written step
+    model = TinyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMonitorV2({"output_dir": str(tmp_path / "out"), "monitors": EVERY_MODULE})
+    mon.start(model=model, optimizer=opt)
+    with caplog.at_level(logging.WARNING, logger="msprobe.monitor_v2"):
+        for x_, y_ in make_batches(2):
+            loss_fn(model, x_, y_).backward()
+            opt.step()
+            opt.zero_grad()
+    mon.stop()
+    said = [r for r in caplog.records if "came out of the module monitor's graph hooks" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+
+
+def _train_compiled_backward(out: Path) -> Tuple[List[float], List[torch.Tensor]]:
+    """TinyMLP, every backward pass through compiled autograd (Dynamo's eager backend)."""
+    import torch._dynamo.compiled_autograd as compiled_autograd
+
+    torch._dynamo.reset()
+    model = TinyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMonitorV2({"output_dir": str(out), "monitors": EVERY_MODULE})
+    mon.start(model=model, optimizer=opt)
+    losses = []
+    try:
+        for x, y in make_batches(2):
+            loss = loss_fn(model, x, y)
+            with compiled_autograd._enable(lambda gm: torch.compile(gm, backend="eager")):
+                loss.backward()
+            losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+    finally:
+        mon.stop()
+        torch._dynamo.reset()
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_compiled_backward_pass_calls_the_same_hooks(tmp_path, library, python_api):
+    requests = library.compiled_requests()
+    losses, params = _train_compiled_backward(tmp_path / "cpp")
+    assert library.compiled_requests() > requests, "compiled autograd did not ask the C++ hooks"
+    python_api()
+    ref_losses, ref_params = _train_compiled_backward(tmp_path / "python")
+    cpp = csv_files(tmp_path / "cpp")
+    assert b",backward," in b"".join(v for k, v in cpp.items() if k.startswith("module_step0"))
+    assert cpp == csv_files(tmp_path / "python")
+    assert losses == ref_losses
+    assert all(torch.equal(p, q) for p, q in zip(params, ref_params))
+
+
+# --------------------------------------------------------------------- the build
+_TRAIN = r"""
+import logging, sys
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stdout)
+import torch
+from support import TinyMLP, loss_fn, make_batches
+from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
+from msprobe.core.monitor_v2.frameworks.pytorch import graph_hooks
+torch.manual_seed(0)
+model = TinyMLP()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+mon = TrainerMonitorV2({"output_dir": sys.argv[1], "monitors": {"module": {"enabled": True, "targets": []}}})
+mon.start(model=model, optimizer=opt)
+for step, (x, y) in enumerate(make_batches(4)):
+    if step == 2:
+        print("LIBRARY BEFORE STEP 2", graph_hooks.library() is not None)
+        graph_hooks.wait()
+    loss_fn(model, x, y).backward()
+    opt.step()
+    opt.zero_grad()
+mon.stop()
+lib = graph_hooks.library()
+print("HOOKS FROM C++", lib.hooks() if lib is not None else None)
+"""
+
+
+def _run(out: Path, **env: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", _TRAIN, str(out)], env=dict(worker_env(), **env),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_a_build_in_the_background_takes_over_between_steps(tmp_path):
+    cache = tmp_path / "cache"  # nothing built yet: the first start() builds
+    log = _run(tmp_path / "built", MSPROBE_MONITOR_CACHE_DIR=str(cache))
+    assert "building the C++ graph hooks" in log and "in the background" in log
+    assert "LIBRARY BEFORE STEP 2 False" in log  # steps 0 and 1 through the Python API
+    hooks = int(log.rsplit("HOOKS FROM C++ ", 1)[1].split()[0])
+    assert hooks > 0  # steps 2 and 3 through the library
+    built = [p for p in cache.iterdir() if p.name.startswith("graph_hooks-")]
+    assert len(built) == 1 and oct(built[0].stat().st_mode & 0o777) == "0o750"
+    reference = _run(tmp_path / "python", MSPROBE_MONITOR_GRAPH="0")
+    assert "HOOKS FROM C++ None" in reference and "graph hooks through torch's Python API" in reference
+    assert csv_files(tmp_path / "built") == csv_files(tmp_path / "python")
+
+
+def test_without_a_cpp_compiler_the_python_api_is_used_and_said_once(tmp_path):
+    log = _run(tmp_path / "out", MSPROBE_MONITOR_CACHE_DIR=str(tmp_path / "cache"), CXX="false")
+    said = [line for line in log.splitlines() if "graph hooks through torch's Python API" in line]
+    assert len(said) == 1 and said[0].startswith("INFO") and "false exited with 1" in said[0], log
+    assert "HOOKS FROM C++ None" in log
+    module_rows = b"".join(v for k, v in csv_files(tmp_path / "out").items() if k.startswith("module"))
+    assert module_rows.count(b",backward,") > 0
+
+
+def test_a_planted_link_in_the_cache_is_neither_loaded_nor_replaced(tmp_path):
+    cache = tmp_path / "cache"
+    env = dict(worker_env(), MSPROBE_MONITOR_CACHE_DIR=str(cache))
+    where = subprocess.run([sys.executable, "-c", "from msprobe.core.monitor_v2.frameworks.pytorch import "
+                            "graph_hooks; print(graph_hooks.library_path())"], env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert where.returncode == 0, where.stderr
+    path = Path(where.stdout.strip())
+    assert path.parent == cache
+    os.makedirs(cache, mode=0o700, exist_ok=True)
+    target = tmp_path / "elsewhere.so"
+    target.write_bytes(b"not a library")
+    path.symlink_to(target)
+    log = _run(tmp_path / "out", MSPROBE_MONITOR_CACHE_DIR=str(cache))
+    said = [line for line in log.splitlines() if "graph hooks through torch's Python API" in line]
+    assert len(said) == 1 and "is not a regular file of this user" in said[0], log
+    assert path.is_symlink() and target.read_bytes() == b"not a library"
+    assert "HOOKS FROM C++ None" in log
+
+
+def test_a_lock_of_another_build_is_waited_for_and_taken_over_when_stale(tmp_path):
+    lock = str(tmp_path / "graph_hooks-x.so.lock")
+    assert graph_hooks._take(lock)
+    assert not graph_hooks._take(lock)  # another build holds it
+    assert oct(os.stat(lock).st_mode & 0o777) == "0o640"
+    old = os.stat(lock).st_mtime - graph_hooks._STALE_LOCK_SECONDS - 1
+    os.utime(lock, (old, old))
+    assert graph_hooks._take(lock)  # left by a build that died
+    library = tmp_path / "graph_hooks-x.so"
+    library.write_bytes(b"")
+    graph_hooks._await(str(library), lock)  # returns at once: the library is there
