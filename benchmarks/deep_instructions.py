@@ -187,11 +187,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise SystemExit(f"deep_instructions: no config named {args.only}; there are {sorted(offered)}")
     directory = tempfile.mkdtemp(prefix="msprobe_deep_instructions_")
     rows = []
+    sys.path.insert(0, HERE)
+    from deep_overhead import graph_hooks_in_use  # noqa: E402 - after the path
+
+    # built here, outside Valgrind: each count then finds the library cached at its start()
+    graph = graph_hooks_in_use()
     try:
         helper = build_helper(directory)
         print(f"instructions per training step (callgrind), {args.steps} counted step(s) per count, every "
-              f"one written; model of deep_overhead.py, width {args.width}, batch {args.batch}, one thread",
-              flush=True)
+              f"one written; model of deep_overhead.py, width {args.width}, batch {args.batch}, one thread; "
+              f"module graph hooks: {graph}", flush=True)
         # A count is not a time: several run side by side without changing one another.
         with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
             counts = {(tensors, name): pool.submit(count, args, tensors, name, helper, directory)

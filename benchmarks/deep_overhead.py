@@ -94,6 +94,17 @@ class DeepStack(nn.Module):
         return x
 
 
+def graph_hooks_in_use() -> str:
+    """The module monitor's graph hooks this run uses, the C++ library built first: a build
+    in the background (10 to 30 s of a core, once per torch version) must not run during the
+    timed windows, nor leave the first windows on torch's Python API and the later on C++."""
+    from msprobe.core.monitor_v2.frameworks.pytorch import graph_hooks
+
+    if graph_hooks.wait() is not None:
+        return "C++ (graph_hooks.cpp)"
+    return "torch's Python API (MSPROBE_MONITOR_GRAPH=0, or the C++ library could not be built)"
+
+
 def load_average() -> float:
     """The 1-minute load average (NaN where the platform has none)."""
     try:
@@ -297,8 +308,9 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"{'under DDP (gradient_as_bucket_view), ' if args.ddp_bucket_view else 'under DDP, ' if args.ddp else ''}"
           f"device {args.device}, "
           f"{args.threads} thread(s)")
+    graph = graph_hooks_in_use()
     print(f"{args.rounds} rounds x {args.steps_per_window} steps per window; torch {torch.__version__}; "
-          f"CPU statistics: {kernel}; load at start {load_average():.2f}")
+          f"CPU statistics: {kernel}; module graph hooks: {graph}; load at start {load_average():.2f}")
     rows = []
     for tensors in args.tensors:
         bench = DeepBench(tensors, args)

@@ -40,6 +40,7 @@ import torch  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batches  # noqa: E402
 from alternating import alternate, settle  # noqa: E402
 from config_matrix import configs  # noqa: E402
+from deep_overhead import graph_hooks_in_use  # noqa: E402
 from heap_memory import PeakMemory  # noqa: E402
 from msprobe.core.monitor_v2 import native  # noqa: E402
 from msprobe.core.monitor_v2.frameworks.pytorch.stats import StatPlan, TorchStatsEngine  # noqa: E402
@@ -276,7 +277,7 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"({bench.param_bytes / 2**20:.1f} MiB); AdamW; device {args.device}, {args.threads} thread(s)")
     kernel = "ATen reductions only (--no-native)" if native.load() is None else "one-pass C kernel"
     print(f"{args.rounds} rounds x {args.steps_per_window} steps per window; torch {torch.__version__}; "
-          f"CPU statistics: {kernel}")
+          f"CPU statistics: {kernel}; module graph hooks: {graph_hooks_in_use()}")
     bench.train_steps(args.warmup)
     rows = []
     if args.sinks:
