@@ -40,15 +40,16 @@ def python_api(monkeypatch):
     fixture's value to switch; the C++ hooks are back after the test."""
     ext = native.extension()
     saved = (module_mod._graph.register, module_mod._graph.edges_into)
+    capi = graph_hooks.wait().capi if saved[0] is not None else None
 
     def switch() -> None:
         monkeypatch.setattr(graph_hooks, "library", lambda: None)
         module_mod._graph.register = module_mod._graph.edges_into = None
-        ext.graph_api(None, None)
+        ext.graph_api(None, None, None)
 
     yield switch
     module_mod._graph.register, module_mod._graph.edges_into = saved
-    ext.graph_api(*saved)
+    ext.graph_api(*saved, capi)
 
 
 def csv_files(out: Path) -> Dict[str, bytes]:

@@ -2958,15 +2958,38 @@ fail:
  * functions and module.py's helpers it calls. Tracked by the collector (it holds its
  * monitor). Dynamo never sees one: the monitor puts the Python hooks in their place
  * before Dynamo compiles (module.py). */
+/* The C++ graph hooks' C API (frameworks/pytorch/graph_hooks.cpp, GraphCApi: the same
+   layout), or NULL. A node is an opaque pointer valid during one forward hook (see there);
+   `edge` handles are owned and released. Set with graph_api(); kept once set, so that a
+   call state made while it was on can release its handle after it is switched off. */
+typedef struct {
+    unsigned int version;
+    void *(*edge_of)(PyObject *tensor, long long *nr);
+    void (*release)(void *handle);
+    int (*describe)(const void *node, unsigned long long *seq, PyObject **kind, const void **raw);
+    int (*walk)(const void *root, const void *target, long long target_nr, long long boundary,
+                int (*found)(void *ctx, const void *node, Py_ssize_t e), void *ctx);
+    int (*put)(const void *node, PyObject *hook, int post);
+    PyObject *(*as_object)(const void *node);
+} msprobe_graph_capi_t;
+static const msprobe_graph_capi_t *graph_capi = NULL;
+static int graph_capi_on = 0;
+
 typedef struct {
     PyObject_HEAD
     PyObject *inputs, *boundary, *scope, *outer;
+    /* where the C API took the one input's producer: its node's handle and output number
+       (`inputs` is then made from them only if Python code asks for it) */
+    void *edge;
+    long long edge_nr;
     /* whether the pre-hook ran outside a backward pass (not a recomputation): 1 or 0, -1
        where the Python pre-hook made it (the forward hook then asks again) */
     int outside;
 } CallStateObject;
 
 static void call_state_dealloc(CallStateObject *self) {
+    if (self->edge != NULL)
+        graph_capi->release(self->edge);
     Py_XDECREF(self->inputs);
     Py_XDECREF(self->boundary);
     Py_XDECREF(self->scope);
@@ -2985,8 +3008,42 @@ static PyObject *call_state_make(PyObject *inputs, PyObject *boundary, PyObject 
     s->scope = ref_or_none(scope);
     s->outer = ref_or_none(outer);
     s->outside = -1;
+    s->edge = NULL;
     return (PyObject *)s;
 }
+
+/* call.inputs where the C API took the producer: [((node, nr),)], the node's Python object
+   made now (module.py's fallbacks read it). 0, or -1 with the error set. */
+static int call_state_inputs(CallStateObject *self) {
+    if (self->edge == NULL || (self->inputs != NULL && self->inputs != Py_None))
+        return 0;
+    PyObject *node = graph_capi->as_object(self->edge);
+    PyObject *nr = node == NULL ? NULL : PyLong_FromLongLong(self->edge_nr);
+    PyObject *edge = nr == NULL ? NULL : PyTuple_Pack(2, node, nr);
+    PyObject *producer = edge == NULL ? NULL : PyTuple_Pack(1, edge);
+    PyObject *inputs = producer == NULL ? NULL : PyList_New(1);
+    Py_XDECREF(node);
+    Py_XDECREF(nr);
+    Py_XDECREF(edge);
+    if (inputs == NULL) {
+        Py_XDECREF(producer);
+        return -1;
+    }
+    PyList_SET_ITEM(inputs, 0, producer);
+    Py_XSETREF(self->inputs, inputs);
+    return 0;
+}
+
+static PyObject *call_state_get_inputs(CallStateObject *self, void *closure) {
+    if (call_state_inputs(self) < 0)
+        return NULL;
+    return Py_NewRef(self->inputs == NULL ? Py_None : self->inputs);
+}
+
+static PyGetSetDef call_state_getset[] = {
+    {"inputs", (getter)call_state_get_inputs, NULL, "each input's producer", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
 
 static PyObject *call_state_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"inputs", "boundary", "scope", "outer", NULL};
@@ -2997,7 +3054,6 @@ static PyObject *call_state_new(PyTypeObject *type, PyObject *args, PyObject *kw
 }
 
 static PyMemberDef call_state_members[] = {
-    {"inputs", T_OBJECT, offsetof(CallStateObject, inputs), READONLY, "each input's producer"},
     {"boundary", T_OBJECT, offsetof(CallStateObject, boundary), READONLY, "the first sequence number of the call"},
     {"scope", T_OBJECT, offsetof(CallStateObject, scope), READONLY, NULL},
     {"outer", T_OBJECT, offsetof(CallStateObject, outer), READONLY, "the call it is nested in, or None"},
@@ -3014,6 +3070,7 @@ static PyTypeObject CallStateType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "module._Call in C: one module call's state between its pre-hook and its forward hook.",
     .tp_members = call_state_members,
+    .tp_getset = call_state_getset,
     .tp_new = call_state_new,
 };
 
@@ -3130,36 +3187,38 @@ static PyObject *call_hook_new(PyTypeObject *type, PyObject *args, PyObject *kwd
 
 /* The monitor's NodeHook of `node` in this pass (module._node_hook): a new reference, or NULL
    with the error set. */
+static PyObject *node_hook_by(CallHookObject *self, PyObject *nodes, PyObject *seq, unsigned long long number,
+                              PyObject *kind, int *looked_up);
+
 static PyObject *node_hook_of(CallHookObject *self, PyObject *nodes, PyObject *node, int *looked_up) {
     PyObject *seq = PyObject_CallMethodNoArgs(node, str_sequence_nr);
     if (seq == NULL)
         return NULL;
-    PyObject *kind = (PyObject *)Py_TYPE(node);
     unsigned long long number = PyLong_AsUnsignedLongLong(seq);
-    if (number == (unsigned long long)-1 && PyErr_Occurred()) {
-        Py_DECREF(seq);
-        return NULL;
-    }
+    PyObject *hook = number == (unsigned long long)-1 && PyErr_Occurred()
+                         ? NULL : node_hook_by(self, nodes, seq, number, (PyObject *)Py_TYPE(node), looked_up);
+    Py_DECREF(seq);
+    return hook;
+}
+
+/* node_hook_of's lookup by the node's sequence number (`seq`, an int, and `number`, its
+   value) and the type of its Python objects (`kind`) */
+static PyObject *node_hook_by(CallHookObject *self, PyObject *nodes, PyObject *seq, unsigned long long number,
+                              PyObject *kind, int *looked_up) {
     int shared = number == ~0ULL; /* a number nodes of that type share (AccumulateGrad's): no lookup */
     if (looked_up != NULL)
         *looked_up = !shared;
     if (!shared) {
         PyObject *hook = PyDict_GetItemWithError(nodes, seq); /* borrowed */
-        if (hook != NULL && Py_TYPE(hook) == &NodeHookType && ((NodeHookObject *)hook)->kind == kind) {
-            Py_INCREF(hook);
-            Py_DECREF(seq);
-            return hook;
-        }
-        if (PyErr_Occurred()) {
-            Py_DECREF(seq);
+        if (hook != NULL && Py_TYPE(hook) == &NodeHookType && ((NodeHookObject *)hook)->kind == kind)
+            return Py_NewRef(hook);
+        if (PyErr_Occurred())
             return NULL;
-        }
     }
     PyObject *hook = node_hook_made(&NodeHookType, self->monitor_ref, fwd.node_site, fwd.node_scope, kind,
                                     self->clock);
     if (hook != NULL && !shared && PyDict_SetItem(nodes, seq, hook) < 0)
         Py_CLEAR(hook);
-    Py_DECREF(seq);
     return hook;
 }
 
@@ -3169,34 +3228,73 @@ static PyObject *node_hook_of(CallHookObject *self, PyObject *nodes, PyObject *n
 static PyObject *graph_register_fn = NULL, *graph_edges_fn = NULL;
 
 static PyObject *py_graph_api(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || (args[0] == Py_None) != (args[1] == Py_None) ||
+    if (nargs != 3 || (args[0] == Py_None) != (args[1] == Py_None) || (args[0] == Py_None) != (args[2] == Py_None) ||
         (args[0] != Py_None && (!PyCallable_Check(args[0]) || !PyCallable_Check(args[1])))) {
-        PyErr_SetString(PyExc_TypeError, "graph_api(register, edges_into): two callables, or None and None");
+        PyErr_SetString(PyExc_TypeError, "graph_api(register, edges_into, capi): two callables and the C API's "
+                                         "capsule, or None three times");
         return NULL;
     }
+    if (args[2] != Py_None) {
+        const msprobe_graph_capi_t *api = PyCapsule_GetPointer(args[2], "msprobe_monitor_graph.capi");
+        if (api == NULL)
+            return NULL;
+        if (api->version != 1) {
+            PyErr_Format(PyExc_ValueError, "graph_api: the C API's version %u, not 1", api->version);
+            return NULL;
+        }
+        if (graph_capi != NULL && graph_capi != api) {
+            PyErr_SetString(PyExc_ValueError, "graph_api: another C API is in use already");
+            return NULL;
+        }
+        graph_capi = api;
+    }
+    graph_capi_on = args[2] != Py_None;
     Py_XSETREF(graph_register_fn, args[0] == Py_None ? NULL : (Py_INCREF(args[0]), args[0]));
     Py_XSETREF(graph_edges_fn, args[1] == Py_None ? NULL : (Py_INCREF(args[1]), args[1]));
     Py_RETURN_NONE;
 }
 
 /* module._register(hook, node): 0, or -1 with the error set */
+/* A NodeHook's registration still to make on its node: the method's name (post-hook or
+   pre-hook) with its flag set, or NULL where it is on already */
+static PyObject *registration_due(NodeHookObject *h) {
+    if (PyTuple_Check(h->ins) && PyTuple_GET_SIZE(h->ins) > 0) {
+        if (!h->post) {
+            h->post = 1;
+            return str_register_hook;
+        }
+    } else if (!h->pre && !h->post) {
+        h->pre = 1;
+        return str_register_prehook;
+    }
+    return NULL;
+}
+
+/* register_node_hook for a node of the C API: put from C++, or through the node's Python
+   object where the C++ library leaves it (a custom Function's node) */
+static int register_capi_node(NodeHookObject *h, const void *node) {
+    PyObject *method = registration_due(h);
+    if (method == NULL)
+        return 0;
+    int put = graph_capi->put(node, (PyObject *)h, method == str_register_hook);
+    if (put != 0)
+        return put < 0 ? -1 : 0;
+    PyObject *obj = graph_capi->as_object(node);
+    if (obj == NULL)
+        return -1;
+    PyObject *handle = PyObject_CallMethodOneArg(obj, method, (PyObject *)h);
+    Py_DECREF(obj);
+    Py_XDECREF(handle);
+    return handle == NULL ? -1 : 0;
+}
+
 static int register_node_hook(PyObject *hook, PyObject *node) {
     if (Py_TYPE(hook) != &NodeHookType) {
         PyObject *r = PyObject_CallFunctionObjArgs(fwd.register_fn, hook, node, NULL);
         Py_XDECREF(r);
         return r == NULL ? -1 : 0;
     }
-    NodeHookObject *h = (NodeHookObject *)hook;
-    PyObject *method = NULL;
-    if (PyTuple_Check(h->ins) && PyTuple_GET_SIZE(h->ins) > 0) {
-        if (!h->post) {
-            h->post = 1;
-            method = str_register_hook;
-        }
-    } else if (!h->pre && !h->post) {
-        h->pre = 1;
-        method = str_register_prehook;
-    }
+    PyObject *method = registration_due((NodeHookObject *)hook);
     if (method == NULL)
         return 0;
     if (graph_register_fn != NULL) {
@@ -3399,6 +3497,153 @@ done:
     return result;
 }
 
+/* The edges walk() found: (node, edge index) pairs, in the order found. */
+typedef struct {
+    const void **nodes;
+    Py_ssize_t *edges;
+    Py_ssize_t n, size;
+} found_edges_t;
+
+static int found_edge(void *ctx, const void *node, Py_ssize_t e) {
+    found_edges_t *f = (found_edges_t *)ctx;
+    if (f->n == f->size) {
+        Py_ssize_t size = f->size ? 2 * f->size : 4;
+        const void **nodes = PyMem_Realloc(f->nodes, size * sizeof *nodes);
+        if (nodes == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        f->nodes = nodes;
+        Py_ssize_t *edges = PyMem_Realloc(f->edges, size * sizeof *edges);
+        if (edges == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        f->edges = edges;
+        f->size = size;
+    }
+    f->nodes[f->n] = node;
+    f->edges[f->n++] = e;
+    return 0;
+}
+
+/* The NodeHook of a node of the C API in this pass: a new reference, or NULL with the error
+   set; its address in *raw */
+static PyObject *capi_node_hook(CallHookObject *self, PyObject *nodes, const void *node, const void **raw,
+                                int *looked_up) {
+    unsigned long long number;
+    PyObject *kind;
+    if (graph_capi->describe(node, &number, &kind, raw) < 0)
+        return NULL;
+    PyObject *seq = PyLong_FromUnsignedLongLong(number);
+    if (seq == NULL)
+        return NULL;
+    PyObject *hook = node_hook_by(self, nodes, seq, number, kind, looked_up);
+    Py_DECREF(seq);
+    if (hook != NULL && Py_TYPE(hook) != &NodeHookType) {
+        Py_DECREF(hook);
+        PyErr_SetString(PyExc_TypeError, "CallHook: a node hook that is not a NodeHook");
+        return NULL;
+    }
+    return hook;
+}
+
+/* hook_graph_one through the C API: the output's node `own` (output number `nr`) and the
+   input's producer taken by the pre-hook (call->edge), walked and hooked in C++ with no
+   Python object for a node. The same slots on the same nodes, registered in the same order.
+   0, or -1 with the error set. */
+static int hook_graph_capi(CallHookObject *self, const void *own, long long nr, CallStateObject *call) {
+    PyObject *nodes = NULL, *nr_obj = NULL, *out_hook = NULL, *number = NULL, *count = NULL;
+    PyObject **hooks = NULL;
+    found_edges_t found = {NULL, NULL, 0, 0};
+    int result = -1;
+    if ((nodes = PyObject_GetAttr(self->pass, str_nodes)) == NULL)
+        goto done;
+    if (nodes == Py_None) {
+        Py_DECREF(nodes);
+        if ((nodes = PyDict_New()) == NULL || PyObject_SetAttr(self->pass, str_nodes, nodes) < 0)
+            goto done;
+    } else if (!PyDict_Check(nodes)) {
+        PyErr_SetString(PyExc_TypeError, "CallHook: the pass's node table is not a dict");
+        goto done;
+    }
+    const void *own_raw;
+    int looked_up;
+    if ((out_hook = capi_node_hook(self, nodes, own, &own_raw, &looked_up)) == NULL ||
+        (nr_obj = PyLong_FromLongLong(nr)) == NULL || add_out_slot(self, (NodeHookObject *)out_hook, nr_obj) < 0)
+        goto done;
+    long long boundary = PyLong_AsLongLong(call->boundary);
+    if (boundary == -1 && PyErr_Occurred())
+        goto done;
+    if (graph_capi->walk(own, call->edge, call->edge_nr, boundary, found_edge, &found) < 0)
+        goto done;
+    /* one_input_slots: several edges share one running sum */
+    Py_ssize_t parts = found.n;
+    if (parts > 1) {
+        if ((number = PyIter_Next(self->sum_numbers)) == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_RuntimeError, "CallHook: the sum numbers ran out");
+            goto done;
+        }
+        if ((count = PyLong_FromSsize_t(parts)) == NULL)
+            goto done;
+    }
+    if (parts > 0 && (hooks = PyMem_Calloc(parts, sizeof *hooks)) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < parts; i++) {
+        const void *raw;
+        PyObject *hook;
+        if (graph_capi->describe(found.nodes[i], &(unsigned long long){0}, &(PyObject *){NULL}, &raw) < 0)
+            goto done;
+        /* the output's own node, most often (a Linear's, a norm's): its hook, looked up already */
+        hook = looked_up && raw == own_raw ? Py_NewRef(out_hook) : capi_node_hook(self, nodes, found.nodes[i], &raw, NULL);
+        if (hook == NULL)
+            goto done;
+        hooks[i] = hook;
+        NodeHookObject *h = (NodeHookObject *)hook;
+        PyObject *e = PyLong_FromSsize_t(found.edges[i]);
+        if (e == NULL)
+            goto done;
+        int failed;
+        if (number == NULL) {
+            failed = add_in_slot(self, h, e) < 0;
+        } else {
+            PyObject *slot = PyTuple_Pack(6, self->vpp, e, self->grad_input_0, number, count, self->in_site);
+            PyObject *ins = slot == NULL ? NULL : tuple_plus(h->ins, slot);
+            Py_XDECREF(slot);
+            failed = ins == NULL;
+            if (ins != NULL)
+                Py_XSETREF(h->ins, ins);
+        }
+        Py_DECREF(e);
+        if (failed)
+            goto done;
+    }
+    /* registered as _hook_graph_one does: the output's node first, then each input edge's */
+    if (register_capi_node((NodeHookObject *)out_hook, own) < 0)
+        goto done;
+    for (Py_ssize_t i = 0; i < parts; i++)
+        if (register_capi_node((NodeHookObject *)hooks[i], found.nodes[i]) < 0)
+            goto done;
+    result = 0;
+done:
+    if (hooks != NULL) {
+        for (Py_ssize_t i = 0; i < parts; i++)
+            Py_XDECREF(hooks[i]);
+        PyMem_Free(hooks);
+    }
+    PyMem_Free(found.nodes);
+    PyMem_Free(found.edges);
+    Py_XDECREF(nodes);
+    Py_XDECREF(nr_obj);
+    Py_XDECREF(out_hook);
+    Py_XDECREF(number);
+    Py_XDECREF(count);
+    return result;
+}
+
 /* read(t, vpp, row, scope) appended to monitor._records: 0, or -1 with the error set */
 static int record_into(CallHookObject *self, PyObject *t, PyObject *scope) {
     PyObject *call_args[4] = {t, self->vpp, self->row, scope};
@@ -3463,19 +3708,37 @@ static int before_forward(CallHookObject *self, PyObject *t, PyObject *scope) {
     int outside = outside_backward();
     if (outside < 0 || (outside && record_into(self, t, scope) < 0))
         goto done;
-    if ((boundary = PyObject_CallNoArgs(fwd.sequence_nr)) == NULL || (producer = producer_of(t)) == NULL ||
-        (inputs = PyList_New(1)) == NULL)
+    if ((boundary = PyObject_CallNoArgs(fwd.sequence_nr)) == NULL)
         goto done;
-    PyList_SET_ITEM(inputs, 0, producer);
-    producer = NULL;
-    if ((key = call_key(self)) == NULL)
+    void *edge = NULL;
+    long long edge_nr = 0;
+    if (graph_capi_on && (edge = graph_capi->edge_of(t, &edge_nr)) == NULL && PyErr_Occurred())
         goto done;
+    if (edge == NULL) {
+        if ((producer = producer_of(t)) == NULL || (inputs = PyList_New(1)) == NULL)
+            goto done;
+        PyList_SET_ITEM(inputs, 0, producer);
+        producer = NULL;
+    }
+    if ((key = call_key(self)) == NULL) {
+        if (edge != NULL)
+            graph_capi->release(edge);
+        goto done;
+    }
     PyObject *outer = PyDict_GetItemWithError(self->calls, key); /* borrowed */
-    if (outer == NULL && PyErr_Occurred())
+    if (outer == NULL && PyErr_Occurred()) {
+        if (edge != NULL)
+            graph_capi->release(edge);
         goto done;
-    if ((call = call_state_make(inputs, boundary, scope, outer == NULL ? Py_None : outer)) == NULL)
+    }
+    if ((call = call_state_make(inputs, boundary, scope, outer == NULL ? Py_None : outer)) == NULL) {
+        if (edge != NULL)
+            graph_capi->release(edge);
         goto done;
+    }
     ((CallStateObject *)call)->outside = outside; /* the forward hook runs where its pre-hook ran */
+    ((CallStateObject *)call)->edge = edge;
+    ((CallStateObject *)call)->edge_nr = edge_nr;
     if (PyDict_SetItem(self->calls, key, call) < 0)
         goto done;
     result = 0;
@@ -3492,6 +3755,8 @@ done:
    borrowed; NULL where they are not */
 static PyObject *one_edge(CallStateObject *call) {
     PyObject *inputs = call->inputs;
+    if (inputs == NULL)
+        return NULL;
     if (PyList_Check(inputs) && PyList_GET_SIZE(inputs) == 1) {
         PyObject *producer = PyList_GET_ITEM(inputs, 0);
         if (PyTuple_CheckExact(producer) && PyTuple_GET_SIZE(producer) == 1)
@@ -3514,6 +3779,18 @@ static int after_forward(CallHookObject *self, PyObject *output, CallStateObject
     }
     if (wants <= 0)
         return wants;
+    if (call->edge != NULL) {
+        long long nr = 0;
+        void *own = graph_capi->edge_of(output, &nr);
+        if (own != NULL) {
+            int result = hook_graph_capi(self, own, nr, call);
+            graph_capi->release(own);
+            return result;
+        }
+        /* a view, or a custom Function's output: the objects of the Python path */
+        if (PyErr_Occurred() || call_state_inputs(call) < 0)
+            return -1;
+    }
     PyObject *edge = one_edge(call);
     PyObject *own = PyObject_GetAttr(output, str_grad_fn);
     if (own == NULL)
@@ -3824,7 +4101,7 @@ static PyMethodDef methods[] = {
     {"edges_into", (PyCFunction)(void (*)(void))py_edges_into, METH_FASTCALL, "module._edges_into's walk"},
     {"forward_api", (PyCFunction)(void (*)(void))py_forward_api, METH_FASTCALL, "what CallHook calls"},
     {"graph_api", (PyCFunction)(void (*)(void))py_graph_api, METH_FASTCALL,
-     "graph_api(register, edges_into): what CallHook uses instead of torch's Python API (None, None: that API)"},
+     "graph_api(register, edges_into, capi): what CallHook uses instead of torch's Python API (None x3: that API)"},
     {"_format_float", py_format_float, METH_O, "one float cell, as format_rows writes it"},
     {"dtypes", py_dtypes, METH_NOARGS, "bit mask of the dtype codes this build reduces"},
     {NULL, NULL, 0, NULL},

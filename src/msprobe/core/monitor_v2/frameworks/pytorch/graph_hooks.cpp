@@ -36,7 +36,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <memory>
+#include <type_traits>
+#include <typeindex>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -262,6 +266,159 @@ PyObject *edges_into(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     return found;
 }
 
+/* ------------------------------------------------------------------- the C API
+   The kernel's extension (python_ext.c) runs a module's common call (one tensor in, one
+   tensor out) in C; through these functions it takes the input's producer and the
+   output's node, walks between them and puts its hooks on, with no Python object for any
+   node: torch keeps a node's Python object as long as the node, and freeing it during the
+   backward pass takes the GIL once a node. A node is passed as a pointer to the owning
+   pointer torch's graph holds (an Edge's function, or a handle made by edge_of): valid
+   while the graph is, so within one forward hook. The layout of GraphCApi is python_ext.c's
+   msprobe_graph_capi_t. */
+
+using NodePtr = std::remove_cv_t<std::remove_reference_t<decltype(std::declval<torch::autograd::Edge &>().function)>>;
+
+/* the Python type torch gives each C++ node type (the NodeHook's kind, as type(node) in
+   module.py), learnt once per type from one node's Python object */
+std::unordered_map<std::type_index, PyObject *> kinds;
+
+/* whether a node is a custom autograd.Function's (torch's PyNode): by the type's name,
+   since libtorch_python does not export PyNode's type information */
+bool is_python_node(const Node *node) { return std::strcmp(typeid(*node).name(), "N5torch8autograd6PyNodeE") == 0; }
+
+/* edge_of(tensor, &nr): a new handle on the node of `tensor`'s grad_fn and its output
+   number, where the tensor is not a view and the node is one of torch's C++ nodes; NULL
+   otherwise (the error set only where one was raised) */
+void *edge_of(PyObject *tensor, long long *nr) {
+    if (!THPVariable_Check(tensor))
+        return nullptr;
+    try {
+        const at::Tensor &t = THPVariable_Unpack(tensor);
+        if (t.is_view())
+            return nullptr;
+        const auto &fn = t.grad_fn();
+        if (!fn || is_python_node(fn.get()))
+            return nullptr;
+        *nr = static_cast<long long>(t.output_nr());
+        return new NodePtr(fn);
+    } catch (const std::exception &exc) {
+        PyErr_SetString(PyExc_RuntimeError, exc.what());
+        return nullptr;
+    }
+}
+
+void release(void *handle) { delete static_cast<NodePtr *>(handle); }
+
+const NodePtr &owner(const void *node) { return *static_cast<const NodePtr *>(node); }
+
+/* describe(node, &seq, &kind, &raw): the node's sequence number, the Python type of its
+   node objects (borrowed), its address (to compare two nodes): 0, or -1 with the error set */
+int describe(const void *node, unsigned long long *seq, PyObject **kind, const void **raw) {
+    const NodePtr &ptr = owner(node);
+    Node *n = ptr.get();
+    *seq = n->sequence_nr();
+    *raw = n;
+    if (is_python_node(n)) {
+        PyObject *obj = torch::autograd::functionToPyObject(ptr);
+        if (obj == nullptr)
+            return -1;
+        *kind = reinterpret_cast<PyObject *>(Py_TYPE(obj));
+        Py_DECREF(obj); /* a custom Function's node object lives as long as its node */
+        return 0;
+    }
+    auto found = kinds.find(std::type_index(typeid(*n)));
+    if (found == kinds.end()) {
+        PyObject *obj = torch::autograd::functionToPyObject(ptr);
+        if (obj == nullptr)
+            return -1;
+        PyObject *type = reinterpret_cast<PyObject *>(Py_TYPE(obj));
+        Py_INCREF(type);
+        Py_DECREF(obj);
+        found = kinds.emplace(std::type_index(typeid(*n)), type).first;
+    }
+    *kind = found->second;
+    return 0;
+}
+
+/* walk(root, target, target_nr, boundary, found, ctx): edges_into from the one root, found(ctx,
+   node, e) called for each edge equal to (target, target_nr) in the order edges_into finds
+   them: 0, or -1 with the error set (found's error, or the walk's) */
+int walk(const void *root, const void *target, long long target_nr, long long boundary,
+         int (*found)(void *, const void *, Py_ssize_t), void *ctx) {
+    const Node *goal = owner(target).get();
+    std::vector<const NodePtr *> stack{&owner(root)};
+    Visited visited;
+    try {
+        while (!stack.empty()) {
+            const NodePtr *entry = stack.back();
+            stack.pop_back();
+            Node *node = entry->get();
+            if (visited.contains(node))
+                continue;
+            visited.add(node);
+            const auto &edges = node->next_edges();
+            for (size_t e = 0; e < edges.size(); e++) {
+                const torch::autograd::Edge &edge = edges[e];
+                Node *child = edge.function.get();
+                if (child == goal && static_cast<long long>(edge.input_nr) == target_nr) {
+                    if (found(ctx, entry, static_cast<Py_ssize_t>(e)) < 0)
+                        return -1;
+                    continue;
+                }
+                if (child == nullptr || dynamic_cast<torch::autograd::AccumulateGrad *>(child) != nullptr)
+                    continue;
+                if ((boundary < 0 || child->sequence_nr() >= static_cast<uint64_t>(boundary)) && !visited.contains(child))
+                    stack.push_back(&edge.function);
+            }
+        }
+    } catch (const std::exception &exc) {
+        PyErr_SetString(PyExc_RuntimeError, exc.what());
+        return -1;
+    }
+    return 0;
+}
+
+/* put(node, hook, post): 1 with the hook on the node, 0 where the node is a custom
+   Function's (the Python API then), -1 with the error set */
+int put(const void *node, PyObject *hook, int post) {
+    Node *n = owner(node).get();
+    if (is_python_node(n))
+        return 0;
+    try {
+        if (post)
+            n->add_post_hook(std::make_unique<PostHook>(hook));
+        else
+            n->add_pre_hook(std::make_unique<PreHook>(hook));
+    } catch (const std::exception &exc) {
+        PyErr_SetString(PyExc_RuntimeError, exc.what());
+        return -1;
+    }
+    hooks_added.fetch_add(1, std::memory_order_relaxed);
+    return 1;
+}
+
+/* as_object(node): the node's Python object, a new reference (the Python API's fallbacks) */
+PyObject *as_object(const void *node) {
+    try {
+        return torch::autograd::functionToPyObject(owner(node));
+    } catch (const std::exception &exc) {
+        PyErr_SetString(PyExc_RuntimeError, exc.what());
+        return nullptr;
+    }
+}
+
+struct GraphCApi {
+    unsigned int version;
+    void *(*edge_of)(PyObject *, long long *);
+    void (*release)(void *);
+    int (*describe)(const void *, unsigned long long *, PyObject **, const void **);
+    int (*walk)(const void *, const void *, long long, long long, int (*)(void *, const void *, Py_ssize_t), void *);
+    int (*put)(const void *, PyObject *, int);
+    PyObject *(*as_object)(const void *);
+};
+
+const GraphCApi capi = {1, edge_of, release, describe, walk, put, as_object};
+
 PyObject *counter(std::atomic<long long> &value) { return PyLong_FromLongLong(value.load()); }
 PyObject *hooks(PyObject *, PyObject *) { return counter(hooks_added); }
 PyObject *uncontained(PyObject *, PyObject *) { return counter(uncontained_errors); }
@@ -282,4 +439,15 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, "_msprobe_monitor_graph", nullptr, 
 
 } // namespace
 
-PyMODINIT_FUNC PyInit__msprobe_monitor_graph(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__msprobe_monitor_graph(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == nullptr)
+        return nullptr;
+    PyObject *api = PyCapsule_New(const_cast<GraphCApi *>(&capi), "msprobe_monitor_graph.capi", nullptr);
+    if (api == nullptr || PyModule_AddObject(m, "capi", api) < 0) {
+        Py_XDECREF(api);
+        Py_DECREF(m);
+        return nullptr;
+    }
+    return m;
+}

@@ -451,7 +451,7 @@ class _GraphHooks:
             return
         if self.register is None:
             self.register, self.edges_into = library.register, library.edges_into
-            ext.graph_api(library.register, library.edges_into)
+            ext.graph_api(library.register, library.edges_into, library.capi)
         uncontained = library.uncontained()
         if uncontained > self.uncontained:
             self.uncontained = uncontained
