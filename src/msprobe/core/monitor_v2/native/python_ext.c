@@ -2958,12 +2958,41 @@ fail:
  * functions and module.py's helpers it calls. Tracked by the collector (it holds its
  * monitor). Dynamo never sees one: the monitor puts the Python hooks in their place
  * before Dynamo compiles (module.py). */
+/* Whether the NodeHook `hook` reads index i of the gradients a call gives it (which: 0 a
+   pre-hook's incoming gradients, 1 a post-hook's results, 2 a post-hook's incoming
+   gradients): its slots' indices (node_hook_record reads item 1 of each). The C++ graph
+   hooks wrap only those in tensors. 1 for any other hook, or a slot it cannot read. */
+static int node_hook_reads(PyObject *hook, int which, Py_ssize_t i) {
+    if (Py_TYPE(hook) != &NodeHookType)
+        return 1;
+    NodeHookObject *h = (NodeHookObject *)hook;
+    if (which == 2 && h->pre) /* its pre-hook read the outs */
+        return 0;
+    PyObject *slots = which == 1 ? h->ins : h->outs;
+    if (!PyTuple_Check(slots))
+        return 1;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(slots); k++) {
+        PyObject *slot = PyTuple_GET_ITEM(slots, k);
+        if (!PyTuple_Check(slot) || PyTuple_GET_SIZE(slot) < 2)
+            return 1;
+        Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(slot, 1));
+        if (at == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 1;
+        }
+        if (at == i)
+            return 1;
+    }
+    return 0;
+}
+
 /* The C++ graph hooks' C API (frameworks/pytorch/graph_hooks.cpp, GraphCApi: the same
    layout), or NULL. A node is an opaque pointer valid during one forward hook (see there);
    `edge` handles are owned and released. Set with graph_api(); kept once set, so that a
    call state made while it was on can release its handle after it is switched off. */
 typedef struct {
     unsigned int version;
+    void (*set_reads)(int (*reads)(PyObject *hook, int which, Py_ssize_t i));
     void *(*edge_of)(PyObject *tensor, long long *nr);
     void (*release)(void *handle);
     int (*describe)(const void *node, unsigned long long *seq, PyObject **kind, const void **raw);
@@ -3238,8 +3267,8 @@ static PyObject *py_graph_api(PyObject *self, PyObject *const *args, Py_ssize_t 
         const msprobe_graph_capi_t *api = PyCapsule_GetPointer(args[2], "msprobe_monitor_graph.capi");
         if (api == NULL)
             return NULL;
-        if (api->version != 1) {
-            PyErr_Format(PyExc_ValueError, "graph_api: the C API's version %u, not 1", api->version);
+        if (api->version != 2) {
+            PyErr_Format(PyExc_ValueError, "graph_api: the C API's version %u, not 2", api->version);
             return NULL;
         }
         if (graph_capi != NULL && graph_capi != api) {
@@ -3247,6 +3276,7 @@ static PyObject *py_graph_api(PyObject *self, PyObject *const *args, Py_ssize_t 
             return NULL;
         }
         graph_capi = api;
+        api->set_reads(node_hook_reads);
     }
     graph_capi_on = args[2] != Py_None;
     Py_XSETREF(graph_register_fn, args[0] == Py_None ? NULL : (Py_INCREF(args[0]), args[0]));

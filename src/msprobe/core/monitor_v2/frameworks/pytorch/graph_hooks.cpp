@@ -53,14 +53,22 @@ std::atomic<long long> hooks_added{0};
 std::atomic<long long> uncontained_errors{0};
 std::atomic<long long> compiled_requests_seen{0};
 
-/* the gradients as a tuple of tensors (None where undefined): a new reference, or NULL */
-PyObject *as_tuple(const variable_list &grads) {
+/* Which gradients a hook reads, where the kernel's extension says (set_reads: its
+   NodeHook's slots): reads(hook, which, i) for which = 0 (a pre-hook's incoming gradients),
+   1 (a post-hook's results), 2 (a post-hook's incoming gradients). The others are passed as
+   None: a tensor's Python object costs its making and its freeing, and most nodes have
+   three or four gradients of which the monitor reads one or two. */
+int (*reads)(PyObject *hook, int which, Py_ssize_t i) = nullptr;
+
+/* the gradients as a tuple of tensors, None where undefined or not read by `hook`: a new
+   reference, or NULL */
+PyObject *as_tuple(const variable_list &grads, PyObject *hook, int which) {
     PyObject *tuple = PyTuple_New(static_cast<Py_ssize_t>(grads.size()));
     if (tuple == nullptr)
         return nullptr;
     for (size_t i = 0; i < grads.size(); i++) {
         PyObject *item;
-        if (grads[i].defined()) {
+        if (grads[i].defined() && (reads == nullptr || reads(hook, which, static_cast<Py_ssize_t>(i)))) {
             item = THPVariable_Wrap(grads[i]);
             if (item == nullptr) {
                 Py_DECREF(tuple);
@@ -78,8 +86,8 @@ PyObject *as_tuple(const variable_list &grads) {
 /* hook(*args) with the GIL held, each argument a gradient list; never raises */
 void call_hook(PyObject *hook, const variable_list &first, const variable_list *second) {
     PyGILState_STATE gil = PyGILState_Ensure();
-    PyObject *a = as_tuple(first);
-    PyObject *b = (a == nullptr || second == nullptr) ? nullptr : as_tuple(*second);
+    PyObject *a = as_tuple(first, hook, second == nullptr ? 0 : 1);
+    PyObject *b = (a == nullptr || second == nullptr) ? nullptr : as_tuple(*second, hook, 2);
     PyObject *result = nullptr;
     if (a != nullptr && (second == nullptr || b != nullptr))
         result = second == nullptr ? PyObject_CallOneArg(hook, a) : PyObject_CallFunctionObjArgs(hook, a, b, nullptr);
@@ -407,8 +415,11 @@ PyObject *as_object(const void *node) {
     }
 }
 
+void set_reads(int (*fn)(PyObject *, int, Py_ssize_t)) { reads = fn; }
+
 struct GraphCApi {
     unsigned int version;
+    void (*set_reads)(int (*)(PyObject *, int, Py_ssize_t));
     void *(*edge_of)(PyObject *, long long *);
     void (*release)(void *);
     int (*describe)(const void *, unsigned long long *, PyObject **, const void **);
@@ -417,7 +428,7 @@ struct GraphCApi {
     PyObject *(*as_object)(const void *);
 };
 
-const GraphCApi capi = {1, edge_of, release, describe, walk, put, as_object};
+const GraphCApi capi = {2, set_reads, edge_of, release, describe, walk, put, as_object};
 
 PyObject *counter(std::atomic<long long> &value) { return PyLong_FromLongLong(value.load()); }
 PyObject *hooks(PyObject *, PyObject *) { return counter(hooks_added); }
