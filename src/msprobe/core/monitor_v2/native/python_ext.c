@@ -2688,6 +2688,53 @@ static PyObject *py_exported(PyObject *self, PyObject *const *args, Py_ssize_t n
     return Py_BuildValue("(NLi)", PyLong_FromVoidPtr(ptr), (long long)n, code);
 }
 
+/* Whether the NodeHook `hook` reads index i of the gradients a call gives it (which: 0 a
+   pre-hook's incoming gradients, 1 a post-hook's results, 2 a post-hook's incoming
+   gradients): its slots' indices (node_hook_record reads item 1 of each). The C++ graph
+   hooks wrap only those in tensors. 1 for any other hook, or a slot it cannot read. */
+static int node_hook_reads(PyObject *hook, int which, Py_ssize_t i) {
+    if (Py_TYPE(hook) != &NodeHookType)
+        return 1;
+    NodeHookObject *h = (NodeHookObject *)hook;
+    if (which == 2 && h->pre) /* its pre-hook read the outs */
+        return 0;
+    PyObject *slots = which == 1 ? h->ins : h->outs;
+    if (!PyTuple_Check(slots))
+        return 1;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(slots); k++) {
+        PyObject *slot = PyTuple_GET_ITEM(slots, k);
+        if (!PyTuple_Check(slot) || PyTuple_GET_SIZE(slot) < 2)
+            return 1;
+        Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(slot, 1));
+        if (at == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 1;
+        }
+        if (at == i)
+            return 1;
+    }
+    return 0;
+}
+
+/* The C++ graph hooks' C API (frameworks/pytorch/graph_hooks.cpp, GraphCApi: the same
+   layout), or NULL. A node is an opaque pointer valid during one forward hook (see there);
+   `edge` handles are owned and released. Set with graph_api(); kept once set, so that a
+   call state made while it was on can release its handle after it is switched off. */
+typedef struct {
+    unsigned int version;
+    void (*set_reads)(int (*reads)(PyObject *hook, int which, Py_ssize_t i));
+    void *(*edge_of)(PyObject *tensor, long long *nr);
+    void (*release)(void *handle);
+    int (*describe)(const void *node, unsigned long long *seq, PyObject **kind, const void **raw);
+    int (*walk)(const void *root, const void *target, long long target_nr, long long boundary,
+                int (*found)(void *ctx, const void *node, Py_ssize_t e), void *ctx);
+    int (*put)(const void *node, PyObject *hook, int post);
+    PyObject *(*as_object)(const void *node);
+    int (*buffer)(PyObject *tensor, void **ptr, int64_t *n, int *code);
+} msprobe_graph_capi_t;
+static const msprobe_graph_capi_t *graph_capi = NULL;
+static int graph_capi_on = 0;
+
 /* The tensor's data pointer, element count and dtype (a new reference) where the kernel
    reads it: 1; 0 where it does not; -1 on an error (set). */
 static int kernel_buffer(PyObject *t, PyObject *plain_types, PyObject *codes, PyObject *strided, void **ptr,
@@ -2696,6 +2743,11 @@ static int kernel_buffer(PyObject *t, PyObject *plain_types, PyObject *codes, Py
     int plain = PySet_Contains(plain_types, (PyObject *)Py_TYPE(t));
     if (plain <= 0)
         return plain;
+    /* The C++ graph hooks' library reads the tensor itself (checked against the getters
+       when it is loaded): a CPU tensor the kernel reads is described in a few
+       instructions; any other goes the ways below. */
+    if (graph_capi_on && graph_capi->buffer(t, ptr, n, code) && (msprobe_stats_dtypes() & (1 << *code)))
+        return 1;
     /* The view says the device (is_cpu costs as much again): a tensor on an accelerator is
        described without a copy or a sync, and left to the Python path. *dtype stays NULL
        on the view's and the export's paths: cached_record asks where it needs it. */
@@ -2958,51 +3010,6 @@ fail:
  * functions and module.py's helpers it calls. Tracked by the collector (it holds its
  * monitor). Dynamo never sees one: the monitor puts the Python hooks in their place
  * before Dynamo compiles (module.py). */
-/* Whether the NodeHook `hook` reads index i of the gradients a call gives it (which: 0 a
-   pre-hook's incoming gradients, 1 a post-hook's results, 2 a post-hook's incoming
-   gradients): its slots' indices (node_hook_record reads item 1 of each). The C++ graph
-   hooks wrap only those in tensors. 1 for any other hook, or a slot it cannot read. */
-static int node_hook_reads(PyObject *hook, int which, Py_ssize_t i) {
-    if (Py_TYPE(hook) != &NodeHookType)
-        return 1;
-    NodeHookObject *h = (NodeHookObject *)hook;
-    if (which == 2 && h->pre) /* its pre-hook read the outs */
-        return 0;
-    PyObject *slots = which == 1 ? h->ins : h->outs;
-    if (!PyTuple_Check(slots))
-        return 1;
-    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(slots); k++) {
-        PyObject *slot = PyTuple_GET_ITEM(slots, k);
-        if (!PyTuple_Check(slot) || PyTuple_GET_SIZE(slot) < 2)
-            return 1;
-        Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(slot, 1));
-        if (at == -1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            return 1;
-        }
-        if (at == i)
-            return 1;
-    }
-    return 0;
-}
-
-/* The C++ graph hooks' C API (frameworks/pytorch/graph_hooks.cpp, GraphCApi: the same
-   layout), or NULL. A node is an opaque pointer valid during one forward hook (see there);
-   `edge` handles are owned and released. Set with graph_api(); kept once set, so that a
-   call state made while it was on can release its handle after it is switched off. */
-typedef struct {
-    unsigned int version;
-    void (*set_reads)(int (*reads)(PyObject *hook, int which, Py_ssize_t i));
-    void *(*edge_of)(PyObject *tensor, long long *nr);
-    void (*release)(void *handle);
-    int (*describe)(const void *node, unsigned long long *seq, PyObject **kind, const void **raw);
-    int (*walk)(const void *root, const void *target, long long target_nr, long long boundary,
-                int (*found)(void *ctx, const void *node, Py_ssize_t e), void *ctx);
-    int (*put)(const void *node, PyObject *hook, int post);
-    PyObject *(*as_object)(const void *node);
-} msprobe_graph_capi_t;
-static const msprobe_graph_capi_t *graph_capi = NULL;
-static int graph_capi_on = 0;
 
 typedef struct {
     PyObject_HEAD
@@ -3267,8 +3274,8 @@ static PyObject *py_graph_api(PyObject *self, PyObject *const *args, Py_ssize_t 
         const msprobe_graph_capi_t *api = PyCapsule_GetPointer(args[2], "msprobe_monitor_graph.capi");
         if (api == NULL)
             return NULL;
-        if (api->version != 2) {
-            PyErr_Format(PyExc_ValueError, "graph_api: the C API's version %u, not 2", api->version);
+        if (api->version != 3) {
+            PyErr_Format(PyExc_ValueError, "graph_api: the C API's version %u, not 3", api->version);
             return NULL;
         }
         if (graph_capi != NULL && graph_capi != api) {

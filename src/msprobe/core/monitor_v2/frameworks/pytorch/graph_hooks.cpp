@@ -417,6 +417,40 @@ PyObject *as_object(const void *node) {
 
 void set_reads(int (*fn)(PyObject *, int, Py_ssize_t)) { reads = fn; }
 
+/* buffer(tensor, &ptr, &n, &code): 1 with the first element's address, the element count
+   and the kernel's dtype code (0 fp32, 1 bf16, 2 fp16) where `tensor` is a CPU tensor of
+   one of those dtypes, strided, contiguous, not empty, with no negative bit and a storage;
+   0 otherwise (the caller's other ways then look, and say what is wrong). Read from the
+   tensor itself: torch's getters (is_neg() among them releases and takes the GIL again)
+   and its DLPack exchange cost ten times as much. */
+int buffer(PyObject *tensor, void **ptr, int64_t *n, int *code) {
+    if (!THPVariable_Check(tensor))
+        return 0;
+    try {
+        const at::Tensor &t = THPVariable_Unpack(tensor);
+        if (!t.defined() || t.layout() != at::kStrided || !t.device().is_cpu() || t.is_nested() || t.is_neg() ||
+            !t.has_storage())
+            return 0;
+        switch (t.scalar_type()) {
+        case at::kFloat: *code = 0; break;
+        case at::kBFloat16: *code = 1; break;
+        case at::kHalf: *code = 2; break;
+        default: return 0;
+        }
+        if (!t.is_contiguous())
+            return 0;
+        int64_t count = t.numel();
+        const void *data = count > 0 ? t.const_data_ptr() : nullptr;
+        if (data == nullptr)
+            return 0;
+        *ptr = const_cast<void *>(data);
+        *n = count;
+        return 1;
+    } catch (const std::exception &) {
+        return 0;
+    }
+}
+
 struct GraphCApi {
     unsigned int version;
     void (*set_reads)(int (*)(PyObject *, int, Py_ssize_t));
@@ -426,9 +460,20 @@ struct GraphCApi {
     int (*walk)(const void *, const void *, long long, long long, int (*)(void *, const void *, Py_ssize_t), void *);
     int (*put)(const void *, PyObject *, int);
     PyObject *(*as_object)(const void *);
+    int (*buffer)(PyObject *, void **, int64_t *, int *);
 };
 
-const GraphCApi capi = {2, set_reads, edge_of, release, describe, walk, put, as_object};
+const GraphCApi capi = {3, set_reads, edge_of, release, describe, walk, put, as_object, buffer};
+
+/* buffer(tensor) -> (address, count, code) or None: the C API's buffer (for the self-test) */
+PyObject *py_buffer(PyObject *, PyObject *tensor) {
+    void *ptr = nullptr;
+    int64_t n = 0;
+    int code = 0;
+    if (!buffer(tensor, &ptr, &n, &code))
+        Py_RETURN_NONE;
+    return Py_BuildValue("(NLi)", PyLong_FromVoidPtr(ptr), static_cast<long long>(n), code);
+}
 
 PyObject *counter(std::atomic<long long> &value) { return PyLong_FromLongLong(value.load()); }
 PyObject *hooks(PyObject *, PyObject *) { return counter(hooks_added); }
@@ -440,6 +485,7 @@ PyMethodDef methods[] = {
      "register(node, hook, post): put hook on one of torch's C++ nodes; False for other nodes"},
     {"edges_into", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(edges_into)), METH_FASTCALL,
      "edges_into(target, roots, boundary): module.py's _edges_into on torch's C++ nodes; None for other nodes"},
+    {"buffer", py_buffer, METH_O, "buffer(tensor) -> (address, count, dtype code) where the kernel reads it, or None"},
     {"hooks", hooks, METH_NOARGS, "hooks put on nodes by this library in this process"},
     {"uncontained", uncontained, METH_NOARGS, "errors that came out of a hook (cleared, not raised)"},
     {"compiled_requests", compiled_requests, METH_NOARGS,

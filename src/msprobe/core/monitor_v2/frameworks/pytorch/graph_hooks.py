@@ -281,3 +281,19 @@ def _self_test(module: Any) -> None:
           and torch.equal(x.grad, torch.full((3,), 2.0)))
     if not ok:
         raise native._Unavailable(f"self-test failed: {seen}")
+    # buffer(): what the kernel's extension reads of a tensor, against torch's own getters
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    samples = [base, base[1:], base.t(), base[:, 1], base.to(torch.bfloat16), base.to(torch.float16),
+               base.to(torch.float64), base.to(torch.int32), torch.empty(0), torch.tensor(2.5),
+               base.clone().requires_grad_(True), torch.conj(base.to(torch.complex64)).imag,
+               base.to(torch.float16)._neg_view(), torch.empty(2, 3, device="meta")]
+    codes = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+    for t in samples:
+        expected = None
+        if (t.device.type == "cpu" and t.dtype in codes and t.is_contiguous() and not t.is_neg()
+                and t.numel() > 0):
+            expected = (t.data_ptr(), t.numel(), codes[t.dtype])
+        got = module.buffer(t)
+        if got != expected:
+            raise native._Unavailable(f"self-test: buffer() gave {got} for a {t.dtype} tensor of shape "
+                                      f"{tuple(t.shape)}, strides {t.stride()}, not {expected}")
