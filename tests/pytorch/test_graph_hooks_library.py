@@ -43,7 +43,7 @@ def python_api(monkeypatch):
     capi = graph_hooks.wait().capi if saved[0] is not None else None
 
     def switch() -> None:
-        monkeypatch.setattr(graph_hooks, "library", lambda: None)
+        monkeypatch.setattr(graph_hooks, "library", lambda: None)  # graph_hooks.state looks it up there
         module_mod._graph.register = module_mod._graph.edges_into = None
         ext.graph_api(None, None, None)
 
@@ -95,6 +95,37 @@ def test_rows_are_the_same_through_cpp_and_through_torchs_python_api(tmp_path, l
     assert cpp == python
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
     assert all(torch.equal(params[k], ref_params[k]) for k in params)
+
+
+def _train_without_module(out: Path) -> None:
+    torch.manual_seed(0)
+    model = TinyMLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    monitors = {"weight_grad": {"enabled": True}, "param": {"enabled": True}, "optimizer": {"enabled": True}}
+    mon = TrainerMonitorV2({"output_dir": str(out), "monitors": monitors})
+    mon.start(model=model, optimizer=opt)
+    for x, y in make_batches(3):
+        loss_fn(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    mon.stop()
+
+
+def test_every_monitors_reads_are_the_same_through_the_librarys_tensor_descriptions(tmp_path, library, python_api):
+    # no module monitor: the statistics engine alone puts the library in place (taken out
+    # first: an earlier test of this process may have put it there)
+    graph_hooks.state.register = graph_hooks.state.edges_into = None
+    native.extension().graph_api(None, None, None)
+    before = library.descriptions()
+    _train_without_module(tmp_path / "cpp")
+    assert library.descriptions() > before, "no tensor was described by the library"
+    python_api()
+    described = library.descriptions()
+    _train_without_module(tmp_path / "python")
+    assert library.descriptions() == described
+    cpp = csv_files(tmp_path / "cpp")
+    assert {name.split("_step")[0] for name in cpp} == {"weight_grad", "param", "optimizer"}
+    assert cpp == csv_files(tmp_path / "python")
 
 
 def test_deep_stack_rows_match_independent_gradients(tmp_path, library):

@@ -52,6 +52,7 @@ using torch::autograd::variable_list;
 std::atomic<long long> hooks_added{0};
 std::atomic<long long> uncontained_errors{0};
 std::atomic<long long> compiled_requests_seen{0};
+std::atomic<long long> descriptions_given{0};
 
 /* Which gradients a hook reads, where the kernel's extension says (set_reads: its
    NodeHook's slots): reads(hook, which, i) for which = 0 (a pre-hook's incoming gradients),
@@ -445,6 +446,7 @@ int buffer(PyObject *tensor, void **ptr, int64_t *n, int *code) {
             return 0;
         *ptr = const_cast<void *>(data);
         *n = count;
+        descriptions_given.fetch_add(1, std::memory_order_relaxed);
         return 1;
     } catch (const std::exception &) {
         return 0;
@@ -479,6 +481,7 @@ PyObject *counter(std::atomic<long long> &value) { return PyLong_FromLongLong(va
 PyObject *hooks(PyObject *, PyObject *) { return counter(hooks_added); }
 PyObject *uncontained(PyObject *, PyObject *) { return counter(uncontained_errors); }
 PyObject *compiled_requests(PyObject *, PyObject *) { return counter(compiled_requests_seen); }
+PyObject *descriptions(PyObject *, PyObject *) { return counter(descriptions_given); }
 
 PyMethodDef methods[] = {
     {"register", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(register_hook)), METH_FASTCALL,
@@ -486,6 +489,7 @@ PyMethodDef methods[] = {
     {"edges_into", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(edges_into)), METH_FASTCALL,
      "edges_into(target, roots, boundary): module.py's _edges_into on torch's C++ nodes; None for other nodes"},
     {"buffer", py_buffer, METH_O, "buffer(tensor) -> (address, count, dtype code) where the kernel reads it, or None"},
+    {"descriptions", descriptions, METH_NOARGS, "tensors described through the C API's buffer in this process"},
     {"hooks", hooks, METH_NOARGS, "hooks put on nodes by this library in this process"},
     {"uncontained", uncontained, METH_NOARGS, "errors that came out of a hook (cleared, not raised)"},
     {"compiled_requests", compiled_requests, METH_NOARGS,

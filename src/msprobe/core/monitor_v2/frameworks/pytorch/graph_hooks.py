@@ -26,11 +26,12 @@ import shutil
 import sysconfig
 import threading
 import time
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
 from ... import native
+from ...logonce import LogOnce
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
@@ -77,6 +78,42 @@ def library() -> Any:
             else:
                 _state = "ready"
         return _library
+
+
+class GraphHooks:
+    """What this process uses of the library: ``register`` and ``edges_into`` (the
+    ``module`` monitor's node hooks and walk; None: torch's Python API), and, handed to the
+    kernel's extension, its C API (the module calls' graph work, and the tensors'
+    descriptions for every monitor's reads). ``uncontained``: the library's count of errors
+    that came out of a hook, already said. Updated between steps by the statistics engine
+    and the ``module`` monitor: the library is used from the step after its build ends."""
+
+    __slots__ = ("register", "edges_into", "uncontained")
+
+    def __init__(self) -> None:
+        self.register: Optional[Callable[[Any, Any, bool], bool]] = None
+        self.edges_into: Optional[Callable[[Tuple[Any, int], List[Any], int], Optional[List[Tuple[Any, int]]]]] = None
+        self.uncontained = 0
+
+    def update(self, ext: Any, once: LogOnce) -> None:
+        """Between steps: start using the library once it is built (the extension's
+        ``CallHook`` and reads too), and say once if an error came out of one of its hooks."""
+        if ext is None:
+            return
+        built = library()
+        if built is None:
+            return
+        if self.register is None:
+            self.register, self.edges_into = built.register, built.edges_into
+            ext.graph_api(built.register, built.edges_into, built.capi)
+        uncontained = built.uncontained()
+        if uncontained > self.uncontained:
+            self.uncontained = uncontained
+            once.warning("graph.uncontained", "monitor_v2 module: %d error(s) came out of the module monitor's "
+                         "graph hooks and were dropped; training went on (logged once)", uncontained)
+
+
+state = GraphHooks()
 
 
 def wait(timeout: float = 300.0) -> Any:

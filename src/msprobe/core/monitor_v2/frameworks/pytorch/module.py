@@ -429,37 +429,8 @@ def _register(hook: _NodeHook, node: Any) -> None:
             node.register_prehook(hook)
 
 
-class _GraphHooks:
-    """How this process puts node hooks on: ``register`` and ``edges_into`` are the C++
-    graph hooks' (graph_hooks.py) once built, else None (torch's Python API);
-    ``uncontained``: the library's count of errors that came out of a hook, already said."""
-
-    __slots__ = ("register", "edges_into", "uncontained")
-
-    def __init__(self) -> None:
-        self.register: Optional[Callable[[Any, Any, bool], bool]] = None
-        self.edges_into: Optional[Callable[[Tuple[Any, int], List[Any], int], Optional[List[Tuple[Any, int]]]]] = None
-        self.uncontained = 0
-
-    def update(self, ext: Any, once: LogOnce) -> None:
-        """Between steps: start using the library once it is built (the extension's
-        ``CallHook`` too), and say once if an error came out of one of its hooks."""
-        if ext is None:
-            return
-        library = graph_hooks.library()
-        if library is None:
-            return
-        if self.register is None:
-            self.register, self.edges_into = library.register, library.edges_into
-            ext.graph_api(library.register, library.edges_into, library.capi)
-        uncontained = library.uncontained()
-        if uncontained > self.uncontained:
-            self.uncontained = uncontained
-            once.warning("graph.uncontained", "monitor_v2 module: %d error(s) came out of the module monitor's "
-                         "graph hooks and were dropped; training went on (logged once)", uncontained)
-
-
-_graph = _GraphHooks()
+# how this process puts node hooks on (graph_hooks.GraphHooks): the C++ library's, or None
+_graph = graph_hooks.state
 
 
 class _ForwardPreHook(ContainedHook):

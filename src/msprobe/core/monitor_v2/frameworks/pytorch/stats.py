@@ -57,6 +57,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ... import native
+from . import graph_hooks
 from ...logonce import LogOnce
 from ...monitor import short_error
 from ...stats import EMPTY_VECTOR, Record, StatPlan, read_grouped, record_type
@@ -335,6 +336,11 @@ class TorchStatsEngine:
         # the extension's records where it is built (outside the garbage collector)
         self._Record = record_type() if self._native is not None else Record
         ext = native.extension() if self._native is not None else None
+        # the C++ graph hooks' library: its tensor descriptions serve every read of the kernel
+        # (graph_hooks.py); looked for now (a build starts in the background) and between steps
+        self._ext = ext
+        self._graph_once = LogOnce()
+        self._use_graph_library()
         # one buffer's statistics and its record in one call, the vector kept inline (no
         # tuple, no float objects); and the cache's entries outside the garbage collector
         self._record_read_ext = ext.record_read if ext is not None else None
@@ -774,8 +780,19 @@ class TorchStatsEngine:
         self._unobserved.warning(kind, "monitor_v2: %s is %s: no statistics, its row is left out (the other rows "
                                  "of the step are written). Logged once for %s.", name, why, kind)
 
+    def _use_graph_library(self) -> None:
+        if self._ext is None:
+            return
+        try:
+            graph_hooks.state.update(self._ext, self._graph_once)
+        except Exception as exc:  # noqa: BLE001 - an optional speed-up never stops a step
+            self._graph_once.warning("graph", "monitor_v2: the C++ graph hooks' library is not used (%s: %s)",
+                                     type(exc).__name__, exc)
+
     def forget(self) -> None:
-        """Forget the tensors seen so far (step end, or after a collective)."""
+        """Forget the tensors seen so far (step end, or after a collective); start using
+        the C++ graph hooks' library once its build has ended."""
+        self._use_graph_library()
         self._seen.clear()
         self._seen_memory.clear()
         for seen_here in self._seen_buffers.values():  # cleared in place: recorders hold them
