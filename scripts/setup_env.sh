@@ -13,7 +13,8 @@
 # Both profiles install polars (the analysis engine of msprobe-monitor summary/anomalies)
 # and matplotlib (plot): the demo ends with those commands.
 # Both profiles install gcc where no C compiler exists, and python3-dev where Debian's
-# interpreter lacks Python.h: the monitor builds its one-pass statistics kernel with them.
+# interpreter lacks Python.h: the monitor builds its one-pass statistics kernel with them;
+# and g++ where no C++ compiler exists: the module monitor's graph hooks are built with it.
 # numpy stays <2: MindSpore's C++ is built against NumPy 1.x.
 #
 # torch: a torch the interpreter already has is reused, not downloaded again (demo: any
@@ -144,6 +145,10 @@ apt_install() {
 if ! command -v cc >/dev/null 2>&1 && ! command -v gcc >/dev/null 2>&1; then
   apt_install gcc "about 40 MB with the packages it needs" \
     "the monitor's one-pass statistics kernel is built with it (without it, statistics are about 3x slower and its tests fail)"
+fi
+if ! command -v c++ >/dev/null 2>&1 && ! command -v g++ >/dev/null 2>&1 && ! command -v clang++ >/dev/null 2>&1; then
+  apt_install g++ "about 20 MB with the packages it needs" \
+    "the module monitor's graph hooks are built with it against torch's headers (without it, torch's Python API: the same rows at a higher cost per module call, and their tests fail)"
 fi
 # Python's headers: the kernel is built as a CPython extension with them (faster calls, rows
 # formatted in C); without them the ctypes build is used. Only Debian's own interpreter

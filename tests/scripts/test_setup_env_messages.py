@@ -167,7 +167,7 @@ def test_apt_get_is_announced_before_it_runs(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("the apt-get path runs only as root; as another user the script only says how")
     repo = _repo(tmp_path)
-    tools = _tools(tmp_path, names=("cc",))
+    tools = _tools(tmp_path, names=("cc", "c++"))  # compilers there: chromium is the one to install
     _exe(tools / "apt-get", '#!/bin/sh\necho "APT $*"\n')
     # PATH without the real chromium: only the stand-in tools and the shell's basics
     basics = tmp_path / "basics"
@@ -184,3 +184,26 @@ def test_apt_get_is_announced_before_it_runs(tmp_path):
     announce = [i for i, line in enumerate(lines) if line.startswith("setup_env: installing Debian's chromium with apt-get")]
     assert announce and announce[0] < apt[0], lines
     assert "headless browser" in lines[announce[0]] and "81 MB" in lines[announce[0]]
+
+
+def test_a_missing_cpp_compiler_is_announced_before_apt_get_installs_it(tmp_path):
+    """As root with apt-get and without c++, g++ or clang++: g++ is announced (why: the
+    module monitor's graph hooks), then installed."""
+    if os.geteuid() != 0:
+        pytest.skip("the apt-get path runs only as root; as another user the script only says how")
+    repo = _repo(tmp_path)
+    tools = _tools(tmp_path, names=("cc", "chromium"))
+    _exe(tools / "apt-get", '#!/bin/sh\necho "APT $*"\n')
+    basics = tmp_path / "basics"
+    basics.mkdir()
+    for name in ("bash", "sh", "cat", "cut", "sha1sum", "du", "grep", "id", "tail", "mkdir", "cp", "dirname"):
+        real = shutil.which(name)
+        assert real, name
+        os.symlink(real, basics / name)
+    proc = _run(repo, "test", tools, {"PATH": f"{tools}{os.pathsep}{basics}"})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    announce = [i for i, line in enumerate(lines) if line.startswith("setup_env: installing Debian's g++ with apt-get")]
+    apt = [i for i, line in enumerate(lines) if line.startswith("APT ")]  # the install's own output is hidden
+    assert announce and apt and announce[0] < apt[0], lines
+    assert "graph hooks" in lines[announce[0]]
