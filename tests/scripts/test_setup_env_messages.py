@@ -161,6 +161,18 @@ def test_a_torch_the_interpreter_has_is_reused(tmp_path):
     assert "--system-site-packages" not in venv
 
 
+def _shell_basics(tmp_path: Path) -> Path:
+    """A directory of links to the commands the script needs from the system, and nothing
+    else: a PATH made of it and the stand-in tools lacks what the test leaves out."""
+    basics = tmp_path / "basics"
+    basics.mkdir()
+    for name in ("bash", "sh", "cat", "cut", "sha1sum", "du", "grep", "id", "tail", "mkdir", "cp", "dirname"):
+        real = shutil.which(name)
+        assert real, name
+        os.symlink(real, basics / name)
+    return basics
+
+
 def test_apt_get_is_announced_before_it_runs(tmp_path):
     """As root with apt-get and without chromium: the announcement comes first (what, why,
     how big), then apt-get (a stand-in that records its calls)."""
@@ -170,12 +182,7 @@ def test_apt_get_is_announced_before_it_runs(tmp_path):
     tools = _tools(tmp_path, names=("cc", "c++"))  # compilers there: chromium is the one to install
     _exe(tools / "apt-get", '#!/bin/sh\necho "APT $*"\n')
     # PATH without the real chromium: only the stand-in tools and the shell's basics
-    basics = tmp_path / "basics"
-    basics.mkdir()
-    for name in ("bash", "sh", "cat", "cut", "sha1sum", "du", "grep", "id", "tail", "mkdir", "cp", "dirname"):
-        real = shutil.which(name)
-        assert real, name
-        os.symlink(real, basics / name)
+    basics = _shell_basics(tmp_path)
     proc = _run(repo, "test", tools, {"PATH": f"{tools}{os.pathsep}{basics}"})
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
@@ -194,12 +201,7 @@ def test_a_missing_cpp_compiler_is_announced_before_apt_get_installs_it(tmp_path
     repo = _repo(tmp_path)
     tools = _tools(tmp_path, names=("cc", "chromium"))
     _exe(tools / "apt-get", '#!/bin/sh\necho "APT $*"\n')
-    basics = tmp_path / "basics"
-    basics.mkdir()
-    for name in ("bash", "sh", "cat", "cut", "sha1sum", "du", "grep", "id", "tail", "mkdir", "cp", "dirname"):
-        real = shutil.which(name)
-        assert real, name
-        os.symlink(real, basics / name)
+    basics = _shell_basics(tmp_path)
     proc = _run(repo, "test", tools, {"PATH": f"{tools}{os.pathsep}{basics}"})
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()

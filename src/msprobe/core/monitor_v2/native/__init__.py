@@ -219,14 +219,20 @@ class _Unavailable(Exception):
 
 
 def _compiler() -> List[str]:
-    cc = os.environ.get("CC")
-    if cc:
-        return shlex.split(cc)
-    for name in ("cc", "gcc", "clang"):
+    return _find_compiler("CC", ("cc", "gcc", "clang"), "no C compiler found; set CC or install gcc")
+
+
+def _find_compiler(variable: str, names: Sequence[str], missing: str) -> List[str]:
+    """The command in ``$variable`` (split as a shell would), else the first of ``names`` on
+    the PATH; ``_Unavailable(missing)`` where there is none."""
+    given = os.environ.get(variable)
+    if given:
+        return shlex.split(given)
+    for name in names:
         path = shutil.which(name)
         if path:
             return [path]
-    raise _Unavailable("no C compiler found; set CC or install gcc")
+    raise _Unavailable(missing)
 
 
 def _cache_dir() -> str:

@@ -3399,6 +3399,39 @@ static int add_in_slot(CallHookObject *self, NodeHookObject *h, PyObject *e) {
     return 0;
 }
 
+/* The running sum that `parts` edges into one input share: its number (from the monitor's
+   _sum_numbers) and count, both new references, where there are several; NULL, NULL for one
+   edge. 0, or -1 with the error set. */
+static int shared_sum(CallHookObject *self, Py_ssize_t parts, PyObject **number, PyObject **count) {
+    *number = *count = NULL;
+    if (parts <= 1)
+        return 0;
+    if ((*number = PyIter_Next(self->sum_numbers)) == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "CallHook: the sum numbers ran out");
+        return -1;
+    }
+    if ((*count = PyLong_FromSsize_t(parts)) == NULL) {
+        Py_CLEAR(*number);
+        return -1;
+    }
+    return 0;
+}
+
+/* hook.ins with the grad_input slot of edge e added: the one-edge slot (add_in_slot), or a
+   part of the running sum `number` of `count` parts. 0, or -1 with the error set. */
+static int add_input_slot(CallHookObject *self, NodeHookObject *h, PyObject *e, PyObject *number, PyObject *count) {
+    if (number == NULL)
+        return add_in_slot(self, h, e);
+    PyObject *slot = PyTuple_Pack(6, self->vpp, e, self->grad_input_0, number, count, self->in_site);
+    PyObject *ins = slot == NULL ? NULL : tuple_plus(h->ins, slot);
+    Py_XDECREF(slot);
+    if (ins == NULL)
+        return -1;
+    Py_XSETREF(h->ins, ins);
+    return 0;
+}
+
 /* The grad_input slots of the call's one input, reached by the edges `found` ((node, e)
    pairs), added to their nodes' hooks (module.ModuleMonitor._one_input_slots); the hook
    and node of each appended to `touched`. Several edges share one running sum, numbered
@@ -3407,17 +3440,8 @@ static int one_input_slots(CallHookObject *self, PyObject *found, PyObject *node
                            PyObject *known_node, PyObject *known_hook) {
     Py_ssize_t parts = PyList_GET_SIZE(found);
     PyObject *number = NULL, *count = NULL;
-    if (parts > 1) {
-        if ((number = PyIter_Next(self->sum_numbers)) == NULL) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_RuntimeError, "CallHook: the sum numbers ran out");
-            return -1;
-        }
-        if ((count = PyLong_FromSsize_t(parts)) == NULL) {
-            Py_DECREF(number);
-            return -1;
-        }
-    }
+    if (shared_sum(self, parts, &number, &count) < 0)
+        return -1;
     int result = -1;
     for (Py_ssize_t i = 0; i < parts; i++) {
         PyObject *pair = PyList_GET_ITEM(found, i); /* (node, e), made by edges_into */
@@ -3431,19 +3455,8 @@ static int one_input_slots(CallHookObject *self, PyObject *found, PyObject *node
             PyErr_SetString(PyExc_TypeError, "CallHook: a node hook that is not a NodeHook");
             goto done;
         }
-        NodeHookObject *h = (NodeHookObject *)hook;
-        int failed;
-        if (number == NULL) {
-            failed = add_in_slot(self, h, e);
-        } else {
-            PyObject *slot = PyTuple_Pack(6, self->vpp, e, self->grad_input_0, number, count, self->in_site);
-            PyObject *ins = slot == NULL ? NULL : tuple_plus(h->ins, slot);
-            Py_XDECREF(slot);
-            failed = ins == NULL;
-            if (ins != NULL)
-                Py_XSETREF(h->ins, ins);
-        }
-        failed = failed || PyList_Append(touched, hook) < 0 || PyList_Append(touched, node) < 0;
+        int failed = add_input_slot(self, (NodeHookObject *)hook, e, number, count) < 0 ||
+                     PyList_Append(touched, hook) < 0 || PyList_Append(touched, node) < 0;
         Py_DECREF(hook);
         if (failed)
             goto done;
@@ -3455,22 +3468,29 @@ done:
     return result;
 }
 
+/* The pass's node table (pass.nodes, made where it is None): a new reference, or NULL with
+   the error set */
+static PyObject *pass_nodes(CallHookObject *self) {
+    PyObject *nodes = PyObject_GetAttr(self->pass, str_nodes);
+    if (nodes == Py_None) {
+        Py_DECREF(nodes);
+        if ((nodes = PyDict_New()) != NULL && PyObject_SetAttr(self->pass, str_nodes, nodes) < 0)
+            Py_CLEAR(nodes);
+    } else if (nodes != NULL && !PyDict_Check(nodes)) {
+        Py_CLEAR(nodes);
+        PyErr_SetString(PyExc_TypeError, "CallHook: the pass's node table is not a dict");
+    }
+    return nodes;
+}
+
 /* module.ModuleMonitor._hook_graph_one: 0, or -1 with the error set */
 static int hook_graph_one(CallHookObject *self, PyObject *output, PyObject *own, PyObject *edge,
                           CallStateObject *call) {
     PyObject *nodes = NULL, *node = NULL, *nr = NULL, *out_hook = NULL, *roots = NULL, *found = NULL;
     PyObject *touched = NULL;
     int result = -1;
-    if ((nodes = PyObject_GetAttr(self->pass, str_nodes)) == NULL)
+    if ((nodes = pass_nodes(self)) == NULL)
         goto done;
-    if (nodes == Py_None) {
-        Py_DECREF(nodes);
-        if ((nodes = PyDict_New()) == NULL || PyObject_SetAttr(self->pass, str_nodes, nodes) < 0)
-            goto done;
-    } else if (!PyDict_Check(nodes)) {
-        PyErr_SetString(PyExc_TypeError, "CallHook: the pass's node table is not a dict");
-        goto done;
-    }
     int view = call_truth(output, str_is_view);
     if (view < 0)
         goto done;
@@ -3594,16 +3614,8 @@ static int hook_graph_capi(CallHookObject *self, const void *own, long long nr, 
     PyObject **hooks = NULL;
     found_edges_t found = {NULL, NULL, 0, 0};
     int result = -1;
-    if ((nodes = PyObject_GetAttr(self->pass, str_nodes)) == NULL)
+    if ((nodes = pass_nodes(self)) == NULL)
         goto done;
-    if (nodes == Py_None) {
-        Py_DECREF(nodes);
-        if ((nodes = PyDict_New()) == NULL || PyObject_SetAttr(self->pass, str_nodes, nodes) < 0)
-            goto done;
-    } else if (!PyDict_Check(nodes)) {
-        PyErr_SetString(PyExc_TypeError, "CallHook: the pass's node table is not a dict");
-        goto done;
-    }
     const void *own_raw;
     int looked_up;
     if ((out_hook = capi_node_hook(self, nodes, own, &own_raw, &looked_up)) == NULL ||
@@ -3616,15 +3628,8 @@ static int hook_graph_capi(CallHookObject *self, const void *own, long long nr, 
         goto done;
     /* one_input_slots: several edges share one running sum */
     Py_ssize_t parts = found.n;
-    if (parts > 1) {
-        if ((number = PyIter_Next(self->sum_numbers)) == NULL) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_RuntimeError, "CallHook: the sum numbers ran out");
-            goto done;
-        }
-        if ((count = PyLong_FromSsize_t(parts)) == NULL)
-            goto done;
-    }
+    if (shared_sum(self, parts, &number, &count) < 0)
+        goto done;
     if (parts > 0 && (hooks = PyMem_Calloc(parts, sizeof *hooks)) == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -3639,21 +3644,10 @@ static int hook_graph_capi(CallHookObject *self, const void *own, long long nr, 
         if (hook == NULL)
             goto done;
         hooks[i] = hook;
-        NodeHookObject *h = (NodeHookObject *)hook;
         PyObject *e = PyLong_FromSsize_t(found.edges[i]);
         if (e == NULL)
             goto done;
-        int failed;
-        if (number == NULL) {
-            failed = add_in_slot(self, h, e) < 0;
-        } else {
-            PyObject *slot = PyTuple_Pack(6, self->vpp, e, self->grad_input_0, number, count, self->in_site);
-            PyObject *ins = slot == NULL ? NULL : tuple_plus(h->ins, slot);
-            Py_XDECREF(slot);
-            failed = ins == NULL;
-            if (ins != NULL)
-                Py_XSETREF(h->ins, ins);
-        }
+        int failed = add_input_slot(self, (NodeHookObject *)hook, e, number, count) < 0;
         Py_DECREF(e);
         if (failed)
             goto done;

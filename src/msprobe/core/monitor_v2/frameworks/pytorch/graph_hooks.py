@@ -21,7 +21,6 @@ import importlib.machinery
 import importlib.util
 import logging
 import os
-import shlex
 import shutil
 import sysconfig
 import threading
@@ -58,11 +57,8 @@ def library() -> Any:
             _state = "unavailable"
             try:
                 _build = _Build.start()
-            except native._Unavailable as exc:
-                logger.info("monitor_v2 module: graph hooks through torch's Python API (%s)", exc)
             except Exception as exc:  # noqa: BLE001 - an optional speed-up never stops training
-                logger.info("monitor_v2 module: graph hooks through torch's Python API (%s: %s)",
-                            type(exc).__name__, exc)
+                _say_python_api(exc, "")
             else:
                 _state = "building"
         if _state == "building" and _build is not None and _build.done():
@@ -70,14 +66,17 @@ def library() -> Any:
             _state = "unavailable"
             try:
                 _library = build.load()
-            except native._Unavailable as exc:
-                logger.info("monitor_v2 module: graph hooks through torch's Python API (the C++ graph hooks: %s)", exc)
             except Exception as exc:  # noqa: BLE001 - an optional speed-up never stops training
-                logger.info("monitor_v2 module: graph hooks through torch's Python API (the C++ graph hooks: "
-                            "%s: %s)", type(exc).__name__, exc)
+                _say_python_api(exc, "the C++ graph hooks: ")
             else:
                 _state = "ready"
         return _library
+
+
+def _say_python_api(exc: Exception, what: str) -> None:
+    """Said once, at INFO: the rows are the same through torch's Python API."""
+    why = str(exc) if isinstance(exc, native._Unavailable) else f"{type(exc).__name__}: {exc}"
+    logger.info("monitor_v2 module: graph hooks through torch's Python API (%s%s)", what, why)
 
 
 class GraphHooks:
@@ -265,14 +264,7 @@ def _await(path: str, lock: str) -> None:
 
 
 def _compiler() -> List[str]:
-    cxx = os.environ.get("CXX")
-    if cxx:
-        return shlex.split(cxx)
-    for name in ("c++", "g++", "clang++"):
-        path = shutil.which(name)
-        if path:
-            return [path]
-    raise native._Unavailable("no C++ compiler found; set CXX or install g++")
+    return native._find_compiler("CXX", ("c++", "g++", "clang++"), "no C++ compiler found; set CXX or install g++")
 
 
 def _flags() -> Tuple[List[str], List[str]]:
