@@ -361,11 +361,28 @@ def test_a_planted_link_in_the_cache_is_neither_loaded_nor_replaced(tmp_path):
 def test_a_lock_of_another_build_is_waited_for_and_taken_over_when_stale(tmp_path):
     lock = str(tmp_path / "graph_hooks-x.so.lock")
     assert graph_hooks._take(lock)
-    assert not graph_hooks._take(lock)  # another build holds it
+    assert not graph_hooks._take(lock)  # another build holds it (this process: alive)
     assert oct(os.stat(lock).st_mode & 0o777) == "0o640"
+    assert Path(lock).read_text() == str(os.getpid())
     old = os.stat(lock).st_mtime - graph_hooks._STALE_LOCK_SECONDS - 1
     os.utime(lock, (old, old))
-    assert graph_hooks._take(lock)  # left by a build that died
+    assert graph_hooks._take(lock)  # older than 10 minutes: left by a build that died
     library = tmp_path / "graph_hooks-x.so"
     library.write_bytes(b"")
     graph_hooks._await(str(library), lock)  # returns at once: the library is there
+
+
+def test_what_a_build_that_ended_with_its_process_left_is_taken_over_and_cleared(tmp_path):
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(gone.stdout)  # a process that has ended
+    path = tmp_path / "graph_hooks-x.so"
+    lock = tmp_path / "graph_hooks-x.so.lock"
+    lock.write_text(str(pid))
+    partial = tmp_path / f"graph_hooks-x.so.{pid}.1234.tmp"  # its compiler's unfinished output
+    partial.write_bytes(b"half a library")
+    alive = tmp_path / f"graph_hooks-x.so.{os.getpid()}.1234.tmp"  # a build still running
+    alive.write_bytes(b"")
+    assert graph_hooks._take(str(lock))  # fresh, but its process has gone
+    assert lock.read_text() == str(os.getpid())
+    graph_hooks._clear_partial_builds(str(path))
+    assert not partial.exists() and alive.exists()

@@ -191,6 +191,7 @@ class _Build:
                 if self._cached():
                     return
                 _take(lock, stale=True)
+            _clear_partial_builds(self.path)
             try:
                 _, private = native._cached_build(self.compiler, self.flags, os.path.basename(self.path), _SOURCE,
                                                   self.libraries)
@@ -238,28 +239,78 @@ def library_path() -> str:
 
 
 def _take(lock: str, stale: bool = False) -> bool:
-    """Create the lock file (0640); False where another process holds a fresh one. With
-    ``stale``, a lock left by a build that died is taken over."""
+    """Create the lock file (0640, holding this process's id); False where another process
+    holds it. With ``stale``, or where its holder has died or it is older than 10 minutes,
+    it is taken over (a process that ends while it builds leaves it behind)."""
     if stale:
         native._remove(lock)
     try:
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0), 0o640)
     except FileExistsError:
-        try:
-            age = time.time() - os.lstat(lock).st_mtime
-        except OSError:
-            return _take(lock) if not stale else False
-        if age > _STALE_LOCK_SECONDS:
-            return _take(lock, stale=True) if not stale else False
-        return False
-    os.close(fd)
+        if stale or not _left_behind(lock):
+            return False
+        return _take(lock, stale=True)
+    try:
+        os.write(fd, str(os.getpid()).encode())
+    finally:
+        os.close(fd)
     return True
 
 
+def _left_behind(lock: str) -> bool:
+    """Whether a lock file was left by a build that is not running: its process has gone, or
+    it is older than _STALE_LOCK_SECONDS. Read only where it is a regular file of this user
+    (never through a link, never waiting on a FIFO); otherwise only its age counts."""
+    try:
+        fd = os.open(lock, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return False
+    try:
+        info = os.fstat(fd)
+        if time.time() - info.st_mtime > _STALE_LOCK_SECONDS:
+            return True
+        if not native._ours(info):
+            return False
+        holder = os.read(fd, 32).decode("ascii", "replace").strip()
+    finally:
+        os.close(fd)
+    return holder.isdigit() and not _running(int(holder))
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's process: it exists
+    return True
+
+
+def _clear_partial_builds(path: str) -> None:
+    """Remove the partial files (``<library>.<pid>.<thread>.tmp``) of builds whose process
+    has gone: our own regular files only."""
+    directory, name = os.path.split(path)
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return
+    for entry in entries:
+        parts = entry[len(name) + 1:].split(".") if entry.startswith(name + ".") else []
+        if len(parts) != 3 or parts[2] != "tmp" or not parts[0].isdigit() or _running(int(parts[0])):
+            continue
+        try:
+            if native._ours(os.lstat(os.path.join(directory, entry))):
+                native._remove(os.path.join(directory, entry))
+        except OSError:
+            pass
+
+
 def _await(path: str, lock: str) -> None:
-    """Wait while another process builds ``path`` (its lock file is there)."""
+    """Wait while another process builds ``path`` (its lock file is there, and its process)."""
     deadline = time.monotonic() + _STALE_LOCK_SECONDS
-    while time.monotonic() < deadline and os.path.lexists(lock) and not os.path.lexists(path):
+    while (time.monotonic() < deadline and os.path.lexists(lock) and not os.path.lexists(path)
+           and not _left_behind(lock)):
         time.sleep(0.5)
 
 
