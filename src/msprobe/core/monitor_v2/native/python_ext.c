@@ -2726,8 +2726,8 @@ typedef struct {
     void *(*edge_of)(PyObject *tensor, long long *nr);
     void (*release)(void *handle);
     int (*describe)(const void *node, unsigned long long *seq, PyObject **kind, const void **raw);
-    int (*walk)(const void *root, const void *target, long long target_nr, long long boundary,
-                int (*found)(void *ctx, const void *node, Py_ssize_t e), void *ctx);
+    int (*walk)(const void *const *roots, size_t n_roots, const void *target, long long target_nr,
+                long long boundary, int (*found)(void *ctx, const void *node, Py_ssize_t e), void *ctx);
     int (*put)(const void *node, PyObject *hook, int post);
     PyObject *(*as_object)(const void *node);
     int (*buffer)(PyObject *tensor, void **ptr, int64_t *n, int *code);
@@ -3274,8 +3274,8 @@ static PyObject *py_graph_api(PyObject *self, PyObject *const *args, Py_ssize_t 
         const msprobe_graph_capi_t *api = PyCapsule_GetPointer(args[2], "msprobe_monitor_graph.capi");
         if (api == NULL)
             return NULL;
-        if (api->version != 3) {
-            PyErr_Format(PyExc_ValueError, "graph_api: the C API's version %u, not 3", api->version);
+        if (api->version != 4) {
+            PyErr_Format(PyExc_ValueError, "graph_api: the C API's version %u, not 4", api->version);
             return NULL;
         }
         if (graph_capi != NULL && graph_capi != api) {
@@ -3624,7 +3624,7 @@ static int hook_graph_capi(CallHookObject *self, const void *own, long long nr, 
     long long boundary = PyLong_AsLongLong(call->boundary);
     if (boundary == -1 && PyErr_Occurred())
         goto done;
-    if (graph_capi->walk(own, call->edge, call->edge_nr, boundary, found_edge, &found) < 0)
+    if (graph_capi->walk(&own, 1, call->edge, call->edge_nr, boundary, found_edge, &found) < 0)
         goto done;
     /* one_input_slots: several edges share one running sum */
     Py_ssize_t parts = found.n;

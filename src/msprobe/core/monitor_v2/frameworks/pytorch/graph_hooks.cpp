@@ -198,82 +198,6 @@ class Visited {
     std::unordered_set<const Node *> set_;
 };
 
-/* edges_into(target, roots, boundary) -> [(node, edge index), ...], or None where a node
-   given is not one of torch's C++ nodes (the caller then walks through the Python API).
-
-   module.py's _edges_into on the C++ graph: from the nodes `roots` (a list), depth first
-   with a stack, each node once, the edges equal to `target` ((node, output number)) in the
-   order that loop finds them; a child is walked into where it is not a leaf's
-   accumulator and its sequence number is at least `boundary`. Only the nodes of the edges
-   found get a Python object (the one torch keeps for the node); the walk itself makes
-   none, and no tuple of next_functions. */
-PyObject *edges_into(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 2 || !PyList_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "edges_into(target: (node, nr), roots: list, boundary)");
-        return nullptr;
-    }
-    Node *target = cpp_node(PyTuple_GET_ITEM(args[0], 0));
-    long long target_nr = PyLong_AsLongLong(PyTuple_GET_ITEM(args[0], 1));
-    long long boundary = PyLong_AsLongLong(args[2]);
-    if (PyErr_Occurred())
-        return nullptr;
-    if (target == nullptr)
-        Py_RETURN_NONE;
-    /* a node on the stack: its own Python object where it is a root, else the edge's pointer */
-    struct Entry {
-        Node *node;
-        PyObject *root;
-        const torch::autograd::Edge *edge;
-    };
-    std::vector<Entry> stack;
-    Py_ssize_t n_roots = PyList_GET_SIZE(args[1]);
-    for (Py_ssize_t i = 0; i < n_roots; i++) {
-        PyObject *root = PyList_GET_ITEM(args[1], i);
-        Node *node = cpp_node(root);
-        if (node == nullptr)
-            Py_RETURN_NONE;
-        stack.push_back({node, root, nullptr});
-    }
-    PyObject *found = PyList_New(0);
-    if (found == nullptr)
-        return nullptr;
-    Visited visited;
-    try {
-        while (!stack.empty()) {
-            Entry entry = stack.back();
-            stack.pop_back();
-            if (visited.contains(entry.node))
-                continue;
-            visited.add(entry.node);
-            const auto &edges = entry.node->next_edges();
-            for (size_t e = 0; e < edges.size(); e++) {
-                const torch::autograd::Edge &edge = edges[e];
-                Node *child = edge.function.get();
-                if (child == target && static_cast<long long>(edge.input_nr) == target_nr) {
-                    PyObject *node_obj = entry.root != nullptr ? (Py_INCREF(entry.root), entry.root)
-                                                               : torch::autograd::functionToPyObject(entry.edge->function);
-                    PyObject *pair = node_obj == nullptr ? nullptr : Py_BuildValue("(Nn)", node_obj, (Py_ssize_t)e);
-                    if (pair == nullptr || PyList_Append(found, pair) < 0) {
-                        Py_XDECREF(pair);
-                        Py_DECREF(found);
-                        return nullptr;
-                    }
-                    Py_DECREF(pair);
-                    continue;
-                }
-                if (child == nullptr || dynamic_cast<torch::autograd::AccumulateGrad *>(child) != nullptr)
-                    continue;
-                if ((boundary < 0 || child->sequence_nr() >= static_cast<uint64_t>(boundary)) && !visited.contains(child))
-                    stack.push_back({child, nullptr, &edge});
-            }
-        }
-    } catch (const std::exception &exc) {
-        Py_DECREF(found);
-        PyErr_SetString(PyExc_RuntimeError, exc.what());
-        return nullptr;
-    }
-    return found;
-}
 
 /* ------------------------------------------------------------------- the C API
    The kernel's extension (python_ext.c) runs a module's common call (one tensor in, one
@@ -349,13 +273,18 @@ int describe(const void *node, unsigned long long *seq, PyObject **kind, const v
     return 0;
 }
 
-/* walk(root, target, target_nr, boundary, found, ctx): edges_into from the one root, found(ctx,
-   node, e) called for each edge equal to (target, target_nr) in the order edges_into finds
-   them: 0, or -1 with the error set (found's error, or the walk's) */
-int walk(const void *root, const void *target, long long target_nr, long long boundary,
+/* walk(roots, n_roots, target, target_nr, boundary, found, ctx): module.py's _edges_into on
+   the C++ graph, from the nodes `roots`, depth first with a stack, each node once; found(ctx,
+   node, e) called for each edge equal to (target, target_nr), in the order that loop finds
+   them; a child is walked into where it is not a leaf's accumulator and its sequence number
+   is at least `boundary`. No Python object is made. 0, or -1 with the error set (found's
+   error, or the walk's). */
+int walk(const void *const *roots, size_t n_roots, const void *target, long long target_nr, long long boundary,
          int (*found)(void *, const void *, Py_ssize_t), void *ctx) {
     const Node *goal = owner(target).get();
-    std::vector<const NodePtr *> stack{&owner(root)};
+    std::vector<const NodePtr *> stack;
+    for (size_t r = 0; r < n_roots; r++)
+        stack.push_back(&owner(roots[r]));
     Visited visited;
     try {
         while (!stack.empty()) {
@@ -459,13 +388,59 @@ struct GraphCApi {
     void *(*edge_of)(PyObject *, long long *);
     void (*release)(void *);
     int (*describe)(const void *, unsigned long long *, PyObject **, const void **);
-    int (*walk)(const void *, const void *, long long, long long, int (*)(void *, const void *, Py_ssize_t), void *);
+    int (*walk)(const void *const *, size_t, const void *, long long, long long,
+                int (*)(void *, const void *, Py_ssize_t), void *);
     int (*put)(const void *, PyObject *, int);
     PyObject *(*as_object)(const void *);
     int (*buffer)(PyObject *, void **, int64_t *, int *);
 };
 
-const GraphCApi capi = {3, set_reads, edge_of, release, describe, walk, put, as_object, buffer};
+const GraphCApi capi = {4, set_reads, edge_of, release, describe, walk, put, as_object, buffer};
+
+/* The owning pointer behind one of torch's C++ node objects (a C API node), or nullptr */
+const void *cpp_owner(PyObject *obj) {
+    if (!torch::autograd::THPCppFunction_Check(obj))
+        return nullptr;
+    return &reinterpret_cast<torch::autograd::THPCppFunction *>(obj)->cdata;
+}
+
+int append_found(void *ctx, const void *node, Py_ssize_t e) {
+    PyObject *obj = as_object(node); /* the object torch keeps for the node: a root's is the one given */
+    PyObject *pair = obj == nullptr ? nullptr : Py_BuildValue("(Nn)", obj, e);
+    int failed = pair == nullptr || PyList_Append(static_cast<PyObject *>(ctx), pair) < 0;
+    Py_XDECREF(pair);
+    return failed ? -1 : 0;
+}
+
+/* edges_into(target, roots, boundary) -> [(node, edge index), ...]: walk() on node objects
+   (module.py's _edges_into in C++), or None where a node given is not one of torch's C++
+   nodes (the caller then walks through the Python API). */
+PyObject *edges_into(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 2 || !PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "edges_into(target: (node, nr), roots: list, boundary)");
+        return nullptr;
+    }
+    const void *target = cpp_owner(PyTuple_GET_ITEM(args[0], 0));
+    long long target_nr = PyLong_AsLongLong(PyTuple_GET_ITEM(args[0], 1));
+    long long boundary = PyLong_AsLongLong(args[2]);
+    if (PyErr_Occurred())
+        return nullptr;
+    if (target == nullptr)
+        Py_RETURN_NONE;
+    std::vector<const void *> roots;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(args[1]); i++) {
+        const void *root = cpp_owner(PyList_GET_ITEM(args[1], i));
+        if (root == nullptr)
+            Py_RETURN_NONE;
+        roots.push_back(root);
+    }
+    PyObject *found = PyList_New(0);
+    if (found == nullptr || walk(roots.data(), roots.size(), target, target_nr, boundary, append_found, found) < 0) {
+        Py_XDECREF(found);
+        return nullptr;
+    }
+    return found;
+}
 
 /* buffer(tensor) -> (address, count, code) or None: the C API's buffer (for the self-test) */
 PyObject *py_buffer(PyObject *, PyObject *tensor) {
