@@ -42,8 +42,8 @@ _STALE_LOCK_SECONDS = 600.0
 
 _lock = threading.Lock()
 _library: Any = None
-_state = "new"  # new -> building -> ready | unavailable
-_build: Optional["_Build"] = None
+_tried = False
+_build: Optional["_Build"] = None  # a build under way, until library() loads it
 
 
 def library() -> Any:
@@ -51,25 +51,20 @@ def library() -> Any:
     or None while it is being built in the background or where it cannot be. The first
     call loads a cached build at once, or starts the build; the calls after it load the
     build once it is done. Call it on the training thread, between steps."""
-    global _state, _library, _build
+    global _tried, _library, _build
     with _lock:
-        if _state == "new":
-            _state = "unavailable"
+        if not _tried:
+            _tried = True
             try:
                 _build = _Build.start()
             except Exception as exc:  # noqa: BLE001 - an optional speed-up never stops training
                 _say_python_api(exc, "")
-            else:
-                _state = "building"
-        if _state == "building" and _build is not None and _build.done():
+        if _build is not None and _build.done():
             build, _build = _build, None
-            _state = "unavailable"
             try:
                 _library = build.load()
             except Exception as exc:  # noqa: BLE001 - an optional speed-up never stops training
                 _say_python_api(exc, "the C++ graph hooks: ")
-            else:
-                _state = "ready"
         return _library
 
 
@@ -85,7 +80,8 @@ class GraphHooks:
     kernel's extension, its C API (the module calls' graph work, and the tensors'
     descriptions for every monitor's reads). ``uncontained``: the library's count of errors
     that came out of a hook, already said. Updated between steps by the statistics engine
-    and the ``module`` monitor: the library is used from the step after its build ends."""
+    (when it is made and at each step's end): the library is used from the step after its
+    build ends."""
 
     __slots__ = ("register", "edges_into", "uncontained")
 
@@ -148,16 +144,13 @@ class _Build:
             raise native._Unavailable(f"{ENV_SWITCH} or {native.ENV_SWITCH} is off")
         if native.extension() is None:
             raise native._Unavailable("the kernel's extension is not built")
-        compiler = _compiler()
-        flags, libraries = _flags()
-        with open(_SOURCE, "rb") as f:
-            source = f.read()
-        cache = native._cache_dir()
+        compiler, flags, libraries, path = _plan()
+        cache = os.path.dirname(path)
         problem = native._cache_problem(cache)
         if problem is not None:
             # built for one process only it would cost every rank its 10 to 30 s of a core
             raise native._Unavailable(f"the cache {cache} is not used ({problem})")
-        build = cls(os.path.join(cache, _library_name(source, compiler, flags, libraries)))
+        build = cls(path)
         build.compiler, build.flags, build.libraries = compiler, flags, libraries
         if build._cached():
             return build  # done(): the thread is never started
@@ -222,20 +215,23 @@ class _Build:
         return module
 
 
-def _library_name(source: bytes, compiler: List[str], flags: List[str], libraries: List[str]) -> str:
-    """The cached library's file name: one per source, compiler, flags and torch build."""
+def _plan() -> Tuple[List[str], List[str], List[str], str]:
+    """(compiler, flags, linker arguments, the cached library's path) of this process's
+    build: one file name per source, compiler, flags and torch build."""
+    compiler = _compiler()
+    flags, libraries = _flags()
+    with open(_SOURCE, "rb") as f:
+        source = f.read()
     version = f"{torch.__version__} {getattr(torch.version, 'git_version', '')}"
     key = hashlib.sha256(b"\0".join([source, " ".join(compiler + flags + libraries).encode(),
                                      version.encode()])).hexdigest()[:16]
-    return f"graph_hooks-{key}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
+    name = f"graph_hooks-{key}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
+    return compiler, flags, libraries, os.path.join(native._cache_dir(), name)
 
 
 def library_path() -> str:
     """Where this process's build of the library is cached (it may not be there yet)."""
-    with open(_SOURCE, "rb") as f:
-        source = f.read()
-    flags, libraries = _flags()
-    return os.path.join(native._cache_dir(), _library_name(source, _compiler(), flags, libraries))
+    return _plan()[3]
 
 
 def _take(lock: str, stale: bool = False) -> bool:
@@ -330,19 +326,11 @@ def _flags() -> Tuple[List[str], List[str]]:
     lib = os.path.join(root, "lib")
     abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
     # torch 2.9 and later need C++20 for their headers, older ones C++17
-    standard = "-std=c++20" if _version() >= (2, 9) else "-std=c++17"
+    standard = "-std=c++20" if torch.__version__ >= (2, 9) else "-std=c++17"
     flags = ["-O2", "-fPIC", "-shared", standard, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-isystem", include,
              "-isystem", os.path.join(include, "torch", "csrc", "api", "include"), "-isystem", python_include]
     libraries = [f"-L{lib}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python", f"-Wl,-rpath,{lib}"]
     return flags, libraries
-
-
-def _version() -> Tuple[int, int]:
-    try:
-        major, minor = torch.__version__.split(".")[:2]
-        return int(major), int(minor)
-    except ValueError:
-        return (0, 0)
 
 
 def _self_test(module: Any) -> None:
@@ -367,7 +355,7 @@ def _self_test(module: Any) -> None:
                base.to(torch.float64), base.to(torch.int32), torch.empty(0), torch.tensor(2.5),
                base.clone().requires_grad_(True), torch.conj(base.to(torch.complex64)).imag,
                base.to(torch.float16)._neg_view(), torch.empty(2, 3, device="meta")]
-    codes = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+    codes = {torch.float32: native.F32, torch.bfloat16: native.BF16, torch.float16: native.F16}
     for t in samples:
         expected = None
         if (t.device.type == "cpu" and t.dtype in codes and t.is_contiguous() and not t.is_neg()

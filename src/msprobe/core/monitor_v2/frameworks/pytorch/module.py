@@ -527,8 +527,6 @@ class ModuleMonitor(Monitor):
         # and puts them back in this place among the modules' hooks
         self._set_call_hooks(True)
         warn_if_already_compiled()
-        self._ext = ext
-        self._update_graph_hooks()
 
     def _edges_into(self, target: Tuple[Any, int], roots: List[Any], boundary: int) -> List[Tuple[Any, int]]:
         """``_edges_into``'s walk: on torch's C++ nodes in C++ where the graph hooks are built,
@@ -536,12 +534,6 @@ class ModuleMonitor(Monitor):
         walk = _graph.edges_into
         found = walk(target, roots, boundary) if walk is not None else None
         return found if found is not None else self._edges_into_api(target, roots, boundary)
-
-    def _update_graph_hooks(self) -> None:
-        try:
-            _graph.update(self._ext, self._once)
-        except Exception as exc:  # noqa: BLE001 - an optional speed-up never stops a step
-            self.errors.report("module graph hooks between steps", exc)
 
     def _track_passes(self, root: torch.nn.Module) -> None:
         """Hooks around each call of a model chunk: the first to run before the call and
@@ -899,7 +891,6 @@ class ModuleMonitor(Monitor):
     def collect(self) -> List[Record]:
         for number in list(self._sums):
             self._flush(number)
-        self._update_graph_hooks()
         return super().collect()
 
     def detach(self) -> None:
