@@ -217,9 +217,12 @@ def test_the_call_hooks_in_c_make_way_for_the_python_hooks_before_dynamo_traces(
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     mon = TrainerMonitorV2(write_config({"monitors": {"module": {"enabled": True}}}))
     mon.start(model=model, optimizer=opt)
-    user = model.fc1.register_forward_pre_hook(lambda m, args: None)  # after the monitor's
-    before = {name: list(getattr(model.fc1, name).items()) for name in ("_forward_pre_hooks", "_forward_hooks")}
-    assert all(type(h) is ext.CallHook for hooks in before.values() for _, h in hooks[:1])
+    # the model, a chunk given to start(), is hooked (its forward is not wrapped)
+    user = model.register_forward_pre_hook(lambda m, args: None)  # after the monitor's
+    before = {name: list(getattr(model, name).items()) for name in ("_forward_pre_hooks", "_forward_hooks")}
+    assert all(any(type(h) is ext.CallHook for _, h in hooks) for hooks in before.values())
+    # fc1's forward is the monitor's CallWrapper: it gives way to the Python hooks too
+    assert type(vars(model.fc1)["forward"]) is ext.CallWrapper and not model.fc1._forward_pre_hooks
     batches = make_batches(2, seed=3)
     cm = torch.compile(model, backend="eager")
     for x, y in batches:
@@ -227,10 +230,13 @@ def test_the_call_hooks_in_c_make_way_for_the_python_hooks_before_dynamo_traces(
         opt.step()
         opt.zero_grad()
     for name, hooks in before.items():
-        after = list(getattr(model.fc1, name).items())
+        after = list(getattr(model, name).items())
         assert [i for i, _ in after] == [i for i, _ in hooks]  # the same handles, in the same order
         for (_, was), (_, now) in zip(hooks, after):
             assert now is (was.fallback if type(was) is ext.CallHook else was)
+    assert "forward" not in vars(model.fc1)
+    fc1_hooks = [*model.fc1._forward_pre_hooks.values(), *model.fc1._forward_hooks.values()]
+    assert len(fc1_hooks) == 2 and not any(type(h) is ext.CallHook for h in fc1_hooks)
     user.remove()
     mon.stop()
     assert mon.errors.count == 0

@@ -37,7 +37,9 @@ def steps_of(rows):
 
 
 def hooks_of(model):
-    return {name: tuple(len(getattr(m, d) or {}) for d in HOOK_DICTS) for name, m in model.named_modules()}
+    """Each module's hooks, and whether its forward is the monitor's (an instance attribute)."""
+    return {name: tuple(len(getattr(m, d) or {}) for d in HOOK_DICTS) + ("forward" in vars(m),)
+            for name, m in model.named_modules()}
 
 
 def setup(tmp_path, **extra):

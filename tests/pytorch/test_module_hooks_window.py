@@ -30,6 +30,9 @@ model = TinyMLP()
 ref = TinyMLP()  # trained alike without the monitor: the monitored training must be the same to the bit
 ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
+if mode == "broken-register":  # fc2 has a forward of its own (a library's wrapper): it is hooked, not wrapped
+    for m in (model, ref):
+        m.fc2.forward = m.fc2.forward
 mon = TrainerMonitorV2({"output_dir": sys.argv[1], "step_interval": int(sys.argv[3]),
                         "monitors": {"module": {"enabled": True, "targets": []}}})
 mon.start(model=model, optimizer=opt)
@@ -38,7 +41,10 @@ if mode == "user-hook":  # registered after start(): it doubles fc1's input, aft
         m.fc1.register_forward_pre_hook(lambda module, args: (args[0] * 2,))
 seen = []
 for step, (x, y) in enumerate(make_batches(6)):
-    hooks = {name: len(m._forward_hooks) + len(m._forward_pre_hooks) for name, m in model.named_modules()}
+    # how many of the monitor's observers each module has: its forward hooks, or its forward
+    # wrapped (the monitor's CallWrapper, which counts for a pre-hook and a forward hook)
+    hooks = {name: len(m._forward_hooks) + len(m._forward_pre_hooks) +
+             2 * (type(vars(m).get("forward")).__name__ == "CallWrapper") for name, m in model.named_modules()}
     with torch.no_grad():  # the reference: an unmonitored copy with this step's weights
         want = copy.deepcopy(model).fc1(x)
     assert not copy.deepcopy(model).fc1._forward_hooks, "copies never carry the monitor's hooks"
@@ -58,7 +64,7 @@ for step, (x, y) in enumerate(make_batches(6)):
     ref_opt.zero_grad()
     seen.append({"hooks": hooks, "fc1_output": want.tolist(), "x": x.tolist()})
 mon.stop()
-after = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+after = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + ("forward" in vars(m)) for m in model.modules())
 same = all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
 print(json.dumps({"steps": seen, "after_stop": after, "training_unchanged": same,
                   "callbacks_left": len(callback_handler.start_callbacks) - callbacks_before}))
@@ -73,7 +79,7 @@ def _run(tmp_path, mode, interval=5):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     # in every case: training as without the monitor, and stop() leaves no hook of its own
     # (the user's hook stays) and no callback
-    users = 1 if mode == "user-hook" else 0
+    users = {"user-hook": 1, "broken-register": 1}.get(mode, 0)  # the user's hook, fc2's own forward
     assert result["training_unchanged"] and result["after_stop"] == users and result["callbacks_left"] == 0, result
     result["stderr"] = proc.stderr
     return result, str(out)
@@ -128,17 +134,24 @@ def test_a_model_compiled_while_the_hooks_are_off_gets_them_back_before_it_is_tr
 
 
 def test_hooks_put_back_run_where_they_ran_among_the_modules_other_hooks(tmp_path):
-    """A pre-hook the user registers after start() changes fc1's input: the monitor's
-    pre-hook ran before it at start(), and still does after the hooks were off on steps 1
-    to 4, so fc1's input rows are the input the model was given on steps 0 and 5."""
+    """A pre-hook the user registers after start() doubles fc1's input. fc1 had no hook at
+    start(), so the monitor wrapped its forward; the first call with the user's hook (step 0)
+    puts the monitor's hooks on fc1 first, where they would have been, and that call's input
+    row is what its forward received (the monitor sees the hook only then). The hooks are
+    off on steps 1 to 4 and back on step 5 in the same place, before the user's, so step 5's
+    input row is the input the model was given."""
     import torch
 
     result, out = _run(tmp_path, "user-hook")
     assert result["steps"][1]["hooks"]["fc1"] == 1, "the user's hook alone on a step that is not written"
+    assert result["steps"][5]["hooks"]["fc1"] == 3, "the monitor's two hooks and the user's"
     rows = rows_of(out, "module")
-    for step in (0, 5):
-        x = torch.tensor(result["steps"][step]["x"])
-        assert_row_matches(find_row(rows, step=step, module_name="fc1.input.0", scope="forward"), numpy_stats(x))
+    x0, x5 = (torch.tensor(result["steps"][step]["x"]) for step in (0, 5))
+    assert_row_matches(find_row(rows, step=0, module_name="fc1.input.0", scope="forward"), numpy_stats(x0 * 2))
+    assert_row_matches(find_row(rows, step=5, module_name="fc1.input.0", scope="forward"), numpy_stats(x5))
+    # the model's own hooks (a chunk is hooked, never wrapped) ran as before: its input is the batch
+    for step, x in ((0, x0), (5, x5)):
+        assert_row_matches(find_row(rows, step=step, module_name="TinyMLP.input.0", scope="forward"), numpy_stats(x))
 
 
 def test_restore_order_puts_a_hook_back_in_its_place_and_keeps_what_changed_meanwhile():

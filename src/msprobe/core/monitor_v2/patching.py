@@ -104,6 +104,14 @@ class StateWithout:
                     state[name] = type(entries)((k, v) for k, v in entries.items() if k not in self.hook_ids)
         return state
 
+    def leave_out(self, name: str, leave: bool = True) -> None:
+        """Copies and pickles get no instance attribute ``name`` (one the monitor set where the
+        object had none) while ``leave``; with ``leave`` False, the attribute as it is again."""
+        if leave:
+            self.attrs[name] = _MISSING
+        else:
+            self.attrs.pop(name, None)
+
     @classmethod
     def install(cls, owner: Any) -> "StateWithout":
         getstate = vars(owner).get("__getstate__")

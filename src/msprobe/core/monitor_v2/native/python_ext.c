@@ -3937,6 +3937,242 @@ static PyTypeObject CallHookType = {
     .tp_new = call_hook_new,
 };
 
+/* ---------------------------------------------------------------- module call wrapper
+ * CallWrapper(module, pre, post, hook_instead, global_hooks): a module's `forward` for the
+ * monitor's written steps, set in the module's instance dictionary (module.py) of a module
+ * with no hooks. torch's Module._call_impl takes its fast path (no hook dispatch in Python:
+ * about 3.5 us a call on torch 2.13) for a module without hooks, and calls `self.forward`,
+ * which is then this object: it calls `pre` (module, args, kwargs), the forward its class
+ * has now (looked up at each call, as `self.forward` would be without it, so a class whose
+ * forward is replaced later is followed), and `post` (module, args, kwargs, output), also
+ * where forward raises (with None, as torch calls an always_call hook; the exception goes
+ * on). `pre` and `post` are the module's CallHooks: they contain their own errors. With no
+ * other hook, the two see what hooks would see. A module that has gained a hook since
+ * (its own forward, backward or pre-hooks, or torch's global ones: `global_hooks`, a tuple
+ * of dicts) is handed to `hook_instead(module)` before its forward runs, which puts the
+ * monitor's hooks on it first among its hooks (where they would have been) and returns
+ * True: then `pre` is called here for this call and `post` is left to the hook, which
+ * torch calls after the forward in the same call. `armed` 0: a plain call of the forward
+ * (module.py disarms a wrapper it cannot take out of a chain someone built on it).
+ * Attributes it does not have are its forward's (a bound method's `__func__`, `__self__`,
+ * `__name__`...), and `__wrapped__` is that bound method, so that
+ * inspect.signature(module.forward) is the forward's. Tracked by the collector: the module
+ * holds it and it holds the module. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *module, *pre, *post, *hook_instead, *global_hooks;
+    int armed;
+} CallWrapperObject;
+
+static PyObject *str_forward, *str_wrapped;
+/* the module's hook dictionaries whose entries put its calls on torch's slow path */
+static PyObject *str_module_hook_dicts[4];
+
+static int call_wrapper_traverse(CallWrapperObject *self, visitproc visit, void *arg) {
+    Py_VISIT(self->module);
+    Py_VISIT(self->pre);
+    Py_VISIT(self->post);
+    Py_VISIT(self->hook_instead);
+    Py_VISIT(self->global_hooks);
+    return 0;
+}
+
+static int call_wrapper_clear(CallWrapperObject *self) {
+    Py_CLEAR(self->module);
+    Py_CLEAR(self->pre);
+    Py_CLEAR(self->post);
+    Py_CLEAR(self->hook_instead);
+    Py_CLEAR(self->global_hooks);
+    return 0;
+}
+
+static PyObject *call_wrapper_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"module", "pre", "post", "hook_instead", "global_hooks", NULL};
+    PyObject *module, *pre, *post, *hook_instead, *global_hooks;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOO!:CallWrapper", kwlist, &module, &pre, &post, &hook_instead,
+                                     &PyTuple_Type, &global_hooks))
+        return NULL;
+    if (!PyCallable_Check(pre) || !PyCallable_Check(post) || !PyCallable_Check(hook_instead)) {
+        PyErr_SetString(PyExc_TypeError, "CallWrapper: pre, post and hook_instead are callables");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(global_hooks); i++) {
+        if (!PyDict_Check(PyTuple_GET_ITEM(global_hooks, i))) {
+            PyErr_SetString(PyExc_TypeError, "CallWrapper: global_hooks is a tuple of dicts");
+            return NULL;
+        }
+    }
+    CallWrapperObject *w = (CallWrapperObject *)type->tp_alloc(type, 0);
+    if (w == NULL)
+        return NULL;
+    w->module = Py_NewRef(module);
+    w->pre = Py_NewRef(pre);
+    w->post = Py_NewRef(post);
+    w->hook_instead = Py_NewRef(hook_instead);
+    w->global_hooks = Py_NewRef(global_hooks);
+    w->armed = 1;
+    return (PyObject *)w;
+}
+
+/* Whether a call of `module` takes torch's slow path: a hook of its own or a global one
+   (1), none (0), -1 with the error set. */
+static int has_hooks(CallWrapperObject *self) {
+    PyObject *globals = self->global_hooks;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(globals); i++)
+        if (PyDict_GET_SIZE(PyTuple_GET_ITEM(globals, i)) > 0)
+            return 1;
+    PyObject *entries = PyObject_GenericGetDict(self->module, NULL);
+    if (entries == NULL)
+        return -1;
+    int found = 0;
+    for (int i = 0; i < 4 && !found; i++) {
+        PyObject *hooks = PyDict_GetItemWithError(entries, str_module_hook_dicts[i]); /* borrowed */
+        if (hooks == NULL && PyErr_Occurred()) {
+            found = -1;
+            break;
+        }
+        found = hooks != NULL && PyDict_Check(hooks) && PyDict_GET_SIZE(hooks) > 0;
+    }
+    Py_DECREF(entries);
+    return found;
+}
+
+/* The module's forward as `module.forward` would give it without the wrapper: its class's
+   attribute, bound where it is a descriptor (a new reference, or NULL with the error set). */
+static PyObject *class_forward(PyObject *module) {
+    PyObject *descr = PyObject_GetAttr((PyObject *)Py_TYPE(module), str_forward);
+    if (descr == NULL)
+        return NULL;
+    descrgetfunc get = Py_TYPE(descr)->tp_descr_get;
+    if (get == NULL)
+        return descr;
+    PyObject *bound = get(descr, module, (PyObject *)Py_TYPE(module));
+    Py_DECREF(descr);
+    return bound;
+}
+
+/* the class's forward called on (module, *args, **kwargs): a new reference, or NULL */
+static PyObject *call_forward(PyObject *module, PyObject *args, PyObject *kwargs) {
+    PyObject *descr = PyObject_GetAttr((PyObject *)Py_TYPE(module), str_forward);
+    if (descr == NULL)
+        return NULL;
+    PyObject *result;
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    if (PyFunction_Check(descr) && n < 8) { /* the common case: no bound method made */
+        PyObject *stack[9];
+        stack[0] = module;
+        for (Py_ssize_t i = 0; i < n; i++)
+            stack[i + 1] = PyTuple_GET_ITEM(args, i);
+        result = PyObject_VectorcallDict(descr, stack, n + 1, kwargs);
+        Py_DECREF(descr);
+        return result;
+    }
+    descrgetfunc get = Py_TYPE(descr)->tp_descr_get;
+    PyObject *bound = get == NULL ? Py_NewRef(descr) : get(descr, module, (PyObject *)Py_TYPE(module));
+    Py_DECREF(descr);
+    if (bound == NULL)
+        return NULL;
+    result = PyObject_Call(bound, args, kwargs);
+    Py_DECREF(bound);
+    return result;
+}
+
+static PyObject *call_wrapper_call(CallWrapperObject *self, PyObject *args, PyObject *kwargs) {
+    PyObject *module = self->module;
+    if (!self->armed || module == NULL)
+        return module == NULL ? PyErr_Format(PyExc_RuntimeError, "CallWrapper: cleared") : call_forward(module, args, kwargs);
+    PyObject *kw = kwargs != NULL ? Py_NewRef(kwargs) : PyDict_New();
+    if (kw == NULL)
+        return NULL;
+    /* Keep the hooks alive through the call: module.py may take the wrapper out of the
+       module during it (a compile starting inside the forward). */
+    PyObject *pre = Py_NewRef(self->pre), *post = Py_NewRef(self->post), *output = NULL, *r;
+    Py_INCREF(module);
+    PyObject *stack[4] = {module, args, kw, NULL};
+    int hooked = has_hooks(self);
+    if (hooked > 0) { /* the monitor's hooks go on; this call's post is theirs if they did */
+        r = PyObject_CallOneArg(self->hook_instead, module);
+        if (r == NULL)
+            goto done;
+        hooked = r == Py_True;
+        Py_DECREF(r);
+    }
+    if (hooked < 0 || (r = PyObject_Vectorcall(pre, stack, 3, NULL)) == NULL)
+        goto done;
+    Py_DECREF(r);
+    if (hooked) {
+        output = call_forward(module, args, kw);
+        goto done;
+    }
+    output = call_forward(module, args, kw);
+    if (output == NULL) { /* as torch's always_call hook: called with None, its own error dropped */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        stack[3] = Py_None;
+        r = PyObject_Vectorcall(post, stack, 4, NULL);
+        if (r == NULL)
+            PyErr_Clear();
+        Py_XDECREF(r);
+        PyErr_Restore(type, value, tb);
+        goto done;
+    }
+    stack[3] = output;
+    r = PyObject_Vectorcall(post, stack, 4, NULL);
+    if (r == NULL)
+        Py_CLEAR(output);
+    Py_XDECREF(r);
+done:
+    Py_DECREF(module);
+    Py_DECREF(pre);
+    Py_DECREF(post);
+    Py_DECREF(kw);
+    return output;
+}
+
+/* attributes it has not: its forward's (a bound method's, as `module.forward` would be) */
+static PyObject *call_wrapper_getattro(CallWrapperObject *self, PyObject *name) {
+    PyObject *found = PyObject_GenericGetAttr((PyObject *)self, name);
+    if (found != NULL || !PyErr_ExceptionMatches(PyExc_AttributeError) || self->module == NULL)
+        return found;
+    PyErr_Clear();
+    PyObject *bound = class_forward(self->module);
+    if (bound == NULL)
+        return NULL;
+    if (PyUnicode_Check(name) && PyUnicode_Compare(name, str_wrapped) == 0)
+        return bound;
+    found = PyObject_GetAttr(bound, name);
+    Py_DECREF(bound);
+    return found;
+}
+
+static PyMemberDef call_wrapper_members[] = {
+    {"armed", T_INT, offsetof(CallWrapperObject, armed), 0, "0: a plain call of the forward"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyObject *call_wrapper_repr(CallWrapperObject *self) {
+    if (self->module == NULL)
+        return PyUnicode_FromString("<msprobe monitor's call of a forward (cleared)>");
+    return PyUnicode_FromFormat("<msprobe monitor's call of %s.forward>", Py_TYPE(self->module)->tp_name);
+}
+
+static PyTypeObject CallWrapperType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "_msprobe_monitor_native.CallWrapper",
+    .tp_basicsize = sizeof(CallWrapperObject),
+    .tp_dealloc = (destructor)gc_dealloc,
+    .tp_call = (ternaryfunc)call_wrapper_call,
+    .tp_getattro = (getattrofunc)call_wrapper_getattro,
+    .tp_repr = (reprfunc)call_wrapper_repr,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "A module's forward with the monitor's pre and post calls around it, for its written steps.",
+    .tp_traverse = (traverseproc)call_wrapper_traverse,
+    .tp_clear = (inquiry)call_wrapper_clear,
+    .tp_members = call_wrapper_members,
+    .tp_new = call_wrapper_new,
+};
+
 /* ---------------------------------------------------------------- Recorder
  * The engine's record(t, plan, vpp_stage, name, scope, micro_step, cache=True) for one
  * plan, as one C object: recorder(t, vpp_stage, name, scope[, micro_step]). The module
@@ -4144,12 +4380,18 @@ PyMODINIT_FUNC PyInit__msprobe_monitor_native(void) {
     if (PyType_Ready(&RecordType) < 0 || PyType_Ready(&NoteStateType) < 0 || PyType_Ready(&GradNoteType) < 0 ||
         PyType_Ready(&RecorderType) < 0 || PyType_Ready(&NodeHookType) < 0 ||
         PyType_Ready(&CallHookType) < 0 || PyType_Ready(&CallStateType) < 0 ||
-        PyType_Ready(&BusyClockType) < 0)
+        PyType_Ready(&BusyClockType) < 0 || PyType_Ready(&CallWrapperType) < 0)
         return NULL;
     str_active = PyUnicode_InternFromString("active");
     str_hooks_attr = PyUnicode_InternFromString("_post_accumulate_grad_hooks");
-    if (str_active == NULL || str_hooks_attr == NULL)
+    str_forward = PyUnicode_InternFromString("forward");
+    str_wrapped = PyUnicode_InternFromString("__wrapped__");
+    if (str_active == NULL || str_hooks_attr == NULL || str_forward == NULL || str_wrapped == NULL)
         return NULL;
+    const char *hook_dicts[4] = {"_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"};
+    for (int i = 0; i < 4; i++)
+        if ((str_module_hook_dicts[i] = PyUnicode_InternFromString(hook_dicts[i])) == NULL)
+            return NULL;
     PyObject **interned[] = {&str_is_cpu, &str_dtype, &str_layout, &str_is_nested, &str_is_contiguous, &str_is_neg,
                           &str_numel, &str_data_ptr, &str_is_inference, &str_version, &str_next_functions,
                           &str_sequence_nr, &str_attached, &str_errors, &str_read, &str_records, &str_busy,
@@ -4173,10 +4415,10 @@ PyMODINIT_FUNC PyInit__msprobe_monitor_native(void) {
     if (m == NULL)
         return NULL;
     PyTypeObject *types[] = {&RecordType, &NoteStateType, &GradNoteType, &RecorderType, &NodeHookType,
-                             &CallHookType, &CallStateType, &BusyClockType};
+                             &CallHookType, &CallStateType, &BusyClockType, &CallWrapperType};
     const char *names[] = {"Record", "NoteState", "GradNote", "Recorder", "NodeHook", "CallHook", "CallState",
-                           "BusyClock"};
-    for (int i = 0; i < 8; i++) {
+                           "BusyClock", "CallWrapper"};
+    for (int i = 0; i < 9; i++) {
         Py_INCREF(types[i]);
         if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
             Py_DECREF(types[i]);

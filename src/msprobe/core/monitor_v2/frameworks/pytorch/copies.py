@@ -12,11 +12,13 @@ monitor hooks gets an instance attribute ``__getstate__`` that returns the state
 class would return, without the monitor's hook entries and without itself. Copies and
 checkpoints are then exactly what they would be without the monitor (other libraries'
 hooks are copied as usual), and loading a checkpoint does not need msprobe. ``stop()``
-removes the hooks and the attribute. The same is done for the ``step`` wrapper put on an
-optimizer that is not a ``torch.optim.Optimizer`` (``patching.replace_attribute``).
+removes the hooks and the attribute. The same is done for the monitor's ``forward`` set in a
+module's instance dictionary (the module monitor's call wrapper) and for the ``step``
+wrapper put on an optimizer that is not a ``torch.optim.Optimizer``
+(``patching.replace_attribute``).
 """
 
-from typing import Any, Callable, Dict, List, Set
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
@@ -30,21 +32,26 @@ _HOOK_DICTS = (
 
 
 class ModuleHooks:
-    """Forward hooks on modules that copies and pickles of the modules leave out."""
+    """Forward hooks on modules, and wrappers set as a module's ``forward``, that copies and
+    pickles of the modules leave out."""
 
     def __init__(self) -> None:
         self._handles: List[Any] = []
         self._states: Dict[int, StateWithout] = {}  # id(module) -> its __getstate__
-        self._ids: Dict[int, Set[int]] = {}  # id(module) -> ids of the hooks added here
+        self._ids: Dict[int, List[int]] = {}  # id(module) -> ids of the hooks added here, in order
+        self._wrapped: List[Tuple[torch.nn.Module, Any]] = []  # (module, its forward set here)
 
-    def _track(self, module: torch.nn.Module, handle: Any) -> Any:
+    def _state(self, module: torch.nn.Module) -> StateWithout:
         state = self._states.get(id(module))
         if state is None:
             state = self._states[id(module)] = StateWithout.install(module)
             state.hook_dicts = _HOOK_DICTS
-            self._ids[id(module)] = set()
-        state.hook_ids.add(handle.id)
-        self._ids[id(module)].add(handle.id)
+            self._ids[id(module)] = []
+        return state
+
+    def _track(self, module: torch.nn.Module, handle: Any) -> Any:
+        self._state(module).hook_ids.add(handle.id)
+        self._ids[id(module)].append(handle.id)
         self._handles.append(handle)
         return handle
 
@@ -54,14 +61,44 @@ class ModuleHooks:
     def forward(self, module: torch.nn.Module, hook: Callable[..., None], **kwargs: Any) -> Any:
         return self._track(module, module.register_forward_hook(hook, **kwargs))
 
-    def remove_all(self) -> None:
+    def wrap_forward(self, module: torch.nn.Module, wrapper: Any) -> None:
+        """``wrapper`` as ``module.forward``: an entry of the module's instance dictionary, set
+        there directly (no ``__setattr__`` of a subclass runs), which its class's forward is
+        found behind again once the entry is deleted."""
+        state = self._state(module)
+        vars(module)["forward"] = wrapper
+        state.leave_out("forward")
+        self._wrapped.append((module, wrapper))
+
+    def wrapped(self) -> List[Tuple[torch.nn.Module, Any]]:
+        """``(module, wrapper)`` of each forward set here."""
+        return list(self._wrapped)
+
+    def unwrap(self, module: torch.nn.Module, wrapper: Any) -> bool:
+        """Take ``wrapper`` out of ``module.forward``; False where something else replaced it
+        meanwhile (its replacement stays: the caller disarms the wrapper)."""
+        self._wrapped = [(m, w) for m, w in self._wrapped if w is not wrapper]
+        state = self._states.get(id(module))
+        if state is not None:
+            state.leave_out("forward", False)
+        entries = vars(module)
+        if entries.get("forward") is wrapper:
+            del entries["forward"]
+            return True
+        return False
+
+    def remove_all(self) -> List[Tuple[torch.nn.Module, Any]]:
+        """Remove every hook and wrapper; ``(module, wrapper)`` of the wrappers that could not
+        be taken out (``unwrap``)."""
+        left = [(m, w) for m, w in self.wrapped() if not self.unwrap(m, w)]
         while self._handles:
             self._handles.pop().remove()
         for key, state in self._states.items():
-            state.hook_ids -= self._ids[key]
+            state.hook_ids -= set(self._ids[key])
             state.release()
         self._states.clear()
         self._ids.clear()
+        return left
 
     def replace(self, swap: Callable[[Any], Any]) -> None:
         """Each hook added here replaced by ``swap(hook)`` where that is not None, in the same
@@ -73,12 +110,12 @@ class ModuleHooks:
                 if new is not None:
                     hooks[handle.id] = new
 
-    def handle_ids(self) -> List[int]:
-        """The ids of the hooks added here, in the order they were added."""
-        return [h.id for h in self._handles]
+    def handle_ids(self) -> Dict[int, List[int]]:
+        """id(module) -> the ids of the hooks added here on it, in the order they were added."""
+        return {key: list(ids) for key, ids in self._ids.items()}
 
     def modules(self) -> List[torch.nn.Module]:
-        """The modules that carry hooks added here."""
+        """The modules that carry hooks or wrappers added here."""
         return [state.owner for state in self._states.values()]
 
     def remove(self) -> None:

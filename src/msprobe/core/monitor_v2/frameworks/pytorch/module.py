@@ -1,7 +1,17 @@
 """``module``: forward inputs/outputs and backward gradients of modules.
 
 Forward: a forward pre-hook records the inputs (before the module can modify them in
-place) and a forward hook records the outputs.
+place) and a forward hook records the outputs. On a written step with the kernel's
+extension, a module that is not a model chunk given to ``start()`` has its ``forward``
+wrapped instead (the extension's ``CallWrapper``, set in the module's instance dictionary,
+calling the same two hooks around its class's forward): a module with any forward hook
+takes PyTorch's slow call path, about 3.5 us a call in Python, and a module whose only
+observer is the wrapper keeps the fast one. Its input rows are then the arguments its
+forward receives (after every forward pre-hook), its output rows what forward returns
+(before any forward hook). A module with a ``forward`` of its own in its instance
+dictionary (a library's wrapper) keeps the hooks, and a wrapper someone replaces is said
+once and gives way to the hooks (``_check_wrapped``). ``MSPROBE_MONITOR_WRAP=0``: hooks
+everywhere.
 
 Backward, without ``register_full_backward_hook``: that API wraps outputs in a custom
 autograd function, and any in-place op on them afterwards (``ReLU(inplace=True)``,
@@ -22,9 +32,9 @@ A node serves several modules (a Linear's output node gives its ``grad_output``,
 for all of them (``_NodeHook``).
 
 Steps that are not written: where the next written step is at least four steps away,
-the modules' hooks come off (a module with any forward hook takes PyTorch's slow call
-path, about 5 us a call) and go back on for the written step, each where it ran among the
-module's other hooks; once Dynamo compiles anything they stay on (``_set_call_hooks``).
+the modules' hooks and wrappers come off and go back on for the written step, each hook
+where it ran among the module's other hooks; once Dynamo compiles anything the hooks stay
+on, and no forward is wrapped (``_set_call_hooks``, ``_compile_started``).
 
 Recomputation (activation checkpointing) runs forward hooks again during the
 backward pass; those calls record no forward statistics, so nothing is counted twice.
@@ -51,9 +61,12 @@ monitored module, and the hooks run eagerly on the real tensors there.
 """
 
 import functools
+import inspect
 import itertools
 import logging
+import os
 import threading
+import types
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -433,6 +446,50 @@ def _register(hook: _NodeHook, node: Any) -> None:
 _graph = graph_hooks.state
 
 
+_PLAIN_FORWARD: Dict[type, bool] = {}
+# MSPROBE_MONITOR_WRAP=0: every module keeps a pair of forward hooks (its rows are the same
+# where no other hook of the module changes its inputs or outputs)
+WRAP_SWITCH = "MSPROBE_MONITOR_WRAP"
+
+
+def _wrapping_allowed() -> bool:
+    return os.environ.get(WRAP_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+_module_hooks = torch.nn.modules.module
+# torch's global module hooks: any entry puts every module's call on the slow path
+_GLOBAL_HOOKS = tuple(d for d in (getattr(_module_hooks, name, None) for name in (
+    "_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks", "_global_backward_hooks"))
+    if isinstance(d, dict))
+_MODULE_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _wrappable(module: torch.nn.Module) -> bool:
+    """Whether the monitor's ``CallWrapper`` can be ``module.forward`` for a written step
+    instead of a pair of forward hooks: a call of the module is on torch's fast path (no hook
+    of its own, no global one: where there is one, the slow path is taken anyway, and the
+    monitor's hooks keep their place among the others), its class has a plain function as
+    its forward (not a TorchScript module's method), and nothing set a forward of its own on
+    the module (a library's wrapper, which would lose it: such a module keeps the hooks)."""
+    entries = vars(module)
+    if "forward" in entries or any(_GLOBAL_HOOKS) or any(entries.get(name) for name in _MODULE_HOOK_DICTS):
+        return False
+    kind = type(module)
+    plain = _PLAIN_FORWARD.get(kind)
+    if plain is None:
+        plain = _PLAIN_FORWARD[kind] = (isinstance(inspect.getattr_static(kind, "forward", None), types.FunctionType)
+                                         and not issubclass(kind, torch.jit.ScriptModule))
+    return plain
+
+
+def _describe(forward: Any) -> str:
+    """A short description of someone's ``forward`` for a log line (its type and name only)."""
+    if forward is None:
+        return "its class's"
+    name = getattr(forward, "__qualname__", None)
+    return f"{type(forward).__name__} {name}" if isinstance(name, str) else type(forward).__name__
+
+
 class _ForwardPreHook(ContainedHook):
     """A module's forward pre-hook (``ContainedHook``: contained, timed, gated on the
     monitor being active): one object per module, built at attach time."""
@@ -511,13 +568,18 @@ class ModuleMonitor(Monitor):
         # the call state: the extension's CallState where CallHook runs (it reads its fields directly)
         self._new_call: Callable[[List[Any], int, str, Optional[Any]], Any] = (
             ext.CallState if self._native_calls else _Call)
-        self._removed: Optional[Tuple[List[int], List[Tuple[torch.nn.Module, Any]]]] = None  # see _set_call_hooks
+        self._removed: Optional[Tuple[Dict[int, List[int]], List[Tuple[torch.nn.Module, Any]]]] = None
+        self._not_wrapped: set = set()  # id(module) of a module whose wrapped forward was replaced
         self._calls: Dict[Tuple[int, int], _Call] = {}  # (thread, module) -> innermost call in progress
         self._sums: Dict[int, List[Any]] = {}  # sum number -> the parts summed so far (_EXPECTED...)
         self._sum_numbers = itertools.count()
         self._once = LogOnce()
         self._pass = _Pass()  # per thread: a background evaluation never joins the training pass
         self.attached = True
+        self._root_ids = {id(r) for r in self.session.roots}
+        self._wrap = _wrapping_allowed()
+        self._tags: Dict[int, str] = {}  # id(module) -> its tag, for what is said of its forward
+        self._spec_of: Dict[int, Tuple[Any, ...]] = {}  # id(module) -> its entry of _call_hook_specs
         for vpp, tag, module in select_modules(self.session.named_modules(), targets, self.session.table.qualify):
             self._hook(module, vpp, tag)
         roots = {id(r): r for r in self.session.roots}
@@ -585,21 +647,28 @@ class ModuleMonitor(Monitor):
 
     def _hook(self, module: torch.nn.Module, vpp: int, tag: str) -> None:
         names = _Names(tag, vpp)
+        self._tags[id(module)] = tag
         # owner=self: on steps that are not written the hooks return before any other call.
         # always_call: the post-hook also runs when forward raises (non-reentrant
         # checkpointing stops its recomputation that way), so the call state is dropped.
         before, after = _ForwardPreHook(self, vpp, names, module), _ForwardHook(self, vpp, names, module)
         pre, post = eager_hook(before, self), eager_hook(after, self)
-        native_pre = native_post = None
+        native_pre = native_post = wrapper = None
         if self._native_calls:
             # the common call in C (the extension's CallHook); every other call goes to pre/post
-            call_hook = native.extension().CallHook
-            native_pre = call_hook(self, pre, before.site, vpp, names, id(module), names.input(0), False)
-            native_post = call_hook(self, post, after.site, vpp, names, id(module), names.output_0, True)
-        self._call_hook_specs.append((module, pre, post, native_pre, native_post))
+            ext = native.extension()
+            native_pre = ext.CallHook(self, pre, before.site, vpp, names, id(module), names.input(0), False)
+            native_post = ext.CallHook(self, post, after.site, vpp, names, id(module), names.output_0, True)
+            if self._wrap and id(module) not in self._root_ids:  # a chunk has its pass tracking's hooks anyway
+                wrapper = ext.CallWrapper(module, native_pre, native_post, self._hooked_instead, _GLOBAL_HOOKS)
+        spec = (module, pre, post, native_pre, native_post, wrapper)
+        self._call_hook_specs.append(spec)
+        self._spec_of[id(module)] = spec
 
     def _compile_started(self) -> None:
-        """Dynamo starts to compile: the hooks go on before it traces and stay on."""
+        """Dynamo starts to compile: the hooks go on before it traces and stay on, and no
+        forward is wrapped from then on (Dynamo cannot trace a C object): a wrapped module
+        gets the Python hooks instead, after its other hooks."""
         self._cancel_on_compile = None
         self._keep_call_hooks = True
         if self.attached:
@@ -607,6 +676,12 @@ class ModuleMonitor(Monitor):
                 # each CallHook's Python hook in its place, in the same place among the module's hooks
                 call_hook = native.extension().CallHook
                 self._call_hooks.replace(lambda hook: hook.fallback if type(hook) is call_hook else None)
+                # and a wrapped forward's module gets the Python hooks, after its other hooks
+                for module, wrapper in self._call_hooks.wrapped():
+                    self._unwrap(module, wrapper)
+                    _, pre, post = self._spec_of[id(module)][:3]
+                    self._call_hooks.forward_pre(module, pre, with_kwargs=True)
+                    self._call_hooks.forward(module, post, with_kwargs=True, always_call=True)
             self._set_call_hooks(True)
 
     def _set_call_hooks(self, on: bool) -> None:
@@ -637,7 +712,7 @@ class ModuleMonitor(Monitor):
             # where they ran among the modules' other hooks, to put them back there
             self._removed = (self._call_hooks.handle_ids(),
                              [(m, hook_order(m)) for m in self._call_hooks.modules()])
-            self._call_hooks.remove_all()
+            self._disarm(self._call_hooks.remove_all())
             return
         self._call_hooks_on = True
         hooks = self._call_hooks
@@ -645,19 +720,81 @@ class ModuleMonitor(Monitor):
         if self._removed is not None:
             old_ids, orders = self._removed
             self._removed = None
-            renamed = dict(zip(old_ids, hooks.handle_ids()))  # added in the same order as before
+            new_ids = hooks.handle_ids()
+            renamed = {}  # a module's hooks are added in the same order as before
+            for key, ids in old_ids.items():
+                renamed.update(zip(ids, new_ids.get(key, ())))
             for module, order in orders:
                 restore_order(module, order, renamed)
 
     def _add_call_hooks(self, hooks: ModuleHooks) -> None:
         in_c = self._native_calls and not self._keep_call_hooks  # see _compile_started
-        for module, pre, post, native_pre, native_post in self._call_hook_specs:
+        for module, pre, post, native_pre, native_post, wrapper in self._call_hook_specs:
+            if in_c and wrapper is not None and _wrappable(module) and id(module) not in self._not_wrapped:
+                hooks.wrap_forward(module, wrapper)
+                continue
             hooks.forward_pre(module, native_pre if in_c else pre, with_kwargs=True)
             hooks.forward(module, native_post if in_c else post, with_kwargs=True, always_call=True)
         # after the modules': a chunk's pass is entered before and left after its own hooks
         for root, enter, leave in self._pass_hook_specs:
             hooks.forward_pre(root, enter, prepend=True, with_kwargs=True)
             hooks.forward(root, leave, always_call=True)
+
+    def _check_wrapped(self) -> None:
+        """A wrapped forward that someone replaced in the module since (a library's own forward
+        wrapper, a patched method): that module's calls may have gone unrecorded. Said once,
+        and the module gets forward hooks instead from now on."""
+        hooks = self._call_hooks
+        for module, wrapper in hooks.wrapped():
+            if vars(module).get("forward") is wrapper:
+                continue
+            self._unwrap(module, wrapper)
+            spec = self._spec_of[id(module)]
+            hooks.forward_pre(module, spec[3], with_kwargs=True)
+            hooks.forward(module, spec[4], with_kwargs=True, always_call=True)
+
+    def _hooked_instead(self, module: torch.nn.Module) -> bool:
+        """A wrapped module that has gained a hook (a call of it takes torch's slow path now):
+        its forward unwrapped and the monitor's hooks put on it first, where they would be had
+        they been put on with the wrapper; the wrapper calls the pre-hook's part of the call
+        in progress itself (it has the arguments its forward got) and the forward hook, now
+        on the module, runs after it. True where the hooks are on."""
+        try:
+            spec = self._spec_of[id(module)]
+            wrapper = spec[5]
+            if vars(module).get("forward") is not wrapper:
+                return False  # called through someone's chain: _check_wrapped says it
+            self._call_hooks.unwrap(module, wrapper)
+            hooks = self._call_hooks
+            hooks.forward_pre(module, spec[3], prepend=True, with_kwargs=True)
+            hooks.forward(module, spec[4], prepend=True, with_kwargs=True, always_call=True)
+            return True
+        except Exception as exc:  # noqa: BLE001 - containment is the point
+            self.errors.report("module hooks instead of a forward wrapper", exc)
+            return False
+
+    def _unwrap(self, module: torch.nn.Module, wrapper: Any) -> None:
+        """``wrapper`` out of ``module.forward``, or disarmed where it cannot be (``_disarm``)."""
+        if not self._call_hooks.unwrap(module, wrapper):
+            self._disarm([(module, wrapper)])
+
+    def _disarm(self, left: List[Tuple[torch.nn.Module, Any]], at_stop: bool = False) -> None:
+        """Wrappers that someone replaced in their module's forward (perhaps calling them from
+        theirs): from now on each calls its forward and nothing else, and its module is
+        hooked instead. Said once a module."""
+        for module, wrapper in left:
+            wrapper.armed = 0
+            self._not_wrapped.add(id(module))
+            tag = self._tags.get(id(module), type(module).__name__)
+            now = vars(module).get("forward")
+            if at_stop:
+                self._once.info(("forward", id(module)), "monitor_v2 module: the forward of %s was replaced after "
+                                "the monitor set its own (now %s); left as it is, the monitor's part of it does "
+                                "nothing more (logged once)", tag, _describe(now))
+            else:
+                self._warn_once(f"{tag}.forward", f"the forward of {tag} was replaced while the monitor's call "
+                                f"wrapper was in it (now {_describe(now)}); its calls since may have no rows, and "
+                                f"from the next written step its rows come from forward hooks")
 
     # ------------------------------------------------------------------ forward
     def _before_forward(self, key: int, vpp: int, names: _Names, args: Tuple, kwargs: Dict) -> None:
@@ -891,11 +1028,15 @@ class ModuleMonitor(Monitor):
     def collect(self) -> List[Record]:
         for number in list(self._sums):
             self._flush(number)
+        self._check_wrapped()
         return super().collect()
 
     def detach(self) -> None:
         self.attached = False
-        self._call_hooks.remove_all()
+        self._disarm(self._call_hooks.remove_all(), at_stop=True)
+        for spec in self._call_hook_specs:  # one kept by the user's code (``f = m.forward``) does nothing more
+            if spec[5] is not None:
+                spec[5].armed = 0
         self._call_hooks_on = False
         if self._cancel_on_compile is not None:
             self._cancel_on_compile()

@@ -1,0 +1,241 @@
+"""The module monitor's forward wrapper (the extension's ``CallWrapper``): on a written step a
+module that is not a model chunk has its ``forward`` wrapped instead of a pair of forward
+hooks, so PyTorch calls it on its fast path. The rows are those of the hooks, byte for byte;
+the wrapper reads as the module's own forward (signature, ``__func__``, ``__self__``); an
+exception goes through unchanged; a forward that someone replaces after ``start()`` is said
+once and hooked from then on; and ``stop()`` leaves each module as it was."""
+
+import functools
+import inspect
+import logging
+from pathlib import Path
+from typing import Dict
+
+import pytest
+import torch
+
+from support import TinyMLP, assert_row_matches, find_row, loss_fn, make_batches, numpy_stats, rows_of
+from test_module import TinyGPT, make_data, run_monitored
+from msprobe.core.monitor_v2 import native
+from msprobe.core.monitor_v2.frameworks.pytorch.module import WRAP_SWITCH
+from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
+
+EVERY_MODULE = {"module": {"enabled": True, "targets": []}}
+
+
+@pytest.fixture(scope="module")
+def ext():
+    ext = native.extension()
+    assert ext is not None, "the kernel's extension is not built here: there is no CallWrapper"
+    return ext
+
+
+def wrapped(model: torch.nn.Module, ext) -> Dict[str, bool]:
+    return {name: type(vars(m).get("forward")) is ext.CallWrapper for name, m in model.named_modules()}
+
+
+def csv_files(out: Path) -> Dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(Path(out).rglob("*.csv"))}
+
+
+def _train_gpt(out: Path, ckpt, seen: list, ext):
+    model = TinyGPT(ckpt=ckpt)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(sum(wrapped(model, ext).values())),
+                                    with_kwargs=True)
+    config = {"output_dir": str(out), "monitors": EVERY_MODULE}
+    _, losses = run_monitored(model, [[b] for b in make_data(3)], config, optimizer=opt)
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("ckpt", [None, "nonreentrant", "reentrant"])
+def test_rows_are_the_same_wrapped_and_hooked(tmp_path, monkeypatch, ext, ckpt):
+    # TinyGPT: attention, a module called twice, split and dict outputs, in-place ops, tied
+    # weights, and a checkpointed block (whose forward runs again in the backward pass)
+    seen = []
+    losses, params = _train_gpt(tmp_path / "wrapped", ckpt, seen, ext)
+    assert seen and min(seen) > 5, f"forwards wrapped while the model ran: {seen}"
+    monkeypatch.setenv(WRAP_SWITCH, "0")
+    seen_hooked = []
+    ref_losses, ref_params = _train_gpt(tmp_path / "hooked", ckpt, seen_hooked, ext)
+    assert set(seen_hooked) == {0}
+    got, want = csv_files(tmp_path / "wrapped"), csv_files(tmp_path / "hooked")
+    assert b",backward," in b"".join(got.values()) and b",forward," in b"".join(got.values())
+    assert got == want
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    assert all(torch.equal(params[k], ref_params[k]) for k in params)
+
+
+def test_chunks_modules_with_hooks_and_with_a_forward_of_their_own_keep_hooks(tmp_path, ext):
+    model = TinyMLP()
+    model.fc2.forward = functools.partial(torch.nn.Linear.forward, model.fc2)  # as a library's wrapper
+    own = vars(model.fc2)["forward"]
+    theirs = model.act.register_forward_hook(lambda m, args, out: None)  # a framework's hook: the slow path anyway
+    mon = TrainerMonitorV2({"output_dir": str(tmp_path), "monitors": EVERY_MODULE})
+    mon.start(model=model)
+    assert wrapped(model, ext) == {"": False, "fc1": True, "act": False, "fc2": False}
+    assert model._forward_pre_hooks and model.fc2._forward_pre_hooks and not model.fc1._forward_pre_hooks
+    assert list(model.act._forward_hooks)[0] == theirs.id, "the monitor's hook after the ones it found"
+    mon.stop()
+    assert not any(wrapped(model, ext).values()) and vars(model.fc2)["forward"] is own
+    assert "forward" not in vars(model.fc1) and not model.fc1._forward_pre_hooks
+    assert list(model.act._forward_hooks) == [theirs.id]
+
+
+def test_a_global_module_hook_keeps_hooks_everywhere(tmp_path, ext):
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, args, out: None)
+    try:
+        model = TinyMLP()
+        mon = TrainerMonitorV2({"output_dir": str(tmp_path), "monitors": EVERY_MODULE})
+        mon.start(model=model)
+        assert not any(wrapped(model, ext).values())
+        mon.stop()
+    finally:
+        handle.remove()
+
+
+def test_a_hook_added_after_start_puts_the_monitors_hooks_first(tmp_path, ext):
+    """fc1 is wrapped; a forward hook added after start() that scales its output: the
+    monitor's hooks go on fc1 at its next call, first, so its output rows are fc1's own
+    output, before the user's hook, as they were when every module was hooked at start()."""
+    model = TinyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMonitorV2({"output_dir": str(tmp_path), "monitors": EVERY_MODULE})
+    mon.start(model=model, optimizer=opt)
+    assert wrapped(model, ext)["fc1"]
+    user = model.fc1.register_forward_hook(lambda m, args, out: out * 10)
+    x, y = make_batches(1)[0]
+    want = torch.nn.functional.linear(x, model.fc1.weight.detach(), model.fc1.bias.detach())
+    loss_fn(model, x, y).backward()
+    opt.step()
+    assert not wrapped(model, ext)["fc1"]
+    assert list(model.fc1._forward_hooks)[-1] == user.id, "the monitor's hook first, the user's after it"
+    mon.stop()
+    assert list(model.fc1._forward_hooks) == [user.id] and not model.fc1._forward_pre_hooks
+    rows = rows_of(tmp_path, "module")
+    assert_row_matches(find_row(rows, step=0, module_name="fc1.output.0", scope="forward"), numpy_stats(want))
+    assert_row_matches(find_row(rows, step=0, module_name="act.input.0", scope="forward"), numpy_stats(want * 10))
+
+
+def test_a_wrapped_forward_reads_as_the_modules_own(tmp_path, ext):
+    model = TinyMLP()
+    mon = TrainerMonitorV2({"output_dir": str(tmp_path), "monitors": EVERY_MODULE})
+    mon.start(model=model)
+    fc1 = model.fc1
+    forward = fc1.forward
+    assert type(forward) is ext.CallWrapper
+    assert inspect.signature(forward) == inspect.signature(torch.nn.Linear(2, 2).forward)
+    assert forward.__func__ is torch.nn.Linear.forward and forward.__self__ is fc1
+    assert forward.__name__ == "forward" and forward.__wrapped__ == fc1.__class__.forward.__get__(fc1)
+    assert "Linear.forward" in repr(forward)
+    x = torch.randn(3, 6)
+    assert torch.equal(forward(x), torch.nn.functional.linear(x, fc1.weight, fc1.bias))
+    with pytest.raises(AttributeError):
+        forward.no_such_attribute
+    mon.stop()
+
+
+class Fragile(torch.nn.Module):
+    """Raises on an input with a negative first element (a bad batch), as a user's check does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x[0, 0] < 0:
+            raise ValueError("bad batch")
+        return self.fc(x)
+
+
+def test_an_exception_in_a_wrapped_forward_goes_through_unchanged(tmp_path, ext):
+    model = torch.nn.Sequential(Fragile(), torch.nn.Linear(6, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMonitorV2({"output_dir": str(tmp_path), "monitors": EVERY_MODULE})
+    mon.start(model=model, optimizer=opt)
+    assert wrapped(model, ext)["0"]
+    bad = -torch.ones(4, 6)
+    with pytest.raises(ValueError, match="bad batch") as raised:
+        model(bad)
+    assert raised.traceback[-1].name == "forward"  # raised in Fragile.forward, not by the monitor
+    x = torch.rand(4, 6) + 0.1  # the next call is recorded as any other
+    want = torch.nn.functional.linear(x, model[0].fc.weight.detach(), model[0].fc.bias.detach())
+    model(x).sum().backward()
+    opt.step()
+    mon.stop()
+    assert mon.errors.count == 0
+    rows = rows_of(tmp_path, "module")
+    # the failed call's input was read before its forward ran (as a pre-hook reads it); it has no output
+    inputs = numpy_stats(torch.cat([bad, x]))
+    assert_row_matches(find_row(rows, step=0, module_name="0.input.0", scope="forward"), inputs)
+    assert_row_matches(find_row(rows, step=0, module_name="0.output.0", scope="forward"), numpy_stats(want))
+
+
+def test_a_forward_replaced_after_start_is_said_once_and_hooked_from_then_on(tmp_path, ext, caplog):
+    """At step 1 a library wraps fc1's forward in its own (as accelerate's hooks do: the new
+    forward calls the one it found, the monitor's). From step 2 fc1's rows come from hooks,
+    once each (a disarmed wrapper in the chain records nothing), and stop() leaves the
+    library's forward in place."""
+    model, ref = TinyMLP(), TinyMLP()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    mon = TrainerMonitorV2({"output_dir": str(tmp_path), "monitors": EVERY_MODULE})
+    mon.start(model=model, optimizer=opt)
+    calls = []
+
+    def library_forward(module, found, *args, **kwargs):
+        calls.append(module)
+        return found(*args, **kwargs)
+
+    batches = make_batches(4)
+    with caplog.at_level(logging.INFO, logger="msprobe.monitor_v2"):
+        for step, (x, y) in enumerate(batches):
+            if step == 1:
+                for m in (model, ref):
+                    m.fc1.forward = functools.partial(library_forward, m.fc1, m.fc1.forward)
+            for m, o in ((model, opt), (ref, ref_opt)):
+                loss_fn(m, x, y).backward()
+                o.step()
+                o.zero_grad()
+        mon.stop()
+    theirs = vars(model.fc1)["forward"]
+    assert isinstance(theirs, functools.partial) and theirs.func is library_forward
+    assert len(calls) == 2 * 3, "the library's forward ran on steps 1 to 3, in both models"
+    said = [r for r in caplog.records if "the forward of fc1 was replaced" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, [r.getMessage() for r in caplog.records]
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    rows = rows_of(tmp_path, "module")
+    for step in (2, 3):  # hooked: each call once (a doubled call would double the norm)
+        x = batches[step][0]
+        assert_row_matches(find_row(rows, step=step, module_name="fc1.input.0", scope="forward"), numpy_stats(x))
+    after = model.fc1(batches[0][0])  # still the library's forward, around the class's
+    assert torch.equal(after, ref.fc1(batches[0][0]))
+
+
+def test_a_class_forward_replaced_after_start_is_followed(tmp_path, ext, monkeypatch):
+    class Scale(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), Scale())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMonitorV2({"output_dir": str(tmp_path), "monitors": EVERY_MODULE})
+    mon.start(model=model, optimizer=opt)
+    monkeypatch.setattr(Scale, "forward", lambda self, x: x * 3)  # a patched class, as kernel libraries do
+    x = torch.randn(4, 6)
+    out = model(x)
+    assert torch.equal(out, model[0](x).detach() * 3)
+    out.sum().backward()
+    opt.step()
+    mon.stop()
+    rows = rows_of(tmp_path, "module")
+    assert_row_matches(find_row(rows, step=0, module_name="1.output.0", scope="forward"), numpy_stats(out))
+
+
+def test_the_switch_keeps_hooks_everywhere(tmp_path, ext, monkeypatch):
+    monkeypatch.setenv(WRAP_SWITCH, "0")
+    model = TinyMLP()
+    mon = TrainerMonitorV2({"output_dir": str(tmp_path), "monitors": EVERY_MODULE})
+    mon.start(model=model)
+    assert not any(wrapped(model, ext).values())
+    assert all(len(m._forward_pre_hooks) >= 1 for m in model.modules())
+    mon.stop()
