@@ -30,8 +30,9 @@ State = Tuple[ParamInfo, str, torch.Tensor]
 
 
 def is_state_tensor(key: Any, value: Any) -> bool:
-    """A tensor of the parameter's values; the scalar ``step`` is not one."""
-    return key != "step" and isinstance(value, torch.Tensor) and value.dim() > 0
+    """A tensor of the parameter's values; the scalar ``step`` is not one (``of`` has the
+    same test written out: it runs for every entry of thousands of parameters' states)."""
+    return key != "step" and isinstance(value, torch.Tensor) and value.ndim > 0
 
 
 class StateListing:
@@ -59,15 +60,17 @@ class StateListing:
             offset += len(s)
         found: List[State] = []
         where: List[int] = []
+        tensor = torch.Tensor
         for info in infos:
             s = by_id.get(id(info.param))
             if not s:
                 continue
-            first = offsets[id(s)]
-            for n, (key, value) in enumerate(s.items()):
-                if is_state_tensor(key, value):
+            n = offsets[id(s)]
+            for key, value in s.items():
+                if key != "step" and isinstance(value, tensor) and value.ndim > 0:  # is_state_tensor
                     found.append((info, key, value))
-                    where.append(first + n)
+                    where.append(n)
+                n += 1
         return found, cls(infos, list(state), offset, where, found)
 
     def again(self, state: Mapping[Any, Mapping[str, Any]], infos: Sequence[ParamInfo]) -> Optional[List[State]]:
