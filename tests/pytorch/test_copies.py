@@ -30,7 +30,7 @@ def hook_counts(model: torch.nn.Module):
         state["module:" + name] = tuple(len(getattr(m, a)) for a in (
             "_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
             "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")) + (
-            sorted(k for k in vars(m) if k.startswith("__") or k == "forward"),)
+            sorted(k for k in vars(m) if k.startswith("__") or k in ("forward", "_replicate_for_data_parallel")),)
     for name, p in model.named_parameters():
         state["param:" + name] = (len(p._backward_hooks or {}),
                                   len(getattr(p, "_post_accumulate_grad_hooks", None) or {}))

@@ -38,7 +38,7 @@ def steps_of(rows):
 
 def hooks_of(model):
     """Each module's hooks, and whether its forward is the monitor's (an instance attribute)."""
-    return {name: tuple(len(getattr(m, d) or {}) for d in HOOK_DICTS) + ("forward" in vars(m),)
+    return {name: tuple(len(getattr(m, d) or {}) for d in HOOK_DICTS) + tuple(k in vars(m) for k in ("forward", "_replicate_for_data_parallel"))
             for name, m in model.named_modules()}
 
 

@@ -5,9 +5,12 @@ the wrapper reads as the module's own forward (signature, ``__func__``, ``__self
 exception goes through unchanged; a forward that someone replaces after ``start()`` is said
 once and hooked from then on; and ``stop()`` leaves each module as it was."""
 
+import copy
 import functools
 import inspect
+import io
 import logging
+import pickle
 from pathlib import Path
 from typing import Dict
 
@@ -239,3 +242,53 @@ def test_the_switch_keeps_hooks_everywhere(tmp_path, ext, monkeypatch):
     assert not any(wrapped(model, ext).values())
     assert all(len(m._forward_pre_hooks) >= 1 for m in model.modules())
     mon.stop()
+
+
+def test_a_data_parallel_replica_runs_its_own_forward(tmp_path, ext):
+    """torch's DataParallel copies each module's instance dictionary into its replicas (on
+    other devices, with their own parameters): a replica of a wrapped module gets a wrapper
+    of its own, so it computes with its own parameters, and its calls are recorded as the
+    module's. (DataParallel replicates only on several GPUs; the replica is made here as it
+    makes it, with ``_replicate_for_data_parallel``.)"""
+    model = TinyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMonitorV2({"output_dir": str(tmp_path), "monitors": EVERY_MODULE})
+    mon.start(model=model, optimizer=opt)
+    fc1 = model.fc1
+    replica = fc1._replicate_for_data_parallel()
+    replica.weight = torch.nn.Parameter(fc1.weight.detach() * 2)  # as replicate() sets the replica's copies
+    replica.bias = torch.nn.Parameter(fc1.bias.detach() * 2)
+    assert type(vars(replica)["forward"]) is ext.CallWrapper and vars(replica)["forward"] is not vars(fc1)["forward"]
+    assert "_replicate_for_data_parallel" not in vars(replica)
+    x = torch.randn(4, 6)
+    with torch.no_grad():
+        got = replica(x)
+    want = torch.nn.functional.linear(x, fc1.weight.detach() * 2, fc1.bias.detach() * 2)
+    assert torch.equal(got, want)
+    loss_fn(model, x, torch.zeros(4, 3)).backward()
+    opt.step()
+    mon.stop()
+    assert "forward" not in vars(fc1) and "_replicate_for_data_parallel" not in vars(fc1)
+    rows = rows_of(tmp_path, "module")
+    # the replica's call and the model's call of fc1, one row (the replica's under no_grad is an evaluation
+    # outside a chunk's call: the model's mode decides, training, so both are forward rows)
+    assert_row_matches(find_row(rows, step=0, module_name="fc1.input.0", scope="forward"), numpy_stats(torch.cat([x, x])))
+
+
+def test_a_wrapper_left_in_a_module_copies_and_pickles_as_its_plain_forward(ext):
+    """A wrapper someone's chain still holds (disarmed) is never copied as the monitor's: a
+    deep copy of the module gets the copy's own forward, a pickle the module's."""
+    module = torch.nn.Linear(3, 2)
+    wrapper = ext.CallWrapper(module, lambda *a: None, lambda *a: None, lambda m: False, ())
+    vars(module)["forward"] = wrapper
+    copied = copy.deepcopy(module)
+    forward = vars(copied)["forward"]
+    assert forward.__self__ is copied and forward.__func__ is torch.nn.Linear.forward
+    buf = io.BytesIO()
+    torch.save(module, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert vars(loaded)["forward"].__self__ is loaded
+    assert pickle.loads(pickle.dumps(wrapper)).__func__ is torch.nn.Linear.forward
+    x = torch.randn(1, 3)
+    assert torch.equal(copied(x), module(x)) and torch.equal(loaded(x), module(x))

@@ -64,7 +64,8 @@ for step, (x, y) in enumerate(make_batches(6)):
     ref_opt.zero_grad()
     seen.append({"hooks": hooks, "fc1_output": want.tolist(), "x": x.tolist()})
 mon.stop()
-after = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + ("forward" in vars(m)) for m in model.modules())
+after = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + ("forward" in vars(m))
+            + ("_replicate_for_data_parallel" in vars(m)) for m in model.modules())
 same = all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
 print(json.dumps({"steps": seen, "after_stop": after, "training_unchanged": same,
                   "callbacks_left": len(callback_handler.start_callbacks) - callbacks_before}))

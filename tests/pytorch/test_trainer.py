@@ -133,7 +133,7 @@ def hook_state(model, opt):
             len(getattr(m, attr)) for attr in (
                 "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
             )
-        ) + ("forward" in vars(m),)  # the monitor's call wrapper is an instance attribute
+        ) + tuple(k in vars(m) for k in ("forward", "_replicate_for_data_parallel"))  # the call wrapper's
     state["opt"] = (len(opt._optimizer_step_pre_hooks), len(opt._optimizer_step_post_hooks), "step" in vars(opt))
     return state
 

@@ -4091,6 +4091,10 @@ static PyObject *call_wrapper_call(CallWrapperObject *self, PyObject *args, PyOb
     Py_INCREF(module);
     PyObject *stack[4] = {module, args, kw, NULL};
     int hooked = has_hooks(self);
+    if (hooked > 0 && self->hook_instead == Py_None) { /* a replica: its hooks are its module's */
+        output = call_forward(module, args, kw);
+        goto done;
+    }
     if (hooked > 0) { /* the monitor's hooks go on; this call's post is theirs if they did */
         r = PyObject_CallOneArg(self->hook_instead, module);
         if (r == NULL)
@@ -4146,6 +4150,63 @@ static PyObject *call_wrapper_getattro(CallWrapperObject *self, PyObject *name) 
     return found;
 }
 
+/* bound_to(module): the same wrapper for another module (a DataParallel replica of its own,
+   whose hook dictionaries are its module's: where they hold hooks, the replica's calls are
+   theirs, the monitor's included, and the wrapper only calls the forward) */
+static PyObject *call_wrapper_bound_to(CallWrapperObject *self, PyObject *module) {
+    if (self->pre == NULL)
+        return PyErr_Format(PyExc_RuntimeError, "CallWrapper: cleared");
+    CallWrapperObject *w = (CallWrapperObject *)Py_TYPE(self)->tp_alloc(Py_TYPE(self), 0);
+    if (w == NULL)
+        return NULL;
+    w->module = Py_NewRef(module);
+    w->pre = Py_NewRef(self->pre);
+    w->post = Py_NewRef(self->post);
+    w->hook_instead = Py_NewRef(Py_None);
+    w->global_hooks = Py_NewRef(self->global_hooks);
+    w->armed = self->armed;
+    return (PyObject *)w;
+}
+
+/* A copy or a pickle of the wrapper is its module's plain forward (a bound method, which
+   copy.deepcopy binds to the module's copy and pickle as getattr(module, "forward")): the
+   monitor's part never travels, even where a wrapper was left in a module. */
+static PyObject *call_wrapper_reduce(CallWrapperObject *self, PyObject *unused) {
+    if (self->module == NULL)
+        return PyErr_Format(PyExc_TypeError, "CallWrapper: cleared");
+    PyObject *bound = class_forward(self->module);
+    if (bound == NULL)
+        return NULL;
+    PyObject *reduced = PyObject_CallMethod(bound, "__reduce__", NULL);
+    Py_DECREF(bound);
+    return reduced;
+}
+
+static PyObject *call_wrapper_deepcopy(CallWrapperObject *self, PyObject *memo) {
+    if (self->module == NULL)
+        return PyErr_Format(PyExc_TypeError, "CallWrapper: cleared");
+    PyObject *copy = PyImport_ImportModule("copy");
+    PyObject *bound = copy == NULL ? NULL : class_forward(self->module);
+    PyObject *copied = bound == NULL ? NULL : PyObject_CallMethod(copy, "deepcopy", "OO", bound, memo);
+    Py_XDECREF(copy);
+    Py_XDECREF(bound);
+    return copied;
+}
+
+static PyObject *call_wrapper_copy(CallWrapperObject *self, PyObject *unused) {
+    if (self->module == NULL)
+        return PyErr_Format(PyExc_TypeError, "CallWrapper: cleared");
+    return class_forward(self->module);
+}
+
+static PyMethodDef call_wrapper_methods[] = {
+    {"bound_to", (PyCFunction)call_wrapper_bound_to, METH_O, "the same wrapper for another module"},
+    {"__reduce__", (PyCFunction)call_wrapper_reduce, METH_NOARGS, "pickled as its module's forward"},
+    {"__deepcopy__", (PyCFunction)call_wrapper_deepcopy, METH_O, "copied as its module's forward"},
+    {"__copy__", (PyCFunction)call_wrapper_copy, METH_NOARGS, "copied as its module's forward"},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyMemberDef call_wrapper_members[] = {
     {"armed", T_INT, offsetof(CallWrapperObject, armed), 0, "0: a plain call of the forward"},
     {NULL, 0, 0, 0, NULL},
@@ -4170,6 +4231,7 @@ static PyTypeObject CallWrapperType = {
     .tp_traverse = (traverseproc)call_wrapper_traverse,
     .tp_clear = (inquiry)call_wrapper_clear,
     .tp_members = call_wrapper_members,
+    .tp_methods = call_wrapper_methods,
     .tp_new = call_wrapper_new,
 };
 

@@ -31,6 +31,33 @@ _HOOK_DICTS = (
 )
 
 
+_REPLICATE = "_replicate_for_data_parallel"
+
+
+class _Replicate:
+    """A wrapped module's ``_replicate_for_data_parallel`` (an instance attribute beside the
+    wrapper). torch's ``DataParallel`` makes its replicas by copying each module's instance
+    dictionary: a replica would then call the wrapper of the module it was made from, which
+    runs that module's forward, with that module's parameters, on its device. The replica gets
+    a wrapper of its own (the same hooks) instead."""
+
+    __slots__ = ("module", "wrapper")
+
+    def __init__(self, module: torch.nn.Module, wrapper: Any) -> None:
+        self.module = module
+        self.wrapper = wrapper
+
+    def __call__(self) -> torch.nn.Module:
+        module, wrapper = self.module, self.wrapper
+        replica = type(module)._replicate_for_data_parallel(module)
+        entries = vars(replica)
+        if entries.get(_REPLICATE) is self:
+            del entries[_REPLICATE]
+        if entries.get("forward") is wrapper:
+            entries["forward"] = wrapper.bound_to(replica)
+        return replica
+
+
 class ModuleHooks:
     """Forward hooks on modules, and wrappers set as a module's ``forward``, that copies and
     pickles of the modules leave out."""
@@ -66,8 +93,11 @@ class ModuleHooks:
         there directly (no ``__setattr__`` of a subclass runs), which its class's forward is
         found behind again once the entry is deleted."""
         state = self._state(module)
-        vars(module)["forward"] = wrapper
+        entries = vars(module)
+        entries["forward"] = wrapper
+        entries[_REPLICATE] = _Replicate(module, wrapper)
         state.leave_out("forward")
+        state.leave_out(_REPLICATE)
         self._wrapped.append((module, wrapper))
 
     def wrapped(self) -> List[Tuple[torch.nn.Module, Any]]:
@@ -81,7 +111,11 @@ class ModuleHooks:
         state = self._states.get(id(module))
         if state is not None:
             state.leave_out("forward", False)
+            state.leave_out(_REPLICATE, False)
         entries = vars(module)
+        replicate = entries.get(_REPLICATE)
+        if isinstance(replicate, _Replicate) and replicate.wrapper is wrapper:
+            del entries[_REPLICATE]
         if entries.get("forward") is wrapper:
             del entries["forward"]
             return True

@@ -472,7 +472,8 @@ def _wrappable(module: torch.nn.Module) -> bool:
     its forward (not a TorchScript module's method), and nothing set a forward of its own on
     the module (a library's wrapper, which would lose it: such a module keeps the hooks)."""
     entries = vars(module)
-    if "forward" in entries or any(_GLOBAL_HOOKS) or any(entries.get(name) for name in _MODULE_HOOK_DICTS):
+    if ("forward" in entries or "_replicate_for_data_parallel" in entries or any(_GLOBAL_HOOKS)
+            or any(entries.get(name) for name in _MODULE_HOOK_DICTS)):
         return False
     kind = type(module)
     plain = _PLAIN_FORWARD.get(kind)
@@ -760,9 +761,9 @@ class ModuleMonitor(Monitor):
         in progress itself (it has the arguments its forward got) and the forward hook, now
         on the module, runs after it. True where the hooks are on."""
         try:
-            spec = self._spec_of[id(module)]
-            wrapper = spec[5]
-            if vars(module).get("forward") is not wrapper:
+            spec = self._spec_of.get(id(module))
+            wrapper = spec[5] if spec is not None else None
+            if wrapper is None or vars(module).get("forward") is not wrapper:
                 return False  # called through someone's chain: _check_wrapped says it
             self._call_hooks.unwrap(module, wrapper)
             hooks = self._call_hooks
