@@ -18,6 +18,8 @@ wrapper put on an optimizer that is not a ``torch.optim.Optimizer``
 (``patching.replace_attribute``).
 """
 
+from itertools import repeat
+from operator import is_, itemgetter
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
@@ -32,6 +34,7 @@ _HOOK_DICTS = (
 
 
 _REPLICATE = "_replicate_for_data_parallel"
+_MODULE, _WRAPPER = itemgetter(0), itemgetter(1)
 
 
 class _Replicate:
@@ -103,6 +106,15 @@ class ModuleHooks:
     def wrapped(self) -> List[Tuple[torch.nn.Module, Any]]:
         """``(module, wrapper)`` of each forward set here."""
         return list(self._wrapped)
+
+    def replaced(self) -> List[Tuple[torch.nn.Module, Any]]:
+        """``(module, wrapper)`` of each forward set here that is no longer the module's (one
+        pass in C over the modules' dictionaries where none is: a check at every written step)."""
+        wrapped = self._wrapped
+        found = map(dict.get, map(vars, map(_MODULE, wrapped)), repeat("forward"))
+        if all(map(is_, found, map(_WRAPPER, wrapped))):
+            return []
+        return [(m, w) for m, w in wrapped if vars(m).get("forward") is not w]
 
     def unwrap(self, module: torch.nn.Module, wrapper: Any) -> bool:
         """Take ``wrapper`` out of ``module.forward``; False where something else replaced it

@@ -746,9 +746,7 @@ class ModuleMonitor(Monitor):
         wrapper, a patched method): that module's calls may have gone unrecorded. Said once,
         and the module gets forward hooks instead from now on."""
         hooks = self._call_hooks
-        for module, wrapper in hooks.wrapped():
-            if vars(module).get("forward") is wrapper:
-                continue
+        for module, wrapper in hooks.replaced():
             self._unwrap(module, wrapper)
             spec = self._spec_of[id(module)]
             hooks.forward_pre(module, spec[3], with_kwargs=True)
