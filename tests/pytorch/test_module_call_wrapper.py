@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from support import TinyMLP, assert_row_matches, find_row, loss_fn, make_batches, numpy_stats, rows_of
+from test_graph_hooks_library import csv_files
 from test_module import TinyGPT, make_data, run_monitored
 from msprobe.core.monitor_v2 import native
 from msprobe.core.monitor_v2.frameworks.pytorch.module import WRAP_SWITCH
@@ -35,10 +36,6 @@ def ext():
 
 def wrapped(model: torch.nn.Module, ext) -> Dict[str, bool]:
     return {name: type(vars(m).get("forward")) is ext.CallWrapper for name, m in model.named_modules()}
-
-
-def csv_files(out: Path) -> Dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(Path(out).rglob("*.csv"))}
 
 
 def _train_gpt(out: Path, ckpt, seen: list, ext):
