@@ -2,16 +2,16 @@
 
 Forward: a forward pre-hook records the inputs (before the module can modify them in
 place) and a forward hook records the outputs. On a written step with the kernel's
-extension, a module that is not a model chunk given to ``start()`` has its ``forward``
-wrapped instead (the extension's ``CallWrapper``, set in the module's instance dictionary,
-calling the same two hooks around its class's forward): a module with any forward hook
-takes PyTorch's slow call path, about 3.5 us a call in Python, and a module whose only
-observer is the wrapper keeps the fast one. Its input rows are then the arguments its
-forward receives (after every forward pre-hook), its output rows what forward returns
-(before any forward hook). A module with a ``forward`` of its own in its instance
-dictionary (a library's wrapper) keeps the hooks, and a wrapper someone replaces is said
-once and gives way to the hooks (``_check_wrapped``). ``MSPROBE_MONITOR_WRAP=0``: hooks
-everywhere.
+extension, a module without hooks that is not a model chunk given to ``start()`` has its
+``forward`` wrapped instead (the extension's ``CallWrapper``, set in the module's instance
+dictionary, calling the same two hooks around its class's forward): a module with any
+forward hook takes PyTorch's slow call path, about 3.5 us a call in Python, and a module
+whose only observer is the wrapper keeps the fast one; with no other hook, both see the
+same tensors. A module with hooks, or with a ``forward`` of its own in its instance
+dictionary (a library's wrapper), keeps the hooks; a wrapped module that gains a hook gets
+the monitor's hooks first at its next call (``_hooked_instead``); a wrapper someone
+replaces is said once and gives way to the hooks (``_check_wrapped``).
+``MSPROBE_MONITOR_WRAP=0``: hooks everywhere.
 
 Backward, without ``register_full_backward_hook``: that API wraps outputs in a custom
 autograd function, and any in-place op on them afterwards (``ReLU(inplace=True)``,
