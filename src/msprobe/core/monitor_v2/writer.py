@@ -127,6 +127,11 @@ _STAT_CODES = {"min": 0, "max": 1, "mean": 2, "norm": 3, "nans": 4, "zeros": 5}
 # Names kept by the compiled formatter's cell cache before it starts again (row names are
 # a model's own, so a run seldom has more; a cap keeps a pathological run's memory bounded).
 _CELL_CACHE_LIMIT = 1 << 16
+# The compiled formatter's cells by text (``_row_cell`` of each), shared by every writer of the
+# process: a cell is a function of its text alone, and a monitor started again (incident
+# mode, or a benchmark's windows) finds its names' cells there instead of making them again
+# at its first written step (about 5 ms at 24,000 rows).
+_CELLS: Dict[str, str] = {}
 
 
 def _describe_os_error(exc: BaseException) -> str:
@@ -225,7 +230,7 @@ class CsvWriter:
         ext = native.extension()
         self._format_rows = None if ext is None else ext.format_rows
         self._format_records = None if ext is None else ext.format_records
-        self._cells: Dict[str, str] = {}
+        self._cells = _CELLS
         self._make_rank_dir()
 
     def _make_rank_dir(self) -> None:
