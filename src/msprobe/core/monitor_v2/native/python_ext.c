@@ -4040,16 +4040,16 @@ static int has_hooks(CallWrapperObject *self) {
 
 /* The module's forward as `module.forward` would give it without the wrapper: its class's
    attribute, bound where it is a descriptor (a new reference, or NULL with the error set). */
-static PyObject *class_forward(PyObject *module) {
-    PyObject *descr = PyObject_GetAttr((PyObject *)Py_TYPE(module), str_forward);
-    if (descr == NULL)
-        return NULL;
+static PyObject *bind_forward(PyObject *descr, PyObject *module) {
     descrgetfunc get = Py_TYPE(descr)->tp_descr_get;
-    if (get == NULL)
-        return descr;
-    PyObject *bound = get(descr, module, (PyObject *)Py_TYPE(module));
+    PyObject *bound = get == NULL ? Py_NewRef(descr) : get(descr, module, (PyObject *)Py_TYPE(module));
     Py_DECREF(descr);
     return bound;
+}
+
+static PyObject *class_forward(PyObject *module) {
+    PyObject *descr = PyObject_GetAttr((PyObject *)Py_TYPE(module), str_forward);
+    return descr == NULL ? NULL : bind_forward(descr, module);
 }
 
 /* the class's forward called on (module, *args, **kwargs): a new reference, or NULL */
@@ -4068,9 +4068,7 @@ static PyObject *call_forward(PyObject *module, PyObject *args, PyObject *kwargs
         Py_DECREF(descr);
         return result;
     }
-    descrgetfunc get = Py_TYPE(descr)->tp_descr_get;
-    PyObject *bound = get == NULL ? Py_NewRef(descr) : get(descr, module, (PyObject *)Py_TYPE(module));
-    Py_DECREF(descr);
+    PyObject *bound = bind_forward(descr, module);
     if (bound == NULL)
         return NULL;
     result = PyObject_Call(bound, args, kwargs);
@@ -4105,11 +4103,9 @@ static PyObject *call_wrapper_call(CallWrapperObject *self, PyObject *args, PyOb
     if (hooked < 0 || (r = PyObject_Vectorcall(pre, stack, 3, NULL)) == NULL)
         goto done;
     Py_DECREF(r);
-    if (hooked) {
-        output = call_forward(module, args, kw);
-        goto done;
-    }
     output = call_forward(module, args, kw);
+    if (hooked) /* the forward hook torch calls next is the monitor's */
+        goto done;
     if (output == NULL) { /* as torch's always_call hook: called with None, its own error dropped */
         PyObject *type, *value, *tb;
         PyErr_Fetch(&type, &value, &tb);

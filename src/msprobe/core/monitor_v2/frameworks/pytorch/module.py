@@ -491,6 +491,22 @@ def _describe(forward: Any) -> str:
     return f"{type(forward).__name__} {name}" if isinstance(name, str) else type(forward).__name__
 
 
+class _CallSpec:
+    """What observes one module's calls, made at attach time: its Python pre-hook and forward
+    hook, the extension's ``CallHook`` of each (None without the extension), its
+    ``CallWrapper`` (None where its forward is never wrapped: a model chunk, no extension,
+    ``MSPROBE_MONITOR_WRAP=0``) and its tag, for what is said of it."""
+
+    __slots__ = ("module", "tag", "pre", "post", "native_pre", "native_post", "wrapper")
+
+    def __init__(self, module: torch.nn.Module, tag: str, pre: Any, post: Any, native_pre: Any, native_post: Any,
+                 wrapper: Any) -> None:
+        self.module, self.tag = module, tag
+        self.pre, self.post = pre, post
+        self.native_pre, self.native_post = native_pre, native_post
+        self.wrapper = wrapper
+
+
 class _ForwardPreHook(ContainedHook):
     """A module's forward pre-hook (``ContainedHook``: contained, timed, gated on the
     monitor being active): one object per module, built at attach time."""
@@ -549,8 +565,8 @@ class ModuleMonitor(Monitor):
         targets: Sequence[str] = self.settings.get("targets")
         # each module's pair of hooks, put on for written steps only (see _set_call_hooks)
         self._call_hooks = ModuleHooks()
-        # (module, pre-hook, forward hook, and the extension's CallHook of each, or None)
-        self._call_hook_specs: List[Tuple[torch.nn.Module, Any, Any, Any, Any]] = []
+        # id(module) -> what observes its calls, in the order the modules were selected
+        self._specs: Dict[int, _CallSpec] = {}
         self._pass_hook_specs: List[Tuple[torch.nn.Module, Any, Any]] = []  # the chunks' (_track_passes)
         self._call_hooks_on = False
         self._keep_call_hooks = False  # set once Dynamo compiles (see _set_call_hooks)
@@ -570,7 +586,6 @@ class ModuleMonitor(Monitor):
         self._new_call: Callable[[List[Any], int, str, Optional[Any]], Any] = (
             ext.CallState if self._native_calls else _Call)
         self._removed: Optional[Tuple[Dict[int, List[int]], List[Tuple[torch.nn.Module, Any]]]] = None
-        self._not_wrapped: set = set()  # id(module) of a module whose wrapped forward was replaced
         self._calls: Dict[Tuple[int, int], _Call] = {}  # (thread, module) -> innermost call in progress
         self._sums: Dict[int, List[Any]] = {}  # sum number -> the parts summed so far (_EXPECTED...)
         self._sum_numbers = itertools.count()
@@ -579,8 +594,6 @@ class ModuleMonitor(Monitor):
         self.attached = True
         self._root_ids = {id(r) for r in self.session.roots}
         self._wrap = _wrapping_allowed()
-        self._tags: Dict[int, str] = {}  # id(module) -> its tag, for what is said of its forward
-        self._spec_of: Dict[int, Tuple[Any, ...]] = {}  # id(module) -> its entry of _call_hook_specs
         for vpp, tag, module in select_modules(self.session.named_modules(), targets, self.session.table.qualify):
             self._hook(module, vpp, tag)
         roots = {id(r): r for r in self.session.roots}
@@ -648,7 +661,6 @@ class ModuleMonitor(Monitor):
 
     def _hook(self, module: torch.nn.Module, vpp: int, tag: str) -> None:
         names = _Names(tag, vpp)
-        self._tags[id(module)] = tag
         # owner=self: on steps that are not written the hooks return before any other call.
         # always_call: the post-hook also runs when forward raises (non-reentrant
         # checkpointing stops its recomputation that way), so the call state is dropped.
@@ -662,9 +674,7 @@ class ModuleMonitor(Monitor):
             native_post = ext.CallHook(self, post, after.site, vpp, names, id(module), names.output_0, True)
             if self._wrap and id(module) not in self._root_ids:  # a chunk has its pass tracking's hooks anyway
                 wrapper = ext.CallWrapper(module, native_pre, native_post, self._hooked_instead, _GLOBAL_HOOKS)
-        spec = (module, pre, post, native_pre, native_post, wrapper)
-        self._call_hook_specs.append(spec)
-        self._spec_of[id(module)] = spec
+        self._specs[id(module)] = _CallSpec(module, tag, pre, post, native_pre, native_post, wrapper)
 
     def _compile_started(self) -> None:
         """Dynamo starts to compile: the hooks go on before it traces and stay on, and no
@@ -678,11 +688,8 @@ class ModuleMonitor(Monitor):
                 call_hook = native.extension().CallHook
                 self._call_hooks.replace(lambda hook: hook.fallback if type(hook) is call_hook else None)
                 # and a wrapped forward's module gets the Python hooks, after its other hooks
-                for module, wrapper in self._call_hooks.wrapped():
-                    self._unwrap(module, wrapper)
-                    _, pre, post = self._spec_of[id(module)][:3]
-                    self._call_hooks.forward_pre(module, pre, with_kwargs=True)
-                    self._call_hooks.forward(module, post, with_kwargs=True, always_call=True)
+                for module, _ in self._call_hooks.wrapped():
+                    self._hooks_instead(self._specs[id(module)], in_c=False)
             self._set_call_hooks(True)
 
     def _set_call_hooks(self, on: bool) -> None:
@@ -730,12 +737,13 @@ class ModuleMonitor(Monitor):
 
     def _add_call_hooks(self, hooks: ModuleHooks) -> None:
         in_c = self._native_calls and not self._keep_call_hooks  # see _compile_started
-        for module, pre, post, native_pre, native_post, wrapper in self._call_hook_specs:
-            if in_c and wrapper is not None and _wrappable(module) and id(module) not in self._not_wrapped:
-                hooks.wrap_forward(module, wrapper)
-                continue
-            hooks.forward_pre(module, native_pre if in_c else pre, with_kwargs=True)
-            hooks.forward(module, native_post if in_c else post, with_kwargs=True, always_call=True)
+        for spec in self._specs.values():
+            # a wrapper disarmed once (someone replaced it) is not put back
+            wrapper = spec.wrapper
+            if in_c and wrapper is not None and wrapper.armed and _wrappable(spec.module):
+                hooks.wrap_forward(spec.module, wrapper)
+            else:
+                self._put_hooks(spec, in_c)
         # after the modules': a chunk's pass is entered before and left after its own hooks
         for root, enter, leave in self._pass_hook_specs:
             hooks.forward_pre(root, enter, prepend=True, with_kwargs=True)
@@ -745,12 +753,21 @@ class ModuleMonitor(Monitor):
         """A wrapped forward that someone replaced in the module since (a library's own forward
         wrapper, a patched method): that module's calls may have gone unrecorded. Said once,
         and the module gets forward hooks instead from now on."""
-        hooks = self._call_hooks
-        for module, wrapper in hooks.replaced():
-            self._unwrap(module, wrapper)
-            spec = self._spec_of[id(module)]
-            hooks.forward_pre(module, spec[3], with_kwargs=True)
-            hooks.forward(module, spec[4], with_kwargs=True, always_call=True)
+        for module, _ in self._call_hooks.replaced():
+            self._hooks_instead(self._specs[id(module)], in_c=True)
+
+    def _put_hooks(self, spec: _CallSpec, in_c: bool, prepend: bool = False) -> None:
+        """``spec``'s pre-hook and forward hook on its module (the extension's ``CallHook``s
+        where ``in_c``), after its other hooks, or before them (``prepend``)."""
+        hooks, module = self._call_hooks, spec.module
+        hooks.forward_pre(module, spec.native_pre if in_c else spec.pre, prepend=prepend, with_kwargs=True)
+        hooks.forward(module, spec.native_post if in_c else spec.post, prepend=prepend, with_kwargs=True,
+                      always_call=True)
+
+    def _hooks_instead(self, spec: _CallSpec, in_c: bool, prepend: bool = False) -> None:
+        """``spec``'s wrapper out of its module's forward (``_unwrap``) and its hooks on instead."""
+        self._unwrap(spec.module, spec.wrapper)
+        self._put_hooks(spec, in_c, prepend)
 
     def _hooked_instead(self, module: torch.nn.Module) -> bool:
         """A wrapped module that has gained a hook (a call of it takes torch's slow path now):
@@ -759,14 +776,10 @@ class ModuleMonitor(Monitor):
         in progress itself (it has the arguments its forward got) and the forward hook, now
         on the module, runs after it. True where the hooks are on."""
         try:
-            spec = self._spec_of.get(id(module))
-            wrapper = spec[5] if spec is not None else None
-            if wrapper is None or vars(module).get("forward") is not wrapper:
+            spec = self._specs.get(id(module))
+            if spec is None or spec.wrapper is None or vars(module).get("forward") is not spec.wrapper:
                 return False  # called through someone's chain: _check_wrapped says it
-            self._call_hooks.unwrap(module, wrapper)
-            hooks = self._call_hooks
-            hooks.forward_pre(module, spec[3], prepend=True, with_kwargs=True)
-            hooks.forward(module, spec[4], prepend=True, with_kwargs=True, always_call=True)
+            self._hooks_instead(spec, in_c=True, prepend=True)
             return True
         except Exception as exc:  # noqa: BLE001 - containment is the point
             self.errors.report("module hooks instead of a forward wrapper", exc)
@@ -783,8 +796,7 @@ class ModuleMonitor(Monitor):
         hooked instead. Said once a module."""
         for module, wrapper in left:
             wrapper.armed = 0
-            self._not_wrapped.add(id(module))
-            tag = self._tags.get(id(module), type(module).__name__)
+            tag = self._specs[id(module)].tag
             now = vars(module).get("forward")
             if at_stop:
                 self._once.info(("forward", id(module)), "monitor_v2 module: the forward of %s was replaced after "
@@ -1033,9 +1045,9 @@ class ModuleMonitor(Monitor):
     def detach(self) -> None:
         self.attached = False
         self._disarm(self._call_hooks.remove_all(), at_stop=True)
-        for spec in self._call_hook_specs:  # one kept by the user's code (``f = m.forward``) does nothing more
-            if spec[5] is not None:
-                spec[5].armed = 0
+        for spec in self._specs.values():  # one kept by the user's code (``f = m.forward``) does nothing more
+            if spec.wrapper is not None:
+                spec.wrapper.armed = 0
         self._call_hooks_on = False
         if self._cancel_on_compile is not None:
             self._cancel_on_compile()

@@ -30,8 +30,7 @@ State = Tuple[ParamInfo, str, torch.Tensor]
 
 
 def is_state_tensor(key: Any, value: Any) -> bool:
-    """A tensor of the parameter's values; the scalar ``step`` is not one (``of`` has the
-    same test written out: it runs for every entry of thousands of parameters' states)."""
+    """A tensor of the parameter's values; the scalar ``step`` is not one."""
     return key != "step" and isinstance(value, torch.Tensor) and value.ndim > 0
 
 
@@ -60,14 +59,13 @@ class StateListing:
             offset += len(s)
         found: List[State] = []
         where: List[int] = []
-        tensor = torch.Tensor
         for info in infos:
             s = by_id.get(id(info.param))
             if not s:
                 continue
             n = offsets[id(s)]
             for key, value in s.items():
-                if key != "step" and isinstance(value, tensor) and value.ndim > 0:  # is_state_tensor
+                if is_state_tensor(key, value):
                     found.append((info, key, value))
                     where.append(n)
                 n += 1
