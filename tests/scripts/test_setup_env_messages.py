@@ -173,20 +173,26 @@ def _shell_basics(tmp_path: Path) -> Path:
     return basics
 
 
-def test_apt_get_is_announced_before_it_runs(tmp_path):
-    """As root with apt-get and without chromium: the announcement comes first (what, why,
-    how big), then apt-get (a stand-in that records its calls)."""
+def _run_as_root_with_apt(tmp_path, present):
+    """setup_env.sh's test profile as root, with a stand-in apt-get that records its calls
+    (``APT <args>`` lines), the tools ``present`` and the shell's basics alone on the PATH;
+    ``(lines of its output, where the APT lines are)``."""
     if os.geteuid() != 0:
         pytest.skip("the apt-get path runs only as root; as another user the script only says how")
     repo = _repo(tmp_path)
-    tools = _tools(tmp_path, names=("cc", "c++"))  # compilers there: chromium is the one to install
+    tools = _tools(tmp_path, names=present)
     _exe(tools / "apt-get", '#!/bin/sh\necho "APT $*"\n')
-    # PATH without the real chromium: only the stand-in tools and the shell's basics
     basics = _shell_basics(tmp_path)
     proc = _run(repo, "test", tools, {"PATH": f"{tools}{os.pathsep}{basics}"})
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    apt = [i for i, line in enumerate(lines) if line.startswith("APT ")]
+    return lines, [i for i, line in enumerate(lines) if line.startswith("APT ")]
+
+
+def test_apt_get_is_announced_before_it_runs(tmp_path):
+    """As root with apt-get and without chromium: the announcement comes first (what, why,
+    how big), then apt-get (a stand-in that records its calls)."""
+    lines, apt = _run_as_root_with_apt(tmp_path, ("cc", "c++"))  # compilers there: chromium is the one to install
     assert apt, lines
     announce = [i for i, line in enumerate(lines) if line.startswith("setup_env: installing Debian's chromium with apt-get")]
     assert announce and announce[0] < apt[0], lines
@@ -196,16 +202,7 @@ def test_apt_get_is_announced_before_it_runs(tmp_path):
 def test_a_missing_cpp_compiler_is_announced_before_apt_get_installs_it(tmp_path):
     """As root with apt-get and without c++, g++ or clang++: g++ is announced (why: the
     module monitor's graph hooks), then installed."""
-    if os.geteuid() != 0:
-        pytest.skip("the apt-get path runs only as root; as another user the script only says how")
-    repo = _repo(tmp_path)
-    tools = _tools(tmp_path, names=("cc", "chromium"))
-    _exe(tools / "apt-get", '#!/bin/sh\necho "APT $*"\n')
-    basics = _shell_basics(tmp_path)
-    proc = _run(repo, "test", tools, {"PATH": f"{tools}{os.pathsep}{basics}"})
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
+    lines, apt = _run_as_root_with_apt(tmp_path, ("cc", "chromium"))  # the install's own output is hidden
     announce = [i for i, line in enumerate(lines) if line.startswith("setup_env: installing Debian's g++ with apt-get")]
-    apt = [i for i, line in enumerate(lines) if line.startswith("APT ")]  # the install's own output is hidden
     assert announce and apt and announce[0] < apt[0], lines
     assert "graph hooks" in lines[announce[0]]
