@@ -289,3 +289,32 @@ def test_a_wrapper_left_in_a_module_copies_and_pickles_as_its_plain_forward(ext)
     assert pickle.loads(pickle.dumps(wrapper)).__func__ is torch.nn.Linear.forward
     x = torch.randn(1, 3)
     assert torch.equal(copied(x), module(x)) and torch.equal(loaded(x), module(x))
+
+
+def test_an_error_in_a_wrapped_modules_statistics_is_contained_and_said_once(tmp_path, ext, caplog):
+    """Every read of the module monitor raises: the wrapped calls' hooks contain it (one line
+    for each site), the modules stay wrapped, and training is the same as without the
+    monitor, to the bit."""
+    model, ref = TinyMLP(), TinyMLP()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    mon = TrainerMonitorV2({"output_dir": str(tmp_path), "monitors": EVERY_MODULE})
+    mon.start(model=model, optimizer=opt)
+    module_monitor = next(m for m in mon.monitors if m.name == "module")
+
+    def broken(*args):
+        raise RuntimeError("injected read failure")
+
+    module_monitor._read = broken
+    with caplog.at_level(logging.ERROR, logger="msprobe.monitor_v2"):
+        for x, y in make_batches(3):
+            assert wrapped(model, ext)["fc1"]
+            for m, o in ((model, opt), (ref, ref_opt)):
+                loss_fn(m, x, y).backward()
+                o.step()
+                o.zero_grad()
+        mon.stop()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    assert mon.errors.count >= 3 * 2 * 2, "fc1 and fc2: a pre and a post read a call, three steps"
+    logged = [r.getMessage() for r in caplog.records if "injected read failure" in r.getMessage()]
+    assert len(logged) == len({line.split(",")[0] for line in logged}), "each site once"
+    assert any("fc1" in line for line in logged)

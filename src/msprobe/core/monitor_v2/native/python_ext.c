@@ -4015,25 +4015,25 @@ static PyObject *call_wrapper_new(PyTypeObject *type, PyObject *args, PyObject *
     return (PyObject *)w;
 }
 
-/* Whether a call of `module` takes torch's slow path: a hook of its own or a global one
-   (1), none (0), -1 with the error set. */
+/* Whether a call of `module` takes torch's slow path: a hook of its own or a global one (1)
+   or none (0). Never an error for the training code: a dictionary that cannot be read
+   counts as no hook (the wrapper then calls both parts itself, as for any module). */
 static int has_hooks(CallWrapperObject *self) {
     PyObject *globals = self->global_hooks;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(globals); i++)
         if (PyDict_GET_SIZE(PyTuple_GET_ITEM(globals, i)) > 0)
             return 1;
     PyObject *entries = PyObject_GenericGetDict(self->module, NULL);
-    if (entries == NULL)
-        return -1;
+    if (entries == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
     int found = 0;
     for (int i = 0; i < 4 && !found; i++) {
         PyObject *hooks = PyDict_GetItemWithError(entries, str_module_hook_dicts[i]); /* borrowed */
-        if (hooks == NULL && PyErr_Occurred()) {
-            found = -1;
-            break;
-        }
         found = hooks != NULL && PyDict_Check(hooks) && PyDict_GET_SIZE(hooks) > 0;
     }
+    PyErr_Clear();
     Py_DECREF(entries);
     return found;
 }
@@ -4100,7 +4100,7 @@ static PyObject *call_wrapper_call(CallWrapperObject *self, PyObject *args, PyOb
         hooked = r == Py_True;
         Py_DECREF(r);
     }
-    if (hooked < 0 || (r = PyObject_Vectorcall(pre, stack, 3, NULL)) == NULL)
+    if ((r = PyObject_Vectorcall(pre, stack, 3, NULL)) == NULL) /* not an Exception: pre contains those */
         goto done;
     Py_DECREF(r);
     output = call_forward(module, args, kw);
