@@ -2,9 +2,12 @@
 # Creates ./.venv (once) and installs what a profile needs, then this package (editable).
 #   bash scripts/setup_env.sh demo   torch (CPU wheel, pinned), numpy<2, polars, matplotlib
 #   bash scripts/setup_env.sh test   + MindSpore 2.10 (CPU; an 800 MB download the first
-#                                    time, 2.5 GB on disk; the whole .venv ends near 4.4 GB),
-#                                    pytest, transformers (tests build models from a
-#                                    config, no download), matplotlib, and Debian's chromium
+#                                    time, 2.5 GB on disk; the whole .venv ends near 5.5 GB),
+#                                    pytest, transformers 5 with its hub kernels and TRL
+#                                    (tests build models from a config or save and load
+#                                    them locally, no download), TorchTitan 0.3.0 with
+#                                    triton (its real Trainer runs on the CPU in a test),
+#                                    matplotlib, and Debian's chromium
 #                                    (the HTML report is checked in a headless browser),
 #                                    deepspeed 0.19.8 (its tests run it on the CPU),
 #                                    megatron-core 0.16.1 (likewise, through a test-only shim),
@@ -67,8 +70,16 @@ base=("torch==2.13.0" "numpy<2" "polars==2.1.0" "matplotlib>=3.5")
 deps=("${base[@]}")
 check="import torch, numpy, polars, matplotlib, msprobe.core.monitor_v2.trainer"
 if [ "$profile" = test ]; then
-  deps+=("mindspore==2.10.0" "pytest>=7" "transformers>=4.40,<5" "hypothesis>=6.100"
-        "deepspeed==0.19.8" "megatron-core==0.16.1" "accelerate==1.15.0" "lightning==2.6.6"
+  # transformers 5 (what users install; its hub `kernels` come with it) and TRL on top of it;
+  # TorchTitan 0.3.0's own requirements and triton (TorchTitan imports triton unconditionally;
+  # the CPU torch wheel does not bring it). TorchTitan itself installs below without its
+  # datasets<4.8 pin: datasets 4.7 needs huggingface-hub<2, transformers 5.25 >=2.4, and the
+  # tests feed TorchTitan random tokens (its datasets loader is never used).
+  titan="torchtitan==0.3.0"
+  deps+=("mindspore==2.10.0" "pytest>=7" "transformers==5.25.0" "kernels==0.19.1" "trl==1.16.0"
+        "triton==3.7.1" "torchdata>=0.8.0" "torch_checkpointing>=0.1.0" "tyro" "einops" "spmd_types==0.2.3"
+        "hypothesis>=6.100"
+        "deepspeed==0.19.8" "megatron-core==0.16.1" "accelerate==1.16.0" "lightning==2.6.6"
         "tensorboard==2.21.0" "wandb==0.31.0" "mlflow==3.17.2")
   # SwanLab 0.10.3 pins protobuf<7 and MindSpore 2.10 protobuf>=7.34.1, so pip refuses
   # both in one environment; SwanLab runs (offline, as its test does) with protobuf 7:
@@ -77,10 +88,10 @@ if [ "$profile" = test ]; then
   deps+=("click" "nvidia-ml-py" "orjson" "platformdirs>=4.2.0" "psutil>=5.0.0" "pwinput>=1.0.3"
          "pydantic-settings>=2.8.1" "pydantic~=2.0" "pyecharts>=2.0.0" "pyroaring>=1.0.0,<1.0.4" "pyyaml"
          "requests>=2.28.0" "rich>=13.6.0" "setuptools" "urllib3>=1.26.0" "watchdog" "wrapt>=1.17.0")
-  check="$check, mindspore, pytest, transformers, hypothesis, deepspeed, megatron.core, accelerate, lightning, tensorboard, wandb, mlflow, swanlab"
+  check="$check, mindspore, pytest, transformers, kernels, trl, torchtitan, triton, hypothesis, deepspeed, megatron.core, accelerate, lightning, tensorboard, wandb, mlflow, swanlab"
 fi
 stamp=.venv/.msprobe-installed-$profile
-want="${deps[*]} ${swanlab:-} $(sha1sum pyproject.toml | cut -c1-12)"
+want="${deps[*]} ${swanlab:-} ${titan:-} $(sha1sum pyproject.toml | cut -c1-12)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # Sizes measured on Linux x86-64, Python 3.11; times on a 2-core machine with a fast
   # link (a step whose packages are already there takes seconds).
@@ -119,11 +130,14 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   pip_quiet "${rest[@]}"
   if [ "${#deps[@]}" -gt "${#base[@]}" ]; then
     say "installing the test profile: MindSpore 2.10 (CPU, about 800 MB download, 2.5 GB on disk)" \
-        "and ${deps[*]:$((${#base[@]} + 1))} (together about 900 MB to download; .venv ends near 4.4 GB;" \
+        "and ${deps[*]:$((${#base[@]} + 1))} (together about 900 MB to download; .venv ends near 5.5 GB;" \
         "about 1.5 min on a fast link)..."
     pip_quiet "${deps[@]}"
     say "installing $swanlab without its protobuf<7 pin (MindSpore needs protobuf 7; a 1 MB download, seconds)..."
     pip_quiet --no-deps "$swanlab"
+    say "installing $titan without its datasets<4.8 pin (transformers 5 needs a newer huggingface-hub; a 1 MB" \
+        "download, seconds)..."
+    pip_quiet --no-deps "$titan"
   fi
   say "installing msprobe-monitor itself (editable, no download, a few seconds)..."
   pip_quiet --no-deps -e .
