@@ -210,3 +210,51 @@ def test_accelerate_monitor_under_the_fsdp2_plugin_two_processes(tmp_path):
         rows = rows_of(out / "each_batch", "weight_grad", r)
         assert not [x for x in rows if x["scope"] == "unreduced"]
         assert {x["step"] for x in rows if x["scope"] == "reduced"} == {"0", "1", "2"}
+
+
+def test_accelerate_hooks_added_and_removed_after_start_lose_no_row(tmp_path, caplog):
+    """accelerate's ``add_hook_to_module`` (device placement and offloading put their hooks on
+    modules this way) wraps fc1's forward after ``start()``, around the forward it finds, the
+    monitor's; ``remove_hook_from_module`` puts that one back. Both between steps: fc1's rows
+    are there at every step, once each, nothing is said at WARNING (nothing was missed), the
+    training is bit-identical to an unmonitored copy's with the same hooks, and after
+    ``stop()`` fc1 has neither a forward of its own nor a hook."""
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+    calls = []
+
+    class Counting(ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            calls.append(module)
+            return args, kwargs
+
+    model, ref = TinyMLP(), TinyMLP()
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    mon = TrainerMonitorV2({"output_dir": str(tmp_path), "monitors": {"module": {"enabled": True}}})
+    mon.start(model=model, optimizer=opt)
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)) for _ in range(4)]
+    wanted = []
+    with caplog.at_level(logging.INFO, logger="msprobe.monitor_v2"):
+        for step, (x, y) in enumerate(batches):
+            for m in (model, ref):
+                if step == 1:
+                    add_hook_to_module(m.fc1, Counting())
+                elif step == 3:
+                    remove_hook_from_module(m.fc1)
+            wanted.append(torch.nn.functional.linear(x, ref.fc1.weight.detach(), ref.fc1.bias.detach()))
+            for m, o in ((model, opt), (ref, ref_opt)):
+                torch.nn.functional.mse_loss(m(x), y).backward()
+                o.step()
+                o.zero_grad()
+        mon.stop()
+    assert len(calls) == 2 * 2, "the hook ran at steps 1 and 2, in both models"
+    assert mon.errors.count == 0
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    assert "forward" not in vars(model.fc1) and not model.fc1._forward_hooks and not model.fc1._forward_pre_hooks
+    rows = rows_of(tmp_path, "module")
+    for step, (x, _) in enumerate(batches):
+        assert_row_matches(find_row(rows, step=step, module_name="fc1.input.0", scope="forward"), numpy_stats(x))
+        assert_row_matches(find_row(rows, step=step, module_name="fc1.output.0", scope="forward"),
+                           numpy_stats(wanted[step]))

@@ -2,8 +2,10 @@
 module that is not a model chunk has its ``forward`` wrapped instead of a pair of forward
 hooks, so PyTorch calls it on its fast path. The rows are those of the hooks, byte for byte;
 the wrapper reads as the module's own forward (signature, ``__func__``, ``__self__``); an
-exception goes through unchanged; a forward that someone replaces after ``start()`` is said
-once and hooked from then on; and ``stop()`` leaves each module as it was."""
+exception goes through unchanged; a forward that someone swaps after ``start()`` is found
+before the model's next call (set again where it was removed, hooked where it was replaced),
+one missed is said once and hooked from then on; a class a kernel library marks keeps hooks;
+and ``stop()`` leaves each module as it was."""
 
 import copy
 import functools
@@ -11,6 +13,7 @@ import inspect
 import io
 import logging
 import pickle
+import types
 from pathlib import Path
 from typing import Dict
 
@@ -171,44 +174,129 @@ def test_an_exception_in_a_wrapped_forward_goes_through_unchanged(tmp_path, ext)
     assert_row_matches(find_row(rows, step=0, module_name="0.output.0", scope="forward"), numpy_stats(want))
 
 
-def test_a_forward_replaced_after_start_is_said_once_and_hooked_from_then_on(tmp_path, ext, caplog):
-    """At step 1 a library wraps fc1's forward in its own (as accelerate's hooks do: the new
-    forward calls the one it found, the monitor's). From step 2 fc1's rows come from hooks,
-    once each (a disarmed wrapper in the chain records nothing), and stop() leaves the
-    library's forward in place."""
+def _chained(module, calls):
+    """A library's forward around the one it finds (accelerate's ``add_hook_to_module``)."""
+    found = module.forward
+
+    def library_forward(*args, **kwargs):
+        calls.append(module)
+        return found(*args, **kwargs)
+
+    module.forward = library_forward
+
+
+def _swapped(module, calls):
+    """A kernel's forward set on the instance, calling nothing it found (``kernels``'
+    ``kernelize`` where a kernel exists for the device: ``MethodType(layer.forward, module)``)."""
+    def kernel_forward(self, x):
+        calls.append(self)
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+    module.forward = types.MethodType(kernel_forward, module)
+
+
+def _removed(module, calls):
+    """The instance's forward popped, its class's runs again (``kernels``' ``kernelize``
+    falling back, as transformers 5 runs it on ``train()``; accelerate's
+    ``remove_hook_from_module``)."""
+    calls.append(module)
+    vars(module).pop("forward", None)
+
+
+@pytest.mark.parametrize("swap", [_chained, _swapped, _removed])
+def test_a_forward_swapped_between_steps_loses_no_row(tmp_path, ext, caplog, swap):
+    """Before the model's call at steps 1 and 2 (the swap that Trainer's ``model.train()``
+    makes every step with hub kernels) fc1's forward is swapped. The model's call finds it
+    before fc1 is called: every step has fc1's rows, once each (a doubled call would double
+    the norm), said once at INFO (nothing was missed). A removed forward gets the wrapper
+    back (the fast path stays); any other keeps the library's forward and fc1 gets hooks.
+    Training is bit-identical to an unmonitored copy with the same swaps."""
     model, ref = TinyMLP(), TinyMLP()
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
     mon = TrainerMonitorV2({"output_dir": str(tmp_path), "monitors": EVERY_MODULE})
     mon.start(model=model, optimizer=opt)
-    calls = []
-
-    def library_forward(module, found, *args, **kwargs):
-        calls.append(module)
-        return found(*args, **kwargs)
-
+    calls, wanted, still_wrapped = [], [], []
     batches = make_batches(4)
     with caplog.at_level(logging.INFO, logger="msprobe.monitor_v2"):
         for step, (x, y) in enumerate(batches):
-            if step == 1:
+            if step in ((1, 2) if swap is _removed else (1,)):
                 for m in (model, ref):
-                    m.fc1.forward = functools.partial(library_forward, m.fc1, m.fc1.forward)
+                    swap(m.fc1, calls)
+            wanted.append(torch.nn.functional.linear(x, ref.fc1.weight.detach(), ref.fc1.bias.detach()))
             for m, o in ((model, opt), (ref, ref_opt)):
                 loss_fn(m, x, y).backward()
                 o.step()
                 o.zero_grad()
+            still_wrapped.append(wrapped(model, ext)["fc1"])
         mon.stop()
-    theirs = vars(model.fc1)["forward"]
-    assert isinstance(theirs, functools.partial) and theirs.func is library_forward
-    assert len(calls) == 2 * 3, "the library's forward ran on steps 1 to 3, in both models"
+    assert mon.errors.count == 0
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    said = [r for r in caplog.records if "the forward of fc1 was" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.INFO, [r.getMessage() for r in caplog.records]
+    rows = rows_of(tmp_path, "module")
+    for step, (x, _) in enumerate(batches):
+        assert_row_matches(find_row(rows, step=step, module_name="fc1.input.0", scope="forward"), numpy_stats(x))
+        assert_row_matches(find_row(rows, step=step, module_name="fc1.output.0", scope="forward"),
+                           numpy_stats(wanted[step]))
+    if swap is _removed:
+        assert still_wrapped == [True] * 4, "set again: fc1 stays on the fast path"
+        assert "forward" not in vars(model.fc1)
+    else:
+        assert len(calls) == 2 * 3, "the library's forward ran on steps 1 to 3, in both models"
+        assert still_wrapped == [True, False, False, False]
+        theirs = vars(model.fc1)["forward"]
+        assert getattr(theirs, "__name__", None) in ("library_forward", "kernel_forward"), "left in place"
+        assert not model.fc1._forward_pre_hooks and not model.fc1._forward_hooks
+        assert torch.equal(model.fc1(batches[0][0]), ref.fc1(batches[0][0]))
+
+
+def test_a_forward_replaced_where_calls_can_be_missed_is_said_once_and_hooked_from_then_on(tmp_path, ext, caplog):
+    """The training calls the submodules itself, never the model (as a LightningModule's
+    ``training_step`` can): no model call comes before them to find a swap. At step 1 a
+    kernel's forward replaces fc1's before its call: that call has no rows, which is said
+    once at WARNING at the step's end, and fc1's rows come from hooks from step 2 on."""
+    model = TinyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMonitorV2({"output_dir": str(tmp_path), "monitors": EVERY_MODULE})
+    mon.start(model=model, optimizer=opt)
+    calls = []
+    batches = make_batches(4)
+    with caplog.at_level(logging.INFO, logger="msprobe.monitor_v2"):
+        for step, (x, y) in enumerate(batches):
+            if step == 1:
+                _swapped(model.fc1, calls)
+            out = model.fc2(model.act(model.fc1(x)))
+            torch.nn.functional.mse_loss(out, y).backward()
+            opt.step()
+            opt.zero_grad()
+        mon.stop()
     said = [r for r in caplog.records if "the forward of fc1 was replaced" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.WARNING, [r.getMessage() for r in caplog.records]
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    assert len(calls) == 3
     rows = rows_of(tmp_path, "module")
-    for step in (2, 3):  # hooked: each call once (a doubled call would double the norm)
+    assert not [r for r in rows if r["step"] == "1" and r["module_name"].startswith("fc1.")]
+    find_row(rows, step=1, module_name="fc2.input.0", scope="forward")  # a written step, fc1 missed
+    for step in (0, 2, 3):
         x = batches[step][0]
         assert_row_matches(find_row(rows, step=step, module_name="fc1.input.0", scope="forward"), numpy_stats(x))
-    after = model.fc1(batches[0][0])  # still the library's forward, around the class's
-    assert torch.equal(after, ref.fc1(batches[0][0]))
+
+
+def test_a_class_a_kernel_library_marks_keeps_hooks(tmp_path, ext):
+    """A module whose class ``kernels`` marks for kernelizing (``kernel_layer_name``, set by its
+    ``use_kernel_forward_from_hub``) may have its instance forward popped or swapped by
+    ``kernelize`` at any time, wherever it is called from: it keeps the monitor's hooks, which
+    ``kernelize`` leaves alone. (The real library: tests/integrations/test_hub_kernels.py.)"""
+
+    class MarkedLinear(torch.nn.Linear):
+        kernel_layer_name = "MarkedLinear"
+
+    model = torch.nn.Sequential(MarkedLinear(6, 6), torch.nn.Linear(6, 3))
+    mon = TrainerMonitorV2({"output_dir": str(tmp_path), "monitors": EVERY_MODULE})
+    mon.start(model=model)
+    assert wrapped(model, ext) == {"": False, "0": False, "1": True}
+    assert model[0]._forward_pre_hooks and model[0]._forward_hooks
+    mon.stop()
+    assert not model[0]._forward_pre_hooks and not model[0]._forward_hooks
 
 
 def test_a_class_forward_replaced_after_start_is_followed(tmp_path, ext, monkeypatch):

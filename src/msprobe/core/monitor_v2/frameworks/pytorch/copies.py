@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
+from ... import native
 from ...patching import StateWithout
 
 # The dictionaries of a module that hold forward hooks or their flags, by handle id.
@@ -108,9 +109,16 @@ class ModuleHooks:
         return list(self._wrapped)
 
     def replaced(self) -> List[Tuple[torch.nn.Module, Any]]:
-        """``(module, wrapper)`` of each forward set here that is no longer the module's (one
-        pass in C over the modules' dictionaries where none is: a check at every written step)."""
+        """``(module, wrapper)`` of each forward set here that is no longer the module's: a check
+        before every model chunk's call on written steps, one pass in C over the modules'
+        dictionaries (the extension's ``forwards_replaced``: a wrapper is the extension's, so it
+        is there wherever one is; else the same pass through ``vars``)."""
         wrapped = self._wrapped
+        if not wrapped:
+            return []
+        ext = native.extension()
+        if ext is not None:
+            return ext.forwards_replaced(wrapped)
         found = map(dict.get, map(vars, map(_MODULE, wrapped)), repeat("forward"))
         if all(map(is_, found, map(_WRAPPER, wrapped))):
             return []

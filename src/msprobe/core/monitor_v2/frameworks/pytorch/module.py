@@ -8,9 +8,13 @@ dictionary, calling the same two hooks around its class's forward): a module wit
 forward hook takes PyTorch's slow call path, about 3.5 us a call in Python, and a module
 whose only observer is the wrapper keeps the fast one; with no other hook, both see the
 same tensors. A module with hooks, or with a ``forward`` of its own in its instance
-dictionary (a library's wrapper), keeps the hooks; a wrapped module that gains a hook gets
-the monitor's hooks first at its next call (``_hooked_instead``); a wrapper someone
-replaces is said once and gives way to the hooks (``_check_wrapped``).
+dictionary (a library's wrapper), or of a class a kernel library swaps forwards of
+(``_rekernelized``), keeps the hooks; a wrapped module that gains a hook gets the monitor's
+hooks first at its next call (``_hooked_instead``); a wrapper someone removes or replaces
+is found before each model chunk's call on written steps (``_follow_replaced``) and set
+again, or gives way to the hooks, before the module's next call; one replaced while a
+chunk's call is in progress, or in a module called outside any chunk, is found at the
+step's end, said once and hooked from then on (``_check_wrapped``).
 ``MSPROBE_MONITOR_WRAP=0``: hooks everywhere.
 
 Backward, without ``register_full_backward_hook``: that API wraps outputs in a custom
@@ -470,17 +474,30 @@ def _wrappable(module: torch.nn.Module) -> bool:
     of its own, no global one: where there is one, the slow path is taken anyway, and the
     monitor's hooks keep their place among the others), its class has a plain function as
     its forward (not a TorchScript module's method), and nothing set a forward of its own on
-    the module (a library's wrapper, which would lose it: such a module keeps the hooks)."""
+    the module (a library's wrapper, which would lose it: such a module keeps the hooks), and
+    its class is not one a kernel library swaps forwards of (``_rekernelized``)."""
     entries = vars(module)
-    if ("forward" in entries or "_replicate_for_data_parallel" in entries or any(_GLOBAL_HOOKS)
-            or any(entries.get(name) for name in _MODULE_HOOK_DICTS)):
-        return False
     kind = type(module)
+    if ("forward" in entries or "_replicate_for_data_parallel" in entries or any(_GLOBAL_HOOKS)
+            or any(entries.get(name) for name in _MODULE_HOOK_DICTS) or _rekernelized(kind)):
+        return False
     plain = _PLAIN_FORWARD.get(kind)
     if plain is None:
         plain = _PLAIN_FORWARD[kind] = (isinstance(inspect.getattr_static(kind, "forward", None), types.FunctionType)
                                          and not issubclass(kind, torch.jit.ScriptModule))
     return plain
+
+
+def _rekernelized(kind: type) -> bool:
+    """Whether ``kernels`` (the hub kernels of transformers 5) may swap the forward of modules
+    of class ``kind`` at any time: its ``use_kernel_forward_from_hub`` and
+    ``replace_kernel_forward_from_hub`` mark a class with ``kernel_layer_name``, and its
+    ``kernelize`` (which transformers 5 runs again on every ``train()``/``eval()`` that changes
+    a loaded model's mode) pops such a module's instance ``forward`` or sets a kernel's there,
+    wherever the module is called from. Such a module keeps the hooks: they live in its hook
+    dictionaries, which ``kernelize`` leaves alone. Looked up at each use, not cached: a class
+    can be marked after ``start()``."""
+    return getattr(kind, "kernel_layer_name", None) is not None
 
 
 def _describe(forward: Any) -> str:
@@ -623,6 +640,8 @@ class ModuleMonitor(Monitor):
             state = self._pass
             if state.depth == 0:
                 state.evaluation = _is_evaluation(mod)
+                if self.active:  # a forward swapped since the last call: followed before any is missed
+                    self._follow_replaced()
             state.depth += 1
             if state.internal:
                 state.internal += 1
@@ -750,11 +769,53 @@ class ModuleMonitor(Monitor):
             hooks.forward(root, leave, always_call=True)
 
     def _check_wrapped(self) -> None:
-        """A wrapped forward that someone replaced in the module since (a library's own forward
-        wrapper, a patched method): that module's calls may have gone unrecorded. Said once,
-        and the module gets forward hooks instead from now on."""
-        for module, _ in self._call_hooks.replaced():
-            self._hooks_instead(self._specs[id(module)], in_c=True)
+        """At a step's end: a wrapped forward that someone replaced or removed in the module
+        since (a library's own forward wrapper, a patched method, a kernel swapped in). On a
+        written step that module's calls may have gone unrecorded (it was called outside a
+        chunk's call, or inside one after the chunk's check): said once, and the module gets
+        forward hooks instead from now on. On a step that is not written nothing was missed:
+        followed as before a chunk's call (``_follow_replaced``)."""
+        if self.active:
+            for module, _ in self._call_hooks.replaced():
+                self._hooks_instead(self._specs[id(module)], in_c=True)
+        else:
+            self._follow_replaced()
+
+    def _follow_replaced(self) -> None:
+        """Before a model chunk's call on a written step (its pass tracking's pre-hook, which
+        runs first) and at the end of a step that is not written: a wrapped forward that
+        someone replaced or removed since, before any call of the module it would have
+        missed. A library that swaps forwards after ``start()`` does it between calls of the
+        model (accelerate's ``add_hook_to_module``/``remove_hook_from_module``, a kernel
+        library's ``kernelize`` on ``train()``). A forward removed, so that the module's class's
+        runs again, gets the wrapper back where the module can still have one; any other
+        (someone's forward, or a hook gained meanwhile) gets the monitor's hooks, first among
+        the module's hooks as the wrapper was, and the wrapper is disarmed, for a chain that
+        calls it. One pass in C over the modules' dictionaries where nothing changed.
+        Contained here: the chunk's pass is entered whatever happens."""
+        try:
+            self._follow_each(self._call_hooks.replaced())
+        except Exception as exc:  # noqa: BLE001 - containment is the point
+            self.errors.report("module forwards replaced since start()", exc)
+
+    def _follow_each(self, replaced: List[Tuple[torch.nn.Module, Any]]) -> None:
+        for module, wrapper in replaced:
+            spec = self._specs[id(module)]
+            entries = vars(module)
+            removed = "forward" not in entries
+            self._call_hooks.unwrap(module, wrapper)  # the wrapper's entries and records; someone's forward stays
+            if removed and _wrappable(module):
+                self._call_hooks.wrap_forward(module, wrapper)
+                self._once.info(("removed", id(module)), "monitor_v2 module: the forward of %s was taken out of "
+                                "it after the monitor set its own; set again before its next call (logged once)",
+                                spec.tag)
+                continue
+            wrapper.armed = 0
+            self._put_hooks(spec, in_c=self._native_calls and not self._keep_call_hooks, prepend=True)
+            self._once.info(("forward", id(module)), "monitor_v2 module: the forward of %s was replaced after "
+                            "the monitor set its own (now %s); its rows come from forward hooks from now on, "
+                            "starting before its next call (logged once)", spec.tag,
+                            "its class's" if removed else _describe(entries.get("forward")))
 
     def _put_hooks(self, spec: _CallSpec, in_c: bool, prepend: bool = False) -> None:
         """``spec``'s pre-hook and forward hook on its module (the extension's ``CallHook``s
@@ -1048,6 +1109,11 @@ class ModuleMonitor(Monitor):
         for spec in self._specs.values():  # one kept by the user's code (``f = m.forward``) does nothing more
             if spec.wrapper is not None:
                 spec.wrapper.armed = 0
+                entries = vars(spec.module)
+                if entries.get("forward") is spec.wrapper:
+                    # a library put back the forward it had found, a wrapper disarmed since
+                    # (accelerate's remove_hook_from_module): the module's class's runs again
+                    del entries["forward"]
         self._call_hooks_on = False
         if self._cancel_on_compile is not None:
             self._cancel_on_compile()
