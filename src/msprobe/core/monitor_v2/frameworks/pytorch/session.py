@@ -81,10 +81,12 @@ class TorchSession:
             if model_params is not None:
                 table.set_optimizer_params(unique(table.info(p) for p in model_params if p in table))
             else:
-                # a tensor not part of the model given to start() is named by its place
+                # a tensor not part of the model given to start() is named by its place (the
+                # groups of a container's optimizers one after the other)
                 table.set_optimizer_params(unique(table.adopt(
                     (rows.unlisted_param_name(g, i), p)
-                    for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"]))))
+                    for g, group in enumerate(self.stack.optimizer_param_groups())
+                    for i, p in enumerate(group["params"]))))
 
     def _find_fsdp(self) -> None:
         """FSDP1 flat parameters (by id) and the FSDP2 modules of the model chunks; the

@@ -43,7 +43,7 @@ from .... import layout as lay
 from .... import rows
 from ....param_table import ParamInfo, ParamTable
 from .. import naming
-from .base import GradCallback, TrainingStack, UnreducedCapture, tensor_states
+from .base import GradCallback, TrainingStack, UnreducedCapture, inner_optimizers, tensor_states
 from .native_layout import group_coordinates
 
 # Megatron's wrappers whose ``.module`` is the user's model (how the stack is detected;
@@ -98,14 +98,13 @@ class MasterEntry:
         return grad
 
 
-def leaf_optimizers(optimizer: Any) -> Iterator[Any]:
-    """The optimizers inside (nested) ``ChainedOptimizer``s, stubs left out."""
-    chained = getattr(optimizer, "chained_optimizers", None)
-    if chained is not None:
-        for inner in chained:
-            yield from leaf_optimizers(inner)
-    elif not getattr(optimizer, "is_stub_optimizer", False):
-        yield optimizer
+def leaf_optimizers(optimizer: Any) -> List[Any]:
+    """The optimizers inside (nested) ``ChainedOptimizer``s, stubs left out (the walk
+    every container of optimizers gets: ``base.inner_optimizers``)."""
+    inner = inner_optimizers(optimizer)
+    if inner is not None:
+        return inner
+    return [] if getattr(optimizer, "is_stub_optimizer", False) else [optimizer]
 
 
 def _pairs(opt: Any, model_attr: str, value_attr: str) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
