@@ -12,9 +12,10 @@ written, from the statistics already on the host (no synchronisation of its own)
   rule: one earlier outlier does not move the median). A norm not above ``spike_floor``
   (default 1e-6) is never a spike: a gradient that converged to exactly 0 and then reads
   1.5e-8 is rounding noise, not an explosion. At most ``MAX_SPIKES_PER_STEP``
-  lines per step. Rows of evaluation passes (scope ``eval_forward``) are not checked
-  for spikes: they sum over however many batches the evaluation ran, which changes their
-  norm from one evaluation to the next (they are checked for non-finite values).
+  lines per step. Rows of evaluation passes (scope ``eval_forward``) and of generation
+  passes (scope ``generate``) are not checked for spikes: they sum over however many
+  batches the evaluation ran, or tokens the generation decoded, which changes their norm
+  from one pass to the next (they are checked for non-finite values).
 - Evidence: given the rank directory, the first step with a non-finite row or a spike
   is also written to ``rank_<r>/anomalies.jsonl`` (``evidence.py``), once per run. The
   alerter runs inside the writer's step flush (on its thread with ``async_write``), so
@@ -31,7 +32,7 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 from . import evidence
 from .config import AlertSettings
-from .rows import EVAL_FORWARD, VALUE_OPS
+from .rows import EVAL_FORWARD, GENERATE, VALUE_OPS
 from .stats import Row
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -39,6 +40,8 @@ logger = logging.getLogger("msprobe.monitor_v2")
 MAX_NONFINITE_STEPS = 5
 MAX_SPIKES_PER_STEP = 5
 _STATS = VALUE_OPS
+# scopes whose norms change with the pass's length (batches evaluated, tokens generated)
+_NOT_SPIKE_CHECKED = frozenset((EVAL_FORWARD, GENERATE))
 
 
 def _describe(monitor: str, row: Row) -> str:
@@ -174,7 +177,7 @@ class Alerter:
         for monitor, rows in rows_by_monitor:
             for row in rows:
                 value = row.stat.value("norm")
-                if not math.isfinite(value) or row.scope == EVAL_FORWARD:
+                if not math.isfinite(value) or row.scope in _NOT_SPIKE_CHECKED:
                     continue
                 key = (monitor, row.vpp_stage, row.name, row.scope, row.micro_step)
                 history = self._history.get(key)

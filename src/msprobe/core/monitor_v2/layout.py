@@ -93,7 +93,7 @@ OPTIMIZER = "optimizer"
 SCOPE_CLASSES: Tuple[str, ...] = (UNREDUCED, REDUCED, PARAM, OPTIMIZER)
 
 # The scopes whose rows differ per data-parallel rank by design: merged per dp rank.
-PER_DP_SCOPES = frozenset({rows.UNREDUCED, rows.FORWARD, rows.EVAL_FORWARD, rows.BACKWARD})
+PER_DP_SCOPES = frozenset({rows.UNREDUCED, rows.FORWARD, rows.EVAL_FORWARD, rows.GENERATE, rows.BACKWARD})
 
 Split = List[List[Any]]  # [[group, index, count], ...]
 

@@ -25,10 +25,12 @@ CC = "cc"
 MONITORS: Tuple[str, ...] = (MODULE, WEIGHT_GRAD, OPTIMIZER, PARAM, CC)
 
 # ------------------------------------------------------------------------ scopes
-# module: the training step's forward pass, evaluation passes (kept apart from the
-# step's rows), and the backward pass.
+# module: the training step's forward pass, evaluation passes and generation passes
+# (``generate``: a model's forward calls inside generation, prefill and decoding), each kept
+# apart from the step's rows, and the backward pass.
 FORWARD = "forward"
 EVAL_FORWARD = "eval_forward"
+GENERATE = "generate"
 BACKWARD = "backward"
 # weight_grad: the local gradient during backward, and the gradient at the optimizer step.
 UNREDUCED = "unreduced"
@@ -45,7 +47,7 @@ MOMENTUM_BUFFER = "momentum_buffer"
 COMM = "comm"
 
 SCOPES: Dict[str, Tuple[str, ...]] = {
-    MODULE: (FORWARD, EVAL_FORWARD, BACKWARD),
+    MODULE: (FORWARD, EVAL_FORWARD, GENERATE, BACKWARD),
     WEIGHT_GRAD: (UNREDUCED, REDUCED),
     OPTIMIZER: (EXP_AVG, EXP_AVG_SQ, MOMENTUM_BUFFER),
     PARAM: (PARAM_ORIGIN, PARAM_UPDATED),
@@ -160,6 +162,7 @@ _PHASES: Dict[Tuple[str, str], int] = {
     (PARAM, PARAM_ORIGIN): 0,
     (MODULE, FORWARD): 1,
     (MODULE, EVAL_FORWARD): 1,  # evaluation passes: forward passes, in file (call) order
+    (MODULE, GENERATE): 1,  # generation passes: the same
     (MODULE, BACKWARD): 2,
     (WEIGHT_GRAD, UNREDUCED): 3,
     (WEIGHT_GRAD, REDUCED): 5,

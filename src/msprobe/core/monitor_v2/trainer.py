@@ -31,7 +31,7 @@ from .errors import ConfigError, MonitorStateError, NonFiniteGradientError
 from .frameworks import load_backend
 from .layout import render, write_layout
 from .model_structure import write_structure
-from .monitor import ContainedErrors, Monitor, module_tags
+from .monitor import ContainedErrors, Monitor, module_tags, short_error
 from .logonce import LogOnce
 from .patching import Patch
 from .sinks import make_sink_hub
@@ -68,6 +68,8 @@ class TrainerMonitorV2:
         self._pid = os.getpid()
         self._once = LogOnce()
         self._guard: Any = None  # alert.dump / stop_on_nonfinite: the pre-update gradient check
+        # the exception being raised or handled when stop() ran (a training that crashed), if any
+        self._stopped_during: Optional[BaseException] = None
         self._init_incident(config_path, fr)
 
     # ------------------------------------------------------------------ properties
@@ -555,6 +557,8 @@ class TrainerMonitorV2:
             self._state = "stopped"
             return
         if state in ("running", "forked"):
+            # a stop() in a finally block or an exception handler: the training did not end
+            self._stopped_during = sys.exc_info()[1]
             self._state = "stopping" if state == "running" else "stopped"
             self._step_hooks.remove()
             if self._guard is not None:
@@ -613,11 +617,19 @@ class TrainerMonitorV2:
             return f"the monitor contained {self.errors.count} error(s) (logged above)."
         sched = self.schedule
         if self._step == 0:
+            crash = self._stopped_during
+            if crash is not None:
+                return (f"training stopped before its first step ended: stop() ran while an exception was raised "
+                        f"({short_error(crash)}), so no step was complete and none was written.")
             if self._optimizer_steps and not self._patched:
                 return (f"optimizer.step() ran {self._optimizer_steps} time(s) but mon.step() was never called, so "
                         f"no step ended. With \"patch_optimizer_step\": false, call mon.step() after each "
                         f"optimizer.step(), or drop that field so that optimizer.step() ends the step by itself.")
             if not self._optimizer_steps:
+                if self.errors.busy > 0:  # its hooks ran: a forward or backward pass of step 0 began
+                    return ("training stopped before its first step ended: the monitor's hooks ran (a forward or "
+                            "backward pass began), but neither mon.step() nor a patched optimizer.step() ended "
+                            "a step (pass the optimizer to start(), or call mon.step() once per training step).")
                 return ("no step ended: neither mon.step() nor a patched optimizer.step() was called "
                         "(pass the optimizer to start(), or call mon.step() once per training step).")
         if self._written_steps == 0:

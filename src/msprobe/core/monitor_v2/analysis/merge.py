@@ -13,7 +13,8 @@ gathered:
 - the global name is the row name under the layout's ``rename`` rules (the chunk
   prefix dropped, global layer numbers under pipeline parallelism);
 - rows of the scopes that differ per data-parallel rank by design
-  (``layout.PER_DP_SCOPES``: ``unreduced``, ``forward``, ``eval_forward``, ``backward``)
+  (``layout.PER_DP_SCOPES``: ``unreduced``, ``forward``, ``eval_forward``, ``generate``,
+  ``backward``)
   are merged per data-parallel coordinate and keep a ``dp_rank`` column;
 - rows describing the same piece (same ``(group, index)`` pairs in its ``split``) are
   replicas: they must agree within ``rtol`` (counts exactly). A disagreement is
@@ -72,7 +73,7 @@ EXAMPLES = 5  # examples kept per kind of left-out row, and disagreements kept f
 
 # phases (rows.execution_phase) ordered by virtual pipeline stage descending: backward, unreduced
 # gradients (the stage that runs them first is the last); every other phase ascending (forward-like:
-# param_origin, forward, eval_forward run from stage 0 on)
+# param_origin, forward, eval_forward, generate run from stage 0 on)
 _BACKWARD_PHASES = frozenset({2, 3})
 
 

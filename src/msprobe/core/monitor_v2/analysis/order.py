@@ -7,7 +7,8 @@ rank  rows                                                                 micro
 ====  ==================================================================  ==========
 0     ``param`` ``param_origin``: the parameters the step's forward used   0
       (read before ``optimizer.step()``, unchanged since the step began)
-1     ``module`` ``forward`` and ``eval_forward`` rows, in call order      0
+1     ``module`` ``forward``, ``eval_forward`` and ``generate`` rows, in   0
+      call order
 2     ``module`` ``backward`` rows, in backward order (file order)         0
 3     ``weight_grad`` ``unreduced``, per micro-batch                       micro_step
 4     ``cc`` ``comm``                                                      last

@@ -2177,6 +2177,7 @@ static int add_part(PyObject *monitor, PyObject *scope, PyObject *slot, PyObject
         return -1;
     int result = -1;
     PyObject *acc = PyDict_Check(sums) ? PyDict_GetItemWithError(sums, number) : NULL; /* borrowed */
+    PyObject *held = NULL; /* acc, held while _sum_parts runs Python code */
     if (!PyDict_Check(sums)) {
         PyErr_SetString(PyExc_TypeError, "NodeHook: monitor._sums is not a dict");
         goto done;
@@ -2204,16 +2205,15 @@ static int add_part(PyObject *monitor, PyObject *scope, PyObject *slot, PyObject
             PyErr_SetString(PyExc_TypeError, "NodeHook: a running sum is not a list of 5");
             goto done;
         }
-        PyObject *total = PyList_GET_ITEM(acc, 2);
-        /* parts through a view's node and through its base's node differ only in shape */
-        PyObject *shape = PyObject_GetAttr(total, str_shape);
-        PyObject *own_shape = shape == NULL ? NULL : PyObject_GetAttr(g, str_shape);
-        int same = own_shape == NULL ? -1 : PyObject_RichCompareBool(own_shape, shape, Py_EQ);
-        PyObject *part = same < 0 ? NULL : same ? Py_NewRef(g) : PyObject_CallMethodOneArg(g, str_reshape, shape);
-        PyObject *sum = part == NULL ? NULL : PyNumber_Add(total, part);
-        Py_XDECREF(shape);
-        Py_XDECREF(own_shape);
-        Py_XDECREF(part);
+        /* monitor._sum_parts(total, g): the engine's sum (a part through a view's node
+           reshaped to its base's), run outside the training's dispatch modes */
+        static PyObject *str_sum_parts = NULL;
+        if (str_sum_parts == NULL && (str_sum_parts = PyUnicode_InternFromString("_sum_parts")) == NULL)
+            goto done;
+        held = Py_NewRef(acc);
+        PyObject *total = Py_NewRef(PyList_GET_ITEM(acc, 2));
+        PyObject *sum = PyObject_CallMethodObjArgs(monitor, str_sum_parts, total, g, NULL);
+        Py_DECREF(total);
         if (sum == NULL)
             goto done;
         PyList_SetItem(acc, 2, sum); /* steals sum */
@@ -2235,6 +2235,7 @@ static int add_part(PyObject *monitor, PyObject *scope, PyObject *slot, PyObject
     }
     result = 0;
 done:
+    Py_XDECREF(held);
     Py_DECREF(sums);
     return result;
 }
@@ -3878,8 +3879,8 @@ static PyObject *call_hook_vectorcall(CallHookObject *self, PyObject *const *arg
         /* the pass's scope: None in a framework-internal pass or outside the chunks' calls */
         if ((scope = PyObject_GetAttr(self->pass, str_scope)) == NULL)
             goto done;
-        Py_DECREF(scope); /* compared by identity only: fwd holds both strings */
-        if (scope != fwd.forward && scope != fwd.eval_forward)
+        Py_DECREF(scope); /* borrowed from here on: the rows module holds every scope string */
+        if (!PyUnicode_CheckExact(scope)) /* None: the Python hook decides */
             goto fallback;
         failed = before_forward(self, t, scope);
         goto done;

@@ -53,6 +53,15 @@ submodule may be kept in ``eval()`` mode while the model trains. A module called
 a chunk's call (Lightning's ``training_step``/``validation_step`` call submodules) is in
 an evaluation pass when its chunk is in ``eval()`` mode or inference mode is on.
 
+Generation: a model call made inside ``generate`` (transformers' ``GenerationMixin.generate``,
+as ``model.generate(...)`` and TRL's GRPO/PPO trainers call it inside their training step,
+under ``no_grad`` with the model in train mode) is a generation pass: its forward rows
+(prefill and every decoding step) go under their own scope ``generate``, apart from the
+training step's ``forward`` rows and from evaluation's ``eval_forward``. The monitor wraps
+``generate`` where transformers defines it (and each override in the classes of the
+monitored modules) while it runs: the wrapper counts this thread's generations in
+progress and nothing else; ``stop()`` puts the functions back.
+
 Threads: passes are tracked per thread. A second thread calling the model while the
 main thread trains (an evaluation under ``no_grad`` on a background thread) is in its
 own pass, decided by its own outermost call: under ``no_grad`` or ``eval()`` its rows go
@@ -69,6 +78,7 @@ import inspect
 import itertools
 import logging
 import os
+import sys
 import threading
 import types
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -78,6 +88,7 @@ import torch
 from ... import native, rows
 from ...logonce import LogOnce
 from ...monitor import ContainedHook, Monitor, select_modules
+from ...patching import Patch, replace_attribute
 from ...stats import Record
 from ...structure import flatten_tensors, named_outputs
 from .compile import compiled_anything, eager_hook, on_next_compile, warn_if_already_compiled
@@ -183,22 +194,117 @@ class _Call:
 
 class _Pass(threading.local):
     """One thread's pass: nesting of model chunk calls in progress, whether the
-    outermost one is an evaluation pass, nesting of framework-internal chunk calls
-    (passes.py), and the graph hooks put on nodes of this thread's pass (``_NodeHook``).
-    ``scope``: the forward scope of a module call inside a chunk's call that is not
-    internal, None otherwise (``settled``): the one attribute the extension's ``CallHook``
-    reads to know that it decides the call."""
+    outermost one is an evaluation pass or a generation pass (made inside ``generate``),
+    nesting of framework-internal chunk calls (passes.py), and the graph hooks put on
+    nodes of this thread's pass (``_NodeHook``). ``scope``: the forward scope of a module
+    call inside a chunk's call that is not internal, None otherwise (``settled``): the one
+    attribute the extension's ``CallHook`` reads to know that it decides the call."""
 
     depth = 0
     evaluation = False
+    generation = False
     internal = 0
     nodes: Optional[Dict[int, "_NodeHook"]] = None
     scope: Optional[str] = None
 
     def settled(self) -> None:
-        """``scope`` after a change of ``depth``, ``internal`` or ``evaluation``."""
+        """``scope`` after a change of ``depth``, ``internal``, ``evaluation`` or ``generation``."""
         self.scope = None if self.internal or not self.depth else (
-            rows.EVAL_FORWARD if self.evaluation else rows.FORWARD)
+            rows.GENERATE if self.generation else rows.EVAL_FORWARD if self.evaluation else rows.FORWARD)
+
+
+class _Generating(threading.local):
+    """This thread's calls of a generation function (``generate``) in progress."""
+
+    depth = 0
+
+
+_GENERATING = _Generating()
+# Where transformers defines generation: GenerationMixin.generate, which model.generate(...)
+# reaches (an override in a model's class calls it through super(), or is wrapped too).
+_GENERATION_MODULE = "transformers.generation.utils"
+_GENERATION_BASE = "GenerationMixin"
+_GENERATION_FUNCTION = "generate"
+# (class, name) -> [the patch that put the wrapper there, the monitors using it]: one wrapper
+# a function for the process, whatever the number of monitors, removed with the last of them
+_GENERATION_WRAPPERS: Dict[Tuple[type, str], List[Any]] = {}
+_GENERATION_LOCK = threading.Lock()
+
+
+def _counting_generation(generate: Callable[..., Any]) -> Callable[..., Any]:
+    """``generate`` that counts itself in progress in this thread (``_GENERATING``): the
+    module monitor reads the count at a model call to tell a generation pass."""
+    @functools.wraps(generate)  # the signature stays readable (inspect follows __wrapped__)
+    def generating(*args: Any, **kwargs: Any) -> Any:
+        state = _GENERATING
+        state.depth += 1
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            state.depth -= 1
+
+    return generating
+
+
+def _generation_owners(modules: Sequence[torch.nn.Module]) -> List[type]:
+    """The classes whose ``generate`` a generation of ``modules`` runs: transformers'
+    ``GenerationMixin`` (where transformers is imported) and, in the classes of the
+    modules, each one subclassing it that defines ``generate`` itself (an override that
+    does not call ``super().generate``, as some speech and multimodal models have)."""
+    module = sys.modules.get(_GENERATION_MODULE)
+    base = getattr(module, _GENERATION_BASE, None) if module is not None else None
+    if not isinstance(base, type):
+        return []
+    owners: List[type] = [base]
+    seen = {base}
+    for kind in {type(m) for m in modules}:
+        if not issubclass(kind, base):
+            continue
+        for cls in kind.__mro__:
+            if cls not in seen and issubclass(cls, base) and callable(vars(cls).get(_GENERATION_FUNCTION)):
+                seen.add(cls)
+                owners.append(cls)
+    return owners
+
+
+def _release_generation_wrapper(key: Tuple[type, str]) -> None:
+    with _GENERATION_LOCK:
+        entry = _GENERATION_WRAPPERS.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del _GENERATION_WRAPPERS[key]
+            entry[0].remove()
+
+
+class _GenerationPatch(Patch):
+    """One monitor's use of the ``generate`` wrapper of ``key`` (``_watch_generation``)."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: Tuple[type, str]) -> None:
+        super().__init__(functools.partial(_release_generation_wrapper, key))
+        self.key = key
+
+
+def _watch_generation(modules: Sequence[torch.nn.Module], watched: List[Patch]) -> None:
+    """Count generations in progress (``_counting_generation``) around each ``generate`` of
+    ``_generation_owners(modules)`` not yet in ``watched``; each patch added to ``watched``
+    releases its wrapper, which goes when no monitor uses it."""
+    have = {p.key for p in watched if isinstance(p, _GenerationPatch)}
+    for owner in _generation_owners(modules):
+        key = (owner, _GENERATION_FUNCTION)
+        if key in have:
+            continue
+        with _GENERATION_LOCK:
+            entry = _GENERATION_WRAPPERS.get(key)
+            if entry is None:
+                function = vars(owner)[_GENERATION_FUNCTION]
+                patch = replace_attribute(owner, _GENERATION_FUNCTION, _counting_generation(function))
+                entry = _GENERATION_WRAPPERS[key] = [patch, 0]
+            entry[1] += 1
+        watched.append(_GenerationPatch(key))
 
 
 class _Names:
@@ -568,6 +674,9 @@ class ModuleMonitor(Monitor):
         self._read = self.session.engine.recorder(self.plan)
         # a running sum's total is a temporary: read without the same-tensor cache
         self._read_sum = self.session.engine.recorder(self.plan, cache=False)
+        # a running sum's next part added (outside the training's dispatch modes, as every
+        # tensor op of the engine); the extension's NodeHook calls it too
+        self._sum_parts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self.session.engine.sum_parts
         ext = native.extension()
         self._edges_into_api: Callable[[Tuple[Any, int], List[Any], int], List[Tuple[Any, int]]] = (
             _edges_into if ext is None else functools.partial(ext.edges_into, _ACCUMULATE_GRAD, _is_accumulate_grad))
@@ -608,6 +717,10 @@ class ModuleMonitor(Monitor):
         self._sum_numbers = itertools.count()
         self._once = LogOnce()
         self._pass = _Pass()  # per thread: a background evaluation never joins the training pass
+        # generate wrapped where transformers defines it (generation passes: scope generate);
+        # looked for again at written steps while it is not (transformers imported after start())
+        self._generation: List[Patch] = []
+        self._watch_generation()
         self.attached = True
         self._root_ids = {id(r) for r in self.session.roots}
         self._wrap = _wrapping_allowed()
@@ -640,6 +753,7 @@ class ModuleMonitor(Monitor):
             state = self._pass
             if state.depth == 0:
                 state.evaluation = _is_evaluation(mod)
+                state.generation = _GENERATING.depth > 0
                 if self.active:  # a forward swapped since the last call: followed before any is missed
                     self._follow_replaced()
             state.depth += 1
@@ -670,13 +784,28 @@ class ModuleMonitor(Monitor):
     def _forward_scope(self, vpp: int) -> str:
         state = self._pass
         if state.depth:
+            if state.generation:
+                return rows.GENERATE
             evaluation = state.evaluation
         else:
             # A submodule called outside the model's own call (a LightningModule's
-            # training_step calls its submodules): the model's mode decides, or inference
+            # training_step calls its submodules; a wrapper's inner model generates):
+            # inside generate it is generation; else the model's mode decides, or inference
             # mode. Plain no_grad does not: reentrant checkpointing trains under it.
+            if _GENERATING.depth:
+                return rows.GENERATE
             evaluation = not self.session.roots[vpp].training or torch.is_inference_mode_enabled()
         return rows.EVAL_FORWARD if evaluation else rows.FORWARD
+
+    def _watch_generation(self) -> None:
+        """``generate`` counted in progress where transformers defines it (and where the
+        monitored modules' classes override it); nothing before transformers is imported."""
+        if _GENERATION_MODULE not in sys.modules:
+            return
+        try:
+            _watch_generation([m for _, _, m in self.session.named_modules()], self._generation)
+        except Exception as exc:  # noqa: BLE001 - generation rows then go under eval_forward
+            self.errors.report("module generation passes", exc)
 
     def _hook(self, module: torch.nn.Module, vpp: int, tag: str) -> None:
         names = _Names(tag, vpp)
@@ -1067,9 +1196,7 @@ class ModuleMonitor(Monitor):
         if acc is None:
             acc = sums[number] = [parts, 1, g, vpp, name]
         else:
-            total = acc[_TOTAL]
-            # Parts through a view's node and through its base's node differ only in shape.
-            acc[_TOTAL] = total + (g if g.shape == total.shape else g.reshape(total.shape))
+            acc[_TOTAL] = self._sum_parts(acc[_TOTAL], g)  # a part through a view's node reshaped
             acc[_COUNT] += 1
         if acc[_COUNT] == acc[_EXPECTED]:
             self._flush(number)
@@ -1084,6 +1211,8 @@ class ModuleMonitor(Monitor):
     # -------------------------------------------------------------- lifecycle
     def begin_step(self, step: int, active: bool) -> None:
         super().begin_step(step, active)
+        if active and not self._generation and self.attached:
+            self._watch_generation()  # transformers imported after start()
         # taking the hooks off and on costs about as much as 3 steps with them (~13 us a
         # module against ~5 us a module call): worth it for a longer gap only
         if active or self.idle_ahead >= _IDLE_STEPS_TO_UNHOOK:
@@ -1105,6 +1234,9 @@ class ModuleMonitor(Monitor):
 
     def detach(self) -> None:
         self.attached = False
+        generation = vars(self).get("_generation", [])  # none where attach() failed before
+        while generation:
+            generation.pop().remove()
         self._disarm(self._call_hooks.remove_all(), at_stop=True)
         for spec in self._specs.values():  # one kept by the user's code (``f = m.forward``) does nothing more
             if spec.wrapper is not None:

@@ -43,8 +43,21 @@ stays a device tensor until ``to_host``.
 
 ``to_host`` moves the vectors of a whole step to the host in one transfer per
 (device, dtype) group: the number of transfers does not grow with the tensors.
+
+The training's dispatch modes never see the engine's work. Hooks run inside the
+training's forward and backward, where Python dispatch modes and torch-function modes
+may be active: selective activation checkpointing (which saves the results of the ops
+its policy names and hands them back, in call order, to the recomputation), DebugMode,
+FlopCounterMode, a user's ``TorchDispatchMode``. An ATen op of the engine seen there is
+recorded as the model's own: under selective checkpointing the model's recomputed op then
+receives the monitor's result. Every entry point that runs ATen ops (``_record_other``,
+``record_many`` past the one-pass kernel, ``to_host``'s transfers, ``sum_parts``) runs
+them with this thread's modes set aside (``outside_training_modes``), and puts them back
+as they were. Without a mode that costs two C calls (the stacks' lengths); the one-pass
+kernel's reads run no ATen op and need no check.
 """
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -52,7 +65,7 @@ import math
 import operator
 import weakref
 from collections import defaultdict
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
@@ -72,6 +85,46 @@ _NATIVE_CODES = {torch.float32: native.F32, torch.bfloat16: native.BF16, torch.f
 # Plain tensors only: a subclass may not own the memory its data pointer names.
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _EXPORTER_CHECKED: List[bool] = []
+
+# The lengths of this thread's Python dispatch mode stack (user modes and the infra modes:
+# FakeTensorMode, proxy and functional modes) and torch-function mode stack.
+_dispatch_modes: Callable[[], int] = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
+_function_modes: Callable[[], int] = getattr(torch._C, "_len_torch_function_stack", lambda: 0)
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
+@contextlib.contextmanager
+def _modes_set_aside() -> Iterator[None]:
+    """This thread's torch-function modes and Python dispatch modes off their stacks for
+    the block, and back on, in their order, after it (also when it raises)."""
+    functions: List[Any] = []
+    try:
+        while _function_modes():
+            functions.append(torch._C._pop_torch_function_stack())
+        if _dispatch_modes():
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            with _disable_current_modes():
+                yield
+        else:
+            yield
+    finally:
+        for mode in reversed(functions):
+            torch._C._push_on_torch_function_stack(mode)
+
+
+def outside_training_modes(fn: _Fn) -> _Fn:
+    """``fn`` run with the modes active around it set aside (``_modes_set_aside``): no
+    tensor op it runs is recorded, counted, changed or replayed by them. Where no mode is
+    active (the common case) the check is the two stacks' lengths, two C calls."""
+    @functools.wraps(fn)
+    def outside(*args: Any, **kwargs: Any) -> Any:
+        if _dispatch_modes() or _function_modes():
+            with _modes_set_aside():
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return outside  # type: ignore[return-value]
 
 
 # Device types found to lack fp64 reductions (Apple MPS is known; others are found by trying).
@@ -559,6 +612,7 @@ class TorchStatsEngine:
             seen_here = self._seen_buffers[plan.key] = {}
         return seen_here
 
+    @outside_training_modes
     def _record_other(self, t: torch.Tensor, plan: StatPlan, vpp_stage: int, name: str, scope: str,
                       micro_step: Optional[int], cache: bool) -> Record:
         """``record`` of a tensor the extension's ``tensor_record`` did not take (or without it)."""
@@ -701,15 +755,23 @@ class TorchStatsEngine:
         paid it for each. The kernel reduces each buffer as a call of its own would, with
         the same thread count, so the numbers are the same to the bit. The other tensors
         take ``_compute``'s ATen path one by one, in their place in the result."""
+        fast = self._records_of
+        if fast is not None:  # _kernel_buffers' checks and the read in C; None: one it does not read
+            got = fast(tensors, _PLAIN_TYPES, self._kernel_codes, torch.strided, keys, torch.get_num_threads(),
+                       plan.nans, plan.zeros)
+            if got is not None:
+                return got
+        return self._records_other(tensors, plan, keys)
+
+    @outside_training_modes
+    def _records_other(self, tensors: Sequence[torch.Tensor], plan: StatPlan,
+                       keys: Sequence[Tuple[int, str, str, Optional[int]]]) -> List[Record]:
+        """``record_many`` of a list the extension's ``records_of`` did not take (or without
+        the extension): the kernel's tensors in one call, the others through ATen."""
         kernel = self._native
         if kernel is None:
             return self._records_aten(tensors, plan, keys)
         threads = torch.get_num_threads()
-        fast = self._records_of
-        if fast is not None:  # _kernel_buffers' checks and the read in C; None: one it does not read
-            got = fast(tensors, _PLAIN_TYPES, self._kernel_codes, torch.strided, keys, threads, plan.nans, plan.zeros)
-            if got is not None:
-                return got
         buffers = _kernel_buffers(tensors, self._kernel_codes)
         if buffers is not None:  # the common case: every tensor is one the kernel reads
             return kernel.host_records(keys, *buffers, threads, plan.nans, plan.zeros, self._Record.host)
@@ -789,6 +851,15 @@ class TorchStatsEngine:
             self._graph_once.warning("graph", "monitor_v2: the C++ graph hooks' library is not used (%s: %s)",
                                      type(exc).__name__, exc)
 
+    @staticmethod
+    @outside_training_modes
+    def sum_parts(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+        """``total + part``: the running sum of the gradient one input receives through
+        several graph edges (the module monitor's ``grad_input``), in a backward pass that a
+        mode may observe. Parts through a view's node and through its base's node differ
+        only in shape."""
+        return total + (part if part.shape == total.shape else part.reshape(total.shape))
+
     def forget(self) -> None:
         """Forget the tensors seen so far (step end, or after a collective); start using
         the C++ graph hooks' library once its build has ended."""
@@ -801,10 +872,6 @@ class TorchStatsEngine:
     def to_host(self, records: Sequence[Record]) -> None:
         """Replace the device vectors, NaN and zero counts of ``records`` by host values,
         with one transfer per (device, dtype) group. Records may share a vector."""
-        vec_groups: Dict[Tuple[torch.device, torch.dtype], List[Record]] = defaultdict(list)
-        nan_groups: Dict[torch.device, List[Record]] = defaultdict(list)
-        zero_groups: Dict[torch.device, List[Record]] = defaultdict(list)
-        tensor = torch.Tensor
         # the kernel's records are host ones already (a tuple, counts int or None): one
         # pass finds the others, if any
         ext = self._native.ext if self._native is not None else None
@@ -814,6 +881,16 @@ class TorchStatsEngine:
             host = _HOST_COUNTS
             records = [rec for rec in records if type(rec._vector) is not tuple or type(rec.nans) not in host
                        or type(rec.zeros) not in host]
+        if records:
+            self._transfer(records)
+
+    @outside_training_modes
+    def _transfer(self, records: Sequence[Record]) -> None:
+        """``to_host`` of the records whose vector or counts are device tensors."""
+        vec_groups: Dict[Tuple[torch.device, torch.dtype], List[Record]] = defaultdict(list)
+        nan_groups: Dict[torch.device, List[Record]] = defaultdict(list)
+        zero_groups: Dict[torch.device, List[Record]] = defaultdict(list)
+        tensor = torch.Tensor
         for rec in records:
             vector = rec._vector  # as stored: ``vector`` builds a list of a host tuple
             if isinstance(vector, tensor):
