@@ -17,9 +17,11 @@ written, from the statistics already on the host (no synchronisation of its own)
   batches the evaluation ran, or tokens the generation decoded, which changes their norm
   from one pass to the next (they are checked for non-finite values).
 - Evidence: given the rank directory, the first step with a non-finite row or a spike
-  is also written to ``rank_<r>/anomalies.jsonl`` (``evidence.py``), once per run. The
-  alerter runs inside the writer's step flush (on its thread with ``async_write``), so
-  that file never costs the training step.
+  is also written to ``rank_<r>/anomalies.jsonl`` (``evidence.py``), once per run, each
+  line naming the run (``run``, ``run_started``: the alerter starts it, at ``start()``),
+  so that the blocks of a run resumed into the same directory and of the run that died
+  are told apart. The alerter runs inside the writer's step flush (on its thread with
+  ``async_write``), so that file never costs the training step.
 """
 
 import logging
@@ -74,6 +76,7 @@ class Alerter:
         self.settings = settings
         self.rank = rank
         self.rank_dir = rank_dir  # None: no anomalies.jsonl
+        self.run = evidence.start_run(rank_dir)  # named by every line of this run's block
         self.anomalies_written = False
         self._history: Dict[Tuple, Deque[float]] = {}
         self._nonfinite_steps = 0
@@ -107,13 +110,13 @@ class Alerter:
         self.anomalies_written = True  # once, even when the write fails: the CSVs keep the rows
         try:
             path = evidence.append_anomalies(
-                self.rank_dir, evidence.anomaly_lines(self.rank, step, rows_by_monitor, kinds, _nonfinite))
+                self.rank_dir, evidence.anomaly_lines(self.rank, step, rows_by_monitor, kinds, _nonfinite, self.run))
         except OSError as exc:
             logger.error("monitor_v2: rank %d could not write %s at step %d: %r (the CSV rows are unaffected)",
                          self.rank, evidence.ANOMALIES_FILE, step, exc)
             return
-        logger.warning("monitor_v2 alert: rank %d step %d: the anomalous rows of this step are in %s",
-                       self.rank, step, path)
+        logger.warning("monitor_v2 alert: rank %d step %d: the anomalous rows of this step are in %s (run %s)",
+                       self.rank, step, path, self.run.id)
 
     def _check_nonfinite(self, step: int,
                          rows_by_monitor: Sequence[Tuple[str, Sequence[Row]]]) -> List[Tuple[str, Row]]:

@@ -7,6 +7,12 @@ a monitor is an error with the closest known name; inside a monitor, a field who
 starts with ``_`` is ignored (the way to keep comments or other tools' settings).
 
 A JSON ``null`` is read as "use the default" for every optional field.
+
+A config file is read as the CSV readers read theirs (``read_config_bytes``), and a file
+that is not a config is never quoted: its errors name the path and the reason only (the
+line and column of a JSON error, the offset of a byte that is not UTF-8); a JSON object
+none of whose top-level fields is a config field or resembles one is refused without
+naming them. A config's own mistakes (a misspelt field, a bad value) are named.
 """
 
 import codecs
@@ -478,10 +484,39 @@ def _decode(path: str, data: bytes) -> str:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         guess = "UTF-16 without a byte-order mark" if b"\0" in data[:64] else "Latin-1 or another 8-bit encoding"
+        # the offset, never the byte: nothing of a file that is not a config is quoted
         raise ConfigError(
-            f"monitor_v2 config: '{path}' is not UTF-8 (byte 0x{data[exc.start]:02x} at offset {exc.start} "
-            f"is not valid UTF-8; the file looks like {guess}); config files must be UTF-8: save it "
-            f"again as UTF-8") from None
+            f"monitor_v2 config: '{path}' is not UTF-8 (the byte at offset {exc.start} is not valid UTF-8; "
+            f"the file looks like {guess}); config files must be UTF-8: save it again as UTF-8") from None
+
+
+# What the JSON parser says is wrong, without the text it read: the C parser's messages
+# quote nothing, the pure-Python one's quote the offending character ("Invalid \escape:
+# 'q'"); only the leading words of a known message are kept.
+_JSON_REASONS = ("Expecting value", "Expecting ',' delimiter", "Expecting ':' delimiter",
+                 "Expecting property name enclosed in double quotes", "Unterminated string starting at",
+                 "Invalid control character", "Invalid \\uXXXX escape", "Invalid \\escape", "Extra data",
+                 "Illegal trailing comma before end of object", "Illegal trailing comma before end of array")
+
+
+def _json_reason(msg: str) -> str:
+    for reason in _JSON_REASONS:
+        if msg.startswith(reason):
+            return reason
+    return "syntax error"
+
+
+def _looks_like_a_config(parsed: Mapping[str, Any]) -> bool:
+    """Whether a JSON object read from a file is meant as a config: empty, or one of its
+    top-level fields is a config field or close to one (a misspelt field is named in the
+    error that follows). A file none of whose fields is (a credentials file, another
+    tool's settings) is not quoted: its field names may be its secrets."""
+    if not parsed:
+        return True
+    for key in parsed:
+        if key in _TOP_LEVEL or difflib.get_close_matches(str(key), _TOP_LEVEL, n=1, cutoff=0.6):
+            return True
+    return False
 
 
 def read_config_file(path: str) -> Dict[str, Any]:
@@ -490,7 +525,12 @@ def read_config_file(path: str) -> Dict[str, Any]:
 
 
 def read_config_bytes(path: str) -> bytes:
-    """The bytes of the config file ``path``; every way it can be unreadable is a ``ConfigError``."""
+    """The bytes of the config file ``path``; every way it can be unreadable is a ``ConfigError``.
+
+    Read by the rules of the CSV readers (``safe_fs.read_regular_file``): no symbolic link
+    of another user on the way (as root, a link planted in a shared directory would put a
+    file of root's in the log), a regular file only (a FIFO never blocks), 1 MiB at most.
+    Every message names the path and the reason, never the file's content."""
     try:
         return read_regular_file(path, MAX_CONFIG_BYTES, "config")
     except UnsafePathError as exc:  # a FIFO, a device, a directory, or too large: never read
@@ -507,7 +547,7 @@ def parse_config_bytes(path: str, data: bytes) -> Dict[str, Any]:
         parsed = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(
-            f"monitor_v2 config: '{path}' is not valid JSON: {exc.msg} at line {exc.lineno}, "
+            f"monitor_v2 config: '{path}' is not valid JSON: {_json_reason(exc.msg)} at line {exc.lineno}, "
             f"column {exc.colno}"
         ) from None
     except RecursionError:
@@ -517,6 +557,11 @@ def parse_config_bytes(path: str, data: bytes) -> Dict[str, Any]:
                           f"no config value is that large") from None
     if not isinstance(parsed, dict):
         raise ConfigError(f"monitor_v2 config: '{path}' must hold a JSON object, got {type(parsed).__name__}")
+    if not _looks_like_a_config(parsed):
+        raise ConfigError(
+            f"monitor_v2 config: '{path}' is not a monitor_v2 config: none of its {len(parsed)} top-level "
+            f"field(s) is a config field or resembles one (known: {', '.join(_TOP_LEVEL)}); they are not "
+            f"named here, since a file that is not a config is never quoted")
     return parsed
 
 

@@ -45,7 +45,10 @@ class ConfigWatch:
 
     ``changed()`` costs one ``os.stat``. ``read()`` reads, parses and validates the file
     as ``load_config`` does; a refused edit is logged once at WARNING (the same content
-    is not warned about again) and the caller keeps its running config."""
+    is not warned about again) and the caller keeps its running config. The file is read
+    by ``config.read_config_bytes``'s rules: a path replaced by another user's symbolic
+    link or by a FIFO is refused (without blocking the step boundary), and the warning
+    names the path and the reason, never what a file that is not a config holds."""
 
     def __init__(self, path: str, fr: Optional[str] = None) -> None:
         self.path = path

@@ -3,28 +3,38 @@
 - ``anomalies.jsonl``: written by the alerter (inside the writer's step flush, so on the
   writer's thread with ``async_write``) for the first anomalous written step of the run:
   one JSON object per anomalous row of that step, in execution order (``rows.execution_order``),
-  at most ``MAX_ANOMALY_LINES`` of them, then ``{"truncated": n}``.
+  at most ``MAX_ANOMALY_LINES`` of them, then ``{"truncated": n}``. Each run appends its
+  own block, and every line of a block names its run (``run``, ``run_started``: see
+  :class:`RunId`), so that a run resumed into the same directory is told from the one
+  that died: the reading tools report the latest run's block first.
 - ``dump_step<S>/``: the parameters, their gradients and the root module's inputs of the
   step whose gradients went non-finite, as they were before ``optimizer.step()`` applied
   them (taken by the framework's ``GradientGuard`` in the optimizer pre-step hook):
   ``manifest.json`` plus one tensor file (``tensors.pt``, ``torch.save`` of a dict, for
-  PyTorch; ``tensors.npz`` for MindSpore). ``load_dump`` reads one back.
+  PyTorch; ``tensors.npz`` for MindSpore). ``load_dump`` reads one back. A dump is never
+  written over another: when ``dump_step<S>`` exists (a run resumed before step S, which
+  failed again there), the new one is ``dump_step<S>.2`` (then ``.3``, ...), said in the
+  log; the manifest names its run as the anomalies do.
 
 Every file goes through ``safe_fs`` (never through a link, 0640; directories 0750).
 Framework-neutral: torch/numpy are imported by ``load_dump`` only, when it reads a file.
 """
 
+import datetime
 import json
 import logging
 import math
 import os
+import re
+import secrets
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, IO, List, Mapping, Optional, Sequence, Tuple
 
 from . import rows
 from .errors import NonFiniteGradientError
-from .safe_fs import SafeDir, append_bytes
+from .safe_fs import SafeDir, append_bytes, dir_mode
 from .stats import Row
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -33,10 +43,59 @@ ANOMALIES_FILE = "anomalies.jsonl"
 MANIFEST = "manifest.json"
 MAX_ANOMALY_LINES = 100
 PARAM, GRAD, INPUT = "param", "grad", "input"
+# dump_step<S> for the first dump of step S in a rank directory, dump_step<S>.<n> for the n-th
+DUMP_DIR_RE = re.compile(r"^dump_step(?P<step>\d+)(?:\.(?P<n>[2-9]|[1-9]\d+))?$")
+_MAX_DUMPS_PER_STEP = 10000  # names tried before giving up (each taken by a dump of that step)
 
 
-def dump_dir_name(step: int) -> str:
-    return f"dump_step{step}"
+def dump_dir_name(step: int, n: int = 1) -> str:
+    """The directory of the ``n``-th dump of ``step`` in a rank directory."""
+    return f"dump_step{step}" if n == 1 else f"dump_step{step}.{n}"
+
+
+# ------------------------------------------------------------------ runs
+@dataclass(frozen=True)
+class RunId:
+    """One run of the monitor on one rank (one ``start()``): ``id`` is unique (its start
+    time, the process id and random bits), ``started`` the start time in UTC (ISO 8601,
+    milliseconds). Written with each ``anomalies.jsonl`` line and dump manifest of the run."""
+
+    id: str
+    started: str
+    pid: int
+
+    @classmethod
+    def new(cls) -> "RunId":
+        now = datetime.datetime.now(datetime.timezone.utc)
+        pid = os.getpid()
+        return cls(f"{now:%Y%m%dT%H%M%S}Z-{pid}-{secrets.token_hex(3)}",
+                   now.strftime("%Y-%m-%dT%H:%M:%S.") + f"{now.microsecond // 1000:03d}Z", pid)
+
+    def fields(self) -> Dict[str, Any]:
+        return {"run": self.id, "run_started": self.started}
+
+
+_RUNS: Dict[str, RunId] = {}  # rank directory -> the run of this process writing into it now
+_RUNS_LOCK = threading.Lock()
+
+
+def start_run(rank_dir: Optional[str]) -> RunId:
+    """A new run writing evidence into ``rank_dir`` (the alerter's, at ``start()``)."""
+    run = RunId.new()
+    if rank_dir is not None:
+        with _RUNS_LOCK:
+            _RUNS[os.path.abspath(rank_dir)] = run
+    return run
+
+
+def run_of(rank_dir: str) -> RunId:
+    """The run of this process writing into ``rank_dir`` (the one :func:`start_run`
+    started last; a new one if none was)."""
+    with _RUNS_LOCK:
+        run = _RUNS.get(os.path.abspath(rank_dir))
+        if run is None:
+            run = _RUNS[os.path.abspath(rank_dir)] = RunId.new()
+        return run
 
 
 def json_float(value: float) -> Any:
@@ -54,10 +113,11 @@ def execution_keys(rank: int, step: int, rows_by_monitor: Sequence[Tuple[str, Se
 
 
 def anomaly_lines(rank: int, step: int, rows_by_monitor: Sequence[Tuple[str, Sequence[Row]]],
-                  kinds: Mapping[int, str], nonfinite: Callable[[Row], bool]) -> List[Dict[str, Any]]:
+                  kinds: Mapping[int, str], nonfinite: Callable[[Row], bool],
+                  run: Optional[RunId] = None) -> List[Dict[str, Any]]:
     """The JSON objects of one step: one per row whose ``id`` is in ``kinds`` (its kind,
     "nonfinite" or "spike"), sorted by execution order. ``order`` is the row's
-    :func:`execution_keys` key."""
+    :func:`execution_keys` key; every line (the ``truncated`` one too) names ``run``."""
     order = execution_keys(rank, step, rows_by_monitor)
     lines = []
     for monitor, monitor_rows in rows_by_monitor:
@@ -81,12 +141,14 @@ def anomaly_lines(rank: int, step: int, rows_by_monitor: Sequence[Tuple[str, Seq
                 "rows_nonfinite": bad,
                 "rows_total": len(monitor_rows),
                 "first": False,
+                **(run.fields() if run is not None else {}),
             })
     lines.sort(key=lambda d: d["order"])
     if lines:
         lines[0]["first"] = True
     if len(lines) > MAX_ANOMALY_LINES:
-        lines = lines[:MAX_ANOMALY_LINES] + [{"truncated": len(lines) - MAX_ANOMALY_LINES}]
+        lines = lines[:MAX_ANOMALY_LINES] + [{"truncated": len(lines) - MAX_ANOMALY_LINES,
+                                              **(run.fields() if run is not None else {})}]
     return lines
 
 
@@ -99,18 +161,39 @@ def append_anomalies(rank_dir: str, lines: Sequence[Mapping[str, Any]]) -> str:
 
 def write_dump(rank_dir: str, step: int, manifest: Dict[str, Any], payload: Any, file_name: str,
                save: Callable[[Any, IO[bytes]], None]) -> str:
-    """Write ``payload`` (the tensors, by ``<kind>:<name>``) with ``save`` into
-    ``rank_dir/dump_step<S>/file_name``, then ``manifest.json``: a manifest that exists
+    """Write ``payload`` (the tensors, by ``<kind>:<name>``) with ``save`` into a new
+    directory ``rank_dir/dump_step<S>[.<n>]/file_name`` (never one that exists: an earlier
+    run's dump of the same step is kept), then ``manifest.json``: a manifest that exists
     names a complete tensor file. Returns the directory."""
     with SafeDir(rank_dir) as top:
-        sub = top.subdir(dump_dir_name(step))
+        name, sub = _new_dump_dir(top, step)
         try:
             with sub.replace(file_name) as fh:
                 save(payload, fh)
             sub.write_bytes(MANIFEST, (json.dumps(manifest, indent=1, allow_nan=False) + "\n").encode())
         finally:
             sub.close()
-    return os.path.join(rank_dir, dump_dir_name(step))
+    return os.path.join(rank_dir, name)
+
+
+def _new_dump_dir(top: SafeDir, step: int) -> Tuple[str, SafeDir]:
+    """The first free name of :func:`dump_dir_name` for ``step``, created by this call
+    (``mkdir`` fails on any name that exists, whatever it is: a directory of an earlier
+    dump, a file, a link), opened without following a link."""
+    for n in range(1, _MAX_DUMPS_PER_STEP + 1):
+        name = dump_dir_name(step, n)
+        try:
+            os.mkdir(name, 0o700, dir_fd=top.fd)
+        except FileExistsError:
+            continue
+        sub = top.subdir(name)
+        try:
+            os.fchmod(sub.fd, dir_mode())
+        except BaseException:
+            sub.close()
+            raise
+        return name, sub
+    raise FileExistsError(f"{_MAX_DUMPS_PER_STEP} dump directories of step {step} exist in {top.path}")
 
 
 def payload_key(kind: str, name: str) -> str:
@@ -135,7 +218,8 @@ class GradientGuardBase:
         self.rank = rank
         self.rank_dir = rank_dir
         self.errors = errors
-        self.dumped: Optional[str] = None  # the dump directory, once taken
+        self.taken = False  # the dump of this run was taken (its files are written on a thread)
+        self.dumped: Optional[str] = None  # the dump directory, once its files are written
         self._inputs: List[Tuple[int, int, Any, Any]] = []  # vpp, call, arg index or kwarg name, weakref
         self._calls = 0
         self._handles: List[Any] = []
@@ -168,7 +252,7 @@ class GradientGuardBase:
 
     # ------------------------------------------------------------- shared
     def _on_forward(self, vpp: int, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
-        if self.dumped is not None or not self._training_forward():  # evaluation passes are not the step's
+        if self.taken or not self._training_forward():  # evaluation passes are not the step's
             return
         call = self._calls
         self._calls += 1
@@ -190,23 +274,23 @@ class GradientGuardBase:
         """In the optimizer pre-step hook. Raises ``NonFiniteGradientError`` (with
         ``stop_on_nonfinite``) so that the update is not applied."""
         try:
-            if self.dumped is not None and not self.settings.stop_on_nonfinite:
+            if self.taken and not self.settings.stop_on_nonfinite:
                 return  # dumped once; nothing more to do, no more syncs
             items = [(info, g) for info, g in self.session.reduced_grads() if g is not None]
             bad = self._nonfinite_positions(items) if items else []
             if not bad:
                 return
-            where = self.dumped
-            if where is None and self.settings.dump_max_bytes is not None:
-                where = self._dump(step, items, bad)
+            if not self.taken and self.settings.dump_max_bytes is not None:
+                self._dump(step, items, bad)
             if self.settings.stop_on_nonfinite:
-                self.close()
-                raise NonFiniteGradientError(step, len(bad), len(items), [items[i][0].name for i in bad], where)
+                self.close()  # the directory's name is known once its files are written
+                raise NonFiniteGradientError(step, len(bad), len(items), [items[i][0].name for i in bad],
+                                             self.dumped)
         finally:
             self._inputs = []
             self._calls = 0
 
-    def _dump(self, step: int, items: List[Tuple[Any, Any]], bad: List[int]) -> str:
+    def _dump(self, step: int, items: List[Tuple[Any, Any]], bad: List[int]) -> None:
         """Parameters with a non-finite gradient (each, then its gradient), the root
         inputs, then the other parameters, copied to the host while they fit the budget."""
         budget = self.settings.dump_max_bytes
@@ -248,13 +332,14 @@ class GradientGuardBase:
                 take_param(*item)
         manifest = {"step": step, "rank": self.rank,
                     "reason": f"{len(bad)} of {len(items)} gradient(s) non-finite before the optimizer step",
-                    "max_bytes": budget, "bytes": used, "tensors": entries, "skipped": skipped}
-        self.dumped = os.path.join(self.rank_dir, dump_dir_name(step))
-        # the files on a thread of their own: a slow file system never holds the step
+                    "max_bytes": budget, "bytes": used, "tensors": entries, "skipped": skipped,
+                    **run_of(self.rank_dir).fields()}
+        self.taken = True
+        # the files on a thread of their own: a slow file system never holds the step (the
+        # directory's name, which depends on the dumps already there, is chosen there too)
         self._thread = threading.Thread(target=self._write, args=(step, manifest, payload),
                                         name="msprobe-monitor-dump")
         self._thread.start()
-        return self.dumped
 
     def _write(self, step: int, manifest: Dict[str, Any], payload: Dict[str, Any]) -> None:
         try:
@@ -262,9 +347,13 @@ class GradientGuardBase:
         except Exception as exc:  # noqa: BLE001 - evidence must never break training
             logger.error("monitor_v2: rank %d could not write the dump of step %d: %r", self.rank, step, exc)
             return
+        self.dumped = path
+        first = dump_dir_name(step)
+        kept = ("" if os.path.basename(path) == first else
+                f" ({first} holds an earlier run's dump of this step: kept as it was, this one has a new name)")
         logger.warning("monitor_v2 alert: rank %d step %d: gradients non-finite before the update; "
-                       "%d tensor(s) (%d bytes, %d skipped) dumped to %s", self.rank, step,
-                       len(manifest["tensors"]), manifest["bytes"], len(manifest["skipped"]), path)
+                       "%d tensor(s) (%d bytes, %d skipped) dumped to %s%s", self.rank, step,
+                       len(manifest["tensors"]), manifest["bytes"], len(manifest["skipped"]), path, kept)
 
 
 def load_dump(path: str) -> Dict[str, Any]:

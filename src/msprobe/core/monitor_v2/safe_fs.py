@@ -23,8 +23,14 @@ cache write goes through this module, with these rules:
   the same directory (``O_EXCL``) and renamed over the old name (``rename`` replaces a
   link, it never writes through it), all relative to a directory opened with
   ``O_NOFOLLOW``.
-- A file read (a config) is opened with ``O_NONBLOCK`` and refused unless ``fstat`` says
-  it is a regular file; its size is capped.
+- A file read (a config, a CSV file, a layout or merge report) is reached only through
+  symbolic links that this user or root owns: every link met on the way, in any
+  component of the path and in the targets of the links followed, is checked before the
+  open, and the file opened must be the one the path leads to after it (a link swapped in
+  meanwhile is caught). A link owned by another user is refused, never followed: as root,
+  following a link planted in a shared directory would show the content of a file of
+  root's in the log. The file is opened with ``O_NONBLOCK`` and refused unless ``fstat``
+  says it is a regular file; a config's size is capped.
 """
 
 import contextlib
@@ -335,15 +341,98 @@ def _blocking(fd: int) -> None:
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_NONBLOCK)
 
 
-def read_regular_file(path: str, limit: int, what: str = "file") -> bytes:
-    """The bytes of ``path``: opened without blocking, refused unless a regular file, and
-    refused above ``limit`` bytes (``UnsafePathError``; other ``OSError`` as raised)."""
+# ------------------------------------------------------------------ files read
+_MAX_LINK_HOPS = 40  # as the kernel's own limit (ELOOP)
+
+
+def _resolve_trusted(path: str) -> Tuple[Optional[str], Optional[Tuple[str, int]]]:
+    """``(resolved, untrusted)``: ``path`` resolved component by component as the kernel
+    would, following only symbolic links that this user or root owns. ``untrusted`` is
+    ``(link, uid)`` for the first link another user owns (``resolved`` is then None);
+    ``resolved`` is None too when a component is missing or cannot be looked at, or the
+    links loop (the open that follows says why)."""
+    if not os.path.isabs(path):
+        path = os.path.join(os.getcwd(), path)  # getcwd is the physical path: no link in it to check
+    pending = path.split(os.sep)
+    current = os.sep
+    hops = 0
+    while pending:
+        name = pending.pop(0)
+        if name in ("", "."):
+            continue
+        if name == "..":  # relative to the directory reached, as the kernel resolves it
+            current = os.path.dirname(current)
+            continue
+        candidate = os.path.join(current, name)
+        try:
+            info = os.lstat(candidate)
+        except (OSError, ValueError):
+            return None, None
+        if not stat.S_ISLNK(info.st_mode):
+            current = candidate
+            continue
+        if not _trusted_link(info):
+            return None, (candidate, info.st_uid)
+        hops += 1
+        if hops > _MAX_LINK_HOPS:
+            return None, None
+        try:
+            target = os.readlink(candidate)
+        except OSError:
+            return None, None
+        if os.path.isabs(target):
+            current = os.sep
+        pending = target.split(os.sep) + pending
+    return current, None
+
+
+def _untrusted_link_error(path: str, link: str, uid: int) -> UnsafePathError:
+    which = "it is" if os.path.abspath(link) == os.path.abspath(path) else f"{link!r} on its way is"
+    return _refuse(path, f"{which} a symbolic link owned by uid {uid}, another user (a link planted in a shared "
+                         f"directory must not show the content of the file it points to); remove the link or "
+                         f"name the file itself")
+
+
+def open_for_reading(path: str, what: str = "file") -> int:
+    """``path`` opened read-only, without blocking (``O_NONBLOCK``, cleared once the file
+    is known to be regular), by the rules of the module's docstring: refused
+    (``UnsafePathError``) when a symbolic link that neither this user nor root owns lies
+    on the way, when it is not a regular file (a FIFO, a device, a directory), or when the
+    path led elsewhere than the file opened (a link swapped in while it was opened).
+    ``FileNotFoundError`` and the other ``OSError`` of the open as raised."""
+    _, untrusted = _resolve_trusted(path)
+    if untrusted is not None:
+        raise _untrusted_link_error(path, *untrusted)
     fd = os.open(path, os.O_RDONLY | _NONBLOCK | _CLOEXEC)
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise _refuse(path, f"it is {_kind(info.st_mode)}, not a regular file (a {what} is read from a "
                                 f"regular file; reading this one could block or never end)")
+        resolved, untrusted = _resolve_trusted(path)
+        if untrusted is not None:
+            raise _untrusted_link_error(path, *untrusted)
+        try:
+            now = os.lstat(resolved) if resolved is not None else None
+        except OSError:
+            now = None
+        if now is None or (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):
+            raise _refuse(path, "it changed while it was being opened (a link or another file was put in its "
+                                "place); try again")
+        _blocking(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular_file(path: str, limit: int, what: str = "file") -> bytes:
+    """The bytes of ``path``, opened by :func:`open_for_reading` (no link of another user,
+    no blocking, a regular file only), refused above ``limit`` bytes
+    (``UnsafePathError``; other ``OSError`` as raised)."""
+    fd = open_for_reading(path, what)
+    try:
+        info = os.fstat(fd)
         if info.st_size > limit:
             raise _refuse(path, f"it is {info.st_size} bytes, more than the {limit} bytes a {what} may have")
         chunks = []
@@ -362,23 +451,11 @@ def read_regular_file(path: str, limit: int, what: str = "file") -> bytes:
 
 
 def open_regular(path: str) -> int:
-    """``path`` opened for reading, without blocking: refused (``UnsafePathError``) if it
-    is a FIFO, a device or a directory, or a symbolic link that neither this user nor root
-    owns (a file planted as a link to another one must not have its content shown)."""
-    try:
-        info = os.lstat(path)
-    except OSError:
-        info = None
-    if info is not None and stat.S_ISLNK(info.st_mode) and not _trusted_link(info):
-        raise _refuse(path, f"it is a symbolic link owned by uid {info.st_uid}, another user")
-    fd = os.open(path, os.O_RDONLY | _NONBLOCK | _CLOEXEC)
-    try:
-        _check_opened_regular(fd, path)
-        _blocking(fd)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    """``path`` opened for reading by :func:`open_for_reading`: refused
+    (``UnsafePathError``) if it is a FIFO, a device or a directory, or if a symbolic link
+    that neither this user nor root owns lies on its way (a file planted as a link to
+    another one must not have its content shown)."""
+    return open_for_reading(path)
 
 
 def read_own_file(path: str) -> bytes:

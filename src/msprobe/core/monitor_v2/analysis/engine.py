@@ -6,7 +6,9 @@ answers; this module gives the same ones, much faster:
 
 - **collected** (steps, tensors, scopes, micro-steps, rows, files): group-bys per batch;
 - **non-finite values**: one vectorised test per row; the first of each rank is the
-  smallest order key (:mod:`.order`) among them;
+  smallest order key (:mod:`.order`) among them, over the latest rows of each step (a
+  row whose step a later run appended to its file wrote again is an earlier run's,
+  reported apart, as in the reference);
 - **spikes**: per tensor and statistic, rows are sorted by (tensor, row order) and a
   rolling minimum of the previous ``window`` values selects the *candidates*, the rows
   that pass the rule's first tests ``x > floor`` and ``x > ratio * min(history)`` (exact: a minimum has no
@@ -76,6 +78,8 @@ def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, 
     first_nonfinite: Dict[int, Tuple[Any, Dict[str, Any]]] = {}
     nonfinite_by: Counter = Counter()
     nonfinite_count = 0
+    earlier_nonfinite: Dict[int, Tuple[Any, Dict[str, Any]]] = {}
+    earlier_count = 0
     spike_items = FirstN(limit)
     spike_steps: Counter = Counter()
     do_rank_check = rank_check.enabled and len(layout.ranks) > 1
@@ -124,7 +128,10 @@ def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, 
                         _collect(pl, fr, col, ids)
                         fr = _with_runs(pl, fr)
                         _appended(pl, fr, rank, monitor, batch, appended)
-                        nonfinite_count += _nonfinite(pl, fr, rank, monitor, batch, first_nonfinite, nonfinite_by)
+                        latest, earlier = _nonfinite(pl, fr, rank, monitor, batch, first_nonfinite, nonfinite_by,
+                                                     earlier_nonfinite)
+                        nonfinite_count += latest
+                        earlier_count += earlier
                         if spike_stats:
                             _spikes(pl, _per_run_tensors(pl, fr), rank, monitor, batch, spikes, spike_stats, carry,
                                     spike_items, spike_steps)
@@ -147,7 +154,8 @@ def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, 
     mismatches = {} if note else _check_ranks(layout, problems, rank_check, steps, hashes, irregular, prog)
     prog.close()
     report = Report(layout, collected, rank_files, rank_rows, first_nonfinite, nonfinite_count, nonfinite_by,
-                    spike_items, spike_steps, spikes, mismatches, rank_check, note, problems, appended)
+                    spike_items, spike_steps, spikes, mismatches, rank_check, note, problems, appended,
+                    earlier_nonfinite=earlier_nonfinite, earlier_nonfinite_count=earlier_count)
     relabel(report)
     localise(report, steps)
     return report
@@ -198,7 +206,7 @@ def _collect(pl, fr, col: Collected, ids) -> None:
 
 def _with_runs(pl, fr):
     """``fr`` with ``_run``: the row's run within its file (0, or k for the k-th run
-    appended to it; see :class:`.reference.FileRuns`), on integer columns."""
+    appended to it; see :class:`.report.FileRuns`), on integer columns."""
     back = (pl.col("step").diff().over("fidx") < 0).fill_null(False)
     key = [pl.col("step"), pl.col("_gid"), pl.col("micro_step").fill_null(-1)]
     # cheap test first: no step goes back and each file's first row occurs once
@@ -264,21 +272,35 @@ def _order_columns(pl, monitor: str, scopes: Sequence[str]):
     return ph.alias("_phase"), mk.alias("_mk")
 
 
-def _nonfinite(pl, fr, rank: int, monitor: str, batch: Batch, first_nonfinite: Dict, nonfinite_by: Counter) -> int:
+def _nonfinite(pl, fr, rank: int, monitor: str, batch: Batch, first_nonfinite: Dict, nonfinite_by: Counter,
+               earlier_nonfinite: Dict) -> Tuple[int, int]:
+    """The non-finite rows of a batch (``fr`` carries ``_run``, see :func:`_with_runs`):
+    ``(latest, earlier)`` counts; a row whose step a later run of its file wrote again
+    is an earlier run's (:meth:`.report.FileRuns.rewritten`)."""
+    if not fr["kind"].is_not_null().any():
+        return 0, 0
+    if (fr["_run"] > 0).any():
+        old = pl.col("_run") < pl.col("_run").max().over("fidx", "step")
+        fr = fr.with_columns(old.alias("_old"))
+    else:
+        fr = fr.with_columns(pl.lit(False).alias("_old"))
     bad = fr.filter(pl.col("kind").is_not_null())
-    if not len(bad):
-        return 0
-    for scope, n in bad.group_by("scope", maintain_order=True).len().iter_rows():
+    latest = bad.filter(~pl.col("_old"))
+    earlier = bad.filter(pl.col("_old"))
+    for scope, n in latest.group_by("scope", maintain_order=True).len().iter_rows():
         nonfinite_by[(monitor, scope)] += n
-    ph, mk = _order_columns(pl, monitor, bad["scope"].unique().to_list())
-    first = bad.with_columns(ph, mk).sort("step", "_mk", "_phase", "line", maintain_order=True).row(0, named=True)
-    row = row_of(first)
-    key = order_key(row.step, monitor, row.scope, row.micro, row.line, rank)
-    best = first_nonfinite.get(rank)
-    if best is None or key < best[0]:
-        first_nonfinite[rank] = (key, finding(rank, monitor, row, batch.files[first["fidx"]].path,
-                                              kind=first["kind"], values=dict(row.vals)))
-    return len(bad)
+    for part, into in ((latest, first_nonfinite), (earlier, earlier_nonfinite)):
+        if not len(part):
+            continue
+        ph, mk = _order_columns(pl, monitor, part["scope"].unique().to_list())
+        first = part.with_columns(ph, mk).sort("step", "_mk", "_phase", "line", maintain_order=True).row(0, named=True)
+        row = row_of(first)
+        key = order_key(row.step, monitor, row.scope, row.micro, row.line, rank)
+        best = into.get(rank)
+        if best is None or key < best[0]:
+            into[rank] = (key, finding(rank, monitor, row, batch.files[first["fidx"]].path,
+                                       kind=first["kind"], values=dict(row.vals)))
+    return len(latest), len(earlier)
 
 
 # ------------------------------------------------------------------ spikes

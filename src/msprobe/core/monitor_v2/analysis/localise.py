@@ -16,8 +16,15 @@ After an engine's pass, for each rank with a non-finite value, in its first bad 
 - **The online alert.** ``rank_<r>/anomalies.jsonl`` (written by the trainer on the first
   anomaly, see docs/output-format.md) names the first anomalous row of a step in the
   trainer's order; when it names another tensor than this report, the difference is
-  explained (the same layer or not, which comes first in execution order).
-- **Dumps.** ``rank_<r>/dump_step<S>/manifest.json``: the tensors kept to replay a step.
+  explained (the same layer or not, which comes first in execution order). Each run
+  appends its own block (its lines name the run: ``run``, ``run_started``; a file of an
+  older version, without them, has one block per ``first`` line): the latest run's block
+  is the alert, the earlier runs' blocks are listed as theirs.
+- **Dumps.** ``rank_<r>/dump_step<S>/manifest.json`` (and ``dump_step<S>.<n>``, a later
+  run's dump of a step that already had one): the tensors kept to replay a step.
+
+Rows that a later run wrote again (see :meth:`.report.FileRuns.rewritten`) are an
+earlier run's: the first bad step is read from the latest rows only.
 
 Only the files holding step S (and the latest one before it) are read again, so the cost
 grows with the ranks that went bad, not with the length of the run.
@@ -26,20 +33,21 @@ grows with the ranks that went bad, not with the length of the run.
 import io
 import json
 import os
-import re
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from .. import rows
 from ..errors import UnsafePathError
+from ..evidence import DUMP_DIR_RE
 from ..safe_fs import open_regular
 from .order import OrderKey, order_key, phase, where
 from .reader import MONITORS, CsvFile, Layout, Problems, Row, StepRange, iter_rows
-from .report import Report, finding, nonfinite_kind
+from .report import FileRuns, Report, finding, nonfinite_kind
 
 ALERT_FILE = "anomalies.jsonl"
 MANIFEST = "manifest.json"
-DUMP_RE = re.compile(r"^dump_step(?P<step>\d+)$")
-MAX_ALERT_LINES = 1000  # the trainer writes at most 101; more is not its file
+DUMP_RE = DUMP_DIR_RE  # dump_step<S>, and dump_step<S>.<n> for a later run's dump of the same step
+# the trainer writes at most 101 lines a run, and each run resumed into the directory
+# appends its own block: the file is bounded by its size alone (a hundred full blocks)
 MAX_JSON_BYTES = 4 << 20
 INCIDENT_PAGE = "docs/incident.md"
 GRADIENTS_PHASE = phase(rows.WEIGHT_GRAD, rows.REDUCED)
@@ -99,6 +107,19 @@ def _within(lo: Optional[int], hi: Optional[int], steps: Optional[StepRange]) ->
     return a, b
 
 
+def _latest_rows(f: CsvFile, problems: Problems, steps: StepRange) -> List[Row]:
+    """The rows of ``f`` that no later run of the file wrote again (a run resumed or
+    re-run into the same files): what the latest run left of each step."""
+    runs = FileRuns()
+    kept: List[Tuple[int, Row]] = []
+    for row in _rows(f, problems, steps):
+        runs.add(row.step, row.line, row.name, row.scope, row.micro, row.dp)
+        kept.append((runs.seg, row))
+    if not runs.restarts:
+        return [row for _, row in kept]
+    return [row for seg, row in kept if not runs.rewritten(row.step, seg)]
+
+
 def _rank_localisation(layout: Layout, rank: int, step: int, first: Dict[str, Any], problems: Problems,
                        steps: Optional[StepRange]) -> Dict[str, Any]:
     phases: Dict[Tuple[str, str], _Phase] = {}
@@ -108,7 +129,7 @@ def _rank_localisation(layout: Layout, rank: int, step: int, first: Dict[str, An
         holding = [f for f in files if f.last >= step]
         before = [f for f in files if f.last < step][-1:]
         for f in before + holding:
-            for row in _rows(f, problems, _within(None, step, steps)):
+            for row in _latest_rows(f, problems, _within(None, step, steps)):
                 if row.step < step:
                     previous = row.step if previous is None else max(previous, row.step)
                 elif row.step == step:
@@ -238,16 +259,35 @@ def _read_json_text(path: str, problems: Problems) -> Optional[str]:
     return text
 
 
-def read_alerts(path: str, problems: Problems) -> Optional[Dict[str, Any]]:
-    """The first anomaly of ``rank_<r>/anomalies.jsonl`` (the line marked ``first``, else
-    the first record), the number of records, and the ``truncated`` count (None when the
-    file is absent or holds no record)."""
-    text = _read_json_text(path, problems)
-    if text is None:
-        return None
-    records: List[Dict[str, Any]] = []
-    truncated = 0
-    for n, line in enumerate(text.splitlines()[:MAX_ALERT_LINES], 1):
+class _Block:
+    """The lines of ``anomalies.jsonl`` that one run wrote."""
+
+    __slots__ = ("run", "started", "records", "truncated")
+
+    def __init__(self, run: Optional[str], started: Optional[str]) -> None:
+        self.run = run
+        self.started = started
+        self.records: List[Dict[str, Any]] = []
+        self.truncated = 0
+
+    def to_json(self, path: str) -> Dict[str, Any]:
+        first = next((r for r in self.records if r.get("first") is True), self.records[0])
+        return {"file": path, "run": self.run, "run_started": self.started, "first": first,
+                "records": len(self.records), "truncated": self.truncated}
+
+
+def _run_of(rec: Dict[str, Any]) -> Tuple[Optional[str], Optional[str]]:
+    run, started = rec.get("run"), rec.get("run_started")
+    return (run if isinstance(run, str) else None), (started if isinstance(started, str) else None)
+
+
+def _blocks(path: str, text: str, problems: Problems) -> List[_Block]:
+    """The runs' blocks of an ``anomalies.jsonl``, in the order they were appended. A line
+    starts a new block when it names another run than the block before, or, in a file of
+    a version that did not name runs, when it is a ``first`` line (each run wrote one
+    block, its first line marked ``first``)."""
+    blocks: List[_Block] = []
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -257,21 +297,49 @@ def read_alerts(path: str, problems: Problems) -> Optional[Dict[str, Any]]:
             continue
         if not isinstance(rec, dict):
             problems.report(path, n, "not a JSON object")
-        elif "truncated" in rec and "step" not in rec:
-            truncated = int(rec["truncated"]) if isinstance(rec["truncated"], int) else 0
-        elif not all(k in rec for k in ("step", "monitor", "module_name")):
+            continue
+        run, started = _run_of(rec)
+        marker = "truncated" in rec and "step" not in rec
+        if not marker and not all(k in rec for k in ("step", "monitor", "module_name")):
             problems.report(path, n, "an anomaly record needs step, monitor and module_name")
+            continue
+        current = blocks[-1] if blocks else None
+        new_run = current is None or (run is not None and run != current.run) or (
+            run is None and not marker and rec.get("first") is True and current.records)
+        if new_run:
+            current = _Block(run, started)
+            blocks.append(current)
+        if marker:
+            current.truncated = int(rec["truncated"]) if isinstance(rec["truncated"], int) else 0
         else:
             rec["line"] = n
-            records.append(rec)
-    if not records:
+            current.records.append(rec)
+    return [b for b in blocks if b.records]
+
+
+def read_alerts(path: str, problems: Problems) -> Optional[Dict[str, Any]]:
+    """The latest run's block of ``rank_<r>/anomalies.jsonl`` (None when the file is absent
+    or holds no record): its first anomaly (the line marked ``first``, else its first
+    record), ``run`` and ``run_started`` (None in a file of an older version), the number
+    of its records and its ``truncated`` count; ``earlier_runs``: the blocks of the runs
+    before it (a run that died, then resumed into the same directory), the latest first,
+    each as the same keys."""
+    text = _read_json_text(path, problems)
+    if text is None:
         return None
-    first = next((r for r in records if r.get("first") is True), records[0])
-    return {"file": path, "first": first, "records": len(records), "truncated": truncated}
+    blocks = _blocks(path, text, problems)
+    if not blocks:
+        return None
+    latest = blocks[-1].to_json(path)
+    latest["earlier_runs"] = [b.to_json(path) for b in reversed(blocks[:-1])]
+    return latest
 
 
 def read_dumps(rank_dir: str, rank: int, problems: Problems) -> List[Dict[str, Any]]:
-    """The dumps of one rank (``dump_step<S>/manifest.json``), in step order."""
+    """The dumps of one rank (``dump_step<S>/manifest.json``, and ``dump_step<S>.<n>/``
+    for the n-th dump of the same step, by a later run), in step order, then in the order
+    they were written; each names its run (``run``, ``run_started``: None in a dump of an
+    older version)."""
     try:
         names = sorted(os.listdir(rank_dir))
     except OSError:
@@ -295,15 +363,17 @@ def read_dumps(rank_dir: str, rank: int, problems: Problems) -> List[Dict[str, A
             continue
         tensors = [t for t in man["tensors"] if isinstance(t, dict)]
         skipped = man.get("skipped") if isinstance(man.get("skipped"), list) else []
+        run, started = _run_of(man)
         out.append({
             "rank": rank, "step": man.get("step", int(m.group("step"))), "dir": os.path.join(rank_dir, name),
+            "dump": int(m.group("n") or 1), "run": run, "run_started": started,
             "manifest": path, "reason": man.get("reason"), "tensors": len(tensors),
             "bytes": man.get("bytes", sum(t.get("bytes", 0) for t in tensors if isinstance(t.get("bytes"), int))),
             "max_bytes": man.get("max_bytes"), "skipped": len(skipped),
             "kinds": {k: sum(1 for t in tensors if t.get("kind") == k) for k in ("param", "grad", "input")},
             "skipped_items": [s for s in skipped if isinstance(s, dict)][:20],
         })
-    out.sort(key=lambda d: (d["step"] if isinstance(d["step"], int) else -1))
+    out.sort(key=lambda d: (d["step"] if isinstance(d["step"], int) else -1, d["dump"]))
     return out
 
 

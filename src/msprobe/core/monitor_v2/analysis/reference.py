@@ -6,7 +6,10 @@ Three detectors:
 or ``min``/``max``/``mean`` is NaN/Inf. An empty tensor (``nan`` min/max/mean with
 ``norm`` 0) is not an anomaly. The first one in execution order (see :mod:`.order`)
 over all ranks and monitors is *the* first non-finite value; the first one of each rank
-is reported too.
+is reported too. Rows that a later run wrote again (a run resumed from a checkpoint, or
+re-run, into the same files writes their step once more, see :class:`FileRuns`) are the
+earlier runs' and are kept apart: the first non-finite value is that of the latest rows
+of each step, and the earlier runs' first one is reported as theirs.
 
 **Spikes.** For each rank and tensor (monitor, name, scope) of ``SpikeSettings.monitors``
 (default: every monitor but ``optimizer``, whose state is a smoothed, lagging image of
@@ -38,15 +41,14 @@ that replicate each other (``--rank-groups``). Ranks are compared in chunks of a
 
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Sequence, Set, TextIO, Tuple
+from typing import Any, Deque, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from .blocks import compare_window, rank_windows
 from .localise import localise
 from .order import OrderKey, order_key
 from .reader import MONITORS, OPS, CsvFile, Layout, Problems, Row, StepRange, iter_rows, scan
-from .report import (INF, MAD_SCALE, Collected, FirstN, RankCheckSettings, Report, RowVisitor, SpikeSettings,
-                     appended_item, files_to_read, finding, median, nonfinite_kind, rank_check_note,
-                     relabel)
+from .report import (INF, MAD_SCALE, Collected, FileRuns, FirstN, RankCheckSettings, Report, RowVisitor,
+                     SpikeSettings, files_to_read, finding, median, nonfinite_kind, rank_check_note, relabel)
 from .text import Progress
 
 
@@ -82,7 +84,8 @@ def analyse(layout: Layout, problems: Problems, spikes: SpikeSettings, rank_chec
     prog.close()
     report = Report(layout, tally.collected, tally.rank_files, tally.rank_rows, tally.first_nonfinite,
                     tally.nonfinite_count, tally.nonfinite_by, tally.spike_items, tally.spike_steps, spikes,
-                    mismatches, rank_check, note, problems, tally.appended)
+                    mismatches, rank_check, note, problems, tally.appended,
+                    earlier_nonfinite=tally.earlier_nonfinite, earlier_nonfinite_count=tally.earlier_count)
     relabel(report)
     localise(report, steps)
     return report
@@ -101,18 +104,48 @@ class _Tally:
     nonfinite_count: int = 0
     spike_steps: Counter = field(default_factory=Counter)
     appended: List[Dict[str, Any]] = field(default_factory=list)
+    earlier_nonfinite: Dict[int, Tuple[OrderKey, Dict[str, Any]]] = field(default_factory=dict)
+    earlier_count: int = 0
 
-    def nonfinite(self, rank: int, monitor: str, row: Row, path: str, kind: str) -> None:
-        self.nonfinite_count += 1
-        self.nonfinite_by[(monitor, row.scope)] += 1
-        key = order_key(row.step, monitor, row.scope, row.micro, row.line, rank)
-        best = self.first_nonfinite.get(rank)
-        if best is None or key < best[0]:
-            self.first_nonfinite[rank] = (key, finding(rank, monitor, row, path, kind=kind, values=dict(row.vals)))
+    def nonfinite(self, rank: int, monitor: str, found: "_FileNonfinite", runs: "FileRuns") -> None:
+        """A file's non-finite rows, once the file is read: a row whose step a later run
+        of the file wrote again is an earlier run's."""
+        for (seg, step, scope), n in found.counts.items():
+            if runs.rewritten(step, seg):
+                self.earlier_count += n
+            else:
+                self.nonfinite_count += n
+                self.nonfinite_by[(monitor, scope)] += n
+        for (seg, step), (key, row, kind) in found.first.items():
+            into = self.earlier_nonfinite if runs.rewritten(step, seg) else self.first_nonfinite
+            best = into.get(rank)
+            if best is None or key < best[0]:
+                into[rank] = (key, finding(rank, monitor, row, found.path, kind=kind, values=dict(row.vals)))
 
     def spike(self, rank: int, monitor: str, row: Row, item: Dict[str, Any]) -> None:
         self.spike_steps[row.step] += 1
         self.spike_items.add(order_key(row.step, monitor, row.scope, row.micro, row.line, rank), item)
+
+
+class _FileNonfinite:
+    """The non-finite rows of one file, by the run of the file that wrote them (its
+    segment, see :class:`FileRuns`) and step: how many per scope, and the first one in
+    execution order."""
+
+    __slots__ = ("path", "counts", "first")
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.counts: Dict[Tuple[int, int, str], int] = {}  # in the order the rows came
+        self.first: Dict[Tuple[int, int], Tuple[OrderKey, Row, str]] = {}
+
+    def add(self, rank: int, monitor: str, row: Row, kind: str, seg: int) -> None:
+        ck = (seg, row.step, row.scope)
+        self.counts[ck] = self.counts.get(ck, 0) + 1
+        key = order_key(row.step, monitor, row.scope, row.micro, row.line, rank)
+        best = self.first.get((seg, row.step))
+        if best is None or key < best[0]:
+            self.first[(seg, row.step)] = (key, row, kind)
 
 
 class _Reading:
@@ -146,6 +179,7 @@ class _Reading:
 
     def file(self, rank: int, monitor: str, f: CsvFile, col: Collected, detector: "SpikeDetector") -> int:
         runs = FileRuns()
+        bad = _FileNonfinite(f.path)
         col.files += 1
         n_rows = 0
         for row in iter_rows(f, self.problems, self.steps, on_header=lambda ops: merge_ops(col, ops)):
@@ -155,7 +189,7 @@ class _Reading:
             collect_row(col, row)
             kind = nonfinite_kind(row.vals)
             if kind is not None:
-                self.tally.nonfinite(rank, monitor, row, f.path, kind)
+                bad.add(rank, monitor, row, kind, runs.seg)
             elif detector.stats:
                 spiked = detector.check(rank, monitor, row, f.path, runs.seg)
                 if spiked is not None:
@@ -163,6 +197,8 @@ class _Reading:
             col.rows += 1
             for visit in self.visitors:
                 visit(rank, monitor, row, f)
+        if bad.counts:
+            self.tally.nonfinite(rank, monitor, bad, runs)
         if runs.restarts:
             self.tally.appended.append(runs.item(rank, monitor, f.path))
         self.prog.advance(f"rank {rank} {monitor}")
@@ -247,40 +283,6 @@ def checked_magnitude(stat: str, value: float, vals: Dict[str, float]) -> Tuple[
         return stat, x
     m = abs(vals["min"])
     return "absmax", (m if m > x else x)
-
-
-# ------------------------------------------------------------------ runs appended to a file
-class FileRuns:
-    """Steps of one file that were written more than once. A run appended to the file
-    of an earlier one (a script re-run with the same output_dir) starts over: at a lower
-    step, or, in a file of one step, at the row the file's current run began with (same
-    step, tensor, scope and micro_step)."""
-
-    __slots__ = ("last", "seg", "restarts", "first_seg", "repeated", "head")
-
-    def __init__(self) -> None:
-        self.last: Optional[int] = None
-        self.head: Optional[Tuple[int, str, str, Optional[int], Optional[int]]] = None  # first row of the run
-        self.seg = 0
-        self.restarts: List[int] = []  # line where each appended run starts
-        self.first_seg: Dict[int, int] = {}
-        self.repeated: Set[int] = set()
-
-    def add(self, step: int, line: int, name: str, scope: str, micro: Optional[int],
-            dp: Optional[int] = None) -> None:
-        key = (step, name, scope, micro, dp)
-        if self.last is None:
-            self.head = key
-        elif step < self.last or key == self.head:
-            self.seg += 1
-            self.restarts.append(line)
-            self.head = key
-        self.last = step
-        if self.first_seg.setdefault(step, self.seg) != self.seg:
-            self.repeated.add(step)
-
-    def item(self, rank: int, monitor: str, path: str) -> Dict[str, Any]:
-        return appended_item(rank, monitor, path, self.restarts, sorted(self.repeated))
 
 
 # ------------------------------------------------------------------ rank agreement

@@ -25,6 +25,9 @@ SPIKE_HEADERS = ["rank", "step", "micro_step", "monitor", "scope", "tensor", "st
                  "x median", "file:line"]
 RANK_HEADERS = ["rank", "step", "micro_step", "monitor", "scope", "tensor", "stat", "value", "consensus",
                 "agreeing ranks", "rows differing", "file:line"]
+EARLIER_NOTE = ("rows that a later run wrote again: a run resumed from a checkpoint (or re-run) into the same "
+                "output_dir appends the steps it trains again to the files; the latest rows of each step are the "
+                "report's, the rows they replaced are the earlier runs'")
 LOCALISATION_NOTE = ("per rank, in its first bad step: the phases whose every row went non-finite at once (they "
                      "cannot say which layer started it), the earliest evidence in execution order, and the last "
                      "clean step written before it")
@@ -100,6 +103,11 @@ def anomaly_tables(report: Report, limit: int) -> AnomalyTables:
     out["First non-finite value of each rank"] = (
         NF_HEADERS, _limit([_nf_row(i, root, report.layout) for i in per_rank], limit),
         f"{report.nonfinite_count} non-finite row(s) in total" + (f": {by}" if by else ""))
+    if report.earlier_nonfinite:
+        earlier = [report.earlier_nonfinite[r][1] for r in sorted(report.earlier_nonfinite)]
+        out["First non-finite value of earlier runs (rows a later run wrote again)"] = (
+            NF_HEADERS, _limit([_nf_row(i, root, report.layout) for i in earlier], limit),
+            f"{report.earlier_nonfinite_count} non-finite row(s) of earlier runs; " + EARLIER_NOTE)
     out["Spikes"] = _spike_table(report, limit)
     mm = report.mismatch_list()
     rank_rows = [[i["rank"], i["step"], i["micro_step"], i["monitor"], i["scope"], i["tensor"], i["stat"],
@@ -145,6 +153,12 @@ def report_json(report: Report, limit: int) -> Dict[str, Any]:
             "first": report.first,
             "first_per_rank": per_rank[:lim],
             "order": ORDER_TEXT,
+            "earlier_runs": {
+                "note": EARLIER_NOTE,
+                "count": report.earlier_nonfinite_count,
+                "first": report.earlier_first,
+                "first_per_rank": [report.earlier_nonfinite[r][1] for r in sorted(report.earlier_nonfinite)][:lim],
+            },
         },
         "spikes": {"enabled": report.spike_settings.enabled, "rule": report.spike_settings.describe(),
                    "settings": dict(report.spike_settings.__dict__), "count": report.spikes.count,
@@ -240,13 +254,22 @@ def summary_text(report: Report) -> str:
     return "\n".join(lines)
 
 
+def _nf_text(report: Report, item: Dict[str, Any]) -> str:
+    return (f"{_who(report.layout, item['rank'])}, step {item['step']}, {item['where']}: {tensor_label(item)} "
+            f"({item['monitor']} {item['scope']}) is {item['kind']} [{where_text(item, report.layout.root)}]")
+
+
 def _headline_nonfinite(report: Report) -> List[str]:
-    first = report.first
+    first, earlier = report.first, report.earlier_first
     if not first:
-        return ["  first NaN/Inf:     none (every value is finite)"]
-    return [f"  first NaN/Inf:     {_who(report.layout, first['rank'])}, step {first['step']}, {first['where']}: "
-            f"{tensor_label(first)} ({first['monitor']} {first['scope']}) is {first['kind']} "
-            f"[{where_text(first, report.layout.root)}]; {report.nonfinite_count} non-finite row(s) in total"]
+        lines = ["  first NaN/Inf:     none (every value is finite)" if earlier is None else
+                 "  first NaN/Inf:     none in the latest run (every step's latest rows are finite)"]
+    else:
+        lines = [f"  first NaN/Inf:     {_nf_text(report, first)}; {report.nonfinite_count} non-finite row(s) in total"]
+    if earlier is not None:
+        lines.append(f"  earlier runs:      {_nf_text(report, earlier)}; {report.earlier_nonfinite_count} non-finite "
+                     f"row(s) among the rows that a later run wrote again (a run resumed or re-run into the same output_dir)")
+    return lines
 
 
 def _first_localisation(report: Report) -> Optional[Dict[str, Any]]:
@@ -271,18 +294,55 @@ def _headline_localisation(report: Report) -> List[str]:
 
 
 def _headline_evidence(report: Report) -> List[str]:
+    root = report.layout.root
     lines = []
     if report.alerts:
         rank = min(report.alerts, key=lambda r: (_alert_step(report.alerts[r]), r))
         alert = report.alerts[rank]
         lines.append(f"  online alert:      rank {rank}: {alert['explanation']} "
-                     f"[{rel_path(alert['file'], report.layout.root)}:{alert['first']['line']}]"
+                     f"[{rel_path(alert['file'], root)}:{alert['first']['line']}]"
+                     + (f" ({_run_text(alert)})" if alert.get("run_started") and alert.get("earlier_runs") else "")
                      + (f"; {len(report.alerts)} rank(s) wrote one" if len(report.alerts) > 1 else ""))
+        earlier = alert.get("earlier_runs") or []
+        if earlier:
+            lines.append(f"  earlier alerts:    rank {rank}: {_earlier_alert_text(earlier[0], root)}"
+                         + (f"; {len(earlier)} earlier run(s) wrote a block" if len(earlier) > 1 else ""))
     if report.dumps:
-        d = report.dumps[0]
-        lines.append(f"  dump:              {_dump_text(d, report.layout.root)}"
-                     + (f"; {len(report.dumps)} dump(s) in all" if len(report.dumps) > 1 else ""))
+        shown = _dumps_latest_first(report.dumps)
+        d = shown[0]
+        others = [rel_path(o["dir"], root) for o in shown[1:]]
+        lines.append(f"  dump:              {_dump_text(d, root, with_run=bool(others))}"
+                     + (f"; {len(report.dumps)} dump(s) in all (also {', '.join(others[:3])}"
+                        f"{', ...' if len(others) > 3 else ''})" if others else ""))
     return lines
+
+
+def _run_text(item: Dict[str, Any]) -> str:
+    return f"run {item['run']} started {item['run_started']}" if item.get("run") else \
+        f"run started {item['run_started']}"
+
+
+def _earlier_alert_text(block: Dict[str, Any], root: str) -> str:
+    """An earlier run's block of anomalies.jsonl: its first anomaly, where it is."""
+    f = block["first"]
+    who = _run_text(block) if block.get("run_started") else "an earlier run"
+    return (f"{who}: step {f.get('step')}, {f.get('kind')} {f.get('module_name')} ({f.get('monitor')}, "
+            f"{_alert_where_text(f)}) [{rel_path(block['file'], root)}:{f['line']}]")
+
+
+def _alert_where_text(rec: Dict[str, Any]) -> str:
+    from .order import where
+
+    micro = rec.get("micro_step")
+    return where(str(rec.get("monitor")), str(rec.get("scope")), micro if isinstance(micro, int) else None)
+
+
+def _dumps_latest_first(dumps: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The dumps, the latest run's first (by the start time its manifest names; a dump of
+    an older version, which names none, after them, in step order)."""
+    dated = sorted((d for d in dumps if isinstance(d.get("run_started"), str)),
+                   key=lambda d: (d["run_started"], d["dump"]), reverse=True)
+    return dated + [d for d in dumps if not isinstance(d.get("run_started"), str)]
 
 
 def _alert_step(alert: Dict[str, Any]) -> int:
@@ -301,11 +361,13 @@ def byte_size(n: Any) -> str:
     return f"{n:.3g} GiB"
 
 
-def _dump_text(d: Dict[str, Any], root: str) -> str:
+def _dump_text(d: Dict[str, Any], root: str, with_run: bool = False) -> str:
+    """One dump; ``with_run``: its run too (where there are several dumps to tell apart)."""
     budget = f" of a {byte_size(d['max_bytes'])} budget" if isinstance(d.get("max_bytes"), int) else ""
     return (f"rank {d['rank']} step {d['step']}: {rel_path(d['dir'], root)}, {d['tensors']} tensor(s), "
             f"{byte_size(d['bytes'])}{budget}, {d['skipped']} skipped"
-            + (f" ({d['reason']})" if d.get("reason") else ""))
+            + (f" ({d['reason']})" if d.get("reason") else "")
+            + (f"; {_run_text(d)}" if with_run and d.get("run_started") else ""))
 
 
 def _headline_spikes(report: Report) -> List[str]:
@@ -352,7 +414,8 @@ def anomalies_text(report: Report, limit: int, code: int) -> str:
         lines.append(f"  values: {_vals(first['values'])}")
         lines.append(f"  at {where_text(first, root)}")
     else:
-        lines.append("  none: every value is finite")
+        lines.append("  none: every value is finite" if report.earlier_first is None else
+                     "  none in the latest run: every step's latest rows are finite")
     for title, (headers, rows, note) in anomaly_tables(report, limit).items():
         lines += _anomaly_section(report, title, headers, rows, note)
         if title.startswith("First non-finite value of each"):
@@ -398,10 +461,18 @@ def _evidence_section(report: Report, limit: int) -> List[str]:
         lines.append(table(["rank", "step", "micro_step", "monitor", "scope", "tensor", "kind", "records", "file:line"],
                            _limit(rows, limit)))
         for r in _limit(sorted(report.alerts), limit):
-            lines.append(f"  rank {r}: {report.alerts[r]['explanation']}")
+            a = report.alerts[r]
+            lines.append(f"  rank {r}: {a['explanation']}"
+                         + (f" ({_run_text(a)})" if a.get("run_started") and a.get("earlier_runs") else ""))
+        earlier = [(r, b) for r in sorted(report.alerts) for b in report.alerts[r].get("earlier_runs") or []]
+        if earlier:
+            lines += ["", "ONLINE ALERTS OF EARLIER RUNS (their blocks of anomalies.jsonl, the latest first: a run "
+                          "resumed into the same output_dir appends its own)"]
+            lines += [f"  rank {r}: {_earlier_alert_text(b, root)}" for r, b in _limit(earlier, limit)]
     if report.dumps:
         lines += ["", "DUMPS (tensors kept to replay a step offline: see docs/output-format.md)"]
-        lines += [f"  {_dump_text(d, root)}" for d in _limit(report.dumps, limit)]
+        several = len(report.dumps) > 1
+        lines += [f"  {_dump_text(d, root, with_run=several)}" for d in _limit(report.dumps, limit)]
     return lines
 
 

@@ -132,6 +132,46 @@ def appended_item(rank: int, monitor: str, path: str, restarts: List[int], repea
             "steps_repeated": repeated, "line": restarts[0]}
 
 
+class FileRuns:
+    """Steps of one file that were written more than once. A run appended to the file
+    of an earlier one (a script re-run with the same output_dir) starts over: at a lower
+    step, or, in a file of one step, at the row the file's current run began with (same
+    step, tensor, scope and micro_step)."""
+
+    __slots__ = ("last", "seg", "restarts", "first_seg", "last_seg", "repeated", "head")
+
+    def __init__(self) -> None:
+        self.last: Optional[int] = None
+        self.head: Optional[Tuple[int, str, str, Optional[int], Optional[int]]] = None  # first row of the run
+        self.seg = 0
+        self.restarts: List[int] = []  # line where each appended run starts
+        self.first_seg: Dict[int, int] = {}
+        self.last_seg: Dict[int, int] = {}  # step -> the last run of the file that wrote it
+        self.repeated: Set[int] = set()
+
+    def add(self, step: int, line: int, name: str, scope: str, micro: Optional[int],
+            dp: Optional[int] = None) -> None:
+        key = (step, name, scope, micro, dp)
+        if self.last is None:
+            self.head = key
+        elif step < self.last or key == self.head:
+            self.seg += 1
+            self.restarts.append(line)
+            self.head = key
+        self.last = step
+        self.last_seg[step] = self.seg
+        if self.first_seg.setdefault(step, self.seg) != self.seg:
+            self.repeated.add(step)
+
+    def rewritten(self, step: int, seg: int) -> bool:
+        """Whether a later run of the file (after run ``seg``) wrote ``step`` again: the
+        rows of run ``seg`` at that step are then an earlier run's."""
+        return self.last_seg.get(step, seg) > seg
+
+    def item(self, rank: int, monitor: str, path: str) -> Dict[str, Any]:
+        return appended_item(rank, monitor, path, self.restarts, sorted(self.repeated))
+
+
 class FirstN:
     """The ``n`` smallest items by key (all of them when ``n`` is None), plus a count."""
 
@@ -173,6 +213,12 @@ class Report:
     rank_check_note: str
     problems: Problems
     appended: List[Dict[str, Any]] = field(default_factory=list)
+    # Non-finite rows that a later run wrote again (a run resumed, or re-run, into the same
+    # files rewrote their step): the earlier runs'. ``first_nonfinite`` and
+    # ``nonfinite_count`` hold the latest rows of each step (what the latest run left);
+    # these, the rows it replaced, per rank, and their count.
+    earlier_nonfinite: Dict[int, Tuple[OrderKey, Dict[str, Any]]] = field(default_factory=dict)
+    earlier_nonfinite_count: int = 0
     # filled by .localise.localise after the pass (the same code for both engines)
     localisation: Dict[int, Dict[str, Any]] = field(default_factory=dict)
     alerts: Dict[int, Dict[str, Any]] = field(default_factory=dict)
@@ -185,10 +231,18 @@ class Report:
         return min(self.first_nonfinite.values(), key=lambda kv: kv[0])[1]
 
     @property
+    def earlier_first(self) -> Optional[Dict[str, Any]]:
+        """The first non-finite value among the rows that a later run wrote again."""
+        if not self.earlier_nonfinite:
+            return None
+        return min(self.earlier_nonfinite.values(), key=lambda kv: kv[0])[1]
+
+    @property
     def anomalies_found(self) -> bool:
         # a merged view: the replicas merge found disagreeing are anomalies too (merge.json)
         merged_disagreements = (self.layout.merged or {}).get("disagreements") or 0
-        return bool(self.nonfinite_count or self.spikes.count or self.mismatches or merged_disagreements)
+        return bool(self.nonfinite_count or self.earlier_nonfinite_count or self.spikes.count or self.mismatches
+                    or merged_disagreements)
 
     def mismatch_list(self) -> List[Dict[str, Any]]:
         out = []
@@ -228,8 +282,8 @@ def relabel(report: Report) -> None:
     :func:`.order.where`)."""
     wg = report.collected.get(WEIGHT_GRAD)
     per_micro = wg is not None and len(wg.micro_steps) > 1
-    items = [v[1] for v in report.first_nonfinite.values()] + report.spikes.items() + \
-        [m["first"] for m in report.mismatches.values()]
+    items = [v[1] for v in report.first_nonfinite.values()] + [v[1] for v in report.earlier_nonfinite.values()] + \
+        report.spikes.items() + [m["first"] for m in report.mismatches.values()]
     for item in items:
         if item is not None and item.get("monitor") == WEIGHT_GRAD:
             item["where"] = where(item["monitor"], item["scope"], item["micro_step"], per_micro)

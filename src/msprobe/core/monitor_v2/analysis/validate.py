@@ -12,6 +12,10 @@ instead, creating ``output_dir`` as training would.
 
 A relative ``output_dir`` is resolved against the current directory, as the training
 process would resolve it against its own.
+
+The file is read as the constructor reads it (``config.read_config_file``): another
+user's symbolic link on the way is refused, a FIFO never blocks, and what the result
+says of a file that is not a config is its path and the reason only.
 """
 
 import logging
