@@ -2,15 +2,20 @@
 built by ``frameworks/pytorch/graph_hooks.py``): built and in use, the same rows as through
 torch's Python API on every kind of graph the module monitor meets, its walk equal to the
 Python one, a compiled backward pass calling the same hooks, an error never reaching the
-backward pass, and torch's Python API, said at INFO, where the library cannot be built."""
+backward pass, and torch's Python API, said at INFO, where the library cannot be built.
+The build (``native/detached_build.py``) outlives a process that ends one step after
+``start()``: the library is put in place for the next process, with no compiler left
+running and no partial file left, also where the builder itself is stopped or killed."""
 
 import copy
 import logging
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Set, Tuple
 
 import pytest
 import torch
@@ -22,6 +27,7 @@ from test_module import TinyGPT, make_data, run_monitored
 from msprobe.core.monitor_v2 import native
 from msprobe.core.monitor_v2.frameworks.pytorch import graph_hooks
 from msprobe.core.monitor_v2.frameworks.pytorch import module as module_mod
+from msprobe.core.monitor_v2.native import detached_build
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
 EVERY_MODULE = {"module": {"enabled": True, "targets": []}}
@@ -360,16 +366,18 @@ def test_a_planted_link_in_the_cache_is_neither_loaded_nor_replaced(tmp_path):
 
 def test_a_lock_of_another_build_is_waited_for_and_taken_over_when_stale(tmp_path):
     lock = str(tmp_path / "graph_hooks-x.so.lock")
-    assert graph_hooks._take(lock)
-    assert not graph_hooks._take(lock)  # another build holds it (this process: alive)
+    assert detached_build.take_lock(lock)
+    assert not detached_build.take_lock(lock)  # another build holds it (this process: alive)
     assert oct(os.stat(lock).st_mode & 0o777) == "0o640"
     assert Path(lock).read_text() == str(os.getpid())
-    old = os.stat(lock).st_mtime - graph_hooks._STALE_LOCK_SECONDS - 1
+    old = os.stat(lock).st_mtime - detached_build.STALE_LOCK_SECONDS - 1
     os.utime(lock, (old, old))
-    assert graph_hooks._take(lock)  # older than 10 minutes: left by a build that died
+    assert detached_build.take_lock(lock)  # older than 10 minutes: left by a build that died
     library = tmp_path / "graph_hooks-x.so"
     library.write_bytes(b"")
-    graph_hooks._await(str(library), lock)  # returns at once: the library is there
+    detached_build.await_build(str(library))  # returns at once: the library is there
+    detached_build.release_lock(lock)
+    assert not os.path.lexists(lock)
 
 
 def test_what_a_build_that_ended_with_its_process_left_is_taken_over_and_cleared(tmp_path):
@@ -382,7 +390,176 @@ def test_what_a_build_that_ended_with_its_process_left_is_taken_over_and_cleared
     partial.write_bytes(b"half a library")
     alive = tmp_path / f"graph_hooks-x.so.{os.getpid()}.1234.tmp"  # a build still running
     alive.write_bytes(b"")
-    assert graph_hooks._take(str(lock))  # fresh, but its process has gone
+    assert detached_build.take_lock(str(lock))  # fresh, but its process has gone
     assert lock.read_text() == str(os.getpid())
-    graph_hooks._clear_partial_builds(str(path))
+    detached_build.clear_partial_builds(str(path))
     assert not partial.exists() and alive.exists()
+
+
+# ------------------------------------------------ the build outlives a short process
+def _processes() -> List[Tuple[int, int, str, bytes]]:
+    """(pid, session, state, command line) of every process (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_bytes().rsplit(b")", 1)[1].split()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except (OSError, IndexError):
+            continue
+        found.append((int(entry), int(fields[3]), fields[0].decode(), cmdline))
+    return found
+
+
+def _build_processes(cache: Path, sessions: Set[int]) -> List[str]:
+    """Processes still running (zombies aside) that belong to a build into ``cache``: their
+    command line names it (the builder, the compiler driver, the linker), or they are in a
+    builder's session (the compiler proper)."""
+    return [f"{pid} {cmdline[:160]!r}" for pid, sid, state, cmdline in _processes()
+            if state != "Z" and pid != os.getpid() and (str(cache).encode() in cmdline or sid in sessions)]
+
+
+def _builder_sessions(cache: Path) -> Set[int]:
+    """The sessions made by the builders into ``cache`` (a builder leads its own)."""
+    return {sid for pid, sid, _, cmdline in _processes() if pid == sid and str(cache).encode() in cmdline}
+
+
+def _left_in(cache: Path) -> List[str]:
+    return sorted(p.name for p in cache.iterdir() if p.name.endswith((".tmp", ".lock")))
+
+
+def _library_in(cache: Path) -> List[Path]:
+    return [p for p in cache.iterdir() if p.name.startswith("graph_hooks-") and p.name.endswith(".so")]
+
+
+_ONE_STEP = r"""
+import logging, sys
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stdout)
+import torch
+from support import TinyMLP, loss_fn, make_batches
+from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
+from msprobe.core.monitor_v2.frameworks.pytorch import graph_hooks
+torch.manual_seed(0)
+model = TinyMLP()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+mon = TrainerMonitorV2({"output_dir": sys.argv[1], "monitors": {"module": {"enabled": True, "targets": []}}})
+mon.start(model=model, optimizer=opt)
+x, y = make_batches(1)[0]
+loss_fn(model, x, y).backward()
+opt.step()
+mon.stop()
+print("LIBRARY AT EXIT", graph_hooks.library() is not None)
+"""
+
+
+def _one_step(out: Path, cache: Path) -> str:
+    """A process that starts the monitor, trains one step, stops it and exits."""
+    proc = subprocess.run([sys.executable, "-c", _ONE_STEP, str(out)],
+                          env=dict(worker_env(), MSPROBE_MONITOR_CACHE_DIR=str(cache)),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "building the C++ graph hooks" in proc.stdout and "LIBRARY AT EXIT False" in proc.stdout, proc.stdout
+    return proc.stdout
+
+
+def _wait_for(done, seconds: float = 300.0) -> None:
+    """Poll until ``done()`` or the bound has passed (the caller asserts what it needs)."""
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.25)
+
+
+def test_a_process_that_ends_one_step_after_start_leaves_the_library_built(tmp_path):
+    cache = tmp_path / "cache"
+    _one_step(tmp_path / "short", cache)
+    sessions = _builder_sessions(cache)
+    assert _build_processes(cache, sessions), "no build was running when the short process ended"
+    began = time.monotonic()
+    _wait_for(lambda: _library_in(cache) and not _left_in(cache) and not _build_processes(cache, sessions))
+    print(f"the build went on for {time.monotonic() - began:.1f} s after the short process ended")
+    assert len(_library_in(cache)) == 1, sorted(p.name for p in cache.iterdir())
+    library = _library_in(cache)[0]
+    assert oct(library.stat().st_mode & 0o777) == "0o750"
+    assert not _left_in(cache)
+    assert not _build_processes(cache, sessions)
+    # the next process loads it at its first step, without building
+    before = library.stat()
+    log = _run(tmp_path / "second", MSPROBE_MONITOR_CACHE_DIR=str(cache))
+    assert "building the C++ graph hooks" not in log and "LIBRARY BEFORE STEP 2 True" in log, log
+    assert int(log.rsplit("HOOKS FROM C++ ", 1)[1].split()[0]) > 0
+    after = library.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    assert not _left_in(cache)
+
+
+def test_a_builder_killed_outright_is_taken_over_by_the_next_process(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    _one_step(tmp_path / "short", cache)
+    sessions = _builder_sessions(cache)
+    assert len(sessions) == 1, _build_processes(cache, sessions)
+    builder = sessions.pop()
+    source = graph_hooks._SOURCE.encode()
+    # the compiler proper is running (it names the source), then its builder is killed
+    _wait_for(lambda: any(sid == builder and source in cmd for _, sid, _, cmd in _processes()), 60)
+    os.kill(builder, signal.SIGKILL)
+    orphans = [pid for pid, sid, state, _ in _processes() if sid == builder and state != "Z" and pid != builder]
+    assert orphans, "the compiler ended with its builder: nothing to take over"
+    monkeypatch.setenv("MSPROBE_MONITOR_CACHE_DIR", str(cache))
+    library = Path(graph_hooks.library_path())
+    partial = Path(f"{library}.{builder}.1.tmp")  # what its linker would have left
+    partial.write_bytes(b"half a library")
+    log = _run(tmp_path / "second", MSPROBE_MONITOR_CACHE_DIR=str(cache))
+    assert "building the C++ graph hooks" in log, log
+    assert int(log.rsplit("HOOKS FROM C++ ", 1)[1].split()[0]) > 0, log  # built, and used after wait()
+    assert _library_in(cache) == [library]
+    assert not _left_in(cache), _left_in(cache)
+    assert not [pid for pid, sid, state, _ in _processes() if sid == builder and state != "Z"]
+
+
+def test_a_builder_asked_to_stop_stops_its_compiler_and_leaves_nothing(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MSPROBE_MONITOR_CACHE_DIR", str(cache))
+    compiler, flags, libraries, path = graph_hooks._plan()
+    os.makedirs(cache, mode=0o750)
+    builder = detached_build.start(compiler, flags, libraries, graph_hooks._SOURCE, path)
+    session = builder.process.pid
+    source = graph_hooks._SOURCE.encode()
+    _wait_for(lambda: any(sid == session and source in cmd and pid != session for pid, sid, _, cmd in _processes()),
+              60)
+    assert any(sid == session and pid != session for pid, sid, _, _ in _processes()), "no compiler ran"
+    os.kill(session, signal.SIGTERM)
+    with pytest.raises(native._Unavailable, match="stopped by signal 15"):
+        builder.result()
+    assert not [pid for pid, sid, state, _ in _processes() if sid == session and state != "Z"]
+    assert sorted(p.name for p in cache.iterdir()) == []
+
+
+def test_only_the_processes_of_a_dead_builders_build_are_stopped(tmp_path):
+    """A builder killed outright leaves its session's processes: those naming the source or
+    the library's partial file are stopped; another process of that session is not."""
+    source = str(tmp_path / "graph_hooks.cpp")
+    path = str(tmp_path / "graph_hooks-x.so")
+    # a session leader that starts three processes and ends at once
+    leader = subprocess.run(
+        [sys.executable, "-c", "import subprocess, sys\n"
+         "for arg in sys.argv[1:]:\n"
+         "    print(subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)', arg],\n"
+         "                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)",
+         source, path + ".99.1.tmp", "unrelated"],
+        capture_output=True, text=True, timeout=60, start_new_session=True)
+    compiler, linker, other = (int(pid) for pid in leader.stdout.split())
+    session = os.getsid(compiler)
+    try:
+        assert os.getsid(other) == session and not detached_build.running(session)
+        assert sorted(detached_build.build_processes(session, source, path)) == sorted([compiler, linker])
+        detached_build.stop_orphans(session, source, path)
+        _wait_for(lambda: not (detached_build.running(compiler) or detached_build.running(linker)), 30)
+        assert not detached_build.running(compiler) and not detached_build.running(linker)
+        assert detached_build.running(other)
+    finally:
+        for pid in (compiler, linker, other):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass

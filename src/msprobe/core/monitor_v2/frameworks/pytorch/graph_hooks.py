@@ -8,37 +8,38 @@ It is built against the headers of the torch that runs (``torch/include``), with
 system C++ compiler (``$CXX``, else ``c++``, ``g++`` or ``clang++``), once per torch
 version and machine, into the kernel's cache directory (the same checks: a directory
 only this user can write, a regular file of this user with one link). A build takes 10 to
-30 s, so it runs in a background thread the first time and the monitor uses torch's
-Python API until it is there: ``library()`` looks at each written step's start. Ranks
-that start together build once: the first takes a lock file, the others wait for its
-library. Where it cannot be built (no compiler, no headers, a cache that cannot be used,
-a torch whose headers differ) the Python API stays in use, said once at INFO: the rows
-are the same. ``MSPROBE_MONITOR_GRAPH=0`` keeps the Python API (and so does
-``MSPROBE_MONITOR_NATIVE=0``, which turns off the compiled code altogether)."""
+30 s, so it runs in the background the first time and the monitor uses torch's Python API
+until it is there: ``library()`` looks at each written step's start. The build is a process
+of its own (``native.detached_build``) that compiles into a partial file and renames it into
+place, so a training process that ends first still leaves the library built for the next
+one, with no compiler of its own left running and no partial file left behind; a thread of
+this process waits for it. Ranks that start together build once: the first builder takes a
+lock file, the others wait for its library. Where it cannot be built (no compiler, no
+headers, a cache that cannot be used, a torch whose headers differ) the Python API stays
+in use, said once at INFO: the rows are the same. ``MSPROBE_MONITOR_GRAPH=0`` keeps the
+Python API (and so does ``MSPROBE_MONITOR_NATIVE=0``, which turns off the compiled code
+altogether)."""
 
 import hashlib
 import importlib.machinery
 import importlib.util
 import logging
 import os
-import shutil
 import sysconfig
 import threading
-import time
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
 from ... import native
 from ...logonce import LogOnce
+from ...native import detached_build
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
 ENV_SWITCH = "MSPROBE_MONITOR_GRAPH"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "graph_hooks.cpp")
 _MODULE = "_msprobe_monitor_graph"
-# a lock file older than this is taken to be left by a build that died
-_STALE_LOCK_SECONDS = 600.0
 
 _lock = threading.Lock()
 _library: Any = None
@@ -128,7 +129,8 @@ def enabled() -> bool:
 
 
 class _Build:
-    """One build of the library: loaded from the cache at once, or built in a thread."""
+    """One build of the library: loaded from the cache at once, or waited for in a thread
+    while a builder process (this one's, or another rank's) makes it."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -137,6 +139,7 @@ class _Build:
         self.compiler: List[str] = []
         self.flags: List[str] = []
         self.libraries: List[str] = []
+        self.builder: Optional[detached_build.Builder] = None  # None: another process's builder
 
     @classmethod
     def start(cls) -> "_Build":
@@ -152,10 +155,25 @@ class _Build:
             raise native._Unavailable(f"the cache {cache} is not used ({problem})")
         build = cls(path)
         build.compiler, build.flags, build.libraries = compiler, flags, libraries
-        if build._cached():
+        try:
+            info: Optional[os.stat_result] = os.lstat(path)
+        except FileNotFoundError:
+            info = None
+        if info is not None and native._trusted(info):
+            detached_build.clear_partial_builds(path)  # left by builders killed after it was built
             return build  # done(): the thread is never started
+        if info is not None and not native._own_with_other_links(info):
+            # a link or not this user's file: no build for this process alone (every rank
+            # would pay for its own), the Python API instead
+            raise native._Unavailable(f"{path} is not a regular file of this user; left as it is")
+        lock = path + ".lock"
+        if not os.path.lexists(lock) or detached_build.left_behind(lock):
+            # started here, not in the thread: a process that ends right after start() has
+            # started it all the same (the thread would die with the process before)
+            build.builder = detached_build.start(compiler, flags, libraries, _SOURCE, path)
         logger.info("monitor_v2 module: building the C++ graph hooks for torch %s in the background (once "
-                    "per torch version, 10 to 30 s of one core); torch's Python API until then", torch.__version__)
+                    "per torch version, 10 to 30 s of one core, in a process of its own that finishes even if "
+                    "this one ends first); torch's Python API until then", torch.__version__)
         build.thread.start()
         return build
 
@@ -170,31 +188,14 @@ class _Build:
         return not self.thread.is_alive()
 
     def _run(self) -> None:
+        """Wait for the library: this process's builder makes it, or another process's
+        (which holds the lock); a builder that has gone without it is taken over."""
         try:
-            try:
-                info: Optional[os.stat_result] = os.lstat(self.path)
-            except FileNotFoundError:
-                info = None
-            if info is not None and not (native._trusted(info) or native._own_with_other_links(info)):
-                self.error = f"{self.path} is not a regular file of this user; left as it is"
-                return
-            lock = self.path + ".lock"
-            if not _take(lock):
-                _await(self.path, lock)
-                if self._cached():
-                    return
-                _take(lock, stale=True)
-            _clear_partial_builds(self.path)
-            try:
-                _, private = native._cached_build(self.compiler, self.flags, os.path.basename(self.path), _SOURCE,
-                                                  self.libraries)
-            finally:
-                native._remove(lock)
-            if private is not None:
-                # the cache's entry is a link or not this user's file: no build for this process
-                # alone (every rank would pay for its own), the Python API instead
-                shutil.rmtree(private, ignore_errors=True)
-                self.error = f"{self.path} is not a regular file of this user; left as it is"
+            if self.builder is None or not self.builder.result():
+                detached_build.await_build(self.path)
+                if not self._cached():
+                    detached_build.build(self.compiler, self.flags, self.libraries, _SOURCE, self.path,
+                                         takeover=True)
         except native._Unavailable as exc:
             self.error = str(exc)
         except Exception as exc:  # noqa: BLE001 - reported by load()
@@ -232,82 +233,6 @@ def _plan() -> Tuple[List[str], List[str], List[str], str]:
 def library_path() -> str:
     """Where this process's build of the library is cached (it may not be there yet)."""
     return _plan()[3]
-
-
-def _take(lock: str, stale: bool = False) -> bool:
-    """Create the lock file (0640, holding this process's id); False where another process
-    holds it. With ``stale``, or where its holder has died or it is older than 10 minutes,
-    it is taken over (a process that ends while it builds leaves it behind)."""
-    if stale:
-        native._remove(lock)
-    try:
-        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0), 0o640)
-    except FileExistsError:
-        if stale or not _left_behind(lock):
-            return False
-        return _take(lock, stale=True)
-    try:
-        os.write(fd, str(os.getpid()).encode())
-    finally:
-        os.close(fd)
-    return True
-
-
-def _left_behind(lock: str) -> bool:
-    """Whether a lock file was left by a build that is not running: its process has gone, or
-    it is older than _STALE_LOCK_SECONDS. Read only where it is a regular file of this user
-    (never through a link, never waiting on a FIFO); otherwise only its age counts."""
-    try:
-        fd = os.open(lock, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-    except OSError:
-        return False
-    try:
-        info = os.fstat(fd)
-        if time.time() - info.st_mtime > _STALE_LOCK_SECONDS:
-            return True
-        if not native._ours(info):
-            return False
-        holder = os.read(fd, 32).decode("ascii", "replace").strip()
-    finally:
-        os.close(fd)
-    return holder.isdigit() and not _running(int(holder))
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # another user's process: it exists
-    return True
-
-
-def _clear_partial_builds(path: str) -> None:
-    """Remove the partial files (``<library>.<pid>.<thread>.tmp``) of builds whose process
-    has gone: our own regular files only."""
-    directory, name = os.path.split(path)
-    try:
-        entries = os.listdir(directory)
-    except OSError:
-        return
-    for entry in entries:
-        parts = entry[len(name) + 1:].split(".") if entry.startswith(name + ".") else []
-        if len(parts) != 3 or parts[2] != "tmp" or not parts[0].isdigit() or _running(int(parts[0])):
-            continue
-        try:
-            if native._ours(os.lstat(os.path.join(directory, entry))):
-                native._remove(os.path.join(directory, entry))
-        except OSError:
-            pass
-
-
-def _await(path: str, lock: str) -> None:
-    """Wait while another process builds ``path`` (its lock file is there, and its process)."""
-    deadline = time.monotonic() + _STALE_LOCK_SECONDS
-    while (time.monotonic() < deadline and os.path.lexists(lock) and not os.path.lexists(path)
-           and not _left_behind(lock)):
-        time.sleep(0.5)
 
 
 def _compiler() -> List[str]:
