@@ -1,6 +1,6 @@
 """The suite collects where the optional libraries are absent: a user who does not use
-MindSpore (or DeepSpeed, Megatron-Core, transformers, Lightning, Accelerate, a dashboard)
-can run it, and the tests that need one are reported as skipped with a reason.
+MindSpore (or DeepSpeed, Megatron-Core, transformers, kernels, TRL, Lightning, Accelerate,
+a dashboard) can run it, and the tests that need one are reported as skipped with a reason.
 
 ``pytest --collect-only`` runs in a subprocess whose imports of those libraries fail as
 if they were not installed: a meta-path finder raises ``ModuleNotFoundError`` for them and
@@ -21,7 +21,7 @@ TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
 BLOCKED = ["mindspore", "deepspeed", "megatron", "transformers", "lightning", "pytorch_lightning",
            "lightning_fabric", "accelerate", "tensorboard", "tensorboardX", "wandb", "mlflow", "swanlab",
-           "hypothesis"]
+           "hypothesis", "kernels", "trl"]
 
 BLOCKER = """
 import importlib.abc, importlib.machinery, importlib.util, os, sys
@@ -65,7 +65,8 @@ NEED_OPTIONAL = sorted(
     + ["tests/stacks/test_deepspeed.py", "tests/stacks/test_megatron.py",
        "tests/integrations/test_accelerate.py", "tests/integrations/test_lightning.py",
        "tests/integrations/test_lightning_deepspeed.py", "tests/integrations/test_trainer_deepspeed.py",
-       "tests/integrations/test_transformers_trainer.py", "tests/benchmarks/test_ms_overhead_smoke.py",
+       "tests/integrations/test_transformers_trainer.py", "tests/integrations/test_hub_kernels.py",
+       "tests/integrations/test_trl.py", "tests/benchmarks/test_ms_overhead_smoke.py",
        "tests/benchmarks/test_overhead_deepspeed_smoke.py", "tests/benchmarks/test_overhead_megatron_smoke.py"]
 )
 
