@@ -117,10 +117,22 @@ def test_monitor_turned_off_removes_its_hooks_and_flushes_its_rows(tmp_path):
         if step == 3:
             # off from step 3: its rows of steps 0..2 are on disk before stop()
             assert steps_of(rows_of(tmp_path / "out", "module")) == [0, 1, 2]
-    assert seen[3] == before  # hooks gone from the step the edit applied
+    # hooks gone from the step the edit applied: what is left is weight_grad's own (the
+    # model's forward pre-hook that marks where its micro-batches begin)
+    assert seen[3] == hooks_of_weight_grad_alone(tmp_path)
     assert [m.name for m in mon.monitors] == ["weight_grad"]
     mon.stop()
     assert hooks_of(model) == before
+
+
+def hooks_of_weight_grad_alone(tmp_path):
+    """``hooks_of`` a model that only weight_grad monitors."""
+    model = TinyMLP()
+    mon = TrainerMonitorV2({"output_dir": str(tmp_path / "alone"), "monitors": {"weight_grad": {"enabled": True}}})
+    mon.start(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    hooks = hooks_of(model)
+    mon.stop()
+    return hooks
 
 
 def test_turned_on_mid_run_attaches_as_start_would(tmp_path):

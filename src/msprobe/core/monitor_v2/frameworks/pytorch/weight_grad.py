@@ -12,6 +12,32 @@ the optimizer step instead (logged once).
 backward pass before it is accumulated into ``.grad``, i.e. that micro-batch's own
 gradient (all uses of a shared parameter already summed).
 
+Micro-batches, not backward passes. A micro-batch may run several backward passes (a
+loss split into parts, TorchTitan's ``ChunkedLossWrapper``: eight passes per micro-batch
+that reach only ``lm_head``). A training forward of a model chunk (its forward pre-hook:
+grad enabled, not a recomputation inside backward, not a framework's internal pass)
+marks where a micro-batch may begin; a parameter's backward pass starts its next
+micro-batch when the parameter has been counted in fewer micro-batches than its chunk
+has begun forwards in this step, else it belongs to the micro-batch it last saw
+(``_count_pass``). One backward pass per forward is counted as before; pipelined
+schedules that run several forwards before their backwards count one micro-batch per
+pass. Without any forward of the chunk in a step each pass counts, and where that gives
+more than the announced count the monitor cannot tell: said once (``_step_micro_batches``).
+
+A parameter a micro-batch reaches in several passes (``_split``) has no single hook call
+holding that micro-batch's gradient. With ``monitor_mbs_grad=false`` the accumulated
+gradient is read again after each pass of the last micro-batch (the last read is the
+whole). With ``monitor_mbs_grad=true``: where the gradient the passes accumulate into was
+empty when the micro-batch began (the first micro-batch after ``zero_grad()``, or FSDP2's
+unsharded gradient after a reduce-scatter), a post-accumulate hook reads it after each pass;
+otherwise the monitor sums that micro-batch's passes in a buffer of its own (one
+gradient-sized tensor, held until the micro-batch ends: ``_sums``), the only way to the
+micro-batch's gradient alone, since no statistic but the mean of a sum follows from the
+statistics of its parts. A micro-batch whose earlier passes were neither kept nor summed
+(the first one in which the parameter is found split while its gradient held earlier
+micro-batches; FSDP2 reduce-scattering between two passes of one micro-batch) writes no
+row for it, said once.
+
 Under DDP these hooks run before the bucket's all-reduce; under FSDP the hooks go on the
 unsharded gradient before the reduce-scatter (see ``stacks/fsdp.py``). A training stack that
 keeps local gradients in its own buffers (DeepSpeed, Megatron-Core) installs its own
@@ -58,11 +84,14 @@ from ...patching import remove_all
 from ...rows import REDUCED, UNREDUCED, WEIGHT_GRAD
 from ...stats import GROUP_MAX_NUMEL, Record
 from ...param_table import ParamInfo
+from .compile import eager_hook
+from .copies import ModuleHooks
+from .passes import internal_pass
 from .session import TorchSession, world_size
 from .stacks.fsdp import FlatSegment, fsdp2_params
 from .stacks import UnreducedCapture
 from .stacks.base import TrainingStack
-from .stats import StatPlan
+from .stats import StatPlan, outside_training_modes
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
@@ -71,7 +100,7 @@ class GradSource:
     """A tensor whose gradient is read for ``unreduced`` rows, and the rows it yields:
     ``(vpp_stage, name, segment)``; ``segment`` None means the whole gradient."""
 
-    __slots__ = ("index", "rows", "plain_param", "reduces", "key", "slot")
+    __slots__ = ("index", "rows", "plain_param", "reduces", "key", "slot", "chunk", "tensor")
 
     def __init__(self, index: int, rows: Sequence[Tuple[int, str, Optional[FlatSegment]]],
                  plain_param: Optional[torch.Tensor] = None,
@@ -86,6 +115,8 @@ class GradSource:
         vpp, name, _ = self.rows[0]
         self.key = (vpp, name, UNREDUCED, None)
         self.slot = (index, 0, 0)  # its accumulated row's place in WeightGradMonitor._unreduced
+        self.chunk = vpp  # the model chunk whose forwards mark its micro-batches
+        self.tensor: Optional[torch.Tensor] = None  # the tensor its hooks are on (None: a stack's capture)
 
 
 class WeightGradMonitor(Monitor):
@@ -104,7 +135,19 @@ class WeightGradMonitor(Monitor):
         self._notes: Any = None  # the extension's NoteState, where batched hooks note in C
         self._grad_note: Any = None  # the extension's GradNote type
         self._slow_note: Optional["_BatchedGradHook"] = None  # what their GradNotes call otherwise
+        self.declared = _count_declared(self.settings, self.context)
+        # kept across steps: sources a micro-batch reached in several backward passes, and
+        # those of them whose earlier passes' gradient did not outlive the next pass (FSDP2
+        # reduce-scattering after each), whose micro-batches the monitor sums itself
+        self._split: Set[int] = set()
+        self._summed: Set[int] = set()
+        self._post_hooked: Set[int] = set()  # split sources given a post-accumulate hook
         self._reset()
+        # each chunk's training forwards mark where its micro-batches begin (_count_pass)
+        chunk_hooks = ModuleHooks()  # copies and pickles of the chunks leave them out
+        self._handles.append(chunk_hooks)
+        for c, chunk in enumerate(session.chunks):
+            chunk_hooks.forward_pre(chunk, eager_hook(_MicroBatchStart(self, c, chunk), self), with_kwargs=True)
         self.sources: List[GradSource] = []
         self._adapter_sources: Dict[int, GradSource] = {}
         table = session.table
@@ -162,6 +205,7 @@ class WeightGradMonitor(Monitor):
         return source
 
     def _hook_tensor(self, tensor: torch.Tensor, source: GradSource) -> None:
+        source.tensor = tensor
         self.sources.append(source)
         self._hooked.add(id(tensor))
         site = "weight_grad unreduced hook"
@@ -205,10 +249,13 @@ class WeightGradMonitor(Monitor):
 
     # ------------------------------------------------------------------ hooks
     def _reset(self) -> None:
-        self._passes: Dict[int, int] = {}  # source index -> backward passes that reached it
+        # source index -> micro-batches of this step that reached it (_count_pass); the
+        # extension's notes count in the same dict
+        self._micro_counts: Dict[int, int] = {}
         self._unreduced: Dict[Tuple[int, int, int], Record] = {}  # (source index, micro step, row)
         self._reduced: List[Record] = []
-        self._reduced_early: Set[int] = set()  # FSDP2 sources reduce-scattered before the last pass
+        self._reduced_early: Set[int] = set()  # FSDP2 sources reduce-scattered before their last pass
+        self._reduced_after: Set[int] = set()  # FSDP2 sources whose last pass so far reduce-scattered
         # batched reads: sources whose gradient the running backward pass accumulated, and
         # the graph task whose end reads them (-1: no read queued)
         self._pending: List[GradSource] = []
@@ -218,25 +265,67 @@ class WeightGradMonitor(Monitor):
         # the backward pass whose hooks last ran, and whether it runs under compiled autograd
         self._checked_task = -2
         self._task_compiled = False
+        self._task_regular = False
+        chunks = len(self.session.chunks)
+        self._forwards = [0] * chunks  # training forwards of each model chunk begun in this step
+        self._top = [0] * chunks  # an upper bound of the micro-batch counts of the chunk's sources
+        # monitor_mbs_grad=true, split sources: the micro-batch whose row a post-accumulate
+        # hook reads, the sums kept by the monitor (source, micro-batch, sum), the sources
+        # whose accumulated gradient was empty when their current micro-batch began, and
+        # the (source, micro-batch) rows not written
+        self._read_after: Dict[int, int] = {}
+        self._sums: Dict[int, Tuple[GradSource, int, torch.Tensor]] = {}
+        self._empty_at_start: Set[int] = set()
+        self._dropped: Set[Tuple[int, int]] = set()
         self._sync_notes()
 
     def _sync_notes(self) -> None:
-        """Hand the step's pass counts and pending list to the extension's notes, disarmed
-        (the next hook of a pass runs in Python and arms them again)."""
+        """Hand the step's micro-batch counts and pending list to the extension's notes,
+        disarmed (the next hook of a pass runs in Python and arms them again)."""
         notes = self._notes
         if notes is not None:
             notes.task = -1
-            notes.passes = self._passes
+            notes.passes = self._micro_counts
             notes.pending = self._pending
 
     def begin_step(self, step: int, active: bool) -> None:
         super().begin_step(step, active)
         self._reset()
 
-    def _count_pass(self, source: GradSource) -> int:
-        n = self._passes.get(source.index, 0) + 1
-        self._passes[source.index] = n
-        return n
+    def _micro_batch_starts(self, chunk: int) -> None:
+        """A training forward of model chunk ``chunk`` begins (``_MicroBatchStart``)."""
+        self._forwards[chunk] += 1
+        if self._sums:  # the micro-batches the monitor summed for this chunk are over
+            self._close_sums(chunk)
+
+    def _chunk_forwards(self, chunk: int) -> int:
+        forwards = self._forwards
+        return forwards[chunk] if 0 <= chunk < len(forwards) else 0
+
+    def _count_pass(self, source: GradSource) -> Tuple[int, bool]:
+        """The micro-batch (1-based) a backward pass reaching ``source`` belongs to, and
+        whether the pass begins it. A new micro-batch while the source has been counted
+        in fewer micro-batches than its chunk has begun training forwards (one pass per
+        forward, as before; pipelined forwards ahead of their backwards), or where no
+        forward of its chunk was seen (every pass counts); otherwise the pass is a further
+        part of the micro-batch the source last saw (a chunked or split loss)."""
+        index = source.index
+        n = self._micro_counts.get(index, 0)
+        forwards = self._chunk_forwards(source.chunk)
+        if n and forwards and n >= forwards:
+            return n, False
+        n += 1
+        self._micro_counts[index] = n
+        top = self._top
+        if 0 <= source.chunk < len(top) and n > top[source.chunk]:
+            top[source.chunk] = n
+        return n, True
+
+    def _regular_pass(self) -> bool:
+        """Whether the backward pass now beginning starts a new micro-batch for every
+        source it can reach (each chunk with forwards has begun one since its sources were
+        last counted): the extension's notes, which count every pass, may then count it."""
+        return all(f == 0 or f > t for f, t in zip(self._forwards, self._top))
 
     def _record(self, source: GradSource, grad: torch.Tensor, micro_step: int) -> None:
         engine = self.session.engine
@@ -252,9 +341,110 @@ class WeightGradMonitor(Monitor):
         for k, rec in enumerate(engine.record_many(tensors, self.plan, keys)):
             self._unreduced[(source.index, micro_step, k)] = rec
 
+    def _drop(self, source: GradSource, micro_step: int) -> None:
+        """No row of ``source`` for ``micro_step`` (0: its accumulated row)."""
+        for k in range(len(source.rows)):
+            self._unreduced.pop((source.index, micro_step, k), None)
+
     def _on_micro_batch_grad(self, source: GradSource, grad: torch.Tensor) -> None:
-        if self.active:
-            self._record(source, grad, self._count_pass(source))
+        """``grad``: one backward pass's gradient, before it is accumulated."""
+        if not self.active:
+            return
+        k, begins = self._count_pass(source)
+        index = source.index
+        tensor = source.tensor
+        if begins:
+            if index in self._sums:  # its previous micro-batch's sum, if no forward closed it
+                self._close_sum(index)
+            self._read_after.pop(index, None)
+            # whether what the passes accumulate into holds nothing of earlier micro-batches
+            empty = tensor is not None and tensor.grad is None
+            if index not in self._split:  # one pass per micro-batch so far: this is its gradient
+                self._record(source, grad, k)
+                if empty:
+                    self._empty_at_start.add(index)
+                else:
+                    self._empty_at_start.discard(index)
+            elif empty and index not in self._summed:
+                self._read_after[index] = k  # its post-accumulate hook reads the whole
+                self._ensure_post_hook(source)
+            else:
+                self._sums[index] = (source, k, _start_sum(grad))
+            return
+        # a further pass within micro-batch k
+        if index in self._sums:
+            _add_to_sum(self._sums[index][2], grad)
+            return
+        if (index, k) in self._dropped:
+            return
+        if self._read_after.get(index) == k:
+            if tensor is not None and tensor.grad is None:
+                # the earlier passes' gradient was reduce-scattered or freed between passes
+                self._lost_between_passes(source, k)
+            return
+        # the first further pass seen: this parameter takes several passes per micro-batch
+        self._split.add(index)
+        if index in self._empty_at_start and tensor is not None and tensor.grad is not None:
+            self._read_after[index] = k
+            self._ensure_post_hook(source)
+            return
+        if index in self._empty_at_start:  # what the first pass accumulated is gone already
+            self._lost_between_passes(source, k)
+            return
+        self._drop(source, k)
+        self._dropped.add((index, k))
+        self._once.warning(
+            "split-first",
+            "monitor_v2 weight_grad: at step %d micro-batch %d reached '%s' in more than one backward pass "
+            "(a loss split into parts, e.g. a chunked loss), and its first pass's gradient was neither kept nor "
+            "accumulated into an empty gradient (the gradient already held earlier micro-batches), so that "
+            "micro-batch's own gradient cannot be told apart: its 'unreduced' row is not written. From its next "
+            "micro-batch on the monitor sums the passes of each micro-batch itself (one gradient-sized buffer "
+            "while the micro-batch runs). Logged once.", self.step, k, source.rows[0][1])
+
+    def _lost_between_passes(self, source: GradSource, micro_step: int) -> None:
+        index = source.index
+        self._read_after.pop(index, None)
+        self._summed.add(index)
+        self._drop(source, micro_step)
+        self._dropped.add((index, micro_step))
+        self._once.warning(
+            "split-lost",
+            "monitor_v2 weight_grad: at step %d the gradient of '%s' accumulated over the earlier backward passes "
+            "of micro-batch %d was reduce-scattered or freed before the micro-batch's next pass (FSDP2 with "
+            "gradient sync on for each pass of a split or chunked loss), so that micro-batch's local gradient never "
+            "exists: its 'unreduced' row is not written. From its next micro-batch on the monitor sums the passes "
+            "of each micro-batch itself (one gradient-sized buffer while the micro-batch runs). Logged once.",
+            self.step, source.rows[0][1], micro_step)
+
+    def _ensure_post_hook(self, source: GradSource) -> None:
+        """A post-accumulate hook on a split source's tensor, put on the first time it is
+        needed (inside the pre-hook of a pass: it runs after that pass's accumulation)."""
+        if source.index in self._post_hooked or source.tensor is None:
+            return
+        self._post_hooked.add(source.index)
+        hook = functools.partial(self._on_split_accumulated, source)
+        self._handles.append(source.tensor.register_post_accumulate_grad_hook(
+            self.errors.wrap("weight_grad unreduced hook", hook)))
+
+    def _on_split_accumulated(self, source: GradSource, tensor: torch.Tensor) -> None:
+        """After a pass of a micro-batch whose row is read from the accumulated gradient:
+        the micro-batch's passes so far (the last read is the whole)."""
+        if not self.active:
+            return
+        k = self._read_after.get(source.index)
+        if k is not None and tensor.grad is not None:
+            self._record(source, tensor.grad, k)
+
+    def _close_sum(self, index: int) -> None:
+        source, k, total = self._sums.pop(index)
+        self._record(source, total, k)
+
+    def _close_sums(self, chunk: Optional[int] = None) -> None:
+        """The rows of the micro-batches summed by the monitor that are over: those of
+        ``chunk``'s sources (a forward of it begins), or all."""
+        for index in [i for i, (s, _, _) in self._sums.items() if chunk is None or s.chunk == chunk]:
+            self._close_sum(index)
 
     def _on_accumulated_grad(self, source: GradSource, tensor: torch.Tensor) -> None:
         self._on_accumulated_value(source, tensor.grad)
@@ -263,11 +453,18 @@ class WeightGradMonitor(Monitor):
         """``grad``: the local gradient accumulated over this step's passes so far."""
         if not self.active:
             return
-        n = self._count_pass(source)
-        if source.reduces is not None and n < self.micro_batches and source.reduces():
-            self._reduced_early.add(source.index)
+        n, _ = self._count_pass(source)
+        index = source.index
+        if source.reduces is not None:
+            # FSDP2: a pass after one that reduce-scattered (and freed the unsharded
+            # gradient) accumulates from nothing: the step's whole never exists
+            if index in self._reduced_after and index not in self._reduced_early:
+                self._reduced_early.add(index)
+                self._drop(source, 0)
+            if source.reduces():
+                self._reduced_after.add(index)
         if n >= self.micro_batches and grad is not None:
-            if source.index in self._reduced_early:
+            if index in self._reduced_early:
                 self._warn_reduced_early(source)
                 return
             if callable(grad):  # built only for the row that is recorded
@@ -280,7 +477,7 @@ class WeightGradMonitor(Monitor):
         and read with the pass's others in one batch when the pass ends."""
         if not self.active:
             return
-        if self._count_pass(source) < self.micro_batches or grad is None:
+        if self._count_pass(source)[0] < self.micro_batches or grad is None:
             return
         task = _graph_task_id()
         if task < 0 or _in_compiled_autograd():  # no pass to wait for (or hooks run at trace time)
@@ -304,12 +501,13 @@ class WeightGradMonitor(Monitor):
 
     def _on_accumulated_grad_batched(self, source: GradSource, tensor: torch.Tensor) -> None:
         """``_on_accumulated_grad`` for a plain parameter, read at the end of the pass."""
-        n = self._passes.get(source.index, 0) + 1
-        self._passes[source.index] = n
         task = _graph_task_id()
         if self._checked_task != task:  # once per backward pass: what holds for all its hooks
             self._checked_task = task
             self._task_compiled = _in_compiled_autograd()
+            # a further pass of a micro-batch (a chunked loss) is counted in Python: the
+            # notes count every pass as a new micro-batch
+            self._task_regular = self._regular_pass()
             if self._batched and task >= 0 and _multi_process() and not _all_write_at_end(self._ddps):
                 # A data-parallel wrapper around the model given to start() (or one made
                 # after it) would all-reduce .grad during backward: from now on, read in
@@ -325,8 +523,14 @@ class WeightGradMonitor(Monitor):
             if self._queued_task != task:  # queued in every pass (a pass that reads nothing ends at once)
                 self._queued_task = task
                 _ENGINE.queue_callback(self._batch_site)
-            if self._notes is not None:  # the rest of this pass's hooks note in C (GradNote)
+            if self._notes is not None and self._task_regular:  # the rest of this pass's hooks note in C
                 self._notes.task = task
+                # the notes count each source once more, to at most its chunk's forwards
+                top = self._top
+                for c, forwards in enumerate(self._forwards):
+                    if forwards:
+                        top[c] = forwards
+        n, _ = self._count_pass(source)
         if n < self.micro_batches:
             return
         # Another post-accumulate hook may change .grad before the pass ends (an optimizer
@@ -387,10 +591,11 @@ class WeightGradMonitor(Monitor):
         self._once.warning(
             "reduced-early",
             "monitor_v2 weight_grad: at step %d FSDP2 reduce-scattered the gradient of '%s' (and others) "
-            "before the last of the %d micro-batches (gradient sync on for every micro-batch: no "
-            "set_requires_gradient_sync(False), or Accelerate's sync_each_batch=True), so the accumulated "
-            "local gradient of the step never exists: no accumulated 'unreduced' rows are written for such "
-            "parameters; monitor_mbs_grad=true gives each micro-batch's exact row. Logged once.",
+            "after a backward pass that was not the step's last to reach it (gradient sync on for every "
+            "micro-batch of the %d announced: no set_requires_gradient_sync(False), or Accelerate's "
+            "sync_each_batch=True; or on for each pass of a loss split into several backward passes), so the "
+            "accumulated local gradient of the step never exists: no accumulated 'unreduced' rows are written "
+            "for such parameters; monitor_mbs_grad=true gives each micro-batch's exact row. Logged once.",
             self.step, source.rows[0][1], self.micro_batches)
 
     # --------------------------------------------------------- optimizer step
@@ -399,6 +604,8 @@ class WeightGradMonitor(Monitor):
             return
         if self._pending or self._deferred or self._queued_task >= 0:
             self._read_batch_late()
+        if self._sums:  # the last micro-batch is over
+            self._close_sums()
         if not self.per_micro_batch:
             self._read_short_sources()
         # Read again, never reused from 'unreduced': code that edits gradients through
@@ -411,14 +618,15 @@ class WeightGradMonitor(Monitor):
             return
         short = [
             s for s in self.sources
-            if 0 < self._passes.get(s.index, 0) < self.micro_batches and s.slot not in self._unreduced
+            if 0 < self._micro_counts.get(s.index, 0) < self.micro_batches and s.slot not in self._unreduced
         ]
         if not short:
             return
         self._once.warning(
             "short",
             "monitor_v2 weight_grad: at step %d, %d parameter(s) (e.g. %s) got gradients in fewer "
-            "backward passes than the %d announced by grad_acc_steps/micro_batch_number; their "
+            "backward passes than the %d micro-batches announced by grad_acc_steps/micro_batch_number "
+            "(the passes between two training forwards of the model chunk count as one); their "
             "'unreduced' rows are read right before optimizer.step() (after any data-parallel "
             "reduction; not at all for FSDP-sharded parameters). Logged once.",
             self.step, len(short), short[0].rows[0][1], self.micro_batches,
@@ -430,9 +638,45 @@ class WeightGradMonitor(Monitor):
     def collect(self) -> List[Record]:
         if self._pending or self._deferred or self._queued_task >= 0:
             self._read_batch_late()
-        records = weight_grad_rows(self._unreduced, self._reduced, self._passes, self.micro_batches)
+        if self._sums:  # no optimizer step was seen: the micro-batches are over anyway
+            self._close_sums()
+        # the step's micro-batch count, passed as the announced one (no per-source counts)
+        records = weight_grad_rows(self._unreduced, self._reduced, {}, self._step_micro_batches())
         self._reset()
         return records
+
+    def _step_micro_batches(self) -> int:
+        """What the accumulated and ``reduced`` rows carry: the most micro-batches any
+        parameter saw (the announced count where no pass ran). A parameter whose chunk ran
+        no training forward in the step was counted by backward passes; where it got more
+        than the announced count the monitor cannot tell which passes belong to which
+        micro-batch: said once, and a declared count is taken at its word."""
+        counts = self._micro_counts
+        announced = self.micro_batches
+        if not counts:
+            return announced
+        unseen = [s for s in self.sources
+                  if counts.get(s.index, 0) > announced and not self._chunk_forwards(s.chunk)]
+        if not unseen:
+            return max(counts.values())
+        most = max(unseen, key=lambda s: counts[s.index])
+        if self.declared:
+            what = f"the {announced} micro-batch(es) declared by grad_acc_steps/micro_batch_number"
+            label = f"the accumulated and 'reduced' rows carry the declared {announced}"
+        else:
+            what = "the 1 micro-batch assumed (neither grad_acc_steps nor micro_batch_number was given)"
+            label = "the accumulated and 'reduced' rows carry the number of backward passes"
+        self._once.warning(
+            "ungrouped",
+            "monitor_v2 weight_grad: at step %d, '%s' got %d backward passes (%d parameter(s) got more passes "
+            "than micro-batches), more than %s, and no training forward of their model chunk (the model given to "
+            "start()) was seen in the step, so the monitor cannot tell which backward passes belong to which "
+            "micro-batch: %s, and monitor_mbs_grad rows are numbered by backward pass (each holds one pass's "
+            "gradient); the accumulated 'unreduced' row still holds the whole local gradient. Call the model given "
+            "to start() for each micro-batch, or declare the count. Logged once.",
+            self.step, most.rows[0][1], counts[most.index], len(unseen), what, label)
+        unseen_ids = {s.index for s in unseen}
+        return max(announced if self.declared and index in unseen_ids else n for index, n in counts.items())
 
     def detach(self) -> None:
         remove_all(self._handles)
@@ -458,6 +702,49 @@ class _BatchedGradHook(ContainedHook):
         else:
             (tensor,) = args
         self.monitor._on_accumulated_grad_batched(source, tensor)
+
+
+class _MicroBatchStart(ContainedHook):
+    """Forward pre-hook of model chunk ``index``: a training forward of it begins, where
+    a micro-batch may begin (``WeightGradMonitor._count_pass``). Forwards that train
+    nothing are not counted: without grad (evaluation, generation), a recomputation inside
+    backward (activation checkpointing), a framework's internal pass (``passes.py``),
+    a ``DataParallel`` replica's call (the replica carries its original's hooks)."""
+
+    __slots__ = ("index", "chunk_id")
+
+    def __init__(self, monitor: "WeightGradMonitor", index: int, chunk: torch.nn.Module) -> None:
+        super().__init__(monitor, "weight_grad micro-batch start")
+        self.index = index
+        self.chunk_id = id(chunk)  # not the module: the hook sits in the module's own dictionary
+
+    def run(self, module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        if id(module) != self.chunk_id or not torch.is_grad_enabled() or _graph_task_id() >= 0:
+            return
+        if internal_pass(args, kwargs) is None:
+            self.monitor._micro_batch_starts(self.index)
+
+
+# The monitor's sums run with the training's dispatch modes set aside, as the engine's
+# statistics do (a mode active around backward would record them as the model's ops).
+@outside_training_modes
+def _start_sum(grad: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's sum, the monitor's own tensor, from its first pass's gradient."""
+    with torch.no_grad():
+        return grad.detach().clone()
+
+
+@outside_training_modes
+def _add_to_sum(total: torch.Tensor, grad: torch.Tensor) -> None:
+    with torch.no_grad():
+        total.add_(grad.detach())
+
+
+def _count_declared(settings: Any, context: Any) -> bool:
+    """Whether the micro-batch count was given (config, ``start()``, or the training
+    stack's own, such as DeepSpeed's), rather than assumed to be 1."""
+    keys = ("micro_batch_number", "grad_acc_steps")
+    return any(settings.options.get(k) is not None for k in keys) or any(context.get(k) is not None for k in keys)
 
 
 _ENGINE = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
