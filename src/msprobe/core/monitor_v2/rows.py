@@ -1,6 +1,6 @@
 """What a row of the monitor's output is: the one place that says it.
 
-Every CSV file is ``<output_dir>/rank_<r>/<monitor>_step<a>-<b>.csv``; every row is
+Every CSV file is ``<output_dir>/rank_<r>/<monitor>_step<a>-<b>[.run<k>].csv``; every row is
 ``vpp_stage, step, module_name, scope[, micro_step], <ops>``. This module holds the
 monitor names in their fixed order, each monitor's scopes, the statistics (ops), the
 header and the way each ``module_name`` is composed. The monitors, the config, the
@@ -86,12 +86,24 @@ def header(ops: Sequence[str], with_micro_step: bool) -> List[str]:
 
 
 # -------------------------------------------------------------------- file names
-FILE_RE = re.compile(r"^(?P<monitor>[a-z_]+)_step(?P<a>\d+)-(?P<b>\d+)\.csv$")
+# ``<monitor>_step<a>-<b>.csv``, or ``<monitor>_step<a>-<b>.run<k>.csv`` (k >= 2): the file of
+# the same window written by another run that could not append to the plain one (its
+# header differs, or another live job holds the rank directory; see writer.py). ``run`` is
+# absent for the plain name (run 1).
+FILE_RE = re.compile(r"^(?P<monitor>[a-z_]+)_step(?P<a>\d+)-(?P<b>\d+)(?:\.run(?P<run>[2-9]|[1-9]\d+))?\.csv$")
 
 
-def file_name(monitor: str, first_step: int, last_step: int) -> str:
-    """The file of the window of steps ``first_step``..``last_step`` (``FILE_RE`` reads it)."""
-    return f"{monitor}_step{first_step}-{last_step}.csv"
+def file_name(monitor: str, first_step: int, last_step: int, run: int = 1) -> str:
+    """The file of the window of steps ``first_step``..``last_step`` written by run series
+    ``run`` (1: the plain name; ``FILE_RE`` reads both)."""
+    suffix = "" if run == 1 else f".run{run}"
+    return f"{monitor}_step{first_step}-{last_step}{suffix}.csv"
+
+
+def file_run(match: "re.Match[str]") -> int:
+    """The run series of a name ``FILE_RE`` matched (1 for the plain name)."""
+    run = match.group("run")
+    return 1 if run is None else int(run)
 
 
 # --------------------------------------------------------------------- row names

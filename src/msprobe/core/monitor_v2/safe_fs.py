@@ -37,6 +37,7 @@ import contextlib
 import errno
 import io
 import os
+import re
 import secrets
 import stat
 from typing import IO, Iterator, List, Optional, Tuple
@@ -471,6 +472,127 @@ def read_own_file(path: str) -> bytes:
             chunks.append(chunk)
     finally:
         os.close(fd)
+
+
+# -------------------------------------------------------------------------- locks
+class LockHeld(Exception):
+    """Another open lock file (another live process) holds the lock: ``holder`` is what it
+    wrote there, ``"process <pid> on host <name>"``, or "" when that cannot be read."""
+
+    def __init__(self, path: str, holder: str) -> None:
+        super().__init__(f"{path} is held by {holder or 'another process'}")
+        self.path = path
+        self.holder = holder
+
+
+_HOLDER_RE = re.compile(rb"^(\d{1,10}) ([A-Za-z0-9._-]{1,253})\n$")
+
+
+class DirLock:
+    """An advisory lock (``flock``) on a lock file this package names in a directory of
+    its own, held until :meth:`release`, or until the process dies (the kernel drops it:
+    a job killed by SIGKILL never leaves the directory locked).
+
+    The file is opened as :func:`open_append` opens a file (never through a link, created
+    exclusively with mode 0640, else a regular file of this user with one link) and holds
+    ``<pid> <host>`` of the holder, for the message of the next process that finds it held.
+    :meth:`release` removes it, so a run leaves no lock file behind; a process that finds
+    the name gone or replaced after it got the lock (a holder removed it in between) tries
+    again, so two processes never both hold the name."""
+
+    def __init__(self, dir_fd: int, name: str, fd: int, path: str) -> None:
+        self._dir_fd: Optional[int] = dir_fd
+        self._fd: Optional[int] = fd
+        self.name = name
+        self.path = path
+        self._pid = os.getpid()  # a forked child shares the lock: only this process releases it
+
+    @classmethod
+    def acquire(cls, directory: str, name: str, mode: Optional[int] = None) -> "DirLock":
+        """Take the lock ``name`` in ``directory`` without waiting. ``LockHeld`` when another
+        live process holds it; ``OSError`` when the file system cannot lock (``ENOLCK``,
+        ``EOPNOTSUPP``...) or the name is refused (``UnsafePathError``: a link, a FIFO...)."""
+        import fcntl
+        import socket
+
+        mode = file_mode() if mode is None else mode
+        path = os.path.join(directory, name)
+        dir_fd = _open_parent(path)
+        try:
+            for _ in range(10):  # a holder removing the name at the same time: open it again
+                fd, _created = _open_append_at(dir_fd, path, mode)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = _lock_holder(fd)
+                    os.close(fd)
+                    raise LockHeld(path, holder) from None
+                except BaseException:
+                    os.close(fd)
+                    raise
+                if _names(dir_fd, name, fd):
+                    os.ftruncate(fd, 0)
+                    write_all(fd, f"{os.getpid()} {socket.gethostname()}\n".encode("ascii", "replace"))
+                    return cls(dir_fd, name, fd, path)
+                os.close(fd)  # the name was removed (or replaced) before the lock came: not ours
+            raise _refuse(path, "it keeps being removed and created again while being locked")
+        except BaseException:
+            os.close(dir_fd)
+            raise
+
+    def release(self) -> None:
+        """Remove the lock file (if it is still this one) and drop the lock. Idempotent;
+        in a forked child it only closes the child's descriptors (the parent keeps the lock)."""
+        fd, dir_fd = self._fd, self._dir_fd
+        self._fd = self._dir_fd = None
+        if fd is None or dir_fd is None:
+            return
+        try:
+            if os.getpid() == self._pid:
+                import fcntl
+
+                try:
+                    if _names(dir_fd, self.name, fd):
+                        os.unlink(self.name, dir_fd=dir_fd)  # before the unlock: see the class
+                except OSError:
+                    pass
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                except OSError:
+                    pass
+        finally:
+            os.close(fd)
+            os.close(dir_fd)
+
+    def __del__(self) -> None:
+        # never unlocks: closing the descriptors drops the lock only when no forked child
+        # shares them, as the kernel does at exit
+        for fd in (self._fd, self._dir_fd):
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
+def _names(dir_fd: int, name: str, fd: int) -> bool:
+    """Whether ``name`` in the directory is still the file open as ``fd``."""
+    try:
+        by_name = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    held = os.fstat(fd)
+    return (by_name.st_dev, by_name.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _lock_holder(fd: int) -> str:
+    """``"process <pid> on host <name>"`` from a lock file, or "" when it holds anything else
+    (nothing else a file holds is ever shown)."""
+    try:
+        m = _HOLDER_RE.match(os.pread(fd, 300, 0))
+    except OSError:
+        return ""
+    return f"process {m.group(1).decode()} on host {m.group(2).decode()}" if m else ""
 
 
 # ----------------------------------------------------------------- replaced files

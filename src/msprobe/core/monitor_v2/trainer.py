@@ -591,7 +591,9 @@ class TrainerMonitorV2:
         rows), never the schedule's count; the command to read it only when there is
         something to read."""
         lost = len(self._writer.lost_steps)
-        # a step counts as lost when any of its rows is (docs/long-runs.md): never both
+        # steps lost whole are never among the written ones; a step written in part (some
+        # monitors' files got its rows) is, and is said as such (docs/long-runs.md)
+        partly = len(self._writer.partly_lost_steps)
         steps = len(self._writer.written_steps - self._writer.lost_steps)
         rows = self._writer.written_rows
         head = f"monitor_v2: rank {self.rank} stopped after {self._step} steps"
@@ -602,9 +604,11 @@ class TrainerMonitorV2:
             return
         from .analysis.command import command_line  # light: no Polars on the training side
 
+        losses = ", ".join(([f"{lost} step(s) lost"] if lost else [])
+                           + ([f"{partly} written in part"] if partly else []))
         _announce(
             f"{head}; wrote {rows} rows of {steps} step(s)"
-            + (f" ({lost} step(s) lost: see the warning above)" if lost else "")
+            + (f" ({losses}: see the warning above)" if losses else "")
             + f" to {self.rank_dir}; its own code took {self.errors.busy:.3f} s on the training path "
             f"({1e3 * self.errors.busy / max(1, steps):.1f} ms per written step). "
             f"Read them: {command_line('summary', self.config.output_dir)}")

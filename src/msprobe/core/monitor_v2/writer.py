@@ -6,14 +6,29 @@ does the merging, formatting and writing on a background thread; ``close()`` (ca
 ``stop()`` and at interpreter exit) drains it.
 
 Output problems while training never reach the training code and never make ``stop()``
-raise. A step whose write fails (a full disk, a quota) is rolled back, so a file never
-holds half a step and no empty file is left behind; the first failure and the recovery
-are logged once each, and ``close()`` logs what was lost, with counts. A removed output
+raise. A step whose write to a file fails (a full disk, a quota) is rolled back, so a file
+never holds half a step and no empty file is left behind; the first failure and the
+recovery are logged once each, and ``close()`` logs what was lost, with counts: steps lost
+whole, and steps written in part (some monitors' files got their rows, others not). A removed output
 directory (or a deleted file) is re-created and writing goes on. Names that a CSV cannot
 hold on one line (control characters) or that UTF-8 cannot encode (lone surrogates) are
 written escaped: see ``csv_text``; a text cell that a spreadsheet would run as a formula
 gets a leading single quote: see ``csv_cell``. Files and directories are opened and created
 through ``safe_fs`` (no link followed, modes 0640/0750, nothing that blocks).
+
+Runs that share a rank directory (see docs/output-format.md, "Files"):
+
+- A file is appended to only when it starts with this run's header: a re-run with other
+  ``ops`` (or another column set) writes beside it, into ``<monitor>_step<a>-<b>.run<k>.csv``
+  (the first ``k`` whose file is absent or has this header), said once per run.
+- While a writer runs it holds an advisory lock on ``rank_<r>/.csv-writer.lock``
+  (``safe_fs.DirLock``: released at ``close()``, or by the kernel when the process dies). A
+  second live job finds it held, says so once at ``start()`` and writes its own series of
+  ``.run<k>`` files (each series has its own lock, ``.csv-writer.run<k>.lock``): two jobs
+  never append to one file, so no file gets two headers or the rows of two jobs.
+- A file that ends in the middle of a row (an earlier run killed while writing it) has
+  that incomplete row cut off before anything is appended: the new rows start on a line
+  of their own; the cut row is counted as lost and said once, naming the file.
 """
 
 import atexit
@@ -32,7 +47,7 @@ from . import native, safe_fs
 from .alert import Alerter
 from .errors import OutputError, UnsafePathError
 from .logonce import LogOnce
-from .rows import file_name, header
+from .rows import ALL_OPS, BASE_COLUMNS, MICRO_STEP, file_name, header
 from .schedule import StepSchedule
 from .stats import Record, Row, RowFields, merge_fields
 
@@ -44,6 +59,18 @@ logger = logging.getLogger("msprobe.monitor_v2")
 # After this many fail/recover episodes the transitions are no longer logged one by one
 # (a disk that fills and frees every step must not flood the log); close() still counts all.
 _EPISODES_LOGGED = 5
+# The run series of a rank directory: 1 writes the plain file names, k >= 2 the names
+# ``.run<k>.csv``; each has its own lock file. Past the last one nothing is written.
+_MAX_SERIES = 1000
+# Files whose cut last row is named one by one (then only counted).
+_CUT_FILES_NAMED = 20
+# What an existing file is to this run (``_check_existing``).
+_NEW, _APPEND, _OTHER = "new", "append", "other"
+
+
+def _lock_name(series: int) -> str:
+    """The lock file of a run series in the rank directory (hidden: not an output file)."""
+    return ".csv-writer.lock" if series == 1 else f".csv-writer.run{series}.lock"
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -207,9 +234,17 @@ class CsvWriter:
         self._since: Dict[str, int] = {}
         self._files: Dict[str, _OpenFile] = {}
         self._once = LogOnce()
-        # losses: steps with rows that never reached the disk, how many rows, the first error
+        # losses: steps none of whose rows reached the disk and their rows; steps written in
+        # part (a monitor's file got its rows, another's did not: a disk freed in between) and
+        # the rows they lack; the first error
         self.lost_steps: Set[int] = set()
         self.lost_rows = 0
+        self.partly_lost_steps: Set[int] = set()
+        self.partly_lost_rows = 0
+        self._partly_monitors: Set[str] = set()
+        # rows earlier runs left cut mid-line, cut off before appending (files named once)
+        self.cut_rows = 0
+        self._cut_files: List[str] = []
         # what reached the disk: the end-of-run line counts these, not the schedule
         self.written_steps: Set[int] = set()
         self.written_rows = 0
@@ -217,6 +252,7 @@ class CsvWriter:
         self._failing = False
         self._episodes = 0
         self._lost_in_episode: Set[int] = set()
+        self._partly_in_episode: Set[int] = set()
         self._refused: Set[str] = set()
         self._running: Set[str] = set(self.outputs)  # monitors whose rows come now
         # run once, right before the first CSV file is opened (the trainer writes
@@ -232,6 +268,14 @@ class CsvWriter:
         self._format_records = None if ext is None else ext.format_records
         self._cells = _CELLS
         self._make_rank_dir()
+        # run series -> its lock; why locking is not possible here (then no series is locked)
+        self._locks: Dict[int, safe_fs.DirLock] = {}
+        self._unlockable: Optional[str] = None
+        # the series this run writes (1 unless another live job holds it), and per monitor the
+        # series its files went to (a file of another header moves the monitor to the next)
+        self._base = self._first_series()
+        self._series: Dict[str, int] = {}
+        self._other_header_said = False
 
     def _make_rank_dir(self) -> None:
         """Create ``rank_<r>`` (0750) or check the existing one: never a link, owned by
@@ -255,6 +299,61 @@ class CsvWriter:
                 f"Check that output_dir is a writable directory, or choose another output_dir."
             ) from None
 
+    # ------------------------------------------------------------------ locks
+    def _first_series(self) -> int:
+        """Lock the first run series no other live job holds (1 unless a job is writing to
+        this rank directory now); said once, here at ``start()``, when it is not 1."""
+        holders: List[str] = []
+        for series in range(1, _MAX_SERIES):
+            holder = self._take_series(series)
+            if holder is None:
+                break
+            holders.append(holder)
+        else:
+            raise OutputError(f"monitor_v2: cannot write to {self.rank_dir}: {_MAX_SERIES - 1} other live jobs hold "
+                              f"its run locks; give this job its own output_dir")
+        if holders:
+            logger.warning(
+                "monitor_v2: another job is writing to %s right now (%s holds its lock %s). Two jobs appending to "
+                "the same files would mix their rows, so this run writes its own files beside them, named "
+                "<monitor>_step<a>-<b>.run%d.csv (msprobe-monitor reads them with the others). Give each job its "
+                "own output_dir to keep them apart.",
+                self.rank_dir, holders[0] or "another process", _lock_name(1), series)
+        return series
+
+    def _take_series(self, series: int) -> Optional[str]:
+        """None when this writer may write run series ``series`` (its lock is now held, or
+        the directory cannot be locked at all: said once); else who holds it."""
+        if series in self._locks or self._unlockable is not None:
+            return None
+        try:
+            self._locks[series] = safe_fs.DirLock.acquire(self.rank_dir, _lock_name(series), self._file_mode)
+        except safe_fs.LockHeld as held:
+            return held.holder or "another process"
+        except OSError as exc:
+            self._unlockable = _describe_os_error(exc)
+            logger.warning(
+                "monitor_v2: cannot lock %s (%s); a second job writing to the same output_dir at the same time "
+                "would not be detected, and both would append to the same files. Give each job its own "
+                "output_dir.", self.rank_dir, self._unlockable)
+        return None
+
+    def _next_series(self, series: int) -> int:
+        """The first run series after ``series`` that no other live job holds (locked now)."""
+        for later in range(series + 1, _MAX_SERIES):
+            if self._take_series(later) is None:
+                return later
+        raise OutputError(f"monitor_v2: no run series is left in {self.rank_dir} (.run2 to .run{_MAX_SERIES - 1} "
+                          f"are all in use); give this job its own output_dir")
+
+    def _release_locks(self) -> None:
+        locks, self._locks = self._locks, {}
+        for lock in locks.values():
+            try:
+                lock.release()
+            except OSError:
+                pass
+
     def _window(self, monitor: str, step: int) -> Tuple[int, int]:
         a, b = self.schedule.window(step)
         since = self._since.get(monitor)
@@ -264,7 +363,7 @@ class CsvWriter:
 
     def path(self, monitor: str, step: int) -> str:
         a, b = self._window(monitor, step)
-        return os.path.join(self.rank_dir, file_name(monitor, a, b))
+        return os.path.join(self.rank_dir, file_name(monitor, a, b, self._series.get(monitor, self._base)))
 
     def update_outputs(self, step: int, outputs: Sequence[MonitorOutput], schedule: StepSchedule) -> None:
         """Monitors turned on, off or changed mid-run (``dynamic.py``), from ``step`` on:
@@ -320,12 +419,13 @@ class CsvWriter:
             return safe_fs.open_append(path, self._file_mode)
 
     def _open(self, monitor: str, step: int) -> Tuple[_OpenFile, bool]:
-        """The file of the step's window and whether it still needs its header."""
+        """The file of the step's window and whether it still needs its header: the
+        monitor's file of its run series, or, when that one starts with another header,
+        the first later series' file that is new or starts with this run's header."""
         window = self._window(monitor, step)
         current = self._current(monitor, window)
         if current is not None:
             return current, False
-        path = self.path(monitor, step)
         if self.before_first_file is not None:
             first, self.before_first_file = self.before_first_file, None
             try:
@@ -333,32 +433,118 @@ class CsvWriter:
             except (OSError, OutputError) as exc:
                 self._once.warning("companion", "monitor_v2: %s; the CSV files are written as usual. Logged once.",
                                    exc)
-        fd, _created = self._open_fd(path)
-        opened = _OpenFile(window, path, fd)
-        existing = os.fstat(fd).st_size > 0
-        if existing:
-            self._check_existing(monitor, opened)
+        series = self._series.get(monitor, self._base)
+        other: Optional[Tuple[str, str]] = None  # the first file of another header, and how it differs
+        while True:
+            path = os.path.join(self.rank_dir, file_name(monitor, window[0], window[1], series))
+            fd, _created = self._open_fd(path)
+            opened = _OpenFile(window, path, fd)
+            try:
+                state, differs = self._check_existing(monitor, opened)
+            except BaseException:
+                opened.close()
+                raise
+            if state != _OTHER:
+                break
+            opened.close()
+            if other is None:
+                other = (os.path.basename(path), differs)
+            series = self._next_series(series)
+        if other is not None:
+            self._say_other_header(other[0], other[1], os.path.basename(path), series)
+        self._series[monitor] = series
         self._files[monitor] = opened
-        return opened, not existing
+        return opened, state == _NEW
 
-    def _check_existing(self, monitor: str, opened: _OpenFile) -> None:
-        path = opened.path
+    def _check_existing(self, monitor: str, opened: _OpenFile) -> Tuple[str, str]:
+        """``(state, how)``: ``_NEW`` (empty: it gets the header), ``_APPEND`` (it starts with
+        this run's header; a row cut mid-line at its end is cut off first) or ``_OTHER``
+        (another header, or none: never appended to; ``how`` says how it differs).
+
+        Read through the descriptor just checked, never by name again. Of what the file
+        holds only column names this version writes are ever shown (it may not be ours
+        to show)."""
+        fd = opened.fd
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return _NEW, ""
+        expected = (",".join(self.outputs[monitor].header) + "\n").encode("utf-8")
+        head = os.pread(fd, len(expected), 0)
+        if head != expected:
+            if size == len(head) and b"\n" not in head and expected.startswith(head):
+                try:  # it holds only the start of this header: a run killed while creating it
+                    self._cut_off(opened, 0, size, "header")
+                    return _NEW, ""
+                except OSError:
+                    pass
+            return _OTHER, self._header_difference(monitor, fd)
         self._once.warning(
             "append",
             "monitor_v2: %s already holds CSV files (e.g. %s); appending to them. Use another "
-            "output_dir to keep runs apart.", self.rank_dir, os.path.basename(path),
+            "output_dir to keep runs apart.", self.rank_dir, os.path.basename(opened.path),
         )
-        expected = ",".join(self.outputs[monitor].header)
-        # read through the descriptor just checked, never by name again; and never log what
-        # the file holds (it may not be ours to show): only that it differs
+        if os.pread(fd, 1, size - 1) != b"\n":
+            keep = _last_line_end(fd, size)
+            try:
+                self._cut_off(opened, keep, size, "row")
+            except OSError as exc:  # an append-only file: rows appended would be glued to the cut one
+                return _OTHER, (f"its last row was cut mid-line by a run that was killed, and cannot be cut off "
+                                f"({_describe_os_error(exc)})")
+        return _APPEND, ""
+
+    def _header_difference(self, monitor: str, fd: int) -> str:
+        """How the first line of a file differs from this run's header, in column names this
+        version writes; a line of anything else is not shown."""
+        mine = self.outputs[monitor].header
         try:
-            first = os.pread(opened.fd, len(expected) + 1, 0)
-        except OSError:
+            line = os.pread(fd, 4096, 0).split(b"\n", 1)[0].decode("ascii")
+        except (OSError, UnicodeDecodeError):
+            line = ""
+        known = set(BASE_COLUMNS) | {MICRO_STEP} | set(ALL_OPS)
+        theirs = line.rstrip("\r").split(",") if line else []
+        if not theirs or not set(theirs) <= known or len(set(theirs)) != len(theirs):
+            return f"it does not start with a header this version writes; this run writes {','.join(mine)}"
+        only_theirs = [c for c in theirs if c not in mine]
+        only_mine = [c for c in mine if c not in theirs]
+        if not only_theirs and not only_mine:
+            return f"other columns: the same in another order ({','.join(theirs)}; this run writes {','.join(mine)})"
+        parts = []
+        if only_theirs:
+            parts.append(f"column(s) {','.join(only_theirs)} only there")
+        if only_mine:
+            parts.append(f"column(s) {','.join(only_mine)} only in this run")
+        return f"other columns: {' and '.join(parts)} (there: {','.join(theirs)}; this run: {','.join(mine)})"
+
+    def _say_other_header(self, old: str, how: str, new: str, series: int) -> None:
+        """Once per run: files this run cannot append to are left alone; where it writes instead."""
+        if self._other_header_said:
             return
-        if first != (expected + "\n").encode("utf-8"):
-            logger.warning("monitor_v2: %s does not start with the header this run writes (%s); rows are "
-                           "appended after it: keep runs with other settings in another output_dir",
-                           path, expected)
+        self._other_header_said = True
+        logger.warning(
+            "monitor_v2: %s holds files of an earlier run that this run cannot append to (%s: %s). They are left "
+            "as they are: this run writes beside them, into files named <monitor>_step<a>-<b>.run%d.csv (e.g. %s; "
+            "msprobe-monitor reads them with the others), for every such file. Said once per run; use another "
+            "output_dir to keep runs with other settings apart.",
+            self.rank_dir, old, how, series, new)
+
+    def _cut_off(self, opened: _OpenFile, keep: int, size: int, what: str) -> None:
+        """Cut an incomplete last row (or header) that a killed run left, so that the rows
+        appended start on a line of their own; counted as lost and named once per file.
+        ``OSError`` where the file cannot be cut (an append-only file): it is then not
+        appended to at all (a newline after the cut row would make its cut last value
+        read as a whole one)."""
+        os.ftruncate(opened.fd, keep)
+        if what == "row":
+            self.cut_rows += 1
+        name = os.path.basename(opened.path)
+        if name in self._cut_files or len(self._cut_files) >= _CUT_FILES_NAMED:
+            return
+        self._cut_files.append(name)
+        logger.warning(
+            "monitor_v2: %s ended in the middle of a %s (an earlier run was killed while writing it): that incomplete "
+            "%s (%d byte(s)) is lost and was cut off, so that this run's rows start on a line of their own%s.",
+            opened.path, what, what, size - keep,
+            "" if len(self._cut_files) < _CUT_FILES_NAMED else " (further such files are only counted)")
 
     # ------------------------------------------------------------------ rows
     def _header(self, monitor: str, with_header: bool) -> bytes:
@@ -474,6 +660,8 @@ class CsvWriter:
                     logger.error("monitor_v2: handing step %s to the sinks failed: %r", step, exc)
             del merged
         failure: Optional[BaseException] = None
+        lost = 0
+        failed: List[str] = []
         for monitor, recs in records.items():
             n = 0
             try:
@@ -487,15 +675,31 @@ class CsvWriter:
                     self.written_steps.add(step)
             except Exception as exc:  # noqa: BLE001 - output problems are counted, never raised
                 failure = failure or exc
-                self.lost_rows += n or _merged_count(recs)
+                lost += n or _merged_count(recs)
+                failed.append(monitor)
                 if isinstance(exc, UnsafePathError):
                     self._note_refused(monitor, exc)
                 if not isinstance(exc, OSError) and self._first_error is None:
                     logger.error("monitor_v2: writing %s rows of step %s failed", monitor, step, exc_info=exc)
         if failure is not None:
+            self._count_loss(step, lost, failed)
             self._on_failure(step, failure)
         elif self._failing:
             self._on_recovery(step)
+
+    def _count_loss(self, step: int, rows: int, monitors: Sequence[str]) -> None:
+        """``rows`` of ``step`` did not reach the disk: the step is lost whole when none of
+        its rows did, else written in part (each file holds a step whole or not at all, but
+        a step's files are written one after another: a disk freed in between lands some)."""
+        if step in self.written_steps:
+            self.partly_lost_steps.add(step)
+            self.partly_lost_rows += rows
+            self._partly_monitors.update(monitors)
+            self._partly_in_episode.add(step)
+        else:
+            self.lost_steps.add(step)
+            self.lost_rows += rows
+            self._lost_in_episode.add(step)
 
     def _note_refused(self, monitor: str, exc: UnsafePathError) -> None:
         """Each path refused (a link, a FIFO, another user's file) is named once: a
@@ -507,8 +711,6 @@ class CsvWriter:
                        exc.strerror, monitor)
 
     def _on_failure(self, step: int, exc: BaseException) -> None:
-        self.lost_steps.add(step)
-        self._lost_in_episode.add(step)
         if self._first_error is None:
             self._first_error = _describe_os_error(exc)
         if self._failing:
@@ -517,9 +719,9 @@ class CsvWriter:
         self._episodes += 1
         if self._episodes <= _EPISODES_LOGGED:
             logger.warning(
-                "monitor_v2: cannot write step %d to %s: %s. Training goes on; the rows of the steps that "
-                "cannot be written are lost (a step is written whole or not at all). Logged once until "
-                "writing works again.%s", step, self.rank_dir, _describe_os_error(exc),
+                "monitor_v2: cannot write step %d to %s: %s. Training goes on; the rows that cannot be written "
+                "are lost (each file gets a step's rows whole or not at all). Logged once until writing works "
+                "again.%s", step, self.rank_dir, _describe_os_error(exc),
                 " Later episodes are only counted (see the summary at stop())." if self._episodes == _EPISODES_LOGGED
                 else "",
             )
@@ -527,15 +729,17 @@ class CsvWriter:
     def _on_recovery(self, step: int) -> None:
         self._failing = False
         lost, self._lost_in_episode = self._lost_in_episode, set()
+        partly, self._partly_in_episode = self._partly_in_episode, set()
         if self._episodes <= _EPISODES_LOGGED:
-            logger.warning("monitor_v2: writing to %s works again from step %d; %d step(s) were lost (%s).",
-                           self.rank_dir, step, len(lost), _ranges(lost))
+            said = f"{len(lost)} step(s) were lost ({_ranges(lost)})" if lost else "no step was lost whole"
+            if partly:
+                said += f"; {len(partly)} step(s) were written in part ({_ranges(partly)})"
+            logger.warning("monitor_v2: writing to %s works again from step %d; %s.", self.rank_dir, step, said)
 
     def report_lost(self, step: int, exc: BaseException, rows: int = 0) -> None:
         """A step that never reached ``write_step`` (its statistics failed to reach the host)
         and the ``rows`` it would have written."""
-        self.lost_steps.add(step)
-        self.lost_rows += rows
+        self._count_loss(step, rows, ())
         if self._first_error is None:
             self._first_error = repr(exc)
 
@@ -543,18 +747,50 @@ class CsvWriter:
         """In a forked child: nothing to undo (the child never writes; see the trainer)."""
 
     def close(self) -> None:
-        """Close the files; log what was lost. Never raises."""
+        """Close the files, then drop the run's locks; log what was lost. Never raises."""
         for opened in self._files.values():
             opened.close()
         self._files.clear()
+        self._release_locks()
         if self.sinks is not None:
             self.sinks.close()
+        said = self.loss_summary()
+        if said:
+            logger.warning("monitor_v2: %s", said)
+
+    def loss_summary(self) -> str:
+        """What ``close()`` says was lost ("" when nothing was): steps lost whole, steps
+        written in part, rows that earlier runs left cut mid-line; counts match the disk."""
+        parts = []
         if self.lost_steps:
-            logger.warning(
-                "monitor_v2: %d step(s) of output were lost (%d row(s)) in %s: steps %s. First error: %s.",
-                len(self.lost_steps), self.lost_rows, self.rank_dir, _ranges(self.lost_steps),
-                self._first_error,
-            )
+            parts.append(f"{len(self.lost_steps)} step(s) of output were lost ({self.lost_rows} row(s)) in "
+                         f"{self.rank_dir}: steps {_ranges(self.lost_steps)}")
+        if self.partly_lost_steps:
+            monitors = ", ".join(sorted(self._partly_monitors)) or "some monitors"
+            where = "" if parts else f" in {self.rank_dir}"
+            parts.append(f"{len(self.partly_lost_steps)} step(s) were written in part{where} ({self.partly_lost_rows} "
+                         f"row(s) lost: the files of {monitors} lack them, the other monitors' rows are on disk): "
+                         f"steps {_ranges(self.partly_lost_steps)}")
+        if self.cut_rows:
+            where = "" if parts else f" in {self.rank_dir}"
+            parts.append(f"{self.cut_rows} incomplete row(s) that earlier runs left cut mid-line{where} were cut off "
+                         f"before appending (named above)")
+        if not parts:
+            return ""
+        error = f" First error: {self._first_error}." if self._first_error is not None else ""
+        return "; ".join(parts) + "." + error
+
+
+def _last_line_end(fd: int, size: int) -> int:
+    """The offset just after the last newline of the file (0 when it has none)."""
+    end = size
+    while end > 0:
+        start = max(0, end - (1 << 16))
+        at = os.pread(fd, end - start, start).rfind(b"\n")
+        if at >= 0:
+            return start + at + 1
+        end = start
+    return 0
 
 
 def _merged_count(records: List[Record]) -> int:
@@ -597,6 +833,10 @@ class AsyncCsvWriter:
     @property
     def lost_steps(self) -> Set[int]:
         return self._writer.lost_steps
+
+    @property
+    def partly_lost_steps(self) -> Set[int]:
+        return self._writer.partly_lost_steps
 
     @property
     def written_steps(self) -> Set[int]:

@@ -1,7 +1,10 @@
 """Finding and streaming the monitor's CSV files, with precise messages for bad input.
 
-Layout: ``<output_dir>/rank_<r>/<monitor>_step<a>-<b>.csv``. Files are read one row at
-a time with the ``csv`` module; nothing keeps a whole file in memory.
+Layout: ``<output_dir>/rank_<r>/<monitor>_step<a>-<b>.csv``, and
+``<monitor>_step<a>-<b>.run<k>.csv`` for the same window written by another run (a re-run
+with other columns, or a second job that wrote while the first one ran): a file of its
+own, listed after the plain one (by ``k``). Files are read one row at a time with the
+``csv`` module; nothing keeps a whole file in memory.
 
 A **merged view** (the ``DEST`` of ``msprobe-monitor merge``, recognised by its
 ``merge.json``) is read the same way: ``DEST/<monitor>.csv``, columns
@@ -28,7 +31,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 
 from .. import rows
 from ..errors import UnsafePathError
-from ..rows import BASE_COLUMNS, COUNT_OPS, FILE_RE, MICRO_STEP, MICRO_STEP_MONITORS, MONITORS
+from ..rows import BASE_COLUMNS, COUNT_OPS, FILE_RE, MICRO_STEP, MICRO_STEP_MONITORS, MONITORS, file_run
 from ..safe_fs import open_regular
 
 # Every statistic a file can have, in the order of the columns in every file: the five
@@ -107,6 +110,7 @@ class CsvFile:
     last: int   # last step of the file's window
     path: str
     merged: bool = False  # a merged view's <monitor>.csv (no vpp_stage, optional dp_rank)
+    run: int = 1  # the run series of the name: 1 plain, k for <monitor>_step<a>-<b>.run<k>.csv
 
 
 @dataclass
@@ -249,14 +253,14 @@ def scan(root: str, ranks: Optional[Sequence[int]] = None, monitors: Optional[Se
                 if (lo is not None and b < lo) or (hi is not None and a > hi):
                     continue
             per_monitor.setdefault(monitor, []).append(
-                CsvFile(rank, monitor, a, b, os.path.join(rank_dirs[rank], name)))
+                CsvFile(rank, monitor, a, b, os.path.join(rank_dirs[rank], name), run=file_run(fm)))
         for files in per_monitor.values():
-            files.sort(key=lambda f: (f.first, f.last))
+            files.sort(key=lambda f: (f.first, f.last, f.run))
         if per_monitor:
             layout.files[rank] = per_monitor
     if not layout.files:
         if not seen_any:
-            raise InputError(f"{root}: the rank_<r> directories hold no <monitor>_step<a>-<b>.csv files")
+            raise InputError(f"{root}: the rank_<r> directories hold no <monitor>_step<a>-<b>[.run<k>].csv files")
         raise InputError(f"{root}: no CSV file matches the --ranks/--monitors/--steps selection")
     return layout
 
