@@ -242,10 +242,11 @@ class CallRecorder(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def seen_by_mode(write_config, kind: str, monitored: bool) -> Any:
+def seen_by_mode(write_config, kind: str, monitored: bool, extra: Optional[Dict[str, Any]] = None) -> Any:
     """What a mode of ``kind`` entered around each whole training step (forward, backward,
     the optimizer's step, which ends the monitor's step) saw, under selective
-    checkpointing, with or without the monitor."""
+    checkpointing, with or without the monitor (its config: every monitor but cc, plus
+    ``extra``)."""
     from torch.utils._debug_mode import DebugMode
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -253,7 +254,7 @@ def seen_by_mode(write_config, kind: str, monitored: bool) -> Any:
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     mon = None
     if monitored:
-        mon = TrainerMonitorV2(write_config({"monitors": ALL_BUT_CC}))
+        mon = TrainerMonitorV2(write_config({"monitors": ALL_BUT_CC, **(extra or {})}))
         mon.start(model=model, optimizer=opt)
     seen: List[Any] = []
     try:
@@ -290,6 +291,18 @@ def test_a_dispatch_mode_around_training_sees_what_it_sees_without_the_monitor(w
     if kind == "flops":
         assert watched == plain and plain[0] > 0
         return
+    for step, (a, b) in enumerate(zip(plain, watched)):
+        assert b == a, (step, sorted((collections.Counter(b) - collections.Counter(a)).items())[:10])
+
+
+def test_the_pre_update_gradient_check_of_alert_dump_is_not_seen_by_a_mode(write_config):
+    """With ``alert.dump`` the optimizer's pre-step hook checks every gradient for NaN/Inf
+    (``_foreach_norm``, ``isfinite``): work of the monitor's own, not seen by a mode
+    entered around the step either."""
+    dump = {"alert": {"dump": True}}
+    plain = seen_by_mode(write_config, "dispatch", monitored=False)
+    watched = seen_by_mode(write_config, "dispatch", monitored=True, extra=dump)
+    assert plain and plain[0]
     for step, (a, b) in enumerate(zip(plain, watched)):
         assert b == a, (step, sorted((collections.Counter(b) - collections.Counter(a)).items())[:10])
 

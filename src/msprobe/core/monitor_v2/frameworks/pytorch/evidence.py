@@ -16,6 +16,7 @@ from typing import Any, Dict, IO, List, Tuple
 import torch
 
 from ...evidence import GradientGuardBase
+from .stats import outside_training_modes
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -46,6 +47,7 @@ class GradientGuard(GradientGuardBase):
         t = _local(t.detach())
         return t, t.numel() * t.element_size(), list(t.shape), str(t.dtype).replace("torch.", "")
 
+    @outside_training_modes
     def _copy(self, t: Any) -> Any:
         return t.to("cpu", copy=True)
 
@@ -53,9 +55,12 @@ class GradientGuard(GradientGuardBase):
         torch.save(payload, fh)
 
 
+@outside_training_modes
 def nonfinite_positions(grads: List[torch.Tensor]) -> List[int]:
     """Indices of the gradients with a NaN or Inf element. One host sync per device when
-    every gradient is finite; one more to find which ones when not."""
+    every gradient is finite; one more to find which ones when not. Like the statistics
+    engine's work, outside the training's dispatch modes (a user's mode around the
+    optimizer step never sees it)."""
     by_device: Dict[Any, List[torch.Tensor]] = {}
     for g in grads:
         by_device.setdefault(_local(g).device, []).append(_local(g))
