@@ -1,0 +1,572 @@
+"""What the PyTorch statistics engine costs on an accelerator, measured without one.
+
+    .venv/bin/python benchmarks/device_cost.py                 # the three workloads, full shapes
+    .venv/bin/python benchmarks/device_cost.py --smoke         # small shapes (the test's)
+    .venv/bin/python benchmarks/device_cost.py --json cost.json
+
+The engine's accelerator branches run on ``FakeTensorMode`` tensors whose device is
+``cuda``: every branch a GPU takes runs, shapes and dtypes are real (a 7B model's 131M-element
+embedding gradient included), and no memory is allocated. A ``TorchDispatchMode`` under the
+engine sees every ATen op it issues. What it counts is **measured**:
+
+- launches: ATen ops that launch work (views, ``empty`` and aliases launch none); the CUDA
+  kernels they stand for are counted 1 an op, 2 for ``dot``/``vdot`` (cuBLAS) and one per 128
+  inputs for ``stack``/``cat``, plus every Triton kernel launch the engine makes;
+- bytes read and written, from shapes and dtypes (a tensor an op reads twice counts once; a
+  stride-0 expanded tensor counts its distinct elements);
+- the peak temporary of a read: the largest total of tensors created by its ops and alive
+  at once (followed by weak references);
+- host syncs: ``_local_scalar_dense`` or ``is_nonzero`` of a device tensor, and device-to-host
+  copies that are not ``non_blocking`` (blocking copies), apart for the hooks (module and
+  ``weight_grad`` reads, the batched read at a backward pass's end), the optimizer step's
+  batched reads and ``step()`` (``to_host``).
+
+The engine sets the training's dispatch modes aside while it computes
+(``outside_training_modes``); the tracer hides itself and the fake mode from that check while
+it is entered (the stacks' lengths read as zero), so both see the engine's ops as on a GPU.
+
+The times are **estimated** from stated constants (``H100``): an op's GPU time is
+max(2 us, bytes / (75 % of 3.35 TB/s)), each launch costs 5 us of host time, and the added
+time of a workload lies between max(GPU, host) (launches hidden behind GPU work) and GPU +
+host (the GPU waits for them). The workloads are those of issue 48 (and of
+``../shared/notes/gpu-path-cost-2026-12.md``, where the method comes from):
+
+- ``weight_grad`` on a 7B Llama (32 layers, hidden 4096, intermediate 11008, vocabulary 32000,
+  bf16; 291 gradients), read as ``unreduced`` (in their hooks, the small ones together at the
+  pass end, as the monitor does on plain torch) and ``reduced`` (one ``record_many``);
+- ``module`` on 4 of 32 layers at 1 x 4096 tokens: per layer the 37 tensors a decoder layer's
+  modules show (27 of [1, 4096, 4096], 8 of [1, 4096, 11008], cos/sin [4096, 128]), read through
+  the module monitor's ``recorder`` with the same-tensor cache, 5 of them sums of two
+  gradient parts (``sum_parts``);
+- 3,072 expert weights of 4M elements (an MoE model's experts on one rank at 8-way expert
+  parallelism), ``unreduced`` in their hooks and ``reduced`` in one ``record_many``.
+
+The engine is whatever ``frameworks/pytorch/stats.py`` is when this runs: the table shows the
+engine of the day against the issue's "today" and "target" columns.
+"""
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import sys
+import weakref
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from msprobe.core.monitor_v2 import rows as monitor_rows
+from msprobe.core.monitor_v2.frameworks.pytorch import stats as torch_stats
+from msprobe.core.monitor_v2.stats import GROUP_MAX_NUMEL, StatPlan
+
+# The H100 model's constants (the estimate's only inputs besides the measured counts)
+HBM_BYTES_PER_S = 3.35e12
+HBM_EFFICIENCY = 0.75
+TINY_KERNEL_US = 2.0  # the least GPU time of a kernel
+HOST_US_PER_LAUNCH = 5.0
+
+# ops that launch no kernel (allocation, aliasing)
+_NO_LAUNCH = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "detach", "alias",
+              "lift_fresh", "_unsafe_view", "set_"}
+# ops whose result is read on the host: a synchronisation where their input is on the device
+_HOST_READS = {"_local_scalar_dense", "is_nonzero", "item", "equal", "nonzero"}
+_COPIES = {"_to_copy", "copy_", "to"}
+_CAT_INPUTS_PER_KERNEL = 128
+
+
+def _distinct_bytes(t: torch.Tensor) -> int:
+    """Bytes of the distinct elements ``t`` names (a stride-0 dimension repeats one)."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if stride != 0:
+            n *= size
+    return n * t.element_size() if t.numel() else 0
+
+
+@dataclass
+class Read:
+    """One engine call (one tensor in a hook, one batched call, one ``to_host``)."""
+    workload: str
+    phase: str  # hooks, batched (the optimizer step's reads), step (to_host)
+    tensors: int
+    elements: int
+    monitored_bytes: int  # one read of the monitored tensors in their dtype
+    ops: int = 0
+    kernels: int = 0
+    triton_launches: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    peak_temporary: int = 0
+    syncs: int = 0
+    blocking_copies: int = 0
+    gpu_us: float = 0.0
+    names: Counter = field(default_factory=Counter)
+
+
+class DeviceCostTracer(TorchDispatchMode):
+    """Counts the ATen ops the engine issues inside ``read()`` blocks (see the module doc)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: List[Read] = []
+        self.current: Optional[Read] = None
+        self._live: Dict[int, int] = {}  # id of a temporary's tensor -> its bytes
+        self._live_bytes = 0
+        self._baseline = 0
+        self._hidden: List[Tuple[str, Any]] = []
+
+    # the engine's check for the training's modes must not see this tracer or the fake mode
+    def __enter__(self) -> "DeviceCostTracer":
+        for name in ("_dispatch_modes", "_function_modes"):
+            if hasattr(torch_stats, name):
+                self._hidden.append((name, getattr(torch_stats, name)))
+                setattr(torch_stats, name, lambda: 0)
+        _TritonLaunches.install(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        for name, value in self._hidden:
+            setattr(torch_stats, name, value)
+        self._hidden.clear()
+        _TritonLaunches.remove()
+        return super().__exit__(*exc)
+
+    @contextlib.contextmanager
+    def read(self, workload: str, phase: str, tensors: Sequence[torch.Tensor]) -> Iterator[Read]:
+        read = Read(workload, phase, len(tensors), sum(t.numel() for t in tensors),
+                    sum(t.numel() * t.element_size() for t in tensors))
+        self.current, self._baseline = read, self._live_bytes
+        try:
+            yield read
+        finally:
+            self.current = None
+            self.reads.append(read)
+
+    def _forget(self, key: int) -> None:
+        self._live_bytes -= self._live.pop(key, 0)
+
+    def launch(self, name: str, read_bytes: int, written_bytes: int, kernels: int) -> None:
+        """A kernel launch seen outside ATen (Triton)."""
+        read = self.current
+        if read is None:
+            return
+        read.triton_launches += kernels
+        read.kernels += kernels
+        read.bytes_read += read_bytes
+        read.bytes_written += written_bytes
+        read.gpu_us += _gpu_us(read_bytes + written_bytes) * kernels
+        read.names[name] += kernels
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        read = self.current
+        inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        if name == "_local_scalar_dense" and inputs and isinstance(inputs[0], FakeTensor):
+            # a fake tensor has no values: a host read gets a zero of its kind (``to_host``'s
+            # ``tolist()`` then completes, as on a device, and its copies are counted once);
+            # it is a sync where the tensor is on the device
+            if read is not None and inputs[0].device.type != "cpu":
+                read.syncs += 1
+            return 0.0 if inputs[0].is_floating_point() else 0
+        out = func(*args, **kwargs)
+        if read is None:
+            return out
+        on_device = any(t.device.type != "cpu" for t in inputs)
+        if name in _HOST_READS and on_device:
+            read.syncs += 1
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        aliasing = any(r.alias_info is not None for r in func._schema.returns)
+        # views, allocations, metadata queries (a fake tensor's ``device``) launch nothing
+        if aliasing or not outputs or name in _NO_LAUNCH or name in _HOST_READS:
+            return out
+        if name in _COPIES and on_device and outputs and all(t.device.type == "cpu" for t in outputs):
+            if not kwargs.get("non_blocking", False) and not (len(args) > 2 and args[2] is True):
+                read.blocking_copies += 1
+                read.syncs += 1
+        seen = set()
+        read_bytes = 0
+        for t in inputs:
+            if id(t) not in seen:
+                seen.add(id(t))
+                read_bytes += _distinct_bytes(t)
+        written_bytes = sum(_distinct_bytes(t) for t in outputs)
+        kernels = 1
+        if name in ("dot", "vdot"):
+            kernels = 2  # cuBLAS: the reduction and its final kernel
+        elif name in ("stack", "cat"):
+            kernels = max(1, math.ceil(len(inputs) / _CAT_INPUTS_PER_KERNEL))
+        read.ops += 1
+        read.kernels += kernels
+        read.bytes_read += read_bytes
+        read.bytes_written += written_bytes
+        read.gpu_us += _gpu_us(read_bytes + written_bytes) + TINY_KERNEL_US * (kernels - 1)
+        read.names[name] += 1
+        for t in outputs:  # temporaries: alive until their tensor goes
+            key = id(t)
+            if key in self._live:
+                continue
+            nbytes = _distinct_bytes(t)
+            self._live[key] = nbytes
+            self._live_bytes += nbytes
+            weakref.finalize(t, self._forget, key)
+        read.peak_temporary = max(read.peak_temporary, self._live_bytes - self._baseline)
+        return out
+
+
+def _gpu_us(nbytes: int) -> float:
+    return max(TINY_KERNEL_US, nbytes / (HBM_BYTES_PER_S * HBM_EFFICIENCY) * 1e6)
+
+
+class _TritonLaunches:
+    """Counts Triton kernel launches (compiled or under ``TRITON_INTERPRET=1``) where Triton
+    is imported: their bytes are the tensors among their arguments (a pointer table's
+    tensors are not seen: those launches count what their arguments show)."""
+
+    _patched: List[Tuple[Any, Any]] = []
+
+    @classmethod
+    def install(cls, tracer: DeviceCostTracer) -> None:
+        if "triton" not in sys.modules:
+            return
+        targets = []
+        try:
+            from triton.runtime.jit import JITFunction
+            targets.append(JITFunction)
+        except ImportError:
+            pass
+        try:
+            from triton.runtime.interpreter import InterpretedFunction
+            targets.append(InterpretedFunction)
+        except ImportError:
+            pass
+        for target in targets:
+            original = target.__dict__.get("run")
+            if original is None:
+                continue
+
+            def run(self: Any, *args: Any, __original: Callable[..., Any] = original, **kwargs: Any) -> Any:
+                tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+                tracer.launch(f"triton:{getattr(self, '__name__', 'kernel')}",
+                              sum(_distinct_bytes(t) for t in tensors), 0, 1)
+                return __original(self, *args, **kwargs)
+
+            target.run = run
+            cls._patched.append((target, original))
+
+    @classmethod
+    def remove(cls) -> None:
+        while cls._patched:
+            target, original = cls._patched.pop()
+            target.run = original
+
+
+# ---- the workloads -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Shapes:
+    layers: int = 32
+    hidden: int = 4096
+    inter: int = 11008
+    vocab: int = 32000
+    module_layers: int = 4
+    tokens: int = 4096
+    rope_dim: int = 128
+    experts: int = 3072
+    expert_shape: Tuple[int, int] = (2048, 2048)  # 4M elements
+    big_shape: Tuple[int, int] = (32000, 4096)  # the one 131M-element tensor (an embedding gradient)
+
+
+SMOKE = Shapes(layers=2, hidden=256, inter=688, vocab=1024, module_layers=1, tokens=64, rope_dim=16, experts=8,
+               expert_shape=(512, 512), big_shape=(1024, 2048))
+
+
+def llama_params(s: Shapes) -> List[Tuple[str, Tuple[int, ...]]]:
+    """A Llama's parameter names and shapes (Llama-2-7B's with the default ``Shapes``)."""
+    params = [("model.embed_tokens.weight", (s.vocab, s.hidden))]
+    for i in range(s.layers):
+        p = f"model.layers.{i}."
+        params += [(p + "self_attn.q_proj.weight", (s.hidden, s.hidden)),
+                   (p + "self_attn.k_proj.weight", (s.hidden, s.hidden)),
+                   (p + "self_attn.v_proj.weight", (s.hidden, s.hidden)),
+                   (p + "self_attn.o_proj.weight", (s.hidden, s.hidden)),
+                   (p + "mlp.gate_proj.weight", (s.inter, s.hidden)),
+                   (p + "mlp.up_proj.weight", (s.inter, s.hidden)),
+                   (p + "mlp.down_proj.weight", (s.hidden, s.inter)),
+                   (p + "input_layernorm.weight", (s.hidden,)),
+                   (p + "post_attention_layernorm.weight", (s.hidden,))]
+    return params + [("model.norm.weight", (s.hidden,)), ("lm_head.weight", (s.vocab, s.hidden))]
+
+
+def _device_tensor(shape: Sequence[int], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=dtype, device="cuda")
+
+
+def _keys(names: Sequence[str], scope: str) -> List[Tuple[int, str, str, Optional[int]]]:
+    return [(0, name, scope, None) for name in names]
+
+
+def weight_grad_workload(engine: Any, tracer: DeviceCostTracer, plan: StatPlan, s: Shapes) -> None:
+    params = llama_params(s)
+    grads = [_device_tensor(shape) for _, shape in params]
+    names = [name for name, _ in params]
+    records = []
+    # unreduced: a gradient above a group's size in its own hook, the others together at
+    # the pass's end (weight_grad's batched read on plain torch)
+    small = [i for i, g in enumerate(grads) if g.numel() <= GROUP_MAX_NUMEL]
+    for i, g in enumerate(grads):
+        if g.numel() > GROUP_MAX_NUMEL:
+            with tracer.read("weight_grad 7B", "hooks", [g]):
+                records.append(engine.record(g, plan, 0, names[i], "unreduced"))
+    with tracer.read("weight_grad 7B", "hooks", [grads[i] for i in small]):
+        records += engine.record_many([grads[i] for i in small], plan, _keys([names[i] for i in small], "unreduced"))
+    with tracer.read("weight_grad 7B", "batched", grads):
+        records += engine.record_many(grads, plan, _keys(names, "reduced"))
+    with tracer.read("weight_grad 7B", "step", []):
+        engine.to_host(records)
+
+
+def module_workload(engine: Any, tracer: DeviceCostTracer, plan: StatPlan, s: Shapes) -> None:
+    record = engine.recorder(plan, cache=True)
+    records = []
+    for layer in range(s.module_layers):
+        hidden = [_device_tensor((1, s.tokens, s.hidden)) for _ in range(27 - 5)]
+        inter = [_device_tensor((1, s.tokens, s.inter)) for _ in range(8)]
+        rope = [_device_tensor((s.tokens, s.rope_dim)) for _ in range(2)]
+        for i in range(5):  # a grad_input that arrives through two edges: its parts summed first
+            parts = [_device_tensor((1, s.tokens, s.hidden)) for _ in range(2)]
+            with tracer.read("module 4 layers", "hooks", parts):
+                total = engine.sum_parts(parts[0], parts[1])
+            hidden.append(total)
+        for j, t in enumerate(hidden + inter + rope):
+            with tracer.read("module 4 layers", "hooks", [t]):
+                records.append(record(t, 0, f"model.layers.{layer}.t{j}", "output"))
+    with tracer.read("module 4 layers", "step", []):
+        engine.to_host(records)
+    engine.forget()
+
+
+def experts_workload(engine: Any, tracer: DeviceCostTracer, plan: StatPlan, s: Shapes) -> None:
+    grads = [_device_tensor(s.expert_shape) for _ in range(s.experts)]
+    names = [f"model.layers.{i // 48}.mlp.experts.{i % 48}.weight" for i in range(s.experts)]
+    records = []
+    for name, g in zip(names, grads):
+        with tracer.read("3,072 experts", "hooks", [g]):
+            records.append(engine.record(g, plan, 0, name, "unreduced"))
+    with tracer.read("3,072 experts", "batched", grads):
+        records += engine.record_many(grads, plan, _keys(names, "reduced"))
+    with tracer.read("3,072 experts", "step", []):
+        engine.to_host(records)
+
+
+def one_big_tensor(engine: Any, tracer: DeviceCostTracer, plan: StatPlan, s: Shapes) -> None:
+    g = _device_tensor(s.big_shape)
+    with tracer.read("one big tensor", "hooks", [g]):
+        rec = engine.record(g, plan, 0, "model.embed_tokens.weight", "unreduced")
+    with tracer.read("one big tensor", "step", []):
+        engine.to_host([rec])
+
+
+WORKLOADS: Dict[str, Callable[..., None]] = {
+    "weight_grad 7B": weight_grad_workload,
+    "module 4 layers": module_workload,
+    "3,072 experts": experts_workload,
+    "one big tensor": one_big_tensor,
+}
+
+
+def trace(shapes: Shapes, only: Optional[Sequence[str]] = None) -> List[Read]:
+    """Every workload's reads on fake ``cuda`` tensors, each with a fresh engine."""
+    plan = StatPlan.from_ops(monitor_rows.DEFAULT_OPS)
+    reads: List[Read] = []
+    # an engine's warning about a fake tensor is not one a run would give
+    quiet = logging.getLogger("msprobe.monitor_v2")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    with contextlib.ExitStack() as undo:
+        undo.callback(quiet.setLevel, level)
+        if not torch.cuda.is_available():
+            # the fake tensors say "cuda" to a torch without CUDA, whose capture check
+            # raises: no stream of it can be capturing
+            capturing = torch.cuda.is_current_stream_capturing
+            torch.cuda.is_current_stream_capturing = lambda: False
+            undo.callback(setattr, torch.cuda, "is_current_stream_capturing", capturing)
+        for name, workload in WORKLOADS.items():
+            if only and name not in only:
+                continue
+            engine = torch_stats.TorchStatsEngine()
+            tracer = DeviceCostTracer()
+            with FakeTensorMode(), tracer:
+                workload(engine, tracer, plan, shapes)
+            reads += tracer.reads
+    return reads
+
+
+# ---- the summary --------------------------------------------------------------------------
+
+@dataclass
+class Workload:
+    name: str
+    tensors: int = 0  # tensors read (a tensor read twice, unreduced and reduced, counts twice)
+    elements: int = 0
+    monitored_bytes: int = 0
+    ops: int = 0
+    kernels: int = 0
+    triton_launches: int = 0
+    bytes_moved: int = 0
+    peak_temporary: int = 0
+    hook_syncs: int = 0
+    step_syncs: int = 0
+    step_blocking_copies: int = 0
+    gpu_ms: float = 0.0
+    host_ms: float = 0.0
+    per_tensor_kernels: Tuple[int, int] = (0, 0)  # fewest, most, over reads of one tensor in hooks
+    batched_kernels_per_tensor: float = 0.0
+
+    @property
+    def added_ms(self) -> Tuple[float, float]:
+        return max(self.gpu_ms, self.host_ms), self.gpu_ms + self.host_ms
+
+
+def summarise(reads: Sequence[Read]) -> Dict[str, Workload]:
+    out: Dict[str, Workload] = {}
+    for r in reads:
+        w = out.setdefault(r.workload, Workload(r.workload))
+        w.tensors += r.tensors
+        w.elements += r.elements
+        w.monitored_bytes += r.monitored_bytes
+        w.ops += r.ops
+        w.kernels += r.kernels
+        w.triton_launches += r.triton_launches
+        w.bytes_moved += r.bytes_read + r.bytes_written
+        w.peak_temporary = max(w.peak_temporary, r.peak_temporary)
+        if r.phase == "step":
+            w.step_syncs += r.syncs
+            w.step_blocking_copies += r.blocking_copies
+        elif r.phase == "hooks":
+            w.hook_syncs += r.syncs
+        w.gpu_ms += r.gpu_us / 1e3
+        w.host_ms += r.kernels * HOST_US_PER_LAUNCH / 1e3
+    for name, w in out.items():
+        single = [r.kernels for r in reads if r.workload == name and r.phase == "hooks" and r.tensors == 1]
+        if single:
+            w.per_tensor_kernels = (min(single), max(single))
+        batched = [r for r in reads if r.workload == name and r.phase == "batched" and r.tensors > 1]
+        if batched:
+            w.batched_kernels_per_tensor = sum(r.kernels for r in batched) / sum(r.tensors for r in batched)
+    return out
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2 ** 20:,.1f} MiB" if n >= 2 ** 20 else f"{n / 2 ** 10:,.1f} KiB"
+
+
+def _ms(lo: float, hi: float) -> str:
+    if hi >= 1000:
+        return f"{lo / 1e3:.2f}-{hi / 1e3:.2f} s"
+    return f"{lo:.1f}-{hi:.1f} ms"
+
+
+def bytes_per_element(reads: Sequence[Read], kernel_path: bool) -> Optional[Tuple[float, float]]:
+    """(bytes moved per element, that over one read) of the reads of single tensors of at
+    least 64K elements in the hooks and batched calls, taking the kernel path or not."""
+    chosen = [r for r in reads if r.phase != "step" and r.tensors and r.elements / r.tensors >= 1 << 16
+              and (r.triton_launches > 0) == kernel_path]
+    if not chosen:
+        return None
+    moved = sum(r.bytes_read + r.bytes_written for r in chosen)
+    elements = sum(r.elements for r in chosen)
+    one_read = sum(r.monitored_bytes for r in chosen)
+    return moved / elements, moved / one_read
+
+
+def table(reads: Sequence[Read]) -> str:
+    w = summarise(reads)
+    rows: List[Tuple[str, str, str, str]] = []
+
+    def per_element(kernel_path: bool) -> str:
+        got = bytes_per_element(reads, kernel_path)
+        if got is None:
+            return "no read took it" if kernel_path else "no read took it (every read took the kernel)"
+        per, ratio = got
+        return f"{per:.1f} B ({ratio:.1f}x one read; {per - per / ratio:.1f} B beyond it)"
+
+    rows.append(("bytes per element, tensors >= 64K elements, kernel path", "32 B (16x, bf16)",
+                 "<= 1.3x one read", per_element(True)))
+    rows.append(("same, ATen fallback", "32 B", "<= 5 B beyond one read", per_element(False)))
+    if "module 4 layers" in w:
+        lo, hi = w["module 4 layers"].per_tensor_kernels
+        rows.append(("launches per tensor in module hooks", "10-107", "<= 2 (kernel path), <= 4 (fallback)",
+                     f"{lo}-{hi}"))
+    batched = [x for x in w.values() if x.batched_kernels_per_tensor]
+    if batched:
+        per = [x.batched_kernels_per_tensor for x in batched]
+        rows.append(("launches for batched `reduced`/`param`/`optimizer`/`unreduced` reads", "~10 per tensor",
+                     "<= 1 per 10 tensors (kernel path)",
+                     f"{min(per):.2f}-{max(per):.2f} per tensor" if len(per) > 1 else f"{per[0]:.2f} per tensor"))
+    if "one big tensor" in w:
+        big = [r for r in reads if r.workload == "one big tensor" and r.phase == "hooks"]
+        rows.append((f"launches for one {big[0].elements / 1e6:.0f}M-element tensor", "107", "<= 3",
+                     str(sum(r.kernels for r in big))))
+    hook_reads = [r for r in reads if r.phase != "step"]
+    if hook_reads:
+        rows.append(("peak temporary of one read", "up to n bytes", "<= 8 MiB",
+                     _mib(max(r.peak_temporary for r in hook_reads))))
+    hook_syncs = sum(x.hook_syncs for x in w.values())
+    step_copies = [x.step_blocking_copies for x in w.values() if x.name != "one big tensor"]
+    rows.append(("host syncs in hooks / blocking copies in `step()` with `async_write`", "0 / 2-3", "0 / 0",
+                 f"{hook_syncs} / {min(step_copies)}-{max(step_copies)}" if step_copies else f"{hook_syncs} / -"))
+    names = [n for n in ("weight_grad 7B", "module 4 layers", "3,072 experts") if n in w]
+    if names:
+        rows.append(("estimated H100: 7B `weight_grad` / `module` 4 of 32 layers / 3,072 experts",
+                     "185-276 ms / 46-70 ms / 0.39-0.73 s", "<= 15 ms / <= 5 ms / <= 30 ms",
+                     " / ".join(_ms(*w[n].added_ms) for n in names)))
+        today = {"weight_grad 7B": "18,044 / 431 GB", "module 4 layers": "4,784 / 106 GB",
+                 "3,072 experts": "67,584 / 825 GB"}
+        for n in names:
+            x = w[n]
+            rows.append((f"{n}: launches / bytes moved (measured)", today[n], "-",
+                         f"{x.kernels:,} / {x.bytes_moved / 1e9:,.1f} GB "
+                         f"({x.ops:,} ATen ops, {x.triton_launches:,} Triton; one read: "
+                         f"{x.monitored_bytes / 1e9:,.1f} GB)"))
+    rows.append(("on a GPU: `weight_grad` / all monitors on a 1B model", "unmeasured", "<= 1.01 / <= 1.05",
+                 "needs a GPU (scripts/gpu_checks.sh)"))
+    lines = ["| measure | today (issue 48) | target | this engine |", "|---|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true", help="small shapes (seconds): checks that the benchmark runs")
+    p.add_argument("--only", action="append", choices=list(WORKLOADS), help="run only this workload (repeatable)")
+    p.add_argument("--json", default=None, help="also write every read and the workloads' sums to this file")
+    args = p.parse_args(argv)
+    shapes = SMOKE if args.smoke else Shapes()
+    reads = trace(shapes, args.only)
+    if not any(r.ops or r.triton_launches for r in reads):
+        print("the tracer saw no operation of the engine: it set the tracer aside as a training mode",
+              file=sys.stderr)
+        return 1
+    print(f"Constants: HBM {HBM_BYTES_PER_S / 1e12:.2f} TB/s at {HBM_EFFICIENCY:.0%}, {HOST_US_PER_LAUNCH:g} us of host "
+          f"time a launch, {TINY_KERNEL_US:g} us the least kernel time; shapes: {shapes}")
+    print()
+    print(table(reads))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shapes": asdict(shapes),
+                       "constants": {"hbm_bytes_per_s": HBM_BYTES_PER_S, "hbm_efficiency": HBM_EFFICIENCY,
+                                     "host_us_per_launch": HOST_US_PER_LAUNCH, "tiny_kernel_us": TINY_KERNEL_US},
+                       "workloads": {n: {**asdict(x), "added_ms": x.added_ms} for n, x in summarise(reads).items()},
+                       "reads": [{**asdict(r), "names": dict(r.names)} for r in reads]}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
