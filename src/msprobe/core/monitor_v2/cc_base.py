@@ -9,6 +9,13 @@ stacks, and ``module_ranks``.
 
 Tags: ``<op>.<pre|post>.<index>@<file.py>[<line>]``; the call site is the innermost
 frame outside the framework and this package.
+
+Collectives it does not see: where the framework numbers the collectives of a process
+group (``group_sequence``), each written step compares how far every group's number
+moved with how far it moved inside the calls that went through the wrappers; the rest
+ran past the monitor (C++ callers, functional collectives, a function taken before
+``start()``) and is said at WARNING, once for each group, with the count, the group's
+ranks and the likely sources (``unseen_sources``).
 """
 
 import functools
@@ -132,6 +139,30 @@ class CommMonitorBase(Monitor):
     def poll_pending(self) -> None:
         """Record asynchronous calls found complete at the end of a step (default: none)."""
 
+    # Collectives that run past the wrappers. A framework that numbers the collectives of
+    # a process group implements these; the default counts nothing.
+    counted_only: Tuple[str, ...] = ()  # ops wrapped to be counted as seen, never recorded (barriers)
+
+    def known_groups(self) -> List[Any]:
+        """The process groups whose collectives can be counted (default: none)."""
+        return []
+
+    def group_of_call(self, op: str, original: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Any:
+        """The process group a call runs on, or None when it cannot be told."""
+        return None
+
+    def group_sequence(self, group: Any) -> Optional[int]:
+        """How many collectives ``group`` has run so far, or None when it cannot be read."""
+        return None
+
+    def group_label(self, group: Any) -> str:
+        """How a warning names ``group`` (its ranks)."""
+        return repr(group)
+
+    def unseen_sources(self) -> str:
+        """The likely sources of collectives that ran past the wrappers, for the warning."""
+        return "calls made outside the wrapped functions"
+
     # ------------------------------------------------------------- for subclasses
     def bind(self, original: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Dict[str, Any]:
         """The call's arguments by parameter name (signatures cached per function)."""
@@ -161,6 +192,10 @@ class CommMonitorBase(Monitor):
         self._patches: List[Patch] = []
         self._seen_stacks: Set[Tuple] = set()
         self._stack_log: Optional[str] = None
+        # this written step: each group's sequence number at its beginning, and how far it
+        # moved inside the wrapped calls (None: nothing counted this step)
+        self._sequence_start: Optional[Dict[Any, int]] = None
+        self._seen_moves: Dict[Any, int] = {}
         self.enabled = False
         rank = self.distributed_rank()
         if rank is None:
@@ -188,8 +223,31 @@ class CommMonitorBase(Monitor):
     def detach(self) -> None:
         self.enabled = False
         remove_all(self._patches)
+        self._sequence_start = None
+
+    def begin_step(self, step: int, active: bool) -> None:
+        super().begin_step(step, active)
+        self._sequence_start = None
+        if not (active and self.enabled):
+            return
+        try:
+            start: Dict[Any, int] = {}
+            for group in self.known_groups():
+                seq = self._read_sequence(group)
+                if seq is not None:
+                    start[group] = seq
+            with self._lock:
+                self._seen_moves = {}
+                self._sequence_start = start
+        except Exception as exc:  # noqa: BLE001
+            self.errors.report("cc counting collectives (step begin)", exc)
 
     def collect(self) -> List[Record]:
+        if self.active and self.enabled and self._sequence_start is not None:
+            try:
+                self._say_unseen()
+            except Exception as exc:  # noqa: BLE001
+                self.errors.report("cc counting collectives (step end)", exc)
         self.poll_pending()
         with self._lock:
             records, self._records = self._records, []
@@ -213,9 +271,18 @@ class CommMonitorBase(Monitor):
             if not (monitor.active and monitor.enabled) or getattr(local, "depth", 0):
                 return original(*args, **kwargs)
             local.depth = 1
+            if op in monitor.counted_only:  # seen, nothing to record
+                mark = monitor._mark(op, original, args, kwargs)
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    local.depth = 0
+                    monitor._moved(mark)
             adjusted = monitor.prepare_call(op, args, kwargs)
+            mark = None
             try:
                 call = monitor._before(op, original, args, kwargs, sys._getframe(1))
+                mark = monitor._mark(op, original, args, kwargs)
                 result = original(*args, **kwargs)
                 # Collectives write into tensors without moving their version counters:
                 # statistics cached for them (module monitor) are stale now.
@@ -225,6 +292,7 @@ class CommMonitorBase(Monitor):
                 return result
             finally:
                 local.depth = 0
+                monitor._moved(mark)
                 adjusted.remove()
 
         wrapper.__msprobe_original__ = original  # type: ignore[attr-defined]
@@ -278,6 +346,85 @@ class CommMonitorBase(Monitor):
             return result
         finally:
             self.errors.busy += perf_counter() - start
+
+    # ------------------------------------------------------ collectives not seen
+    def _read_sequence(self, group: Any) -> Optional[int]:
+        try:
+            return self.group_sequence(group)
+        except Exception as exc:  # noqa: BLE001 - a group that cannot be counted is said once
+            self._once.warning(
+                ("no-sequence", self._label(group)),
+                "monitor_v2 cc: cannot count the collectives of process group %s (%s): collectives that run "
+                "there past the cc monitor (C++ callers, functional collectives) are not said. Logged once.",
+                self._label(group), exc)
+            return None
+
+    def _label(self, group: Any) -> str:
+        try:
+            return self.group_label(group)
+        except Exception:  # noqa: BLE001
+            return repr(group)
+
+    def _mark(self, op: str, original: Callable, args: Tuple, kwargs: Dict[str, Any]) -> Optional[Tuple[Any, int]]:
+        """Before a wrapped call of a written step: its group and that group's number."""
+        if self._sequence_start is None:
+            return None
+        start = perf_counter()
+        try:
+            group = self.group_of_call(op, original, args, kwargs)
+            seq = None if group is None else self._read_sequence(group)
+            return None if seq is None else (group, seq)
+        except Exception as exc:  # noqa: BLE001
+            self.errors.report(f"cc counting {op}", exc)
+            return None
+        finally:
+            self.errors.busy += perf_counter() - start
+
+    def _moved(self, mark: Optional[Tuple[Any, int]]) -> None:
+        """After the call: how far its group's number moved inside it was seen."""
+        if mark is None:
+            return
+        start = perf_counter()
+        try:
+            group, before = mark
+            after = self._read_sequence(group)
+            if after is not None and after > before:
+                with self._lock:
+                    self._seen_moves[group] = self._seen_moves.get(group, 0) + after - before
+        except Exception as exc:  # noqa: BLE001
+            self.errors.report("cc counting a call", exc)
+        finally:
+            self.errors.busy += perf_counter() - start
+
+    def _say_unseen(self) -> None:
+        """At the end of a written step: the collectives each group ran past the wrappers,
+        said once for each group (at the first step where it has some)."""
+        with self._lock:
+            start, self._sequence_start = self._sequence_start or {}, None
+            seen, self._seen_moves = self._seen_moves, {}
+        groups = list(start)
+        groups += [g for g in self.known_groups() if g not in start]
+        unseen: List[Tuple[str, int]] = []
+        new = False
+        for group in groups:
+            now = self._read_sequence(group)
+            if now is None:
+                continue
+            # a group made during the step started at 0
+            count = now - start.get(group, 0) - seen.get(group, 0)
+            if count <= 0:
+                continue
+            label = self._label(group)
+            unseen.append((label, count))
+            new = self._once.first(("unseen", label)) or new
+        if not new:
+            return
+        total = sum(c for _, c in unseen)
+        where = "; ".join(f"{c} on process group {label}" for label, c in unseen)
+        logger.warning(
+            "monitor_v2 cc: step %d: %d collective(s) ran that the cc monitor did not see (%s). Likely sources: "
+            "%s. Their tensors are not in the cc rows. Logged once for each process group.",
+            self.step, total, where, self.unseen_sources())
 
     def _record(self, t: Any, tag: str) -> None:
         rec = self.session.engine.record(t, self.plan, 0, tag, rows.COMM)

@@ -18,7 +18,15 @@ What is and is not seen:
 - DDP's built-in gradient all-reduce runs in C++ and is invisible to Python; register
   a Python comm hook to see it (``enable_ddp_comm_visibility``).
 - Functional collectives (``torch.distributed._functional_collectives``, used by
-  DTensor redistribution) are C++ ops and are not seen.
+  DTensor redistribution, expert-parallel all-to-all, async TP) are C++ ops and are not
+  seen.
+- What is not seen is said: every process group numbers its collectives
+  (``ProcessGroup._get_sequence_number_for_group()``; on gloo in torch 2.13 it moves by
+  one for each collective, functional ones included, and for each send or receive). At
+  the end of a written step, a group whose number moved more than it moved inside the
+  wrapped calls ran collectives the monitor did not see: said at WARNING, once for each
+  group, with the count, the group's ranks and the likely sources. ``barrier`` and
+  ``monitored_barrier`` are wrapped to be counted as seen (no tensor to record).
 
 ``async_op=True``: the post statistics are computed in a callback of the work's
 future, i.e. when the result is ready, so the training code is never made to wait
@@ -43,6 +51,8 @@ from ...cc_base import CC_OPS, CommMonitorBase
 from ...patching import Patch
 
 NAMESPACES = ("torch.distributed", "torch.distributed.distributed_c10d")
+# collectives with no tensor to record: wrapped so that they count as seen
+BARRIERS = ("barrier", "monitored_barrier")
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
@@ -132,8 +142,29 @@ class _NotifyingWork(dist.Work):
         return self._inner.get_future()
 
 
+def _ddp_without_comm_hook(chunks: Sequence[Any]) -> bool:
+    """Whether a ``DistributedDataParallel`` in ``chunks`` reduces through its C++
+    reducer (no Python comm hook registered)."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    for chunk in chunks:
+        modules = chunk.modules() if isinstance(chunk, torch.nn.Module) else ()
+        for m in modules:
+            if isinstance(m, ddp) and not getattr(m, "_comm_hooks", None):
+                return True
+    return False
+
+
+def _dtensor_mesh_dims(params: Sequence[Any]) -> int:
+    """The most mesh dimensions of a DTensor parameter in ``params`` (0: none is a DTensor)."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if dtensor is None:
+        return 0
+    return max((p.device_mesh.ndim for p in params if isinstance(p, dtensor)), default=0)
+
+
 class CommMonitor(CommMonitorBase):
     framework_dirs = (_TORCH_DIR,)
+    counted_only = BARRIERS
 
     def attach(self) -> None:
         self._pending_works: List[_NotifyingWork] = []
@@ -147,8 +178,62 @@ class CommMonitor(CommMonitorBase):
     def patch_targets(self):
         for name in NAMESPACES:
             module = sys.modules[name]
-            for op in CC_OPS:
+            for op in (*CC_OPS, *BARRIERS):
                 yield module, op, op
+
+    # ------------------------------------------- collectives the monitor does not see
+    def known_groups(self) -> List[Any]:
+        """Every process group this rank belongs to (``_world.pg_map``: the default group,
+        ``new_group``'s, a ``DeviceMesh``'s), else the default group alone."""
+        c10d = sys.modules["torch.distributed.distributed_c10d"]
+        world = getattr(c10d, "_world", None)
+        pg_map = getattr(world, "pg_map", None)
+        if pg_map:
+            return list(pg_map)
+        default = c10d.GroupMember.WORLD
+        return [default] if default is not None else []
+
+    def group_of_call(self, op, original, args, kwargs):
+        c10d = sys.modules["torch.distributed.distributed_c10d"]
+        bound = self.bind(original, args, kwargs)
+        if op == "batch_isend_irecv":
+            p2p_ops = bound.get("p2p_op_list") or ()
+            group = getattr(p2p_ops[0], "group", None) if p2p_ops else None
+        else:
+            group = bound.get("group")
+        if group is None:
+            return c10d.GroupMember.WORLD
+        if isinstance(group, str):  # a group name
+            return c10d._resolve_process_group(group)
+        return group if isinstance(group, dist.ProcessGroup) else None
+
+    def group_sequence(self, group):
+        return int(group._get_sequence_number_for_group())
+
+    def group_label(self, group):
+        ranks = dist.get_process_group_ranks(group)
+        desc = getattr(group, "group_desc", "") or ""
+        return f"{ranks}" + (f" ('{desc}')" if desc and desc != "undefined" else "")
+
+    def unseen_sources(self) -> str:
+        functional = ("functional collectives (torch.distributed._functional_collectives, C++ ops: DTensor "
+                      "redistribution under tensor parallel, expert-parallel all-to-all, async TP, full_tensor() "
+                      "and gradient-norm reductions of DTensors)")
+        reducer = "DDP's C++ reducer without a Python comm hook (enable_ddp_comm_visibility makes it visible)"
+        others = "ProcessGroup methods called directly, a torch.distributed function taken before start()"
+        table = getattr(self.session, "table", None)
+        mesh_dims = _dtensor_mesh_dims([i.param for i in table.params]) if table is not None else 0
+        here, rest = [], []
+        if mesh_dims:
+            here.append(f"the model has DTensor parameters on a {mesh_dims}-D device mesh: {functional}")
+        else:
+            rest.append(functional)
+        if _ddp_without_comm_hook(getattr(self.session, "chunks", ())):
+            here.append(f"the model is wrapped in DistributedDataParallel: {reducer}")
+        else:
+            rest.append(reducer)
+        rest.append(others)
+        return "; ".join(here) + ("; else " if here else "") + ", ".join(rest)
 
     def call_tensors(self, op, original, args, kwargs):
         bound = self.bind(original, args, kwargs)
