@@ -22,6 +22,7 @@ from .logonce import LogOnce
 # target_hits lives with the structure listing, which must not import the monitors
 # (the back-end protocols name its Structure); both select modules with it.
 from .model_structure import target_hits
+from .param_table import Added
 from .stats import Record
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -177,6 +178,11 @@ class Monitor:
 
     def after_optimizer_step(self) -> None:
         pass
+
+    def on_added(self, added: Added) -> None:
+        """Parameters or modules found after ``start()`` (``param_table.Added``), at the
+        beginning of a written step, before ``begin_step``: observe them from this step
+        on. Monitors that read the session's table at each step need nothing here."""
 
     def collect(self) -> List[Record]:
         """Records of the current step (device vectors); resets the step's state."""

@@ -1,6 +1,7 @@
 """The parameter-name table both frameworks' sessions build at ``start()``: every
 parameter of the model chunks, and of the optimizer where it updates tensors the
-model does not hold, under the name its rows carry.
+model does not hold, under the name its rows carry. PyTorch's session adds the
+parameters it finds after ``start()`` (``Added``: a param group, a layer set on the model).
 
 Framework-neutral (no torch, no MindSpore): a parameter is any object, found by
 identity. The training-stack adapters read names from this table, never from the
@@ -36,11 +37,12 @@ class ParamTable:
         self.is_chunk_list = is_chunk_list
         self.params: List[ParamInfo] = []
         self._by_id: Dict[int, ParamInfo] = {}
+        # the model chunks' parameters, in the order found: at start(), then those found
+        # later (added to the model after start()), which come after any tensor only the
+        # optimizer holds in ``params``
+        self._model: List[ParamInfo] = []
         for vpp, named in enumerate(chunks):
-            for name, p in named:
-                if id(p) not in self._by_id:
-                    self.add(vpp, self.qualify(vpp, name), p)
-        self.n_model_params = len(self.params)
+            self.add_model_params(vpp, named)
         self._optimizer_params: List[ParamInfo] = []
 
     def add(self, vpp_stage: int, name: str, p: Any) -> ParamInfo:
@@ -49,6 +51,17 @@ class ParamTable:
         self.params.append(info)
         self._by_id[id(p)] = info
         return info
+
+    def add_model_params(self, vpp_stage: int, named: Iterable[Tuple[str, Any]]) -> List[ParamInfo]:
+        """The parameters of model chunk ``vpp_stage`` (``(name, parameter)`` pairs as the
+        framework lists them) that the table does not hold yet, added under their
+        qualified names; returns their entries."""
+        added = []
+        for name, p in named:
+            if id(p) not in self._by_id:
+                added.append(self.add(vpp_stage, self.qualify(vpp_stage, name), p))
+        self._model.extend(added)
+        return added
 
     def qualify(self, vpp_stage: int, name: str) -> str:
         """Name as written in the CSV: chunk prefix for a list of chunks."""
@@ -63,7 +76,7 @@ class ParamTable:
 
     def model_params(self) -> List[ParamInfo]:
         """Parameters of the model chunks that train (``requires_grad``)."""
-        return [i for i in self.params[: self.n_model_params] if i.param.requires_grad]
+        return [i for i in self._model if i.param.requires_grad]
 
     def adopt(self, named: Iterable[Tuple[str, Any]]) -> List[ParamInfo]:
         """The entries of the ``(name, tensor)`` pairs, in order; a tensor the model
@@ -93,3 +106,23 @@ def unique(infos: Iterable[ParamInfo]) -> List[ParamInfo]:
             seen.add(info.index)
             out.append(info)
     return out
+
+
+class Added:
+    """What a session found in the model and the optimizer that was not there at
+    ``start()`` (or at its last look), at the beginning of a written step: what each
+    monitor starts to observe from that step (``Monitor.on_added``).
+
+    ``params``: entries of the table the monitors did not observe before (parameters new
+    to the model or to the optimizer, and parameters the optimizer updates that were
+    frozen and train now). ``modules``: ``(vpp_stage, name, module)`` of the modules new
+    to the model chunks, in ``Session.named_modules()``'s form."""
+
+    __slots__ = ("params", "modules")
+
+    def __init__(self, params: Sequence[ParamInfo], modules: Sequence[Tuple[int, str, Any]]) -> None:
+        self.params = list(params)
+        self.modules = list(modules)
+
+    def __bool__(self) -> bool:
+        return bool(self.params or self.modules)

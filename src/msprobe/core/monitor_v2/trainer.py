@@ -167,6 +167,10 @@ class TrainerMonitorV2:
                     m.detach()
                 except Exception:  # noqa: BLE001 - the original error is the one to report
                     pass
+            try:
+                _close_session(session)
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                pass
             self._writer.close()
             raise
         self._state = "running"
@@ -246,10 +250,33 @@ class TrainerMonitorV2:
         written = self.schedule.is_written(step)
         timed = self._timed  # monitors on for a number of steps are written on each of them
         self._active = written or bool(timed)
+        if self._active:
+            self._observe_added()
         idle = 0 if written else self._steps_not_written(step)
         for m in self.monitors:
             m.idle_ahead = 0 if m.name in timed else idle
             m.begin_step(step, written or m.name in timed)
+
+    def _observe_added(self) -> None:
+        """Parameters and modules added after ``start()`` (a param group, a layer), found by
+        the session at the beginning of a written step and observed from it on: a check of
+        a few sizes and a flag while nothing changed (``find_added``). A back end whose
+        session does not look has none."""
+        find = getattr(self._session, "find_added", None)
+        if find is None:
+            return
+        try:
+            added = find()
+        except Exception as exc:  # noqa: BLE001 - the monitor never breaks training
+            self.errors.report("finding parameters and modules added after start()", exc)
+            return
+        if not added:
+            return
+        for m in self.monitors:
+            try:
+                m.on_added(added)
+            except Exception as exc:  # noqa: BLE001
+                self.errors.report(f"{m.name} observing parameters and modules added after start()", exc)
 
     def _steps_not_written(self, step: int, horizon: int = 8) -> int:
         """How many steps from ``step`` on the schedule does not write (at most ``horizon``):
@@ -568,6 +595,10 @@ class TrainerMonitorV2:
                     m.detach()
                 except Exception as exc:  # noqa: BLE001
                     self.errors.report(f"{m.name} detach", exc)
+            try:
+                _close_session(self._session)
+            except Exception as exc:  # noqa: BLE001
+                self.errors.report("session close", exc)
             _RUNNING.discard(self)
             if state == "forked":
                 return
@@ -644,6 +675,14 @@ class TrainerMonitorV2:
         return (f"{self._written_steps} step(s) were in the collection window but the monitors "
                 f"({', '.join(m.name for m in self.monitors)}) reported nothing: e.g. 'targets' that match "
                 f"no module, an optimizer that holds none of the model's parameters, or no backward pass.")
+
+
+def _close_session(session: Any) -> None:
+    """What the session itself installed (PyTorch's watch for parameters and modules added
+    after ``start()``); a back end whose session installs nothing has no ``close``."""
+    close = getattr(session, "close", None)
+    if close is not None:
+        close()
 
 
 def _announce(message: str) -> None:

@@ -87,7 +87,9 @@ import torch
 
 from ... import native, rows
 from ...logonce import LogOnce
-from ...monitor import ContainedHook, Monitor, select_modules
+from ...model_structure import target_hits
+from ...monitor import ContainedHook, Monitor, module_tags, select_modules
+from ...param_table import Added
 from ...patching import Patch, replace_attribute
 from ...stats import Record
 from ...structure import flatten_tensors, named_outputs
@@ -886,16 +888,36 @@ class ModuleMonitor(Monitor):
     def _add_call_hooks(self, hooks: ModuleHooks) -> None:
         in_c = self._native_calls and not self._keep_call_hooks  # see _compile_started
         for spec in self._specs.values():
-            # a wrapper disarmed once (someone replaced it) is not put back
-            wrapper = spec.wrapper
-            if in_c and wrapper is not None and wrapper.armed and _wrappable(spec.module):
-                hooks.wrap_forward(spec.module, wrapper)
-            else:
-                self._put_hooks(spec, in_c)
+            self._observe(spec, in_c)
         # after the modules': a chunk's pass is entered before and left after its own hooks
         for root, enter, leave in self._pass_hook_specs:
             hooks.forward_pre(root, enter, prepend=True, with_kwargs=True)
             hooks.forward(root, leave, always_call=True)
+
+    def _observe(self, spec: _CallSpec, in_c: bool) -> None:
+        """``spec``'s module wrapped for the written step, or given its pair of hooks."""
+        # a wrapper disarmed once (someone replaced it) is not put back
+        wrapper = spec.wrapper
+        if in_c and wrapper is not None and wrapper.armed and _wrappable(spec.module):
+            self._call_hooks.wrap_forward(spec.module, wrapper)
+        else:
+            self._put_hooks(spec, in_c)
+
+    def on_added(self, added: Added) -> None:
+        """Modules added to the model chunks after ``start()`` (the session's ``find_added``,
+        at the beginning of a written step): those ``targets`` select are observed from this
+        step on, as the modules selected at ``attach()`` are (wrapped or hooked for written
+        steps; ``stop()`` takes them off with the others). Named as ``targets`` match them."""
+        if not added.modules or not self.attached:
+            return
+        targets: Sequence[str] = self.settings.get("targets")
+        in_c = self._native_calls and not self._keep_call_hooks
+        for vpp, tag, module in module_tags(added.modules, self.session.table.qualify):
+            if id(module) in self._specs or (targets and not target_hits(tag, targets)):
+                continue
+            self._hook(module, vpp, tag)
+            if self._call_hooks_on:  # else put on with the others when the step begins
+                self._observe(self._specs[id(module)], in_c)
 
     def _check_wrapped(self) -> None:
         """At a step's end: a wrapped forward that someone replaced or removed in the module

@@ -1,12 +1,14 @@
 """What the PyTorch monitors share during one ``start()``/``stop()``: the model chunks,
 parameter names, the optimizer, the statistics engine, and the optimizer-step hooks
 (``backend.Session``). Parameter names are a ``ParamTable``, which the training stack
-reads at each hook point; the stack never sees the session."""
+reads at each hook point; the stack never sees the session. Parameters and modules added
+after ``start()`` are found at the beginning of written steps (``find_added``)."""
 
 import logging
+import weakref
 from itertools import repeat
 from operator import attrgetter, is_, itemgetter
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -14,10 +16,10 @@ from ... import layout, rows
 from ...errors import ConfigError
 from ...model_structure import ParamEntry, Structure, module_entries
 from ...monitor import module_tags
-from ...param_table import ParamInfo, ParamTable, unique
+from ...param_table import Added, ParamInfo, ParamTable, unique
 from ...patching import Patch
 from .. import rank_from_environment
-from .stacks.fsdp import FlatParamLayout, fsdp1_layouts, fsdp2_modules, fsdp2_sharded_params
+from .stacks.fsdp import FlatParamLayout, fsdp1_layouts, fsdp2_modules, fsdp2_params, fsdp2_sharded_params
 from . import naming
 from .naming import class_name, named_parameters, unwrap
 from .stacks import TrainingStack, detect_stack
@@ -27,6 +29,36 @@ logger = logging.getLogger("msprobe.monitor_v2")
 
 _FIRST, _SECOND, _INDEX = itemgetter(0), itemgetter(1), attrgetter("index")
 _PARAM, _GRAD = attrgetter("param"), attrgetter("grad")
+_PARAMS, _TRAINS = itemgetter("params"), attrgetter("param.requires_grad")
+_LISTED_NAMES = 8  # names in a log line about added parameters or modules; the rest counted
+
+
+def _listed(names: Sequence[str], what: str) -> str:
+    """``3 parameters (a, b, c)``: at most ``_LISTED_NAMES`` names, then how many more."""
+    shown = ", ".join(names[:_LISTED_NAMES]) + (f" and {len(names) - _LISTED_NAMES} more"
+                                                 if len(names) > _LISTED_NAMES else "")
+    return f"{len(names)} {what}{'s' if len(names) != 1 else ''} ({shown})"
+
+
+def _registration_hook(session: "TorchSession", method: str) -> Callable[[torch.nn.Module, str, Any], None]:
+    """A registration hook calling ``session.<method>(module, value)``, holding the session
+    by a weak reference (the hook is global: it must not keep a dropped session alive). It
+    runs inside the user's ``module.x = ...``: it never raises, and returns None (a value
+    returned would replace the one registered). A failure counts as a change: the next
+    written step's walk, whose errors are contained and said, looks."""
+    ref = weakref.ref(session)
+
+    def hook(module: torch.nn.Module, name: str, value: Any) -> None:
+        owner = ref()
+        if owner is None:
+            return None
+        try:
+            getattr(owner, method)(module, value)
+        except Exception:  # noqa: BLE001 - never into the user's assignment
+            owner._grew = True
+        return None
+
+    return hook
 
 
 def global_rank() -> int:
@@ -76,17 +108,161 @@ class TorchSession:
         self.table = ParamTable([named_parameters(chunk) for chunk in self.roots], self.is_chunk_list)
         self._find_fsdp()
         if optimizer is not None:
-            table = self.table
-            model_params = self.stack.optimizer_model_params()
-            if model_params is not None:
-                table.set_optimizer_params(unique(table.info(p) for p in model_params if p in table))
-            else:
-                # a tensor not part of the model given to start() is named by its place (the
-                # groups of a container's optimizers one after the other)
-                table.set_optimizer_params(unique(table.adopt(
-                    (rows.unlisted_param_name(g, i), p)
-                    for g, group in enumerate(self.stack.optimizer_param_groups())
-                    for i, p in enumerate(group["params"]))))
+            self._list_optimizer_params()
+        self._watch_growth()
+
+    def _list_optimizer_params(self) -> None:
+        """The table's optimizer parameters, in the optimizer's order."""
+        table = self.table
+        model_params = self.stack.optimizer_model_params()
+        if model_params is not None:
+            table.set_optimizer_params(unique(table.info(p) for p in model_params if p in table))
+        else:
+            # a tensor not part of the model given to start() is named by its place (the
+            # groups of a container's optimizers one after the other)
+            table.set_optimizer_params(unique(table.adopt(
+                (rows.unlisted_param_name(g, i), p)
+                for g, group in enumerate(self.stack.optimizer_param_groups())
+                for i, p in enumerate(group["params"]))))
+
+    # ------------------------------------------- parameters and modules added after start()
+    def _watch_growth(self) -> None:
+        """What ``find_added`` compares at each written step, and torch's global
+        registration hooks that say when a module of the chunks gains a submodule or a
+        parameter (``model.head2 = nn.Linear(...)``, ``ModuleList.append``, a parameter
+        assigned): a flag, so that the check costs no walk over the model while nothing
+        changed. Removed by ``close()``."""
+        self._known_modules: Set[int] = {id(m) for chunk in self.chunks for m in chunk.modules()}
+        self._grew = False
+        self._optimizer_shape = self._optimizer_shape_now()
+        self._frozen = self._frozen_optimizer_params()
+        self._unmonitored: Set[int] = set()  # ids of parameters said not to be monitored (said once)
+        self._growth_hooks: List[Any] = []  # finalizers that remove them
+        registry = torch.nn.modules.module
+        for register, method in (("register_module_module_registration_hook", "_on_module_registered"),
+                                 ("register_module_parameter_registration_hook", "_on_param_registered")):
+            if hasattr(registry, register):
+                handle = getattr(registry, register)(_registration_hook(self, method))
+                # removed by close(), or when a session whose start() failed is collected
+                self._growth_hooks.append(weakref.finalize(self, handle.remove))
+
+    # torch's registration hooks run for every module of the process (each module built
+    # registers its parameters), before the registration: only a module of the chunks
+    # gaining one it did not hold counts (FSDP1 sets its known parameters again around
+    # every pass).
+    def _on_module_registered(self, module: torch.nn.Module, value: Any) -> None:
+        if value is not None and id(module) in self._known_modules and id(value) not in self._known_modules:
+            self._grew = True
+
+    def _on_param_registered(self, module: torch.nn.Module, value: Any) -> None:
+        if (value is not None and id(module) in self._known_modules and value not in self.table
+                and id(value) not in self._unmonitored):
+            self._grew = True
+
+    def _optimizer_shape_now(self) -> Tuple[int, ...]:
+        """How many tensors each param group of the optimizer holds (``add_param_group``
+        adds a group; a group's list may grow): compared at each written step."""
+        if self.optimizer is None:
+            return ()
+        return tuple(map(len, map(_PARAMS, self.stack.optimizer_param_groups())))
+
+    def _frozen_optimizer_params(self) -> List[ParamInfo]:
+        """Parameters the optimizer updates that do not train now (frozen): one that
+        starts to (``requires_grad_(True)``, gradual unfreezing without a new param
+        group) gets its ``unreduced`` hooks then. Empty in the usual case (an optimizer
+        built from the trainable parameters only), so the check is free there."""
+        return [i for i in self.table.optimizer_params() if not i.param.requires_grad]
+
+    def find_added(self) -> Optional[Added]:
+        """At the beginning of a written step: what was added to the model chunks or the
+        optimizer since ``start()`` (or since the last call that found something), None
+        where nothing was. While nothing changed this compares the optimizer's group sizes
+        and reads a flag: no walk over the model (1,000 parameters: a few microseconds).
+
+        New parameters join the table under their model names (a tensor only the new
+        param groups hold, by its place: ``param_groups.<g>.params.<i>``), and the
+        optimizer's parameters are listed again, so the ``param``, ``optimizer`` and
+        ``reduced`` rows include them. Where a stack keeps the optimizer's tensors in
+        buffers or shards laid out at ``start()`` (FSDP, DeepSpeed, Megatron-Core), the
+        parameters are not monitored: said once, naming them and why. Modules are found
+        on any stack."""
+        shape = self._optimizer_shape_now()
+        frozen = self._frozen
+        regrouped = shape != self._optimizer_shape
+        if not (self._grew or regrouped or (frozen and any(map(_TRAINS, frozen)))):
+            return None
+        self._grew = False
+        self._optimizer_shape = shape
+        return self._walk_added(regrouped)
+
+    def _walk_added(self, regrouped: bool) -> Added:
+        """``find_added``'s walk, once something changed: the model chunks' parameters and
+        modules against the table and the modules known, the optimizer listed again."""
+        table = self.table
+        # FSDP2 swaps its unsharded parameters into the modules around each forward and
+        # backward: never a parameter of the user's; one said unmonitored is said once
+        skipped = self._unmonitored | self.fsdp_managed | self._fsdp2_unsharded()
+        new_params = [(vpp, name, p) for vpp, root in enumerate(self.roots) for name, p in named_parameters(root)
+                      if p not in table and id(p) not in skipped]
+        modules = [(vpp, name, m) for vpp, name, m in self.named_modules() if id(m) not in self._known_modules]
+        self._known_modules.update(id(m) for chunk in self.chunks for m in chunk.modules())
+        now_training = [i for i in self._frozen if i.param.requires_grad]
+        why = self._why_added_params_unmonitored(new_params)
+        if why is not None:
+            self._frozen = [i for i in self._frozen if not i.param.requires_grad]
+            self._unmonitored.update(id(p) for _, _, p in new_params)
+            names = [table.qualify(vpp, name) for vpp, name, _ in new_params]
+            if names or regrouped:
+                logger.warning("monitor_v2: %s added after start() %s not monitored by weight_grad, param or "
+                               "optimizer (the module monitor's rows of new modules are written): %s",
+                               _listed(names, "parameter") if names else "tensors in new optimizer param groups",
+                               "is" if len(names) == 1 else "are", why)
+            return Added([], modules)
+        held = {i.index for i in table.optimizer_params()}
+        found = []
+        for vpp in range(len(self.roots)):
+            found += table.add_model_params(vpp, ((name, p) for v, name, p in new_params if v == vpp))
+        if self.optimizer is not None and regrouped:
+            self._list_optimizer_params()
+        self._frozen = self._frozen_optimizer_params()
+        found += [i for i in table.optimizer_params() if i.index not in held] + now_training
+        added = Added(unique(found), modules)
+        if added:
+            parts = []
+            if added.params:
+                parts.append(_listed([i.name for i in added.params], "parameter"))
+            if modules:
+                parts.append(_listed([table.qualify(vpp, name) for vpp, name, _ in modules], "module"))
+            logger.info("monitor_v2: found after start(): %s; monitored from this step on", " and ".join(parts))
+        return added
+
+    def _fsdp2_unsharded(self) -> Set[int]:
+        """The ids of the unsharded parameters FSDP2 holds now (private attributes: none
+        where this torch does not have them)."""
+        found: Set[int] = set()
+        for _, module in self.fsdp2_modules:
+            try:
+                found.update(id(u) for _, u in fsdp2_params(module) if u is not None)
+            except AttributeError:
+                continue
+        return found
+
+    def _why_added_params_unmonitored(self, new_params: Sequence[Tuple[int, str, torch.nn.Parameter]]) -> Optional[str]:
+        """Why parameters added after ``start()`` cannot be monitored on this stack, or None."""
+        if type(self.stack) is not TrainingStack:
+            return (f"the {self.stack.name} adapter maps the optimizer's flat buffers and their partitions to "
+                    f"parameter names once, at start(); start a new monitor after adding parameters")
+        if self.flat_layouts or self.fsdp2_modules or any(
+                hasattr(p, "to_local") or getattr(p, "_is_flat_param", False) for _, _, p in new_params):
+            return ("the monitor reads FSDP's flat parameters and shards through the layout it found at start(); "
+                    "start a new monitor after adding parameters")
+        return None
+
+    def close(self) -> None:
+        """Remove what ``_watch_growth`` installed (``stop()``)."""
+        hooks, self._growth_hooks = self._growth_hooks, []
+        for remove in hooks:
+            remove()
 
     def _find_fsdp(self) -> None:
         """FSDP1 flat parameters (by id) and the FSDP2 modules of the model chunks; the

@@ -83,7 +83,7 @@ from ...logonce import LogOnce
 from ...patching import remove_all
 from ...rows import REDUCED, UNREDUCED, WEIGHT_GRAD
 from ...stats import GROUP_MAX_NUMEL, Record
-from ...param_table import ParamInfo
+from ...param_table import Added, ParamInfo
 from .compile import eager_hook
 from .copies import ModuleHooks
 from .passes import internal_pass
@@ -156,6 +156,7 @@ class WeightGradMonitor(Monitor):
         self._batch_site = self.errors.wrap("weight_grad unreduced batch", self._read_batch)
         self._deferred_site = self.errors.wrap("weight_grad unreduced batch", self._read_deferred)
         capture = session.stack.unreduced_capture(table, self.per_micro_batch, self.micro_batches)
+        self._captured = capture is not None  # the stack's own hooks, not the parameters'
         if capture is not None:
             self._attach_capture(capture)
             return
@@ -167,11 +168,7 @@ class WeightGradMonitor(Monitor):
             self._notes = ext.NoteState(_graph_task_id)
             self._notes.micro_batches = self.micro_batches
             self._sync_notes()
-        infos = table.model_params() or [i for i in table.optimizer_params() if i.param.requires_grad]
-        for info in infos:
-            if id(info.param) in session.fsdp_managed:
-                continue
-            self._hook_tensor(info.param, GradSource(info.index, [(info.vpp_stage, info.name, None)], info.param))
+        self._hook_params()
         for vpp, layout in session.flat_layouts.values():
             rows = [(vpp, seg.name, seg) for seg in layout.unsharded]
             self._hook_tensor(layout.flat_param, GradSource(len(table.params) + len(self.sources), rows))
@@ -179,6 +176,29 @@ class WeightGradMonitor(Monitor):
             hook = functools.partial(self._hook_fsdp2_unsharded, module)
             self._handles.append(module.register_forward_hook(
                 self.errors.wrap("weight_grad FSDP2 forward hook", lambda *_, h=hook: h())))
+
+    def _hook_params(self) -> None:
+        """The hooks of every parameter that trains and has none yet: the model chunks'
+        (the optimizer's where no parameter of the model trains), FSDP's left to their own
+        hooks."""
+        session = self.session
+        table = session.table
+        infos = table.model_params() or [i for i in table.optimizer_params() if i.param.requires_grad]
+        hooked, managed = self._hooked, session.fsdp_managed
+        for info in infos:
+            p = info.param
+            if id(p) in hooked or id(p) in managed:
+                continue
+            self._hook_tensor(p, GradSource(info.index, [(info.vpp_stage, info.name, None)], p))
+
+    def on_added(self, added: Added) -> None:
+        """Parameters found after ``start()`` (the session's ``find_added``, at the beginning
+        of a written step): those that train get their hooks now, as at ``attach()``, so their
+        ``unreduced`` rows begin with this step (a parameter unfrozen since ``start()`` too).
+        The ``reduced`` rows read the session's table at each step. A stack with its own
+        capture has no hooks on parameters: the session said that it does not monitor them."""
+        if added.params and not self._captured:
+            self._hook_params()
 
     def _attach_capture(self, capture: UnreducedCapture) -> None:
         """A training stack that keeps local gradients elsewhere captures them itself."""
