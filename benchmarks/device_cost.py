@@ -152,10 +152,14 @@ class DeviceCostTracer(TorchDispatchMode):
         self._live_bytes -= self._live.pop(key, 0)
 
     def launch(self, name: str, read_bytes: int, written_bytes: int, kernels: int) -> None:
-        """A kernel launch seen outside ATen (Triton)."""
+        """A kernel launch seen outside ATen (Triton). Its arguments show a pointer table,
+        not the tensors it reads: the read's first launch counts one read of its tensors
+        (the kernel reads each element once by design: an assumption, not a count)."""
         read = self.current
         if read is None:
             return
+        if not read.triton_launches:
+            read_bytes += read.monitored_bytes
         read.triton_launches += kernels
         read.kernels += kernels
         read.bytes_read += read_bytes
@@ -255,7 +259,12 @@ class _TritonLaunches:
                 tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
                 tracer.launch(f"triton:{getattr(self, '__name__', 'kernel')}",
                               sum(_distinct_bytes(t) for t in tensors), 0, 1)
-                return __original(self, *args, **kwargs)
+                # the interpreter's own tensor work (copies of the arguments) is not the engine's
+                current, tracer.current = tracer.current, None
+                try:
+                    return __original(self, *args, **kwargs)
+                finally:
+                    tracer.current = current
 
             target.run = run
             cls._patched.append((target, original))
@@ -304,7 +313,13 @@ def llama_params(s: Shapes) -> List[Tuple[str, Tuple[int, ...]]]:
     return params + [("model.norm.weight", (s.hidden,)), ("lm_head.weight", (s.vocab, s.hidden))]
 
 
+# "cuda": fake tensors (no memory); "cpu": real ones, through the engine's test seam
+_DEVICE = ["cuda"]
+
+
 def _device_tensor(shape: Sequence[int], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    if _DEVICE[0] == "cpu":
+        return torch.randn(tuple(shape), dtype=dtype)
     return torch.empty(tuple(shape), dtype=dtype, device="cuda")
 
 
@@ -381,8 +396,10 @@ WORKLOADS: Dict[str, Callable[..., None]] = {
 }
 
 
-def trace(shapes: Shapes, only: Optional[Sequence[str]] = None) -> List[Read]:
-    """Every workload's reads on fake ``cuda`` tensors, each with a fresh engine."""
+def trace(shapes: Shapes, only: Optional[Sequence[str]] = None, seam: bool = False) -> List[Read]:
+    """Every workload's reads on fake ``cuda`` tensors, each with a fresh engine; ``seam``:
+    on real CPU tensors that the engine treats as an accelerator's (``SEAM_ENV``)."""
+    _DEVICE[0] = "cpu" if seam else "cuda"
     plan = StatPlan.from_ops(monitor_rows.DEFAULT_OPS)
     reads: List[Read] = []
     # an engine's warning about a fake tensor is not one a run would give
@@ -402,10 +419,43 @@ def trace(shapes: Shapes, only: Optional[Sequence[str]] = None) -> List[Read]:
                 continue
             engine = torch_stats.TorchStatsEngine()
             tracer = DeviceCostTracer()
-            with FakeTensorMode(), tracer:
+            with contextlib.nullcontext() if seam else FakeTensorMode(), tracer:
                 workload(engine, tracer, plan, shapes)
+            for r in tracer.reads:
+                r.workload += SEAM_SUFFIX if seam else ""
             reads += tracer.reads
     return reads
+
+
+# the engine's test seam: CPU tensors take the accelerator branches, the Triton kernel runs
+# under its interpreter (both read when the engine and Triton are imported: a process of
+# its own)
+SEAM_ENV = {"MSPROBE_MONITOR_ACCEL_ON_CPU": "1", "TRITON_INTERPRET": "1"}
+SEAM_SUFFIX = " (seam)"
+
+
+def trace_through_seam(only: Optional[Sequence[str]], timeout: float) -> Tuple[List[Read], str]:
+    """The workloads at the small shapes on real CPU tensors through the seam, in a child
+    process: (its reads, a note where it could not run)."""
+    import os
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "seam.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--seam-only", "--json", path]
+        for name in only or ():
+            cmd += ["--only", name]
+        try:
+            proc = subprocess.run(cmd, env={**os.environ, **SEAM_ENV}, capture_output=True, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return [], f"the seam's run took more than {timeout:g} s"
+        if proc.returncode != 0 or not os.path.exists(path):
+            return [], "the seam's run failed: " + (proc.stderr.strip().splitlines() or ["?"])[-1]
+        with open(path) as f:
+            got = json.load(f)
+    return [Read(**{**r, "names": Counter(r["names"])}) for r in got["reads"]], ""
 
 
 # ---- the summary --------------------------------------------------------------------------
@@ -473,51 +523,80 @@ def _ms(lo: float, hi: float) -> str:
     return f"{lo:.1f}-{hi:.1f} ms"
 
 
-def bytes_per_element(reads: Sequence[Read], kernel_path: bool) -> Optional[Tuple[float, float]]:
-    """(bytes moved per element, that over one read) of the reads of single tensors of at
-    least 64K elements in the hooks and batched calls, taking the kernel path or not."""
-    chosen = [r for r in reads if r.phase != "step" and r.tensors and r.elements / r.tensors >= 1 << 16
-              and (r.triton_launches > 0) == kernel_path]
+def bytes_per_element(reads: Sequence[Read]) -> Optional[Tuple[float, float]]:
+    """(bytes moved per element, that over one read) of the reads of tensors of at least
+    64K elements in hooks and batched calls."""
+    chosen = [r for r in reads if r.phase != "step" and r.tensors and r.elements / r.tensors >= 1 << 16]
     if not chosen:
         return None
     moved = sum(r.bytes_read + r.bytes_written for r in chosen)
-    elements = sum(r.elements for r in chosen)
     one_read = sum(r.monitored_bytes for r in chosen)
-    return moved / elements, moved / one_read
+    return moved / sum(r.elements for r in chosen), moved / one_read
 
 
-def table(reads: Sequence[Read]) -> str:
-    w = summarise(reads)
+def _kernel_path(reads: Sequence[Read]) -> List[Read]:
+    return [r for r in reads if r.triton_launches]
+
+
+def _fallback(reads: Sequence[Read]) -> List[Read]:
+    """The fake ``cuda`` reads (full shapes) that launched no Triton kernel."""
+    return [r for r in reads if not r.workload.endswith(SEAM_SUFFIX) and not r.triton_launches]
+
+
+def table(reads: Sequence[Read], seam_note: str = "") -> str:
+    """The one table: issue 48's measures, today and target columns, and this engine's
+    figures (the ATen path on fake ``cuda`` tensors at full shapes; the kernel path where a
+    read through the seam launched a Triton kernel, at the small shapes)."""
+    fake = [r for r in reads if not r.workload.endswith(SEAM_SUFFIX)]
+    seam = [r for r in reads if r.workload.endswith(SEAM_SUFFIX)]
+    w = summarise(fake)
+    ws = summarise(seam)
+    no_kernel = seam_note or ("no read through the seam launched a Triton kernel" if seam
+                              else "not measured (the seam was not run)")
     rows: List[Tuple[str, str, str, str]] = []
 
-    def per_element(kernel_path: bool) -> str:
-        got = bytes_per_element(reads, kernel_path)
+    def per_element(chosen: Sequence[Read]) -> str:
+        got = bytes_per_element(chosen)
         if got is None:
-            return "no read took it" if kernel_path else "no read took it (every read took the kernel)"
+            return "no read took it"
         per, ratio = got
         return f"{per:.1f} B ({ratio:.1f}x one read; {per - per / ratio:.1f} B beyond it)"
 
+    kernel = _kernel_path(reads)
     rows.append(("bytes per element, tensors >= 64K elements, kernel path", "32 B (16x, bf16)",
-                 "<= 1.3x one read", per_element(True)))
-    rows.append(("same, ATen fallback", "32 B", "<= 5 B beyond one read", per_element(False)))
+                 "<= 1.3x one read", per_element(kernel) + " (seam; the kernel's own reads assumed one read)"
+                 if kernel else no_kernel))
+    rows.append(("same, ATen fallback", "32 B", "<= 5 B beyond one read", per_element(_fallback(reads))))
+
+    def both(name: str, fallback: Callable[[Workload], str], seam_name: str = "") -> str:
+        got = f"fallback {fallback(w[name])}" if name in w else ""
+        ks = ws.get(name + SEAM_SUFFIX)
+        if ks is not None and ks.triton_launches:
+            got += f"; kernel path (seam) {fallback(ks)}"
+        return got
+
+    def single(x: Workload) -> str:
+        lo, hi = x.per_tensor_kernels
+        return f"{lo}-{hi}"
+
     if "module 4 layers" in w:
-        lo, hi = w["module 4 layers"].per_tensor_kernels
         rows.append(("launches per tensor in module hooks", "10-107", "<= 2 (kernel path), <= 4 (fallback)",
-                     f"{lo}-{hi}"))
-    batched = [x for x in w.values() if x.batched_kernels_per_tensor]
+                     both("module 4 layers", single)))
+    batched = [n for n, x in w.items() if x.batched_kernels_per_tensor]
     if batched:
-        per = [x.batched_kernels_per_tensor for x in batched]
         rows.append(("launches for batched `reduced`/`param`/`optimizer`/`unreduced` reads", "~10 per tensor",
                      "<= 1 per 10 tensors (kernel path)",
-                     f"{min(per):.2f}-{max(per):.2f} per tensor" if len(per) > 1 else f"{per[0]:.2f} per tensor"))
+                     "; ".join(both(n, lambda x: f"{x.batched_kernels_per_tensor:.2f} per tensor ({n})")
+                               for n in batched)))
     if "one big tensor" in w:
-        big = [r for r in reads if r.workload == "one big tensor" and r.phase == "hooks"]
+        big = [r for r in fake if r.workload == "one big tensor" and r.phase == "hooks"]
         rows.append((f"launches for one {big[0].elements / 1e6:.0f}M-element tensor", "107", "<= 3",
-                     str(sum(r.kernels for r in big))))
-    hook_reads = [r for r in reads if r.phase != "step"]
-    if hook_reads:
+                     both("one big tensor", lambda x: str(sum(r.kernels for r in reads
+                                                              if r.workload == x.name and r.phase == "hooks")))))
+    reads_of_data = [r for r in fake if r.phase != "step"]
+    if reads_of_data:
         rows.append(("peak temporary of one read", "up to n bytes", "<= 8 MiB",
-                     _mib(max(r.peak_temporary for r in hook_reads))))
+                     _mib(max(r.peak_temporary for r in reads_of_data))))
     hook_syncs = sum(x.hook_syncs for x in w.values())
     step_copies = [x.step_blocking_copies for x in w.values() if x.name != "one big tensor"]
     rows.append(("host syncs in hooks / blocking copies in `step()` with `async_write`", "0 / 2-3", "0 / 0",
@@ -526,15 +605,14 @@ def table(reads: Sequence[Read]) -> str:
     if names:
         rows.append(("estimated H100: 7B `weight_grad` / `module` 4 of 32 layers / 3,072 experts",
                      "185-276 ms / 46-70 ms / 0.39-0.73 s", "<= 15 ms / <= 5 ms / <= 30 ms",
-                     " / ".join(_ms(*w[n].added_ms) for n in names)))
+                     "ATen path: " + " / ".join(_ms(*w[n].added_ms) for n in names)))
         today = {"weight_grad 7B": "18,044 / 431 GB", "module 4 layers": "4,784 / 106 GB",
                  "3,072 experts": "67,584 / 825 GB"}
         for n in names:
             x = w[n]
             rows.append((f"{n}: launches / bytes moved (measured)", today[n], "-",
                          f"{x.kernels:,} / {x.bytes_moved / 1e9:,.1f} GB "
-                         f"({x.ops:,} ATen ops, {x.triton_launches:,} Triton; one read: "
-                         f"{x.monitored_bytes / 1e9:,.1f} GB)"))
+                         f"({x.ops:,} ATen ops; one read: {x.monitored_bytes / 1e9:,.1f} GB)"))
     rows.append(("on a GPU: `weight_grad` / all monitors on a 1B model", "unmeasured", "<= 1.01 / <= 1.05",
                  "needs a GPU (scripts/gpu_checks.sh)"))
     lines = ["| measure | today (issue 48) | target | this engine |", "|---|---|---|---|"]
@@ -547,17 +625,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--smoke", action="store_true", help="small shapes (seconds): checks that the benchmark runs")
     p.add_argument("--only", action="append", choices=list(WORKLOADS), help="run only this workload (repeatable)")
     p.add_argument("--json", default=None, help="also write every read and the workloads' sums to this file")
+    p.add_argument("--no-seam", action="store_true",
+                   help="fake cuda tensors only (no run of the small shapes through the seam, in a child process)")
+    p.add_argument("--seam-timeout", type=float, default=300, help="seconds the seam's run may take")
+    p.add_argument("--seam-only", action="store_true", help=argparse.SUPPRESS)  # the child's part
     args = p.parse_args(argv)
-    shapes = SMOKE if args.smoke else Shapes()
-    reads = trace(shapes, args.only)
+    if args.seam_only:
+        shapes = SMOKE
+        reads = trace(shapes, args.only, seam=True)
+    else:
+        shapes = SMOKE if args.smoke else Shapes()
+        reads = trace(shapes, args.only)
     if not any(r.ops or r.triton_launches for r in reads):
         print("the tracer saw no operation of the engine: it set the tracer aside as a training mode",
               file=sys.stderr)
         return 1
+    note = ""
+    if not args.seam_only and not args.no_seam:
+        seam_reads, note = trace_through_seam(args.only, args.seam_timeout)
+        reads += seam_reads
     print(f"Constants: HBM {HBM_BYTES_PER_S / 1e12:.2f} TB/s at {HBM_EFFICIENCY:.0%}, {HOST_US_PER_LAUNCH:g} us of host "
-          f"time a launch, {TINY_KERNEL_US:g} us the least kernel time; shapes: {shapes}")
+          f"time a launch, {TINY_KERNEL_US:g} us the least kernel time; shapes: {shapes}; seam: small shapes "
+          f"{SMOKE.expert_shape}... on CPU tensors, {', '.join(f'{k}={v}' for k, v in SEAM_ENV.items())}")
     print()
-    print(table(reads))
+    print(table(reads, note))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shapes": asdict(shapes),

@@ -33,7 +33,7 @@ MEASURES = [
 def test_smoke_mode_prints_the_targets_table_and_counts_that_follow_the_shapes(tmp_path):
     out = tmp_path / "cost.json"
     proc = subprocess.run([sys.executable, str(BENCH), "--smoke", "--json", str(out)], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("|")]
     assert lines[0] == "| measure | today (issue 48) | target | this engine |"
@@ -69,6 +69,12 @@ def test_smoke_mode_prints_the_targets_table_and_counts_that_follow_the_shapes(t
         assert r["peak_temporary"] >= 0
         assert r["syncs"] == 0, r  # none in hooks or the optimizer step's reads
         assert r["gpu_us"] >= device_cost.TINY_KERNEL_US * r["kernels"] - 1e-9
+    # the same workloads at the same shapes through the engine's test seam, on real CPU tensors
+    for name in ("weight_grad 7B", "module 4 layers", "3,072 experts", "one big tensor"):
+        seam = got["workloads"][name + device_cost.SEAM_SUFFIX]
+        assert (seam["tensors"], seam["elements"]) == (got["workloads"][name]["tensors"],
+                                                       got["workloads"][name]["elements"])
+        assert seam["kernels"] > 0
     big = [r for r in reads if r["workload"] == "one big tensor" and r["phase"] == "hooks"]
     assert big[0]["elements"] == s.big_shape[0] * s.big_shape[1]
     for w in got["workloads"].values():
