@@ -78,8 +78,10 @@ class StatsEngine(Protocol):
         """Forget the tensors seen so far (step end, or after a collective)."""
         ...
 
-    def to_host(self, records: Sequence[Record]) -> None:
-        """Replace the device values of ``records`` by host values, in few transfers."""
+    def to_host(self, records: Sequence[Record]) -> Optional[Callable[[], None]]:
+        """Replace the device values of ``records`` by host values, in few transfers. None
+        when they are in place; else the function to call before reading them (the copy
+        was only issued), which the writer calls when it formats the rows."""
         ...
 
 

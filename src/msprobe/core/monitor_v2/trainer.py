@@ -360,8 +360,13 @@ class TrainerMonitorV2:
                 records[m.name] = recs
         if self._active and records:
             try:
-                self._session.engine.to_host([r for recs in records.values() for r in recs])
-                self._writer.write_step(step, records)
+                # device values are only being copied: the writer waits for them (ready) when
+                # it formats the rows, on its own thread with async_write
+                ready = self._session.engine.to_host([r for recs in records.values() for r in recs])
+                if ready is None:
+                    self._writer.write_step(step, records)
+                else:
+                    self._writer.write_step(step, records, ready)
                 self._steps_with_rows += 1
             except Exception as exc:  # noqa: BLE001
                 self.errors.report("writing step results", exc)

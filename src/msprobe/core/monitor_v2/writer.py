@@ -638,9 +638,14 @@ class CsvWriter:
             except OSError:
                 pass
 
-    def write_step(self, step: int, records: Dict[str, List[Record]]) -> None:
+    def write_step(self, step: int, records: Dict[str, List[Record]],
+                   ready: Optional[Callable[[], None]] = None) -> None:
         """Records carry host vectors; merge them into rows and write each monitor's file.
-        Never raises for an output problem: it is logged and counted (see ``close``)."""
+        Never raises for an output problem: it is logged and counted (see ``close``).
+        ``ready``: what the engine's ``to_host`` returned where the step's values are still
+        being copied from a device; waited for here, where the rows are formatted."""
+        if ready is not None:
+            ready()
         fields: Optional[Dict[str, List[RowFields]]] = None
         if self.alerter is not None or self.sinks is not None:
             # rows as plain tuples, merged once for the alerter, the sinks and the files; only
@@ -884,8 +889,9 @@ class AsyncCsvWriter:
         """Wait until every step handed over so far has been written (or counted as lost)."""
         self._queue.join()
 
-    def write_step(self, step: int, records: Dict[str, List[Record]]) -> None:
-        self._queue.put((step, records))
+    def write_step(self, step: int, records: Dict[str, List[Record]],
+                   ready: Optional[Callable[[], None]] = None) -> None:
+        self._queue.put((step, records) if ready is None else (step, records, ready))
 
     def report_lost(self, step: int, exc: BaseException, rows: int = 0) -> None:
         self._writer.report_lost(step, exc, rows)

@@ -30,7 +30,9 @@ What is and is not seen:
 
 ``async_op=True``: the post statistics are computed in a callback of the work's
 future, i.e. when the result is ready, so the training code is never made to wait
-earlier than it would. A work that offers no future (gloo's point-to-point and
+earlier than it would. On CUDA that callback runs on a pool stream; an event recorded
+there after the statistics (``engine.mark_stream``) makes the step's copy wait for them
+on the device. A work that offers no future (gloo's point-to-point and
 reduce-scatter works) is handed to the caller inside a ``dist.Work`` stand-in that
 records when it is waited on (or when ``step()`` finds it completed).
 
@@ -267,6 +269,9 @@ class CommMonitor(CommMonitorBase):
                 last = remaining[0] == 0
             if last:
                 callback()
+                # CUDA runs a future's callbacks on a pool stream: the vectors just made
+                # there are waited for (an event) before the step's copy reads them
+                self.session.engine.mark_stream()
 
         out = []
         for work in works:

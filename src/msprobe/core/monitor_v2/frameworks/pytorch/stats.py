@@ -11,9 +11,17 @@ cloned or kept: the reductions read the tensor in place.
   values give finite, accurate results (a 4M-element norm within ~1e-9 of an fp64
   reference; fp32 values up to the fp32 maximum never report ``inf``):
 
-  * on accelerators, in fp64: the tensor is cast to fp64 in chunks of 2^22 elements (a
-    32 MiB temporary, freed at once), so memory does not grow with the tensor; devices
-    without fp64 (Apple MPS) stay in fp32;
+  * on accelerators (and under the CPU test seam, ``MSPROBE_MONITOR_ACCEL_ON_CPU=1``),
+    no copy of the tensor is made: ``aminmax`` reads min and max in the tensor's dtype,
+    the sum is accumulated in fp32 (fp64 for fp64 tensors: a wider sum of a narrower
+    dtype is a full-size cast inside CUDA's reductions), and the norm comes from
+    ``torch._foreach_norm(..., dtype=fp64)``, one multi-tensor call for a list, which
+    reads the tensors as they are and accumulates in fp64 registers (fp32 on device types
+    where that call fails: probed once per type; Apple MPS and Ascend NPUs are fp32
+    without a probe), so finite fp32 values up to the fp32 maximum give a finite norm;
+    NaN and zero counts are taken in chunks of 2^23 elements (an 8 MiB boolean
+    temporary at most). Nothing is stacked per tensor: the parts stay 0-d device
+    tensors (``DeviceStats``) until ``to_host`` joins the whole step's;
   * on the CPU, ATen's fp64 reductions of fp32 data are ~20x slower than its fp32 ones,
     so partial sums of squares over 2^12 elements are computed in fp32 (one batched
     BLAS call) and added in fp64, as the C kernel does; ATen's fp32 sum is already
@@ -42,7 +50,16 @@ CPU path counts each fp32 chunk while it is in cache). On accelerators it
 stays a device tensor until ``to_host``.
 
 ``to_host`` moves the vectors of a whole step to the host in one transfer per
-(device, dtype) group: the number of transfers does not grow with the tensors.
+(device, dtype) group: the number of transfers does not grow with the tensors. On
+accelerators the transfer does not block: the step's values are joined into one buffer
+per device, copied with ``non_blocking=True`` into pinned host memory, and an event is
+recorded after the copy; ``to_host`` returns the function that waits on that event and
+fills the records, which the writer calls when it formats the rows (on its own thread
+with ``async_write``). Vectors made on another stream (the ``cc`` monitor's statistics in
+a collective's future callback, which runs on a pool stream) are waited for on the
+device (``mark_stream``: an event, no host wait) before the copy. Statistics are not
+taken while a CUDA graph is being captured (a replay runs no hook: the rows would be
+the capture's, once); the first tensor met so is named once at WARNING.
 
 The training's dispatch modes never see the engine's work. Hooks run inside the
 training's forward and backward, where Python dispatch modes and torch-function modes
@@ -63,6 +80,8 @@ import functools
 import logging
 import math
 import operator
+import os
+import threading
 import weakref
 from collections import defaultdict
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, TypeVar
@@ -130,10 +149,162 @@ def outside_training_modes(fn: _Fn) -> _Fn:
 # Device types found to lack fp64 reductions (Apple MPS is known; others are found by trying).
 _NO_FP64 = {"mps"}
 
+# The CPU test seam: CPU tensors take every accelerator branch (no C kernel, no value read
+# on the host to decide anything, the non-blocking transfer). Read when an engine is made.
+ACCEL_ON_CPU_ENV = "MSPROBE_MONITOR_ACCEL_ON_CPU"
+# Accelerators: elements per NaN or zero counting pass (``isnan``/``eq`` write one byte an
+# element): an 8 MiB temporary at most, whatever the tensor's size.
+_COUNT_CHUNK = 1 << 23
+# Device types whose fp64 norms are not used without a probe: Ascend NPUs may run an fp64
+# op on the AI CPU, silently slow (Apple MPS has no fp64 at all: _NO_FP64).
+_FP32_NORMS = {"npu"}
+_norm_dtypes: Dict[str, torch.dtype] = {}
+_foreach_norm_usable: List[bool] = []
+
 
 def _wide_dtype(device: torch.device) -> torch.dtype:
     """The dtype the sums are accumulated in: fp64 wherever the device has it."""
     return torch.float32 if device.type in _NO_FP64 else torch.float64
+
+
+def _has_foreach_norm() -> bool:
+    """Whether this torch has ``torch._foreach_norm(tensors, ord, dtype=...)``; tried once
+    on two CPU tensors (older torch lacks the op or its ``dtype``)."""
+    if not _foreach_norm_usable:
+        try:
+            got = torch._foreach_norm([torch.ones(4, dtype=torch.bfloat16), torch.ones(9)], 2, dtype=torch.float64)
+            usable = [float(n) for n in got] == [2.0, 3.0] and got[0].dtype == torch.float64
+        except Exception:  # noqa: BLE001 - any failure: the per-tensor norm
+            usable = False
+        _foreach_norm_usable.append(usable)
+    return _foreach_norm_usable[0]
+
+
+def _norm_dtype(device: torch.device) -> torch.dtype:
+    """The accelerator norms' accumulator: fp64 where the device type runs an fp64
+    ``_foreach_norm`` of a bf16 tensor (tried once per device type, never assumed), else
+    fp32. The probe launches one tiny kernel and reads nothing back."""
+    kind = device.type
+    dtype = _norm_dtypes.get(kind)
+    if dtype is None:
+        dtype = torch.float32
+        if kind not in _NO_FP64 and kind not in _FP32_NORMS and _has_foreach_norm():
+            try:
+                torch._foreach_norm([torch.ones(2, dtype=torch.bfloat16, device=device)], 2, dtype=torch.float64)
+                dtype = torch.float64
+            except Exception:  # noqa: BLE001 - the device lacks it: fp32, said once
+                logger.info("monitor_v2: %s tensors' norms are accumulated in fp32 here (no fp64 _foreach_norm)",
+                            kind)
+        _norm_dtypes[kind] = dtype
+    return dtype
+
+
+def _sum_dtype(t: torch.Tensor) -> torch.dtype:
+    """The accumulator of an accelerator sum: fp32, which reductions read bf16/fp16 into
+    without a copy, and fp64 for fp64 tensors."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+class DeviceStats:
+    """The statistics of one tensor on its device before ``to_host``: ``parts`` is
+    ``(min, max, sum, norm)``, four 0-d tensors of their own dtypes, joined with the whole
+    step's in one buffer by ``to_host`` instead of one stack per tensor."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        self.parts = parts
+
+    def __repr__(self) -> str:
+        return f"DeviceStats({self.parts!r})"
+
+
+def _count_chunks(t: torch.Tensor) -> List[torch.Tensor]:
+    """Views of ``t`` of at most ``_COUNT_CHUNK`` elements that cover it once: a
+    contiguous tensor's flat view in slices; another's slices along its first dimension
+    (a single row larger than the chunk is one view)."""
+    n = t.numel()
+    if n <= _COUNT_CHUNK or t.dim() == 0:
+        return [t]
+    if t.is_contiguous():
+        return list(t.view(-1).split(_COUNT_CHUNK))
+    rows = max(1, _COUNT_CHUNK // max(1, n // t.shape[0]))
+    return list(t.split(rows))
+
+
+def _device_count(t: torch.Tensor, what: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Elements of ``t`` for which ``what`` is true, counted on its device chunk by chunk:
+    a 0-d int64 tensor, or a tuple of them (one a chunk) that ``to_host`` adds up."""
+    counts = tuple(what(c).sum() for c in _count_chunks(t))
+    return counts[0] if len(counts) == 1 else counts
+
+
+def _is_zero(c: torch.Tensor) -> torch.Tensor:
+    return torch.eq(c, 0)
+
+
+def device_norms(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> List[torch.Tensor]:
+    """Norms of same-device tensors as 0-d ``dtype`` tensors: one ``_foreach_norm`` for the
+    dense ones where torch has it (it reads each tensor in its own dtype), else
+    ``linalg.vector_norm`` per tensor, accumulated in fp32 (a wider accumulator of a
+    narrower dtype is a full-size cast in CUDA's reductions)."""
+    out: List[Any] = [None] * len(tensors)
+    if _has_foreach_norm():
+        # one call per dtype: a mixed list takes the multi-tensor op's per-tensor route
+        by_dtype: Dict[torch.dtype, List[int]] = defaultdict(list)
+        for i, t in enumerate(tensors):
+            if t.is_contiguous():
+                by_dtype[t.dtype].append(i)
+        for dense in by_dtype.values():
+            for i, norm in zip(dense, torch._foreach_norm([tensors[i] for i in dense], 2, dtype=dtype)):
+                out[i] = norm
+    for i, t in enumerate(tensors):
+        if out[i] is None:
+            out[i] = _strided_norm(t, dtype)
+    return out
+
+
+def _strided_norm(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Norm of a tensor that is not contiguous (or without ``_foreach_norm``): where torch
+    has the multi-tensor op, a contiguous copy of each counting chunk (a bounded
+    temporary in the tensor's own dtype) read by it, so the sum of squares is accumulated
+    as the contiguous tensors' is; else ``linalg.vector_norm`` in fp32."""
+    if not _has_foreach_norm():
+        return torch.linalg.vector_norm(t, dtype=_sum_dtype(t))
+    parts = [torch._foreach_norm([c.contiguous()], 2, dtype=dtype)[0] for c in _count_chunks(t)]
+    return parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts))
+
+
+# The place of a fused statistics kernel for accelerators (issue 48 item 1: Triton, in
+# triton_stats.py): a function of (same-device tensors, plan) that returns for each tensor
+# its (vector, nans, zeros) as device values ``to_host`` moves (a [4] tensor or
+# ``DeviceStats``; 0-d counts), or None where it does not read that list. Not set here:
+# the ATen reads below serve every device until it is.
+fused_reader: Optional[Callable[[Sequence[torch.Tensor], StatPlan], Optional[List[Tuple[Any, Any, Any]]]]] = None
+
+
+def device_vectors(tensors: Sequence[torch.Tensor], plan: StatPlan,
+                   zero_of: Callable[[torch.device, torch.dtype], torch.Tensor]) -> List[Tuple[Any, Any, Any]]:
+    """``(vector, nans, zeros)`` of prepared, non-empty tensors of one accelerator, with
+    nothing read back: per tensor ``aminmax``, an fp32 ``sum`` and the chunked NaN (and
+    zero) counts; the norms of the whole list in one multi-tensor call. The fused kernel
+    (``fused_reader``) first, where one is set."""
+    if fused_reader is not None:
+        got = fused_reader(tensors, plan)
+        if got is not None:
+            return got
+    device = tensors[0].device
+    wide = _norm_dtype(device)
+    zero = zero_of(device, wide)
+    norms = device_norms(tensors, wide) if plan.norm else [zero] * len(tensors)
+    out = []
+    for t, norm in zip(tensors, norms):
+        mn, mx = torch.aminmax(t) if plan.minmax else (zero, zero)
+        total = t.sum(dtype=_sum_dtype(t)) if plan.total else zero
+        nans = _device_count(t, torch.isnan) if plan.nans else None
+        zeros = _device_count(t, _is_zero) if plan.zeros else None
+        out.append((DeviceStats((mn, mx, total, norm)), nans, zeros))
+    return out
 
 
 def _sumsq_cpu(flat: torch.Tensor) -> torch.Tensor:
@@ -251,7 +422,7 @@ def _group_key(t: torch.Tensor) -> Optional[Tuple[torch.device, torch.dtype, Tup
 
 def _grouped_vectors(group: List[torch.Tensor], plan: StatPlan,
                      zero_of: Callable[[torch.device, torch.dtype], torch.Tensor],
-                     ) -> Tuple[Sequence[Any], Sequence[Any], Sequence[Any], int]:
+                     on_host: Optional[bool] = None) -> Tuple[Sequence[Any], Sequence[Any], Sequence[Any], int]:
     """``(vectors, nans, zeros, numel)`` of tensors of one device, dtype and shape, as
     ``_vector`` gives them one by one: each vector ``[min, max, sum, norm]`` with the sums
     accumulated in fp64 (fp32 on devices without it), NaN and zero counts as integers.
@@ -263,9 +434,14 @@ def _grouped_vectors(group: List[torch.Tensor], plan: StatPlan,
     accelerator nothing is read back (the results are one ``[n, 4]`` device tensor and
     its rows, which ``to_host`` moves with the step's others); on the CPU, where reading a
     value is not a synchronisation, the results are host values, and the NaN count runs
-    only where a statistic is not finite (as ``_nan_count`` does)."""
+    only where a statistic is not finite (as ``_nan_count`` does). ``on_host`` False: the
+    accelerator reads (``_grouped_device``), also for CPU tensors under the test seam."""
     numel = group[0].numel()
     device = group[0].device
+    if on_host is None:
+        on_host = device.type == "cpu"
+    if not on_host:
+        return _grouped_device(group, plan, zero_of)
     wide = _wide_dtype(device)
     with torch.no_grad():
         # every value of the other dtypes is exact in the wide one: min, max, NaN and
@@ -292,6 +468,35 @@ def _grouped_vectors(group: List[torch.Tensor], plan: StatPlan,
     absent = [None] * len(group)
     return (split(vectors), absent if nans is None else split(nans), absent if zeros is None else split(zeros),
             numel)
+
+
+def _grouped_device(group: List[torch.Tensor], plan: StatPlan,
+                    zero_of: Callable[[torch.device, torch.dtype], torch.Tensor],
+                    ) -> Tuple[Sequence[Any], Sequence[Any], Sequence[Any], int]:
+    """``_grouped_vectors`` on an accelerator: the group stacked in its own dtype (one
+    bounded copy, ``GROUP_ELEMENTS`` at most), reduced along rows as ``device_vectors``
+    reduces one tensor (``aminmax``, an fp32 sum, fp64 norms in one multi-tensor call, the
+    NaN and zero counts of the block: at most 4 bytes an element), and the rows' vectors
+    as one ``[n, 4]`` tensor whose rows ``to_host`` moves with the step's others."""
+    numel = group[0].numel()
+    device = group[0].device
+    wide = _norm_dtype(device)
+    with torch.no_grad():
+        x = torch.stack(group).reshape(len(group), numel)
+        zero = zero_of(device, wide).expand(len(group))
+        total = x.sum(dim=1, dtype=_sum_dtype(x)).to(wide) if plan.total else zero
+        norm = torch.stack(device_norms(list(x.unbind(0)), wide)) if plan.norm else zero
+        if plan.minmax:
+            mn, mx = torch.aminmax(x, dim=1)
+            mn, mx = mn.to(wide), mx.to(wide)
+        else:
+            mn = mx = zero
+        vectors = torch.stack((mn, mx, total, norm), dim=1)
+        nans = torch.isnan(x).sum(dim=1) if plan.nans else None
+        zeros = torch.eq(x, 0).sum(dim=1) if plan.zeros else None
+    absent = [None] * len(group)
+    return (vectors.unbind(0), absent if nans is None else nans.unbind(0),
+            absent if zeros is None else zeros.unbind(0), numel)
 
 
 def _memory_key(t: torch.Tensor, plan: StatPlan) -> Optional[Tuple[int, int, torch.dtype, Tuple[bool, ...]]]:
@@ -385,6 +590,10 @@ def _cache_entry(t: torch.Tensor, version: int, rec: Record) -> Tuple[Any, int, 
 
 class TorchStatsEngine:
     def __init__(self, use_native: bool = True) -> None:
+        # the test seam (docs/development.md): CPU tensors take the accelerator branches
+        self._accel_on_cpu = os.environ.get(ACCEL_ON_CPU_ENV, "") == "1"
+        if self._accel_on_cpu:
+            use_native = False
         self._native = native.load() if use_native else None
         # the extension's records where it is built (outside the garbage collector)
         self._Record = record_type() if self._native is not None else Record
@@ -433,6 +642,16 @@ class TorchStatsEngine:
         # what the memory key holds; the same object always passes.
         self._seen_buffers: Dict[Tuple[bool, ...], Dict[int, Tuple["weakref.ref", int, Record]]] = {}
         self._unobserved = LogOnce()
+        # events of streams other than the step's that made vectors (mark_stream), waited
+        # for on the device before the step's copy; appended from collectives' callbacks
+        self._other_streams: List[Any] = []
+        self._streams_lock = threading.Lock()
+        self._capture_said = LogOnce()
+
+    def on_host(self, device: torch.device) -> bool:
+        """Whether tensors of ``device`` are in host memory, where reading a value is no
+        device synchronisation (False for every device under the test seam)."""
+        return device.type == "cpu" and not self._accel_on_cpu
 
     def _zero(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         key = (device, dtype)
@@ -497,7 +716,9 @@ class TorchStatsEngine:
 
     def _vector(self, t: torch.Tensor, plan: StatPlan) -> Tuple[Any, Any, Any]:
         """``(vector, nans, zeros)`` of a prepared, non-empty tensor."""
-        if t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16) and t.is_contiguous():
+        if not self.on_host(t.device):
+            return device_vectors([t], plan, self._zero)[0]
+        if t.dtype in (torch.bfloat16, torch.float16) and t.is_contiguous():
             vector, norm, zeros = self._cpu_low_precision(t, plan)
             return vector, self._nan_count(t, plan, norm, vector[2], vector[1]), zeros
         wide = _wide_dtype(t.device)
@@ -519,19 +740,7 @@ class TorchStatsEngine:
 
     def _sums(self, t: torch.Tensor, plan: StatPlan, wide: torch.dtype,
               zero: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(sum, sum of squares)`` of a prepared tensor, in ``wide`` (see the module doc)."""
-        if t.device.type != "cpu":
-            try:
-                return _sums_wide(t.reshape(-1), wide)
-            except (RuntimeError, TypeError):
-                if wide == torch.float32:
-                    raise
-                # A device without fp64 kernels (some NPUs): fp32 from now on, and say so once.
-                _NO_FP64.add(t.device.type)
-                logger.warning("monitor_v2: %s tensors cannot be summed in fp64 here; statistics are "
-                               "accumulated in fp32 on this device (large values may give inf norms)",
-                               t.device.type)
-                return _sums_wide(t.reshape(-1), torch.float32)
+        """``(sum, sum of squares)`` of a prepared host tensor, in ``wide`` (see the module doc)."""
         if t.dtype not in (torch.float32, torch.float64):
             t = t.float()  # bf16/fp16 views that are not contiguous: a temporary
         flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1)  # a temporary at most
@@ -553,8 +762,6 @@ class TorchStatsEngine:
                    mx: torch.Tensor) -> Optional[torch.Tensor]:
         if not plan.nans:
             return None
-        if t.device.type != "cpu":
-            return torch.isnan(t).sum()
         # Host memory: reading a scalar is not a device synchronisation. A finite norm
         # (or sum, or max) proves there is no NaN, and the count is skipped.
         probe = norm if plan.norm else total if plan.total else mx if plan.minmax else None
@@ -695,6 +902,8 @@ class TorchStatsEngine:
     def _compute_aten(self, t: torch.Tensor, plan: StatPlan, name: str) -> Tuple[Any, Any, int, Any]:
         """``_compute`` of a tensor the one-pass kernel does not read."""
         why = unobservable(t)
+        if why is None and t.is_cuda and torch.cuda.is_current_stream_capturing():
+            why = self._captured(name)
         if why is not None:
             self.warn_unobserved(name, why)
             return None, None, 0, None
@@ -732,9 +941,14 @@ class TorchStatsEngine:
                 return vector, nans, numel, zeros
             if stored == 0:
                 return (0.0, 0.0, 0.0, 0.0), 0, numel, numel if plan.zeros else None
-            if zeros is not None:
+            if isinstance(zeros, tuple):  # chunk counts, added up by to_host
+                zeros = zeros + (numel - stored,)
+            elif zeros is not None:
                 zeros = zeros + (numel - stored)
-            if isinstance(vector, torch.Tensor):  # clamp keeps NaN
+            if isinstance(vector, DeviceStats):  # clamp keeps NaN
+                mn, mx, total, norm = vector.parts
+                vector = DeviceStats((mn.clamp(max=0), mx.clamp(min=0), total, norm))
+            elif isinstance(vector, torch.Tensor):
                 vector = torch.stack((vector[0].clamp(max=0), vector[1].clamp(min=0), vector[2], vector[3]))
             else:
                 mn, mx, total, norm = vector
@@ -809,7 +1023,13 @@ class TorchStatsEngine:
         one device, dtype and shape (a model's repeated layers, an MoE model's experts) in
         grouped reductions (``_grouped_vectors``: a handful of ATen calls per group
         instead of five or six per tensor, none of which waits for the device), the others
-        one by one."""
+        one by one; on an accelerator the plain ones of those in one ``device_vectors`` call
+        per device (their norms in one multi-tensor call)."""
+        if tensors and any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing():
+            self.warn_unobserved(keys[0][1], self._captured(keys[0][1]))
+            return [self._Record(*key, None, None, 0, None) for key in keys]
+        later: Dict[torch.device, List[int]] = defaultdict(list)  # accelerator tensors read together
+
         def group_of(i: int) -> Optional[Tuple[Any, int]]:
             key = _group_key(tensors[i])
             return None if key is None else (key, tensors[i].numel())
@@ -821,10 +1041,20 @@ class TorchStatsEngine:
             vectors, nans, zeros, numel = read
             return [self._Record(*keys[i], vectors[j], nans[j], numel, zeros[j]) for j, i in enumerate(part)]
 
-        def read_one(i: int) -> Record:
-            return self._Record(*keys[i], *self._compute_aten(tensors[i], plan, keys[i][1]))
+        def read_one(i: int) -> Optional[Record]:
+            t = tensors[i]
+            if _group_key(t) is not None and t.numel() and not self.on_host(t.device):
+                later[t.device].append(i)
+                return None  # read below with the device's others
+            return self._Record(*keys[i], *self._compute_aten(t, plan, keys[i][1]))
 
-        return read_grouped(len(tensors), group_of, read_group, read_one)
+        records = read_grouped(len(tensors), group_of, read_group, read_one)
+        with torch.no_grad():
+            for part in later.values():
+                read = device_vectors([tensors[i].detach() for i in part], plan, self._zero)
+                for i, (vector, nans, zeros) in zip(part, read):
+                    records[i] = self._Record(*keys[i], vector, nans, tensors[i].numel(), zeros)
+        return records
 
     def _grouped_read(self, group: List[torch.Tensor],
                       plan: StatPlan) -> Optional[Tuple[Sequence[Any], Sequence[Any], Sequence[Any], int]]:
@@ -832,9 +1062,19 @@ class TorchStatsEngine:
         where the device cannot reduce it so (it is then reduced one tensor at a time,
         where the per-tensor path finds and says what the device lacks)."""
         try:
-            return _grouped_vectors(group, plan, self._zero)
+            return _grouped_vectors(group, plan, self._zero, self.on_host(group[0].device))
         except (RuntimeError, TypeError, NotImplementedError):
             return None
+
+    def _captured(self, name: str) -> str:
+        """Why ``name`` gets no statistics inside a CUDA-graph capture; said once at WARNING
+        naming the first one (the others' rows are left out the same way)."""
+        self._capture_said.warning(
+            "capture", "monitor_v2: %s was observed while a CUDA graph was being captured: the monitor takes no "
+            "statistics inside a capture (the graph's replays run no hook, so the rows would be the capture's, "
+            "once); the rows of the captured region are left out. Run monitored steps outside the graph, or "
+            "capture a part that the monitor does not observe. Logged once.", name)
+        return "a tensor observed during CUDA-graph capture"
 
     def warn_unobserved(self, name: str, why: str) -> None:
         """Say once per kind of tensor that its rows are left out."""
@@ -869,9 +1109,16 @@ class TorchStatsEngine:
         for seen_here in self._seen_buffers.values():  # cleared in place: recorders hold them
             seen_here.clear()
 
-    def to_host(self, records: Sequence[Record]) -> None:
+    @outside_training_modes
+    def to_host(self, records: Sequence[Record]) -> Optional[Callable[[], None]]:
         """Replace the device vectors, NaN and zero counts of ``records`` by host values,
-        with one transfer per (device, dtype) group. Records may share a vector."""
+        with one transfer per (device, dtype) group. Records may share a vector.
+
+        Host tensors' values are in place when it returns, and it returns None. Where some
+        are on an accelerator (or under the test seam) their copy is only issued
+        (``_stage``: non-blocking, into pinned memory) and it returns the function that
+        waits for it and puts the values in the records: the writer calls it when it
+        formats the step's rows. Until then those records hold device values."""
         # the kernel's records are host ones already (a tuple, counts int or None): one
         # pass finds the others, if any
         ext = self._native.ext if self._native is not None else None
@@ -881,8 +1128,152 @@ class TorchStatsEngine:
             host = _HOST_COUNTS
             records = [rec for rec in records if type(rec._vector) is not tuple or type(rec.nans) not in host
                        or type(rec.zeros) not in host]
-        if records:
-            self._transfer(records)
+        if not records:
+            return None
+        host: List[Record] = []
+        staged: List[Record] = []
+        on_host = self.on_host
+        for rec in records:
+            device = _device_of(rec._vector) or _device_of(rec.nans) or _device_of(rec.zeros)
+            (host if device is None or on_host(device) else staged).append(rec)
+        if host:
+            self._transfer(host)
+        return self._stage(staged) if staged else None
+
+    def mark_stream(self) -> None:
+        """Vectors were just made on the current CUDA stream, which need not be the one the
+        step ends on (a collective's future callback runs on a pool stream): an event
+        recorded on it now is waited for on the device before the step's copy (no host
+        wait). Nothing to do without CUDA (and under the CPU seam)."""
+        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return
+        event = torch.cuda.Event()
+        event.record()
+        with self._streams_lock:
+            self._other_streams.append(event)
+
+    def _wait_other_streams(self) -> None:
+        with self._streams_lock:
+            events, self._other_streams = self._other_streams, []
+        if events:
+            stream = torch.cuda.current_stream()
+            for event in events:
+                stream.wait_event(event)
+
+    @outside_training_modes
+    def _stage(self, records: Sequence[Record]) -> Callable[[], None]:
+        """``to_host`` of records with accelerator values: per device, every value joined
+        into one buffer and every count into another (``cat``: the number of copies does
+        not grow with the records), both copied to host memory without blocking
+        (``_copy_to_host``); returns the function that waits for the copy and fills the
+        records. A record whose values cannot be joined is moved alone, now (``_settle``)."""
+        by_device: Dict[torch.device, List[Record]] = defaultdict(list)
+        for rec in records:
+            by_device[_device_of(rec._vector) or _device_of(rec.nans) or _device_of(rec.zeros)].append(rec)
+        waits: List[Callable[[], None]] = []
+        with torch.no_grad():
+            self._wait_other_streams()
+            for device, recs in by_device.items():
+                try:
+                    waits.append(self._stage_device(device, recs))
+                except Exception:  # noqa: BLE001 - narrowed down record by record
+                    for rec in recs:
+                        self._settle(rec)
+
+        @outside_training_modes  # the sync writer calls it on the training's thread
+        def ready() -> None:
+            for wait in waits:
+                wait()
+
+        return ready
+
+    def _stage_device(self, device: torch.device, records: Sequence[Record]) -> Callable[[], None]:
+        values: List[torch.Tensor] = []  # 1-D pieces of the value buffer
+        counts: List[torch.Tensor] = []  # 1-element pieces of the count buffer
+        where: Dict[int, int] = {}  # id of a vector object -> its offset (records share vectors)
+        filled: List[Tuple[Record, Optional[int], Any, Any]] = []
+        offset = 0
+        for rec in records:
+            vector = rec._vector
+            at: Optional[int] = None
+            if isinstance(vector, (DeviceStats, torch.Tensor)):
+                at = where.get(id(vector))
+                if at is None:
+                    at = where[id(vector)] = offset
+                    if isinstance(vector, DeviceStats):
+                        values.extend(p.reshape(1) for p in vector.parts)
+                    else:
+                        values.append(vector.reshape(-1))
+                    offset += 4
+            filled.append((rec, at, _count_slots(rec.nans, counts), _count_slots(rec.zeros, counts)))
+        flats = [torch.cat(values) if values else None, torch.cat(counts) if counts else None]
+        hosts, event = self._copy_to_host(device, flats)
+
+        def wait() -> None:
+            try:
+                if event is not None:
+                    event.synchronize()
+                got = [h.tolist() if h is not None else [] for h in hosts]
+            except Exception as exc:  # noqa: BLE001 - an error the device reports late costs these rows only
+                for rec, *_ in filled:
+                    self._drop(rec, exc)
+                return
+            vals, cnts = got
+            for rec, at, nans, zeros in filled:
+                if at is not None:
+                    rec.vector = vals[at:at + 4]
+                if nans is not None:
+                    rec.nans = _counted(nans, cnts)
+                if zeros is not None:
+                    rec.zeros = _counted(zeros, cnts)
+            flats.clear()  # the device buffers live until the copy is waited for
+
+        return wait
+
+    def _copy_to_host(self, device: torch.device,
+                      flats: List[Optional[torch.Tensor]]) -> Tuple[List[Optional[torch.Tensor]], Any]:
+        """Host copies of device buffers and the event to wait on: pinned memory, a
+        ``non_blocking`` copy and an event recorded after it (CUDA; other accelerators
+        through ``torch.Event`` where they have it); the CPU seam takes the same steps with
+        a plain copy and no event. A device where any of that fails copies blocking."""
+        pinned = device.type != "cpu"
+        try:
+            hosts = [None if f is None else torch.empty(f.shape, dtype=f.dtype, pin_memory=pinned) for f in flats]
+            for h, f in zip(hosts, flats):
+                if h is not None:
+                    h.copy_(f, non_blocking=pinned)
+            event = None
+            if pinned:
+                event = torch.cuda.Event() if device.type == "cuda" else torch.Event(device=device)
+                event.record()
+            return hosts, event
+        except Exception as exc:  # noqa: BLE001 - a device without pinned memory or events
+            self._capture_said.info("blocking", "monitor_v2: the step's statistics are copied from %s to the host "
+                                    "with a blocking copy (%s). Logged once.", device, short_error(exc))
+            return [None if f is None else f.cpu() for f in flats], None
+
+    def _settle(self, rec: Record) -> None:
+        """One record's device values moved to the host now (a blocking copy), or the
+        record marked unobserved where that fails too."""
+        try:
+            vector = rec._vector
+            if isinstance(vector, DeviceStats):
+                rec.vector = torch.stack([p.double() for p in vector.parts]).cpu().tolist()
+            elif isinstance(vector, torch.Tensor):
+                rec.vector = vector.cpu().tolist()
+            counts: List[torch.Tensor] = []
+            nans, zeros = _count_slots(rec.nans, counts), _count_slots(rec.zeros, counts)
+            host = torch.stack(counts).cpu().tolist() if counts else []
+            if nans is not None:
+                rec.nans = _counted(nans, host)
+            if zeros is not None:
+                rec.zeros = _counted(zeros, host)
+        except Exception as exc:  # noqa: BLE001
+            self._drop(rec, exc)
+
+    def _drop(self, rec: Record, exc: BaseException) -> None:
+        self.warn_unobserved(rec.name, f"a tensor whose statistics could not reach the host ({short_error(exc)})")
+        rec.vector, rec.nans, rec.numel, rec.zeros = None, None, 0, None
 
     @outside_training_modes
     def _transfer(self, records: Sequence[Record]) -> None:
@@ -923,6 +1314,43 @@ class TorchStatsEngine:
             except Exception as exc:  # noqa: BLE001
                 self.warn_unobserved(rec.name, f"a tensor whose statistics could not reach the host ({short_error(exc)})")
                 rec.vector, rec.nans, rec.numel, rec.zeros = None, None, 0, None
+
+
+def _device_of(value: Any) -> Optional[torch.device]:
+    """The device of a record's vector or count that is not a host value yet, else None."""
+    if isinstance(value, torch.Tensor):
+        return value.device
+    if isinstance(value, DeviceStats):
+        return value.parts[0].device
+    if isinstance(value, tuple):  # chunk counts
+        for part in value:
+            if isinstance(part, torch.Tensor):
+                return part.device
+    return None
+
+
+def _count_slots(count: Any, pieces: List[torch.Tensor]) -> Any:
+    """Where a device count (a 0-d tensor, or a tuple of chunk counts and ints) goes in
+    the count buffer ``pieces`` (appended to it): ``(indices, constant)``; None for a
+    host count (an int, None), which stays as it is."""
+    if isinstance(count, torch.Tensor):
+        pieces.append(count.reshape(1))
+        return [len(pieces) - 1], 0
+    if isinstance(count, tuple):
+        indices, constant = [], 0
+        for part in count:
+            if isinstance(part, torch.Tensor):
+                pieces.append(part.reshape(1))
+                indices.append(len(pieces) - 1)
+            else:
+                constant += int(part)
+        return indices, constant
+    return None
+
+
+def _counted(slots: Tuple[List[int], int], host: List[Any]) -> int:
+    indices, constant = slots
+    return int(sum(host[i] for i in indices)) + constant
 
 
 def _replace(records: Sequence[Record], attr: str) -> None:

@@ -1,0 +1,402 @@
+"""The PyTorch engine's accelerator path, run on the CPU through its test seam
+(``MSPROBE_MONITOR_ACCEL_ON_CPU=1``: CPU tensors take every accelerator branch: no C kernel,
+no value read back to decide anything, the non-blocking transfer that the writer waits for).
+
+Values are checked against NumPy float64 on a copy of each tensor: min, max, NaN and zero
+counts exactly, mean and norm within 1e-6 relative (absolute 1e-6 x the mean of |x| for a
+mean near zero). The cost is counted with a dispatch mode let past the engine's
+``outside_training_modes`` (the mode stacks' lengths hidden from its check, as
+test_stats_grouped.py's ``AtenCalls`` does): ATen ops per tensor, bytes they read and
+write, and the largest set of temporaries alive at once. The whole monitor (every monitor
+on test_module.py's tiny GPT, sync and async writer) runs under the seam with its rows
+against NumPy and training bit-identical. The CUDA-only checks (capture, streams) are at
+the end and run on a GPU machine.
+"""
+
+import copy
+import math
+import weakref
+from collections import Counter
+from typing import Dict, List
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from support import find_row, rows_of
+from msprobe.core.monitor_v2.frameworks.pytorch import stats as torch_stats
+from msprobe.core.monitor_v2.frameworks.pytorch.stats import ACCEL_ON_CPU_ENV, DeviceStats, TorchStatsEngine
+from msprobe.core.monitor_v2.stats import StatPlan, merge_records
+from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
+
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+ALL_OPS = ("min", "max", "mean", "norm", "nans", "zeros")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+MiB = 1 << 20
+
+
+@pytest.fixture
+def seam(monkeypatch):
+    monkeypatch.setenv(ACCEL_ON_CPU_ENV, "1")
+    engine = TorchStatsEngine()
+    assert engine._native is None and not engine.on_host(torch.device("cpu"))
+    return engine
+
+
+class OpCost(TorchDispatchMode):
+    """ATen ops the engine runs inside it (views left out: they launch nothing), the bytes
+    their tensor arguments and results hold, and the peak of the bytes of results alive
+    at once (each result's storage followed by a weak reference until it is freed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+        self.read = self.written = 0
+        self.live = self.peak = 0
+        self._checks = ()
+        self._storages: Dict[int, int] = {}
+
+    def __enter__(self):
+        self._checks = (torch_stats._dispatch_modes, torch_stats._function_modes)
+        torch_stats._dispatch_modes = torch_stats._function_modes = lambda: 0
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch_stats._dispatch_modes, torch_stats._function_modes = self._checks
+        return super().__exit__(*exc)
+
+    def _freed(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view or func.overloadpacket.__name__ in ("detach", "lift_fresh"):
+            return out
+        self.ops[func.overloadpacket.__name__] += 1
+        for a in torch.utils._pytree.tree_leaves((args, kwargs)):
+            if isinstance(a, torch.Tensor):
+                self.read += a.numel() * a.element_size()
+        for o in torch.utils._pytree.tree_leaves(out):
+            if isinstance(o, torch.Tensor):
+                nbytes = o.numel() * o.element_size()
+                self.written += nbytes
+                storage = o.untyped_storage()
+                if id(storage) not in self._storages:
+                    self.live += nbytes
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(o, self._freed, nbytes)
+        return out
+
+    @property
+    def launches(self) -> int:
+        return sum(self.ops.values())
+
+
+def _special(n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """n values of ``dtype``: normal values with NaN, +-inf, -0.0, zeros and one value near
+    the dtype's maximum placed in them where there is room."""
+    g = torch.Generator().manual_seed(seed + n)
+    t = (torch.randn(n, generator=g) * 3 + 0.25).to(dtype)
+    big = 3.0e38 if dtype != torch.float16 else 65000.0
+    for i, v in enumerate((big, 0.0, -0.0, 0.0)):
+        if i < n:
+            t[(i * 7919) % n] = v
+    return t
+
+
+def _finite_and_special(n: int, dtype: torch.dtype) -> List[torch.Tensor]:
+    t = _special(n, dtype)
+    out = [t]
+    if n >= 8:
+        nan = t.clone()
+        nan[1] = math.nan
+        nan[n // 2] = math.nan
+        inf = t.clone()
+        inf[n - 1] = math.inf
+        inf[n // 3] = -math.inf
+        pos_inf = t.clone()
+        pos_inf[2] = math.inf
+        out += [nan, inf, pos_inf]
+    return out
+
+
+def _assert_matches_numpy(vector, nans, zeros, numel, t: torch.Tensor, what: str) -> None:
+    a = t.detach().to(torch.float64).numpy().copy().ravel()
+    assert numel == a.size, what
+    if a.size == 0:
+        assert nans == 0 and zeros == 0, what
+        return
+    mn, mx, total, norm = vector
+    assert (nans or 0) == int(np.isnan(a).sum()), what  # None: an integer tensor, no count needed
+    assert zeros is None or zeros == int((a == 0).sum()), what  # None: not asked for
+    if np.isnan(a).any():
+        assert all(math.isnan(v) for v in (mn, mx, total, norm)), (what, vector)
+        return
+    assert mn == a.min() and mx == a.max(), (what, vector, a.min(), a.max())
+    want_norm = float(np.sqrt(np.sum(a * a)))
+    if math.isinf(want_norm):
+        assert norm == math.inf, (what, vector)
+    else:
+        assert math.isclose(norm, want_norm, rel_tol=1e-6), (what, norm, want_norm)
+    with np.errstate(invalid="ignore"):
+        want_mean = float(np.mean(a))
+    if not math.isfinite(want_mean):
+        assert (math.isnan(want_mean) and math.isnan(total)) or total / numel == want_mean, (what, vector)
+        return
+    scale = float(np.mean(np.abs(a)))
+    assert math.isclose(total / numel, want_mean, rel_tol=1e-6, abs_tol=1e-6 * scale), (what, total / numel, want_mean)
+
+
+def _host(engine: TorchStatsEngine, recs):
+    on_device = any(isinstance(r.vector, (DeviceStats, torch.Tensor)) for r in recs)
+    ready = engine.to_host(recs)
+    assert (ready is not None) == on_device  # the seam's transfer: issued, then waited for by the caller
+    if ready is not None:
+        ready()
+    return recs
+
+
+SIZES = [0, 1, 7, 4096, 65537, (1 << 22) + 5]
+
+
+@pytest.mark.parametrize("n", SIZES, ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_one_tensor_against_numpy(seam, dtype, n):
+    plan = StatPlan.from_ops(ALL_OPS)
+    tensors = _finite_and_special(n, dtype) if n < (1 << 20) else [_special(n, dtype)]
+    recs = [seam.record(t, plan, 0, f"t{i}", "s") for i, t in enumerate(tensors)]
+    for rec, t in zip(_host(seam, recs), tensors):
+        assert isinstance(rec.vector, (list, tuple))
+        _assert_matches_numpy(rec.vector, rec.nans, rec.zeros, rec.numel, t, f"{dtype} n={n}")
+
+
+def test_lists_of_mixed_sizes_dtypes_and_layouts_against_numpy(seam):
+    """``record_many`` of a mixed list: small same-shape tensors (grouped), large ones
+    (one multi-tensor norm for the list), views that are not contiguous, fp64, integers,
+    an empty tensor; and the records a tensor shares (the same vector object twice)."""
+    plan = StatPlan.from_ops(ALL_OPS)
+    tensors: List[torch.Tensor] = []
+    for dtype in DTYPES:
+        for n in (3, 3, 3, 100, 100, 70000, 70001, 200003):
+            tensors += _finite_and_special(n, dtype)
+    g = torch.Generator().manual_seed(5)
+    tensors += [torch.randn(300, 500, generator=g).t(), torch.randn(9, 9, generator=g).double(),
+                torch.arange(-50, 70), torch.empty(0), torch.randn(4, 70000, generator=g)[:, ::2]]
+    keys = [(0, f"t{i}", "s", None) for i in range(len(tensors))]
+    recs = seam.record_many(tensors, plan, keys)
+    recs.append(recs[3].relabelled(0, "again", "s", None))
+    _host(seam, recs)
+    for rec, t in zip(recs, tensors + [tensors[3]]):
+        _assert_matches_numpy(rec.vector, rec.nans, rec.zeros, rec.numel, t, rec.name)
+    rows = merge_records(0, recs)
+    assert len(rows) == len(recs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_counts_in_chunks_exact_with_a_bounded_temporary(seam, dtype):
+    """A tensor of more than one counting chunk (2^23 elements): NaN and zero counts are
+    the sum of the chunks' counts, exact, and no temporary alive at once exceeds 8 MiB
+    (a whole-tensor ``isnan`` would be n bytes)."""
+    n = (1 << 23) + 9
+    t = _special(n, dtype)
+    t[5] = t[n - 2] = math.nan
+    t[(1 << 23) + 3] = 0.0
+    plan = StatPlan.from_ops(ALL_OPS)
+    with OpCost() as cost:
+        rec = seam.record(t, plan, 0, "big", "s")
+    assert cost.ops["isnan"] == 2 and cost.ops["eq"] == 2, cost.ops
+    assert cost.peak <= 8 * MiB + 4096, cost.peak
+    assert "_to_copy" not in cost.ops and "copy_" not in cost.ops, cost.ops  # no widened copy
+    _host(seam, [rec])
+    _assert_matches_numpy(rec.vector, rec.nans, rec.zeros, rec.numel, t, str(dtype))
+
+
+@pytest.mark.parametrize("n", [1000, (1 << 22) + 5], ids=["small", "4M"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_one_tensor_costs_five_ops_and_one_byte_temporary_per_element(seam, dtype, n):
+    """A hook's tensor (``record``): ``aminmax``, an fp32 ``sum``, one ``_foreach_norm`` and
+    the NaN count (``isnan`` and its ``sum``), whatever the size up to 2^23 elements; no
+    copy of the tensor in another dtype: the only tensor-sized result is the 1-byte
+    boolean of the NaN count. The reads are four of the tensor's and one of that boolean."""
+    t = _special(n, dtype)
+    plan = StatPlan.from_ops(("min", "max", "mean", "norm", "nans"))
+    seam.record(t[:3], plan, 0, "warm", "s")  # the engine's cached 0-d zero is made once
+    with OpCost() as cost:
+        rec = seam.record(t, plan, 0, "t", "s")
+    assert cost.ops == Counter({"aminmax": 1, "sum": 2, "_foreach_norm": 1, "isnan": 1}), cost.ops
+    e = t.element_size()
+    assert cost.written <= n + 64, cost.written
+    assert cost.read <= (4 * e + 1) * n + 64, (cost.read / n, e)
+    assert cost.peak <= n + 64
+    _host(seam, [rec])
+    _assert_matches_numpy(rec.vector, rec.nans, rec.zeros, rec.numel, t, str(dtype))
+
+
+def test_a_list_reads_its_norms_in_one_multi_tensor_call(seam):
+    """``record_many`` of tensors above the group size: one ``_foreach_norm`` per dtype for
+    the whole list, then ``aminmax``, ``sum`` and the NaN count per tensor: 4 ops a
+    tensor plus one a dtype."""
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(70000 + i, generator=g).to(d) for i in range(6) for d in (torch.float32, torch.bfloat16)]
+    plan = StatPlan.from_ops(("min", "max", "mean", "norm", "nans"))
+    keys = [(0, f"t{i}", "s", None) for i in range(len(tensors))]
+    seam.record(tensors[0], plan, 0, "warm", "s")  # the engine's cached 0-d zero is made once
+    with OpCost() as cost:
+        recs = seam.record_many(tensors, plan, keys)
+    assert cost.ops["_foreach_norm"] == 2, cost.ops
+    assert cost.launches <= 4 * len(tensors) + 2, cost.ops
+    _host(seam, recs)
+    for rec, t in zip(recs, tensors):
+        _assert_matches_numpy(rec.vector, rec.nans, rec.zeros, rec.numel, t, rec.name)
+
+
+def test_the_step_moves_in_one_copy_per_buffer(seam):
+    """``to_host`` joins a whole step's values into one buffer (and counts into another):
+    the copies to the host do not grow with the records, and nothing is read before the
+    writer calls what it returns."""
+    g = torch.Generator().manual_seed(4)
+    tensors = [torch.randn(50 + i, generator=g) for i in range(200)]
+    plan = StatPlan.from_ops(ALL_OPS)
+    recs = [seam.record(t, plan, 0, f"t{i}", "s") for i, t in enumerate(tensors)]
+    with OpCost() as cost:
+        ready = seam.to_host(recs)
+    assert cost.ops == Counter({"cat": 2, "copy_": 2, "empty": 2}) or cost.ops == Counter(
+        {"cat": 2, "copy_": 2, "empty.memory_format": 2}), cost.ops
+    assert all(isinstance(r.vector, DeviceStats) for r in recs)  # filled only by ready()
+    ready()
+    for rec, t in zip(recs, tensors):
+        _assert_matches_numpy(rec.vector, rec.nans, rec.zeros, rec.numel, t, rec.name)
+
+
+# ------------------------------------------------------------------ the whole monitor
+from test_module import TinyGPT, assert_rows_match_reference, expected, make_data  # noqa: E402
+
+
+def _train(model, batches, config=None):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mon = None
+    if config is not None:
+        mon = TrainerMonitorV2(config)
+        mon.start(model=model, optimizer=opt)
+        mon.engine_used = mon._session.engine
+    losses, grads, params, moments = [], [], [], []
+    try:
+        for idx, tgt in batches:
+            params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+            loss = model(idx, targets=tgt).loss
+            loss.backward()
+            losses.append(loss.detach().clone())
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+            opt.step()
+            moments.append({n: opt.state[p]["exp_avg"].clone() for n, p in model.named_parameters() if p in opt.state})
+            opt.zero_grad()
+    finally:
+        if mon is not None:
+            mon.stop()
+    return mon, losses, grads, params, moments
+
+
+def _tight(row: Dict[str, str], t: torch.Tensor) -> None:
+    """A CSV row (9 significant digits) against NumPy float64 of ``t``."""
+    a = t.detach().double().numpy().ravel()
+    assert math.isclose(float(row["min"]), a.min(), rel_tol=1e-8, abs_tol=1e-30), row
+    assert math.isclose(float(row["max"]), a.max(), rel_tol=1e-8, abs_tol=1e-30), row
+    assert math.isclose(float(row["norm"]), float(np.sqrt(np.sum(a * a))), rel_tol=1e-6), row
+    assert math.isclose(float(row["mean"]), float(a.mean()), rel_tol=1e-6, abs_tol=1e-6 * float(np.abs(a).mean())), row
+    assert int(row["nans"]) == 0
+
+
+@pytest.mark.parametrize("async_write", [False, True], ids=["sync", "async"])
+def test_whole_monitor_under_the_seam(tmp_path, monkeypatch, async_write):
+    monkeypatch.setenv(ACCEL_ON_CPU_ENV, "1")
+    model = TinyGPT()
+    twin = copy.deepcopy(model)
+    batches = make_data(2)
+    exp = expected(model, batches[:1])
+    config = {"output_dir": str(tmp_path / "out"), "async_write": async_write, "monitors": {
+        "module": {"enabled": True},
+        "weight_grad": {"enabled": True},
+        "optimizer": {"enabled": True},
+        "param": {"enabled": True}}}
+    mon, losses, grads, params, moments = _train(model, batches, config)
+    _, losses_off, _, params_off, _ = _train(twin, batches)
+    assert mon.errors.count == 0
+    assert mon.engine_used._accel_on_cpu and mon.engine_used._native is None
+    assert all(torch.equal(a, b) for a, b in zip(losses, losses_off))  # training bit-identical
+    for a, b in zip(params + [dict(model.named_parameters())], params_off + [dict(twin.named_parameters())]):
+        assert all(torch.equal(a[n], b[n]) for n in a)
+    out = tmp_path / "out"
+    assert_rows_match_reference(rows_of(out, "module"), exp, step=0)
+    wg, opt_rows, param_rows = rows_of(out, "weight_grad"), rows_of(out, "optimizer"), rows_of(out, "param")
+    for s in range(2):
+        for n, g in grads[s].items():
+            _tight(find_row(wg, step=s, module_name=n, scope="reduced"), g)
+        for n, m in moments[s].items():
+            _tight(find_row(opt_rows, step=s, module_name=f"{n}.exp_avg", scope="exp_avg"), m)
+        for n, p in params[s].items():
+            _tight(find_row(param_rows, step=s, module_name=n, scope="param_origin"), p)
+
+
+# ------------------------------------------------------------------ CUDA only
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: streams, events and graph capture")
+
+
+@cuda
+def test_cuda_copy_is_pinned_and_waited_for_by_an_event():
+    engine = TorchStatsEngine()
+    plan = StatPlan.from_ops(ALL_OPS)
+    t = torch.randn(1 << 20, device="cuda")
+    t[7] = math.nan
+    rec = engine.record(t, plan, 0, "t", "s")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ready = engine.to_host([rec])  # no synchronisation while the copy is issued
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert ready is not None
+    ready()
+    _assert_matches_numpy(rec.vector, rec.nans, rec.zeros, rec.numel, t.cpu(), "cuda")
+
+
+@cuda
+def test_vectors_of_another_stream_are_waited_for():
+    """Statistics made on a side stream (as in a collective's future callback) after a
+    long kernel there: the step's copy waits for them through ``mark_stream``'s event."""
+    engine = TorchStatsEngine()
+    plan = StatPlan.from_ops(("min", "max", "mean", "norm", "nans"))
+    side = torch.cuda.Stream()
+    x = torch.randn(4096, 4096, device="cuda")
+    with torch.cuda.stream(side):
+        side.wait_stream(torch.cuda.current_stream())
+        y = x
+        for _ in range(20):
+            y = y @ x / 64.0
+        rec = engine.record(y, plan, 0, "y", "s")
+        engine.mark_stream()
+    ready = engine.to_host([rec])
+    ready()
+    torch.cuda.synchronize()
+    _assert_matches_numpy(rec.vector, rec.nans, rec.zeros, rec.numel, y.cpu(), "side stream")
+
+
+@cuda
+def test_no_statistics_during_graph_capture(caplog):
+    engine = TorchStatsEngine()
+    plan = StatPlan.from_ops(("min", "max", "mean", "norm", "nans"))
+    x = torch.randn(1000, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        y = x * 2
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(graph):
+        y = x * 2
+        rec = engine.record(y, plan, 0, "captured.output.0", "forward")
+        recs = engine.record_many([y, x], plan, [(0, "a", "s", None), (0, "b", "s", None)])
+    graph.replay()
+    assert rec.vector is None and all(r.vector is None for r in recs)
+    said = [r.getMessage() for r in caplog.records if "CUDA graph" in r.getMessage()]
+    assert len(said) == 1 and "captured.output.0" in said[0], said
