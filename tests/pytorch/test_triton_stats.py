@@ -156,11 +156,14 @@ def _check(got_vector: torch.Tensor, got_nans: int, got_zeros: Optional[int], t:
             assert math.isfinite(got) and abs(got - ref) <= tol, (where, name, got, ref, tol)
 
 
-def _read_and_check(tensors: List[torch.Tensor], zeros: bool = True, label: str = "", **knobs) -> None:
-    before = [t.clone() for t in tensors]
-    read = triton_stats.read_many(tensors, zeros, **knobs)
+def _read_and_check(tensors: List[torch.Tensor], zeros: bool = True, label: str = "", device: str = "cpu",
+                    **knobs) -> None:
+    """``tensors`` (on the CPU: the reference's copy) read on ``device`` and checked."""
+    on_device = [t.to(device) for t in tensors]
+    before = [t.clone() for t in on_device]
+    read = triton_stats.read_many(on_device, zeros, **knobs)
     assert read is not None
-    vectors, nans, zero_counts = read
+    vectors, nans, zero_counts = (None if x is None else x.cpu() for x in read)
     assert vectors.dtype == torch.float64 and tuple(vectors.shape) == (len(tensors), 4)
     assert nans.dtype == torch.int64 and tuple(nans.shape) == (len(tensors),)
     if zeros:
@@ -169,7 +172,7 @@ def _read_and_check(tensors: List[torch.Tensor], zeros: bool = True, label: str 
         assert zero_counts is None
     for i, t in enumerate(tensors):
         _check(vectors[i], int(nans[i]), int(zero_counts[i]) if zeros else None, t, f"{label}[{i}]")
-    for t, old in zip(tensors, before):  # read, never written
+    for t, old in zip(on_device, before):  # read, never written
         assert torch.equal(t.view(torch.uint8) if t.numel() else t, old.view(torch.uint8) if t.numel() else old)
 
 
@@ -478,6 +481,48 @@ def check_kernels_compile(backend: str, arch: Any, warp: int) -> None:
                                        "vectors": "*fp64", "counts": "*i64", "BLOCK": "constexpr"},
                        constexprs={"BLOCK": triton_stats._FINISH_BLOCK})
     assert triton.compile(finish, target=target, options={"num_warps": 4}).asm
+
+
+def check_on_the_gpu() -> None:
+    device = "cuda"
+    assert triton_stats.available(torch.device(device))
+    for dtype in DTYPES:
+        _read_and_check([_data(n, DTYPES[dtype], seed=n) for n in SIZES], label=f"gpu {dtype}", device=device)
+    _read_and_check([_data((1 << 24) + 7, torch.float32, 24)], label="gpu 2^24+7", device=device)
+    cases = _special_values()
+    _read_and_check([t for _, t in cases], label="gpu specials", device=device)
+    for label, t in cases:
+        _read_and_check([t], label=f"gpu {label}", device=device, chunk=2048)
+    base = _data(70001, torch.bfloat16, 9)  # views 2 bytes into a block: the unaligned variant
+    _read_and_check([base[1:], base[3:5000], _data(100, torch.float16, 10)], label="gpu unaligned", device=device)
+    g = torch.Generator().manual_seed(48)
+    t = (torch.randn(1 << 22, generator=g) * 1e-3 + 2e-6).bfloat16()
+    a = _float64(t)
+    norm = math.sqrt(math.fsum(a * a))
+    assert abs(triton_stats.read_many([t.to(device)], False)[0][0, 3].item() - norm) <= 1e-7 * norm
+    # no host sync on the way: torch raises on any synchronising call in this mode
+    tensors = [_data(n * 37 % 30000, list(DTYPES.values())[n % 3], n).to(device) for n in range(300)]
+    launches, hooks = _count_launches()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        vectors, nans, zeros = triton_stats.read_many(tensors, True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        for kernel, hook in hooks:
+            kernel.pre_run_hooks.remove(hook)
+    assert launches == ["partials", "finish"]
+    for i in (0, 1, 150, 299):
+        _check(vectors[i].cpu(), int(nans[i]), int(zeros[i]), tensors[i].cpu(), f"gpu list[{i}]")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA (or ROCm) GPU: the kernel compiled and run "
+                    "on a device; the interpreter's checks above run everywhere (scripts/gpu_checks.sh runs this)")
+def test_on_the_gpu(compiling):
+    """On a GPU: the same values against NumPy (sizes to 2^24 + 7 with the GPU's tiles and
+    chunks, the special values, an unaligned list, the 4M-element norm within 1e-7), two
+    launches for 300 tensors, and no host sync under ``set_sync_debug_mode("error")``."""
+    compiling(check_on_the_gpu)
 
 
 @pytest.mark.parametrize("backend,arch,warp", [("cuda", 90, 32), ("cuda", 80, 32), ("hip", "gfx942", 64)])
