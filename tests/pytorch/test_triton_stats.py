@@ -390,12 +390,13 @@ def check_fused_reader() -> None:
     assert got is not None and all(nans is None and zeros is None for _, nans, zeros in got)
     _check(got[0][0], 0, None, tensors[0], "fused_reader, norm only")
     assert triton_stats.fused_reader([tensors[0], torch.randn(3, 4).t()], StatPlan.from_ops(("norm",))) is None
+    assert triton_stats.fused_reader([tensors[0], torch.empty(2, device="meta")], StatPlan.from_ops(("norm",))) is None
 
 
 def test_fused_reader(interpreted):
     """The engine's seam (``stats.fused_reader``): per tensor a [4] vector and 0-d counts,
     only the counts the plan asks for; a list holding a tensor it does not read as it is
-    (not contiguous) goes back to the caller (None)."""
+    (not contiguous), or tensors of two devices, goes back to the caller (None)."""
     interpreted(check_fused_reader)
 
 
