@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 from . import rows
 from .checks import Fields, check_bool, check_codelines, check_rank_list
 from .logonce import LogOnce
-from .monitor import Monitor
+from .monitor import Monitor, short_error
 from .patching import Patch, remove_all, replace_attribute
 from .safe_fs import append_bytes
 from .stats import Record, StatPlan
@@ -196,6 +196,8 @@ class CommMonitorBase(Monitor):
         # moved inside the wrapped calls (None: nothing counted this step)
         self._sequence_start: Optional[Dict[Any, int]] = None
         self._seen_moves: Dict[Any, int] = {}
+        self._uncounted: Dict[str, str] = {}  # groups whose number cannot be read: label -> why
+        self._unreadable: Set[Any] = set()  # those groups, not read again
         self.enabled = False
         rank = self.distributed_rank()
         if rank is None:
@@ -349,15 +351,23 @@ class CommMonitorBase(Monitor):
 
     # ------------------------------------------------------ collectives not seen
     def _read_sequence(self, group: Any) -> Optional[int]:
+        if group in self._unreadable:
+            return None
         try:
             return self.group_sequence(group)
-        except Exception as exc:  # noqa: BLE001 - a group that cannot be counted is said once
-            self._once.warning(
-                ("no-sequence", self._label(group)),
-                "monitor_v2 cc: cannot count the collectives of process group %s (%s): collectives that run "
-                "there past the cc monitor (C++ callers, functional collectives) are not said. Logged once.",
-                self._label(group), exc)
+        except Exception as exc:  # noqa: BLE001 - said once, with the others, at the step's end
+            self._unreadable.add(group)
+            self._uncounted.setdefault(self._label(group), short_error(exc))
             return None
+
+    def _say_uncounted(self) -> None:
+        new = {label: why for label, why in list(self._uncounted.items())
+               if self._once.first(("uncounted", label))}
+        if new:
+            logger.warning(
+                "monitor_v2 cc: cannot count the collectives of process group(s) %s: collectives that run there "
+                "past the cc monitor (C++ callers, functional collectives) are not said. Logged once.",
+                "; ".join(f"{label} ({why})" for label, why in new.items()))
 
     def _label(self, group: Any) -> str:
         try:
@@ -417,6 +427,7 @@ class CommMonitorBase(Monitor):
             label = self._label(group)
             unseen.append((label, count))
             new = self._once.first(("unseen", label)) or new
+        self._say_uncounted()
         if not new:
             return
         total = sum(c for _, c in unseen)

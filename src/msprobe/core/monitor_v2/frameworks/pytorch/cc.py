@@ -30,9 +30,7 @@ What is and is not seen:
 
 ``async_op=True``: the post statistics are computed in a callback of the work's
 future, i.e. when the result is ready, so the training code is never made to wait
-earlier than it would. On CUDA that callback runs on a pool stream; an event recorded
-there after the statistics (``engine.mark_stream``) makes the step's copy wait for them
-on the device. A work that offers no future (gloo's point-to-point and
+earlier than it would. A work that offers no future (gloo's point-to-point and
 reduce-scatter works) is handed to the caller inside a ``dist.Work`` stand-in that
 records when it is waited on (or when ``step()`` finds it completed).
 
@@ -41,6 +39,7 @@ tensors of that direction and the call site is the innermost frame outside torch
 this package (see ``cc_base.py`` for what every framework shares).
 """
 
+import inspect
 import os
 import sys
 import threading
@@ -144,6 +143,11 @@ class _NotifyingWork(dist.Work):
         return self._inner.get_future()
 
 
+def _is_fake(pg_map_entry: Any) -> bool:
+    """Whether ``_world.pg_map``'s entry of a group names the ``fake`` backend."""
+    return bool(pg_map_entry) and str(pg_map_entry[0]) == "fake"
+
+
 def _ddp_without_comm_hook(chunks: Sequence[Any]) -> bool:
     """Whether a ``DistributedDataParallel`` in ``chunks`` reduces through its C++
     reducer (no Python comm hook registered)."""
@@ -170,6 +174,8 @@ class CommMonitor(CommMonitorBase):
 
     def attach(self) -> None:
         self._pending_works: List[_NotifyingWork] = []
+        self._group_at: Dict[int, int] = {}
+        self._backends: Dict[Any, Tuple[Any, ...]] = {}  # process group -> its backends
         super().attach()
 
     def distributed_rank(self) -> Optional[int]:
@@ -186,23 +192,32 @@ class CommMonitor(CommMonitorBase):
     # ------------------------------------------- collectives the monitor does not see
     def known_groups(self) -> List[Any]:
         """Every process group this rank belongs to (``_world.pg_map``: the default group,
-        ``new_group``'s, a ``DeviceMesh``'s), else the default group alone."""
+        ``new_group``'s, a ``DeviceMesh``'s), else the default group alone; not a group on
+        the ``fake`` backend (it communicates nothing: TorchTitan gives one to each mesh
+        dimension of degree 1)."""
         c10d = sys.modules["torch.distributed.distributed_c10d"]
         world = getattr(c10d, "_world", None)
         pg_map = getattr(world, "pg_map", None)
         if pg_map:
-            return list(pg_map)
+            return [g for g, entry in list(pg_map.items()) if not _is_fake(entry)]
         default = c10d.GroupMember.WORLD
         return [default] if default is not None else []
 
     def group_of_call(self, op, original, args, kwargs):
         c10d = sys.modules["torch.distributed.distributed_c10d"]
-        bound = self.bind(original, args, kwargs)
         if op == "batch_isend_irecv":
-            p2p_ops = bound.get("p2p_op_list") or ()
+            p2p_ops = kwargs.get("p2p_op_list", args[0] if args else None) or ()
             group = getattr(p2p_ops[0], "group", None) if p2p_ops else None
+        elif "group" in kwargs:
+            group = kwargs["group"]
         else:
-            group = bound.get("group")
+            # the position of 'group' in the signature (found once per function): a
+            # full bind costs ~10 us a call
+            at = self._group_at.get(id(original))
+            if at is None:
+                names = list(inspect.signature(original).parameters)
+                at = self._group_at[id(original)] = names.index("group") if "group" in names else -1
+            group = args[at] if 0 <= at < len(args) else None
         if group is None:
             return c10d.GroupMember.WORLD
         if isinstance(group, str):  # a group name
@@ -210,7 +225,24 @@ class CommMonitor(CommMonitorBase):
         return group if isinstance(group, dist.ProcessGroup) else None
 
     def group_sequence(self, group):
-        return int(group._get_sequence_number_for_group())
+        """The sum of the numbers of the group's backends (one per device type: a
+        ``cpu:gloo,cuda:nccl`` group numbers its gloo and its NCCL collectives apart);
+        ``None`` for a group on the ``fake`` backend."""
+        backends = self._backends.get(group)
+        if backends is None:
+            c10d = sys.modules["torch.distributed.distributed_c10d"]
+            if _is_fake(getattr(getattr(c10d, "_world", None), "pg_map", {}).get(group)):
+                backends = ()
+            else:
+                found: Dict[int, Any] = {}
+                for device in group._device_types:
+                    backend = group._get_backend(device)
+                    found.setdefault(id(backend), backend)
+                backends = tuple(found.values())
+            self._backends[group] = backends
+        if not backends:
+            return None
+        return sum(int(b._get_sequence_number_for_group()) for b in backends)
 
     def group_label(self, group):
         ranks = dist.get_process_group_ranks(group)
@@ -269,9 +301,6 @@ class CommMonitor(CommMonitorBase):
                 last = remaining[0] == 0
             if last:
                 callback()
-                # CUDA runs a future's callbacks on a pool stream: the vectors just made
-                # there are waited for (an event) before the step's copy reads them
-                self.session.engine.mark_stream()
 
         out = []
         for work in works:
