@@ -213,6 +213,24 @@ def test_counts_in_chunks_exact_with_a_bounded_temporary(seam, dtype):
     _assert_matches_numpy(rec.vector, rec.nans, rec.zeros, rec.numel, t, str(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_strided_tensor_is_read_with_a_bounded_temporary(seam, dtype):
+    """A view that is not contiguous (a transposed 2^23-element tensor, an expanded one):
+    its norm reads contiguous copies of chunks of 8 MiB at most, so the sum of squares is
+    accumulated as a contiguous tensor's; values against NumPy."""
+    g = torch.Generator().manual_seed(9)
+    base = torch.randn(2048, 4099, generator=g).to(dtype)
+    base[3, 5] = 0.0
+    for t in (base.t(), torch.randn(4099, generator=g).to(dtype).expand(2048, 4099)):
+        assert not t.is_contiguous()
+        plan = StatPlan.from_ops(ALL_OPS)
+        with OpCost() as cost:
+            rec = seam.record(t, plan, 0, "strided", "s")
+        assert cost.peak <= 8 * MiB + 4096, cost.peak
+        _host(seam, [rec])
+        _assert_matches_numpy(rec.vector, rec.nans, rec.zeros, rec.numel, t, str(dtype))
+
+
 @pytest.mark.parametrize("n", [1000, (1 << 22) + 5], ids=["small", "4M"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_one_tensor_costs_five_ops_and_one_byte_temporary_per_element(seam, dtype, n):

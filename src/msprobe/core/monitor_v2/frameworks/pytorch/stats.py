@@ -167,13 +167,22 @@ def _wide_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type in _NO_FP64 else torch.float64
 
 
+def _capturing() -> bool:
+    """Whether this thread's current CUDA stream is capturing a graph. CUDA tensors that
+    exist have initialised CUDA; fake ones (a tracing of the engine) have not, and a torch
+    built without CUDA cannot ask."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 def _has_foreach_norm() -> bool:
-    """Whether this torch has ``torch._foreach_norm(tensors, ord, dtype=...)``; tried once
-    on two CPU tensors (older torch lacks the op or its ``dtype``)."""
+    """Whether this torch has ``torch._foreach_norm(tensors, ord, dtype=...)`` (older
+    torch lacks the op or its ``dtype``): read once from the op's schema, nothing run."""
     if not _foreach_norm_usable:
         try:
-            got = torch._foreach_norm([torch.ones(4, dtype=torch.bfloat16), torch.ones(9)], 2, dtype=torch.float64)
-            usable = [float(n) for n in got] == [2.0, 3.0] and got[0].dtype == torch.float64
+            op = torch.ops.aten._foreach_norm
+            schemas = [getattr(op, name)._schema for name in op.overloads()]
+            usable = hasattr(torch, "_foreach_norm") and any(
+                any(a.name == "dtype" for a in schema.arguments) for schema in schemas)
         except Exception:  # noqa: BLE001 - any failure: the per-tensor norm
             usable = False
         _foreach_norm_usable.append(usable)
@@ -219,17 +228,19 @@ class DeviceStats:
         return f"DeviceStats({self.parts!r})"
 
 
-def _count_chunks(t: torch.Tensor) -> List[torch.Tensor]:
-    """Views of ``t`` of at most ``_COUNT_CHUNK`` elements that cover it once: a
-    contiguous tensor's flat view in slices; another's slices along its first dimension
-    (a single row larger than the chunk is one view)."""
+def _count_chunks(t: torch.Tensor, chunk: int = _COUNT_CHUNK) -> List[torch.Tensor]:
+    """Views of ``t`` of at most ``chunk`` elements that cover it once: a contiguous
+    tensor's flat view in slices; another's slices along its first dimension, each
+    sliced again along the next where one row is larger than the chunk."""
     n = t.numel()
-    if n <= _COUNT_CHUNK or t.dim() == 0:
+    if n <= chunk or t.dim() == 0:
         return [t]
     if t.is_contiguous():
-        return list(t.view(-1).split(_COUNT_CHUNK))
-    rows = max(1, _COUNT_CHUNK // max(1, n // t.shape[0]))
-    return list(t.split(rows))
+        return list(t.view(-1).split(chunk))
+    row = n // t.shape[0]
+    if row <= chunk:
+        return list(t.split(max(1, chunk // max(1, row))))
+    return [part for r in t.unbind(0) for part in _count_chunks(r, chunk)]
 
 
 def _device_count(t: torch.Tensor, what: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -271,7 +282,8 @@ def _strided_norm(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     as the contiguous tensors' is; else ``linalg.vector_norm`` in fp32."""
     if not _has_foreach_norm():
         return torch.linalg.vector_norm(t, dtype=_sum_dtype(t))
-    parts = [torch._foreach_norm([c.contiguous()], 2, dtype=dtype)[0] for c in _count_chunks(t)]
+    chunk = _COUNT_CHUNK // t.element_size()  # each copy 8 MiB at most
+    parts = [torch._foreach_norm([c.contiguous()], 2, dtype=dtype)[0] for c in _count_chunks(t, chunk)]
     return parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts))
 
 
@@ -902,7 +914,7 @@ class TorchStatsEngine:
     def _compute_aten(self, t: torch.Tensor, plan: StatPlan, name: str) -> Tuple[Any, Any, int, Any]:
         """``_compute`` of a tensor the one-pass kernel does not read."""
         why = unobservable(t)
-        if why is None and t.is_cuda and torch.cuda.is_current_stream_capturing():
+        if why is None and t.is_cuda and _capturing():
             why = self._captured(name)
         if why is not None:
             self.warn_unobserved(name, why)
@@ -1025,7 +1037,7 @@ class TorchStatsEngine:
         instead of five or six per tensor, none of which waits for the device), the others
         one by one; on an accelerator the plain ones of those in one ``device_vectors`` call
         per device (their norms in one multi-tensor call)."""
-        if tensors and any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing():
+        if tensors and any(t.is_cuda for t in tensors) and _capturing():
             self.warn_unobserved(keys[0][1], self._captured(keys[0][1]))
             return [self._Record(*key, None, None, 0, None) for key in keys]
         later: Dict[torch.device, List[int]] = defaultdict(list)  # accelerator tensors read together
