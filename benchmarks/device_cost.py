@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/device_cost.py                 # the three workloads, full shapes
     .venv/bin/python benchmarks/device_cost.py --smoke         # small shapes (the test's)
     .venv/bin/python benchmarks/device_cost.py --json cost.json
+    .venv/bin/python benchmarks/device_cost.py --no-seam       # fake cuda tensors only
 
 The engine's accelerator branches run on ``FakeTensorMode`` tensors whose device is
 ``cuda``: every branch a GPU takes runs, shapes and dtypes are real (a 7B model's 131M-element
@@ -41,6 +42,13 @@ host (the GPU waits for them). The workloads are those of issue 48 (and of
 - 3,072 expert weights of 4M elements (an MoE model's experts on one rank at 8-way expert
   parallelism), ``unreduced`` in their hooks and ``reduced`` in one ``record_many``.
 
+The fake tensors take the ATen path (a Triton kernel cannot launch on them). The fused
+kernel's path is measured through the engine's test seam: the same workloads at the small
+shapes run on real CPU tensors in a child process with ``MSPROBE_MONITOR_ACCEL_ON_CPU=1`` and
+``TRITON_INTERPRET=1``, where Triton launches are counted (their arguments show a table of
+addresses, not the tensors: a read through the kernel counts one read of its tensors, an
+assumption the table states).
+
 The engine is whatever ``frameworks/pytorch/stats.py`` is when this runs: the table shows the
 engine of the day against the issue's "today" and "target" columns.
 """
@@ -50,7 +58,10 @@ import contextlib
 import json
 import logging
 import math
+import os
+import subprocess
 import sys
+import tempfile
 import weakref
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -437,10 +448,6 @@ SEAM_SUFFIX = " (seam)"
 def trace_through_seam(only: Optional[Sequence[str]], timeout: float) -> Tuple[List[Read], str]:
     """The workloads at the small shapes on real CPU tensors through the seam, in a child
     process: (its reads, a note where it could not run)."""
-    import os
-    import subprocess
-    import tempfile
-
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "seam.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--seam-only", "--json", path]

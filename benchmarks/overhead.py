@@ -77,7 +77,7 @@ class Bench:
         self.cfg = GPTConfig(n_layer=args.layers, d_model=args.d_model, n_head=args.heads,
                              vocab_size=args.vocab, block_size=args.context)
         self.device = torch.device(args.device)
-        self.model = GPT(self.cfg).to(self.device)
+        self.model = GPT(self.cfg).to(self.device, dtype=getattr(torch, args.dtype))
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.data = synthetic_batches(self.cfg, args.batch, seed=0, device=self.device)
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -242,6 +242,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the model's parameters (and so its gradients and AdamW's moments)")
     p.add_argument("--rounds", type=int, default=7, help="alternating with/without rounds per config")
     p.add_argument("--steps-per-window", type=int, default=3)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before the first config")
@@ -274,7 +276,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     n_params = sum(p.numel() for p in bench.model.parameters())
     print(f"model: GPT {args.layers} layers, d_model {args.d_model}, {args.heads} heads, vocab {args.vocab}, "
           f"context {args.context}, batch {args.batch}; {n_params / 1e6:.1f}M parameters "
-          f"({bench.param_bytes / 2**20:.1f} MiB); AdamW; device {args.device}, {args.threads} thread(s)")
+          f"({bench.param_bytes / 2**20:.1f} MiB, {args.dtype}); AdamW; device {args.device}, {args.threads} thread(s)")
     kernel = "ATen reductions only (--no-native)" if native.load() is None else "one-pass C kernel"
     print(f"{args.rounds} rounds x {args.steps_per_window} steps per window; torch {torch.__version__}; "
           f"CPU statistics: {kernel}; module graph hooks: {graph_hooks_in_use()}")
