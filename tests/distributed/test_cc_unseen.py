@@ -8,7 +8,9 @@
   and the likely sources; the rows of the c10d calls (the gradients' ``dist.all_reduce``)
   still equal NumPy statistics of the tensors, and no row for what was not seen.
 - ``seen``: only ``torch.distributed`` functions (barriers, point-to-point, async,
-  objects, a sub-group): no such warning, and none for a group on the ``fake`` backend.
+  objects, a sub-group): no such warning, and none for a group on the ``fake`` backend;
+  with ``"dynamic"``, the monitor's own all-reduce between steps is neither a row nor
+  counted.
 - ``ddp``: DDP's C++ reducer, named as the likely source.
 
 Every mode trains bit-identically with and without the monitor.
@@ -26,6 +28,8 @@ WORKER = Path(__file__).parent / "workers" / "cc_unseen.py"
 GRAD_ALL_REDUCE_LINE = next(i for i, line in enumerate(WORKER.read_text(encoding="utf-8").splitlines(), 1)
                             if line.rstrip().endswith("# cc-unseen-grad-all-reduce"))
 GRAD_TAG = f"all_reduce.post.0@cc_unseen.py[{GRAD_ALL_REDUCE_LINE}]"
+STEP_LINE = next(i for i, line in enumerate(WORKER.read_text(encoding="utf-8").splitlines(), 1)
+                 if line.rstrip().endswith("# cc-unseen-step"))
 RANKS = (0, 1)
 STEPS = 3
 UNSEEN = "collective(s) ran that the cc monitor did not see"
@@ -103,6 +107,16 @@ def test_no_warning_when_every_collective_is_seen(seen_run):
     for r in RANKS:
         ops = {row["module_name"].split(".")[0] for row in rows_of(out / "seen", "cc", rank=r)}
         assert {"all_reduce", "all_to_all_single", "broadcast", "all_gather"} <= ops, ops
+
+
+def test_the_monitors_own_collective_is_no_row(seen_run):
+    """With "dynamic" the ranks agree on config edits (an all-reduce of the monitor's own
+    between steps): no row tagged with the line of ``mon.step()``, no unseen warning
+    (the other test)."""
+    out, _ = seen_run
+    for r in RANKS:
+        sites = {row["module_name"] for row in rows_of(out / "seen", "cc", rank=r)}
+        assert not [t for t in sites if t.endswith(f"@cc_unseen.py[{STEP_LINE}]")], sites
 
 
 def test_ddp_reducer_is_named(ddp_run):

@@ -12,7 +12,8 @@ MODE:
   Per step: 3 collectives the monitor cannot see on ``experts``, 1 on the world.
 - ``seen``: the same training with plain ``torch.distributed`` calls only (all_reduce,
   all_to_all_single, broadcast on ``experts``, barrier, monitored_barrier, send/recv,
-  an async all_reduce, all_gather_object): every collective goes through the wrappers.
+  an async all_reduce, all_gather_object): every collective goes through the wrappers;
+  the monitor runs with ``"dynamic": true`` (its own all-reduce between steps).
 - ``ddp``: the model wrapped in ``DistributedDataParallel`` without a comm hook (its C++
   reducer all-reduces the gradients).
 
@@ -23,6 +24,7 @@ tag's call site: the line marked with the comment ``cc-unseen-grad-all-reduce``)
 """
 
 import datetime
+import json
 import logging
 import os
 import sys
@@ -80,9 +82,17 @@ def train(mode: str, experts, mesh, out_dir, monitored: bool):
     mon = None
     if monitored:
         logging.getLogger("msprobe.monitor_v2").addHandler(caught)
-        mon = TrainerMonitorV2({"output_dir": os.path.join(out_dir, mode),
-                                "patch_optimizer_step": False,
-                                "monitors": {"module": {"enabled": False}, "cc": {"enabled": True}}})
+        config = {"output_dir": os.path.join(out_dir, mode), "patch_optimizer_step": False,
+                  "monitors": {"module": {"enabled": False}, "cc": {"enabled": True}}}
+        if mode == "seen":
+            # "dynamic": the ranks agree on config edits with an all-reduce between steps,
+            # the monitor's own: neither a cc row nor counted as unseen
+            config["dynamic"] = True
+            path = os.path.join(out_dir, f"config_rank{rank}.json")
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(config, f)
+            config = path
+        mon = TrainerMonitorV2(config)
         mon.start(model=net, optimizer=opt)
     losses, reduced, logged = [], [], []
     for step, (x, y) in enumerate(batches(rank)):
@@ -120,7 +130,7 @@ def train(mode: str, experts, mesh, out_dir, monitored: bool):
         opt.step()
         losses.append(loss.detach().clone())
         if mon is not None:
-            mon.step()
+            mon.step()  # cc-unseen-step
     if mon is not None:
         mon.stop()
         logging.getLogger("msprobe.monitor_v2").removeHandler(caught)

@@ -273,7 +273,9 @@ class CommMonitorBase(Monitor):
             if not (monitor.active and monitor.enabled) or getattr(local, "depth", 0):
                 return original(*args, **kwargs)
             local.depth = 1
-            if op in monitor.counted_only:  # seen, nothing to record
+            # seen, nothing to record: a barrier, or the monitor's own collective (the
+            # ranks agreeing on a config edit between steps) that is not the training's
+            if op in monitor.counted_only or monitor._own_call(sys._getframe(1)):
                 mark = monitor._mark(op, original, args, kwargs)
                 try:
                     return original(*args, **kwargs)
@@ -348,6 +350,16 @@ class CommMonitorBase(Monitor):
             return result
         finally:
             self.errors.busy += perf_counter() - start
+
+    def _own_call(self, frame: Any) -> bool:
+        """Whether the first caller outside the framework is this package."""
+        for f in frames(frame):
+            fn = f.f_code.co_filename
+            if fn.startswith(_OWN_DIR):
+                return True
+            if not any(fn.startswith(d) for d in self.framework_dirs):
+                return False
+        return False
 
     # ------------------------------------------------------ collectives not seen
     def _read_sequence(self, group: Any) -> Optional[int]:
