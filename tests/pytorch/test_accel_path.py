@@ -418,3 +418,31 @@ def test_no_statistics_during_graph_capture(caplog):
     assert rec.vector is None and all(r.vector is None for r in recs)
     said = [r.getMessage() for r in caplog.records if "CUDA graph" in r.getMessage()]
     assert len(said) == 1 and "captured.output.0" in said[0], said
+
+
+# ------------------------------------------------------------------ DDP, 2 ranks
+def test_ddp_two_ranks_under_the_seam(tmp_path):
+    """tests/distributed/workers/data_parallel.py's DDP job (gloo, 2 ranks, 2 micro-batches a
+    step) with the seam on in both ranks: each rank's unreduced rows are its local gradients
+    and its reduced rows their mean over the ranks (NumPy on the worker's unmonitored
+    copies); the job's own bit-identity check, with every monitor on, holds in both ranks."""
+    from pathlib import Path
+
+    from support import run_torchrun
+
+    worker = Path(__file__).parents[1] / "distributed" / "workers" / "data_parallel.py"
+    out = tmp_path / "ddp"
+    out.mkdir()
+    run_torchrun(worker, "ddp", out, env={ACCEL_ON_CPU_ENV: "1"})
+    refs = [torch.load(out / f"ref_rank{r}.pt") for r in range(2)]
+    for r in range(2):
+        bitwise = torch.load(out / f"bitwise_rank{r}.pt")
+        assert bitwise["bit_identical"] is True
+        rows = rows_of(out, "weight_grad", rank=r)
+        steps = len(refs[r]["grads"])
+        for s in range(steps):
+            for name, _ in refs[r]["grads"][s][0].items():
+                local = sum(g[name] for g in refs[r]["grads"][s])
+                _tight(find_row(rows, step=s, module_name=name, scope="unreduced"), local)
+                mean = sum(sum(g[name] for g in refs[q]["grads"][s]) for q in range(2)) / 2
+                _tight(find_row(rows, step=s, module_name=name, scope="reduced"), mean)
