@@ -89,7 +89,8 @@ def test_every_pip_step_is_announced_with_its_size(tmp_path, profile):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     pip_steps = [i for i, line in enumerate(lines) if line.startswith("PIP ")]
-    assert len(_installs(lines)) == (4 if profile == "test" else 2)  # test: + SwanLab without its protobuf pin, lines
+    # test: + SwanLab without its protobuf pin and TorchTitan without its datasets pin, each announced
+    assert len(_installs(lines)) == (5 if profile == "test" else 2)
     assert len(pip_steps) == len(_installs(lines))
     # the dry run that finds which torch build pip picks (its report is read, not shown) is announced first
     assert lines[0] == "setup_env: asking pip which torch 2.13.0 build it would install (a dry run, about 10 s)..."
@@ -101,6 +102,7 @@ def test_every_pip_step_is_announced_with_its_size(tmp_path, profile):
     announced = "\n".join(lines[i - 1] for i in _installs(lines))
     assert "torch 2.13 (CPU) and numpy" in announced and "MB download" in announced
     assert ("MindSpore 2.10" in announced and "GB on disk" in announced) == (profile == "test")
+    assert ("torchtitan==0.3.0 without its datasets<4.8 pin" in announced) == (profile == "test")
     assert "about 20 s" in announced and ("about 1.5 min" in announced) == (profile == "test")
     assert "CUDA" not in proc.stdout  # pip's indexes have the CPU build here
     assert lines[-1].startswith("setup_env: .venv ready in ")
