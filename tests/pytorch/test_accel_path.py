@@ -213,6 +213,27 @@ def test_counts_in_chunks_exact_with_a_bounded_temporary(seam, dtype):
     _assert_matches_numpy(rec.vector, rec.nans, rec.zeros, rec.numel, t, str(dtype))
 
 
+def test_a_device_type_with_fp32_norms_reads_every_dtype(seam, monkeypatch):
+    """Where the norms are accumulated in fp32 (MPS, NPUs, a device type whose fp64 probe
+    failed), fp64 tensors keep fp64 norms (a narrower accumulator is refused by torch,
+    which failed the whole list before). The bf16 tensor's fp32 norm is checked to 1e-5:
+    the CPU's fp32 reduction is less accurate than a device's tree of partial sums."""
+    monkeypatch.setitem(torch_stats._norm_dtypes, "cpu", torch.float32)
+    g = torch.Generator().manual_seed(11)
+    tensors = [torch.randn(70000, generator=g).double(), torch.randn(70000, generator=g).bfloat16(),
+               torch.randn(300, 400, generator=g).double().t(), torch.randn(5, generator=g).double()]
+    plan = StatPlan.from_ops(ALL_OPS)
+    recs = seam.record_many(tensors, plan, [(0, f"t{i}", "s", None) for i in range(len(tensors))])
+    recs += [seam.record(t, plan, 0, f"one{i}", "s") for i, t in enumerate(tensors)]
+    _host(seam, recs)
+    for rec, t in zip(recs, tensors + tensors):
+        if t.dtype == torch.float64:
+            _assert_matches_numpy(rec.vector, rec.nans, rec.zeros, rec.numel, t, rec.name)
+        else:
+            want = float(np.linalg.norm(t.double().numpy()))
+            assert math.isclose(rec.vector[3], want, rel_tol=1e-5), (rec.name, rec.vector, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_a_strided_tensor_is_read_with_a_bounded_temporary(seam, dtype):
     """A view that is not contiguous (a transposed 2^23-element tensor, an expanded one):

@@ -266,8 +266,9 @@ def device_norms(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> List[to
         for i, t in enumerate(tensors):
             if t.is_contiguous():
                 by_dtype[t.dtype].append(i)
-        for dense in by_dtype.values():
-            for i, norm in zip(dense, torch._foreach_norm([tensors[i] for i in dense], 2, dtype=dtype)):
+        for of, dense in by_dtype.items():
+            wide = torch.float64 if of == torch.float64 else dtype  # never narrower than the data
+            for i, norm in zip(dense, torch._foreach_norm([tensors[i] for i in dense], 2, dtype=wide)):
                 out[i] = norm
     for i, t in enumerate(tensors):
         if out[i] is None:
@@ -283,7 +284,8 @@ def _strided_norm(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if not _has_foreach_norm():
         return torch.linalg.vector_norm(t, dtype=_sum_dtype(t))
     chunk = _COUNT_CHUNK // t.element_size()  # each copy 8 MiB at most
-    parts = [torch._foreach_norm([c.contiguous()], 2, dtype=dtype)[0] for c in _count_chunks(t, chunk)]
+    wide = torch.float64 if t.dtype == torch.float64 else dtype
+    parts = [torch._foreach_norm([c.contiguous()], 2, dtype=wide)[0] for c in _count_chunks(t, chunk)]
     return parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts))
 
 
