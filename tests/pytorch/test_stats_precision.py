@@ -126,3 +126,20 @@ def test_large_gradient_through_the_trainer_on_the_aten_path(tmp_path, monkeypat
     got = {op: float(row[op]) for op in ("min", "max", "mean", "norm")}
     got["nans"] = int(row["nans"])
     _check(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [1e-20, 1e-30, 1e-38], ids=["1e-20", "1e-30", "1e-38"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_tiny_values_keep_their_norm(engine, scale, dtype, layout):
+    """Squares of values below ~1e-19 underflow in fp32 (1e-30 squares to 0): the sum of
+    squares of such a tensor is taken in fp64 (one-pass kernel and ATen alike), so its norm
+    matches NumPy's fp64 one instead of reading 0 or losing digits."""
+    g = torch.Generator().manual_seed(3)
+    t = ((torch.rand(600, 700, generator=g) * 0.9 + 0.1) * scale).to(dtype)
+    t[::5] *= -1
+    if layout == "transposed":
+        t = t.t()
+    got, want = _stats(engine, t), _reference(t)
+    assert want["norm"] > 0
+    _check(got, want, rtol=1e-6)

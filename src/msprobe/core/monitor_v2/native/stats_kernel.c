@@ -6,8 +6,10 @@
  * blocks of BLOCK elements in float and the block totals in double. A NaN makes the
  * block's float sums NaN, so only a block whose sums are not finite (NaN, Inf, or fp32
  * overflow) is read again, in double, counting its NaNs: finite data pays nothing for
- * the count. Min and max skip NaN (the caller reports NaN for them when the count is
- * not zero). Large buffers are split over `threads` POSIX threads.
+ * the count. A part whose float squares underflowed (every value below ~1e-19 in
+ * magnitude, not all zeros) is read again in double too. Min and max skip NaN (the caller
+ * reports NaN for them when the count is not zero). Large buffers are split over
+ * `threads` POSIX threads.
  *
  * `msprobe_stats_zeros` also counts the elements equal to zero (-0.0 included, NaN not)
  * in the same read, with integer lane counters. It is a separate set of reducers, so the
@@ -109,6 +111,18 @@ static inline float bf16_value(uint16_t h) {
     for (int j = 1; j < LANES; j++) {                                              \
         p->mn = mn[j] < p->mn ? mn[j] : p->mn;                                     \
         p->mx = mx[j] > p->mx ? mx[j] : p->mx;                                     \
+    }                                                                              \
+    if (sq < (double)n * 0x1p-100 && (p->mn != 0.0f || p->mx != 0.0f)) {          \
+        /* Squares of values below ~1e-19 underflow in float (1e-30 squares to 0):   \
+           a part whose sum of squares is this small, and that holds a non-zero, is  \
+           read again in double. Above the bound the float error (< 2^-149 a square) \
+           is below 1e-9 of the sum; finite data of ordinary size never comes here. */ \
+        sum = sq = 0.0;                                                            \
+        for (int64_t k = 0; k < n; k++) {                                          \
+            double v = LOAD(k);                                                    \
+            sum += v;                                                              \
+            sq += v * v;                                                           \
+        }                                                                          \
     }                                                                              \
     p->sum = sum;                                                                  \
     p->sq = sq;                                                                    \

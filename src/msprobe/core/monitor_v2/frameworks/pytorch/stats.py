@@ -336,6 +336,19 @@ def _sumsq_cpu(flat: torch.Tensor) -> torch.Tensor:
     return total + torch.dot(tail, tail).double() if tail.numel() else total
 
 
+# Squares of fp32 values below ~1e-19 underflow (1e-30 squares to 0): a sum of squares
+# below this many times the element count may have lost them (each square's error is
+# below 2^-149, so above the bound the loss is below 1e-9 of the sum).
+_TINY_SQUARES = 2.0 ** -100
+
+
+def _squares_underflowed(flat: torch.Tensor, sumsq: torch.Tensor, plan: StatPlan) -> bool:
+    """Whether the fp32 sum of squares of a host tensor may have lost its squares to
+    underflow: it is that small and the tensor holds a non-zero (read only then: data of
+    ordinary size never pays for it). The one-pass kernel applies the same rule."""
+    return bool(plan.norm and sumsq.item() < flat.numel() * _TINY_SQUARES and flat.any())
+
+
 def _sums_wide(flat: torch.Tensor, wide: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(sum, sum of squares)`` of a 1-D tensor accumulated in ``wide``, chunk by chunk
     (a bounded temporary)."""
@@ -656,9 +669,10 @@ class TorchStatsEngine:
         # what the memory key holds; the same object always passes.
         self._seen_buffers: Dict[Tuple[bool, ...], Dict[int, Tuple["weakref.ref", int, Record]]] = {}
         self._unobserved = LogOnce()
-        # events of streams other than the step's that made vectors (mark_stream), waited
-        # for on the device before the step's copy; appended from collectives' callbacks
-        self._other_streams: List[Any] = []
+        # the last event of each stream that made vectors (mark_stream: collectives'
+        # callbacks), waited for on the device before the step's copy; one a stream, the
+        # latest (it follows the earlier ones), so steps that write nothing add nothing
+        self._other_streams: Dict[Tuple[int, int], Any] = {}
         self._streams_lock = threading.Lock()
         self._capture_said = LogOnce()
 
@@ -693,7 +707,8 @@ class TorchStatsEngine:
                 zero_counts.append(torch.count_nonzero(c == 0))
         p = torch.stack(parts)
         total, sumsq = p[:, 2].sum(), p[:, 3].sum()
-        if (plan.total or plan.norm) and not math.isfinite((total + sumsq).item()):
+        if (plan.total or plan.norm) and (not math.isfinite((total + sumsq).item())
+                                          or _squares_underflowed(flat, sumsq, plan)):
             total, sumsq = self._exact_sums(t, plan, zero)
         norm = sumsq.sqrt()
         zeros = torch.stack(zero_counts).sum() if plan.zeros else None
@@ -762,7 +777,9 @@ class TorchStatsEngine:
         sumsq = _sumsq_cpu(flat) if plan.norm else zero
         # Host memory: reading the result is not a synchronisation. Not finite: an fp32
         # partial overflowed, or the data holds inf/NaN; summing in fp64 tells them apart.
-        if flat.dtype != torch.float64 and not math.isfinite((total + sumsq).item()):
+        # Tiny: the fp32 squares underflowed (see _squares_underflowed).
+        if flat.dtype != torch.float64 and (not math.isfinite((total + sumsq).item())
+                                            or _squares_underflowed(flat, sumsq, plan)):
             return self._exact_sums(flat, plan, zero)
         return total, sumsq
 
@@ -1161,17 +1178,18 @@ class TorchStatsEngine:
         wait). Nothing to do without CUDA (and under the CPU seam)."""
         if not torch.cuda.is_available() or not torch.cuda.is_initialized():
             return
+        stream = torch.cuda.current_stream()
         event = torch.cuda.Event()
-        event.record()
+        event.record(stream)
         with self._streams_lock:
-            self._other_streams.append(event)
+            self._other_streams[(stream.device_index, stream.stream_id)] = event
 
     def _wait_other_streams(self) -> None:
         with self._streams_lock:
-            events, self._other_streams = self._other_streams, []
+            events, self._other_streams = self._other_streams, {}
         if events:
             stream = torch.cuda.current_stream()
-            for event in events:
+            for event in events.values():
                 stream.wait_event(event)
 
     @outside_training_modes
