@@ -18,7 +18,9 @@ cloned or kept: the reductions read the tensor in place.
     ``torch._foreach_norm(..., dtype=fp64)``, one multi-tensor call for a list, which
     reads the tensors as they are and accumulates in fp64 registers (fp32 on device types
     where that call fails: probed once per type; Apple MPS and Ascend NPUs are fp32
-    without a probe), so finite fp32 values up to the fp32 maximum give a finite norm;
+    without a probe), so finite fp32 values up to the fp32 maximum give a finite norm
+    (the fp32 sum of several values near that maximum can overflow: the mean then reads
+    ``inf``, the one statistic where this path is weaker than an fp64 copy);
     NaN and zero counts are taken in chunks of 2^23 elements (an 8 MiB boolean
     temporary at most). Nothing is stacked per tensor: the parts stay 0-d device
     tensors (``DeviceStats``) until ``to_host`` joins the whole step's;
