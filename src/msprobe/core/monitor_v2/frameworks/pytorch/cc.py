@@ -30,7 +30,9 @@ What is and is not seen:
 
 ``async_op=True``: the post statistics are computed in a callback of the work's
 future, i.e. when the result is ready, so the training code is never made to wait
-earlier than it would. A work that offers no future (gloo's point-to-point and
+earlier than it would. On CUDA that callback runs on a pool stream; an event recorded
+there after the statistics (``engine.mark_stream``) makes the step's copy wait for them
+on the device. A work that offers no future (gloo's point-to-point and
 reduce-scatter works) is handed to the caller inside a ``dist.Work`` stand-in that
 records when it is waited on (or when ``step()`` finds it completed).
 
@@ -56,6 +58,10 @@ NAMESPACES = ("torch.distributed", "torch.distributed.distributed_c10d")
 BARRIERS = ("barrier", "monitored_barrier")
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _nothing() -> None:
+    pass
 
 
 def _is_tensor(x: Any) -> bool:
@@ -292,6 +298,7 @@ class CommMonitor(CommMonitorBase):
         """Record in a callback of the work's future; a work without a future (gloo p2p,
         gloo reduce_scatter) is handed back inside a stand-in that records on wait()."""
         works = result if isinstance(result, list) else [result]
+        mark_stream = self.errors.wrap("cc stream event", getattr(self.session.engine, "mark_stream", _nothing))
         remaining = [len(works)]
         lock = threading.Lock()
 
@@ -301,6 +308,9 @@ class CommMonitor(CommMonitorBase):
                 last = remaining[0] == 0
             if last:
                 callback()
+                # on CUDA a future's callback runs on a pool stream: the step's copy waits
+                # on the device for the statistics just made there
+                mark_stream()
 
         out = []
         for work in works:
