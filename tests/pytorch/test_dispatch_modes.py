@@ -349,7 +349,11 @@ def test_the_engine_puts_the_modes_back_as_they_were():
             engine.record(object(), plan, 0, "not a tensor", "forward")
         raised = (torch._C._len_torch_function_stack(), torch._C._len_torch_dispatch_stack())
     assert before == after == raised == (1, 1)
-    assert ops.ops == [] and calls.calls == []
+    # no op at all; of torch functions, at most reads of what a tensor is (an attribute's
+    # getter, as the hooks' METADATA below: which paths read one depends on what earlier
+    # tests left loaded, e.g. the sparse paths)
+    assert ops.ops == []
+    assert [c for c in calls.calls if not c.endswith(".__get__")] == [], calls.calls
     assert torch.equal(total, base * 2)
     want = numpy_stats(t)
     got = dict(zip(("min", "max", "mean", "norm"), rec.vector))
