@@ -2,7 +2,8 @@
 
 - A script re-run with the same output_dir appends to the files of the earlier run
   (the writer warns, and writes no second header): ``summary`` and ``anomalies`` say
-  which files hold several runs and which steps were written more than once.
+  which files hold several runs and which steps were written more than once, and count
+  each step's latest rows, the earlier run's apart (issue 47).
 - A gradient row's ``micro_step`` is the micro-batch's index when the run wrote one row
   per micro-batch, but the number of micro-batches accumulated when it wrote one row per
   step: the text says which ("of micro-batch 2" / "accumulated over 2 micro-batches").
@@ -46,9 +47,16 @@ def test_rerun_into_the_same_output_dir_is_flagged(runs, tmp_path, engine):
         assert (item["rank"], item["monitor"], item["runs"], item["restart_lines"]) == (0, "weight_grad", 2, [rows + 2])
         step = int(Path(item["file"]).name.split("_step")[1].split("-")[0])
         assert item["steps_repeated"] == [step]
+    data = res.json()
+    # the second run's rows are each step's latest; the first run's, which it wrote again, apart
+    assert data["monitors"]["weight_grad"]["earlier_rows"] == STEPS * rows
+    assert data["runs"]["earlier_rows"] == STEPS * rows and data["runs"]["steps_repeated"] == STEPS
+    assert data["per_rank"]["0"]["rows"] == cli("anomalies", runs / "clean", "--json", "--engine",
+                                                 engine).json()["per_rank"]["0"]["rows"]
     text = cli("summary", root, "--engine", engine).out
-    assert (f"appended re-runs:  {STEPS} file(s) hold several runs (a re-run appended to the same output_dir), "
-            f"{STEPS} step(s) written more than once; first: ") in text
+    assert (f"several runs:      {STEPS} file(s) with runs appended to them (a re-run into the same files); "
+            f"{STEPS} step(s) written more than once, {STEPS * rows} row(s) of earlier runs set aside (each step's "
+            "latest rows are the report's); first: ") in text
     assert text.count("written more than once") == 1  # the file's own steps are "repeated step(s): 0"
     assert "; repeated step(s): 0" in text
     assert f"2 runs (run 2 starts at line {rows + 2})" in text
@@ -84,7 +92,9 @@ def test_diff_says_which_micro_batch_or_how_many_were_accumulated(runs, tmp_path
 
 # The README's quick start, 30 steps: run four times with the same output_dir, the old
 # analysis compared each run with the end of the one before it (and the repeated values
-# shrank the MAD), finding spikes in identical runs that a single run does not have.
+# shrank the MAD), finding spikes in identical runs that a single run does not have. Each
+# run has its own history; the last run's are the spikes of the latest rows, the three
+# earlier runs' are counted apart.
 QUICK_START = """
 import sys
 import torch
@@ -124,15 +134,17 @@ def test_re_runs_appended_to_the_output_find_no_spikes_a_single_run_does_not(qui
     single = cli("anomalies", quick_start_runs / "single" / "out", "--json", "--limit", "0", "--engine", engine).json()
     four = cli("anomalies", quick_start_runs / "four" / "out", "--json", "--limit", "0", "--engine", engine).json()
     assert four["appended"]["files"] == 30 and {i["runs"] for i in four["appended"]["items"]} == {4}
-    # four identical runs: each run's spikes, four times (here: none), never more
-    assert four["spikes"]["count"] == 4 * single["spikes"]["count"], four["spikes"]["items"][:3]
+    # four identical runs: the last run's spikes as the latest, the three others' as earlier runs' (here: none)
+    assert four["spikes"]["count"] == single["spikes"]["count"], four["spikes"]["items"][:3]
+    assert four["spikes"]["earlier_runs"]["count"] == 3 * single["spikes"]["count"]
     assert four["spikes"]["count"] == 0
 
 
 @needs_polars
 def test_both_engines_agree_on_re_runs(quick_start_runs, runs, tmp_path):
     """The same findings from the reference and the columnar engine on appended runs,
-    spikes included (a run with a real spike, appended to itself, has it twice)."""
+    spikes included (a run with a real spike, appended to itself, has it once in its
+    latest rows and once among the earlier run's)."""
     root = copy_run(runs / "spike", tmp_path / "spike_twice")
     for f in sorted(root.glob("rank_*/*.csv")):
         lines = f.read_text().splitlines(keepends=True)
@@ -141,9 +153,10 @@ def test_both_engines_agree_on_re_runs(quick_start_runs, runs, tmp_path):
     for out in (root, quick_start_runs / "four" / "out"):
         ref = cli("anomalies", out, "--json", "--limit", "0", "--engine", "reference").json()
         col = cli("anomalies", out, "--json", "--limit", "0", "--engine", "columnar").json()
-        for key in ("spikes", "appended", "nonfinite", "rank_check"):
+        for key in ("spikes", "appended", "runs", "nonfinite", "rank_check", "monitors"):
             assert ref[key] == col[key], key
     twice = cli("anomalies", root, "--json", "--limit", "0", "--engine", "reference").json()
     assert once["spikes"]["count"] > 0 and SPIKE_STEP in {i["step"] for i in once["spikes"]["items"]}
-    assert twice["spikes"]["count"] == 2 * once["spikes"]["count"]
-    assert twice["spikes"]["per_step"] == {k: 2 * v for k, v in once["spikes"]["per_step"].items()}
+    assert twice["spikes"]["count"] == once["spikes"]["count"]
+    assert twice["spikes"]["per_step"] == once["spikes"]["per_step"]
+    assert twice["spikes"]["earlier_runs"]["per_step"] == once["spikes"]["per_step"]

@@ -1,46 +1,22 @@
-"""Row blocks: the rows of one step of one file, keyed by tensor, and the tools that
-walk several files in lockstep by step and compare their blocks.
+"""Row blocks: the rows of one step, keyed by tensor, and the tools that walk several
+streams of blocks in lockstep by step and compare them.
 
-``diff`` matches the blocks of two runs; the rank check of both engines
-(:mod:`.reference`, :mod:`.engine`) compares the blocks of several ranks with
-:func:`compare_step`.
+A stream is a window's files read together (its plain file and its ``.run<k>`` files), of
+each step only its latest rows (:func:`latest_blocks`, :class:`.report.WindowRuns`: rows
+that a later run wrote again are an earlier run's, never compared). ``diff`` matches the
+blocks of two output directories; the rank check of both engines (:mod:`.reference`,
+:mod:`.engine`) compares the blocks of several ranks with :func:`compare_step`.
 """
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .order import order_key
-from .reader import CsvFile, Layout, Problems, Row, StepRange, iter_rows
-from .report import CHUNK, RANK_CHECKED_MONITORS, RankCheckSettings, finding, row_is_checked
+from .reader import CsvFile, Layout, Problems, Row, StepRange, window_groups
+from .report import CHUNK, RANK_CHECKED_MONITORS, RankCheckSettings, finding, latest_rows, row_is_checked
 
 BlockKey = Tuple[str, str, Optional[int], Optional[int]]  # (name, scope, micro_step, dp_rank of a merged view)
 Block = Tuple[int, Dict[BlockKey, Row]]
-
-
-def step_blocks(f: CsvFile, problems: Problems, steps: Optional[StepRange],
-                keep: Callable[[str, str], bool], quiet: bool = True) -> Iterator[Block]:
-    """Consecutive rows of the same step, as ``(step, {(name, scope, micro, dp): row})``.
-    Rows ``keep(monitor, scope)`` rejects are dropped. ``quiet``: problems of this
-    second read were already reported by the first one."""
-    sink = _QuietProblems(problems) if quiet else problems
-    current: Optional[int] = None
-    block: Dict[BlockKey, Row] = {}
-    if f.path.endswith(".parquet"):  # an exported dataset (see .columnar)
-        from .columnar import parquet_rows
-
-        rows: Iterator[Row] = parquet_rows(f, steps)
-    else:
-        rows = iter_rows(f, sink, steps)
-    for row in rows:
-        if not keep(f.monitor, row.scope):
-            continue
-        if row.step != current:
-            if current is not None:
-                yield current, block
-            current, block = row.step, {}
-        block[(row.name, row.scope, row.micro, row.dp)] = row
-    if current is not None:
-        yield current, block
 
 
 class _QuietProblems(Problems):
@@ -56,8 +32,8 @@ class _QuietProblems(Problems):
 
 def merge_steps(iters: Dict[Any, Iterator[Block]]) -> Iterator[Tuple[int, Dict[Any, Dict]]]:
     """Lockstep over several block streams: yields ``(step, {id: block})`` for the
-    smallest pending step (streams in step order; a stream whose steps go back, as in a
-    resumed run appended to its files, is simply merged again from there)."""
+    smallest pending step (streams in step order; a stream whose steps go back, as where
+    windows overlap, is simply merged again from there)."""
     heads: Dict[Any, Block] = {}
     for k, it in iters.items():
         b = next(it, None)
@@ -106,10 +82,11 @@ def consensus(values: List[Tuple[int, float]], rtol: float, atol: float) -> Tupl
     return sorted(r for r, _ in values if r not in set(agree)), ref, agree
 
 
-def compare_step(monitor: str, blocks: Dict[int, Dict], files: Dict[int, CsvFile],
+def compare_step(monitor: str, blocks: Dict[int, Dict], paths: Dict[int, str],
                  settings: RankCheckSettings, result: Dict[int, Dict[str, Any]]) -> None:
-    """Compare one step's blocks of several ranks (``{rank: block}``); each rank off the
-    consensus gets, in ``result[rank]``, a count of differing rows and its first one."""
+    """Compare one step's blocks of several ranks (``{rank: block}``, read from
+    ``paths[rank]``); each rank off the consensus gets, in ``result[rank]``, a count of
+    differing rows and its first one."""
     ranks = sorted(blocks)
     keys: Dict[BlockKey, None] = {}
     for r in ranks:
@@ -120,7 +97,7 @@ def compare_step(monitor: str, blocks: Dict[int, Dict], files: Dict[int, CsvFile
         if len(rows) < 2:
             continue
         for r, (op, value, ref, agree) in _differing(rows, settings).items():
-            _record_mismatch(monitor, r, blocks[r][key], files[r].path, op, value, ref, agree, result)
+            _record_mismatch(monitor, r, blocks[r][key], paths[r], op, value, ref, agree, result)
 
 
 Differing = Tuple[str, float, float, List[int]]  # statistic, value, consensus value, agreeing ranks
@@ -154,11 +131,13 @@ def _record_mismatch(monitor: str, rank: int, row: Row, path: str, op: str, valu
 # ------------------------------------------------------------------ the rank check's walk
 @dataclass
 class RankWindow:
-    """The files of one monitor and file window (first, last step) of a chunk of ranks."""
+    """The files of one monitor and window (the steps from ``window[0]`` to ``window[1]``)
+    of a chunk of ranks: per rank, its files of the window (the plain one and its
+    ``.run<k>`` files, in scan order)."""
 
     monitor: str
     window: Tuple[int, int]
-    files: Dict[int, CsvFile]  # rank -> file
+    files: Dict[int, List[CsvFile]]  # rank -> its files of the window
     chunk: List[int]
     reads: int  # files of it read for the first time (the anchor's are re-read in every chunk, counted once)
 
@@ -180,17 +159,45 @@ def rank_windows(layout: Layout, settings: RankCheckSettings) -> Iterator[RankWi
 def _chunk_windows(layout: Layout, chunk: List[int], first_chunk: bool) -> Iterator[RankWindow]:
     anchor = chunk[0]
     for monitor in RANK_CHECKED_MONITORS:
-        windows = sorted({(f.first, f.last) for r in chunk for f in layout.files_of(r, monitor)})
-        for window in windows:
-            files = {r: f for r in chunk for f in layout.files_of(r, monitor) if (f.first, f.last) == window}
-            reads = sum(1 for r in files if r != anchor or first_chunk)
-            yield RankWindow(monitor, window, files, chunk, reads)
+        # the windows of all the chunk's ranks: files whose steps overlap, on any rank, are one
+        files = sorted((f for r in chunk for f in layout.files_of(r, monitor)),
+                       key=lambda f: (f.first, f.last, f.run, f.rank))
+        for group in window_groups(files):
+            per_rank: Dict[int, List[CsvFile]] = {}
+            for f in group:
+                per_rank.setdefault(f.rank, []).append(f)
+            reads = sum(len(fs) for r, fs in per_rank.items() if r != anchor or first_chunk)
+            yield RankWindow(monitor, (group[0].first, max(f.last for f in group)), per_rank, chunk, reads)
 
 
-def compare_window(monitor: str, files: Dict[int, CsvFile], problems: Problems, steps: Optional[StepRange],
+def latest_blocks(files: Sequence[CsvFile], problems: Problems, steps: Optional[StepRange],
+                  keep: Optional[Callable[[Row], bool]] = None,
+                  ) -> Iterator[Tuple[int, Tuple[str, Dict[BlockKey, Row]]]]:
+    """The rows ``keep`` accepts of one rank's files of a window, each step's latest only
+    (:class:`.report.WindowRuns`), as ``(step, (path, {(name, scope, micro, dp): row}))`` in
+    step order."""
+    rows = latest_rows(files, problems, steps, keep)
+    current: Optional[int] = None
+    path = ""
+    block: Dict[BlockKey, Row] = {}
+    for f, row in rows:
+        if row.step != current:
+            if current is not None:
+                yield current, (path, block)
+            current, path, block = row.step, f.path, {}
+        block[(row.name, row.scope, row.micro, row.dp)] = row
+    if current is not None:
+        yield current, (path, block)
+
+
+def compare_window(monitor: str, files: Dict[int, List[CsvFile]], problems: Problems, steps: Optional[StepRange],
                    settings: RankCheckSettings, result: Dict[int, Dict[str, Any]]) -> None:
-    """Re-read the checked rows of ``files`` (one per rank) and compare them step by step."""
-    iters = {r: step_blocks(f, problems, steps, row_is_checked) for r, f in files.items()}
-    for _step, blocks in merge_steps(iters):
-        if len(blocks) >= 2:
-            compare_step(monitor, blocks, files, settings, result)
+    """Re-read the checked rows of ``files`` (per rank, its files of one window) and compare
+    each step's latest rows."""
+    quiet = _QuietProblems(problems)  # reported by the first read
+    iters = {r: latest_blocks(fs, quiet, steps, lambda row: row_is_checked(monitor, row.scope))
+             for r, fs in files.items()}
+    for _step, ready in merge_steps(iters):
+        if len(ready) >= 2:
+            compare_step(monitor, {r: b for r, (_p, b) in ready.items()}, {r: p for r, (p, _b) in ready.items()},
+                         settings, result)

@@ -16,8 +16,10 @@ skips it (or stops, with ``--strict``): same rows, same messages as before.
 
 **Parquet.** :func:`export` writes one dataset partitioned by monitor and rank
 (``<dest>/monitor=<m>/rank=<r>/part-<n>.parquet``, hive style), one row per CSV row plus
-the columns ``file_first``/``file_last`` (the step window of the CSV file it came from)
-and ``line`` (its line in that file). Every command reads such a dataset wherever it
+the columns ``file_first``/``file_last`` (the step window of the CSV file it came from),
+``file_run`` (its run series: 1 for ``<monitor>_step<a>-<b>.csv``, k for its ``.run<k>``
+file; absent from datasets exported before it existed: 1) and ``line`` (its line in that
+file). Every command reads such a dataset wherever it
 reads an output directory; a finding's ``file`` is then the Parquet file, its ``line``
 the line of the CSV row it was exported from.
 """
@@ -32,7 +34,8 @@ from ..rows import (BASE_COLUMNS, COUNT_OPS, DEFAULT_OPS, MICRO_STEP, MICRO_STEP
                     SCOPE, STEP, TEXT_COLUMNS, VPP_STAGE, header)
 from ..safe_fs import SafeDir, open_regular
 from .reader import (DP_RANK, OPS, CsvFile, InputError, Layout, Problems, Row, StepRange, header_ops, iter_rows,
-                     merged_columns, refuse_merged)
+                     merged_columns, refuse_merged, window_groups)
+from .report import FileMeta, RunLabel, segment_order
 
 INSTALL_HINT = pip_command("polars>=1.20", "matplotlib>=3.5") + " (what the 'analysis' extra of msprobe-monitor installs)"
 PARQUET_GLOB = "part-*.parquet"
@@ -42,7 +45,7 @@ _HIVE_RANK = re.compile(r"^rank=(?P<rank>\d+)$")
 # rows per batch: bounds the memory of a command (about 100 bytes per row in a batch)
 BATCH_ROWS = 1_000_000
 _BYTES_PER_ROW_GUESS = 60
-_PARQUET_ROWS: Dict[Tuple[str, int, int], int] = {}  # (path, first, last) -> rows of that window
+_PARQUET_ROWS: Dict[Tuple[str, int, int, int], int] = {}  # (path, first, last, run) -> rows of that file
 
 COLUMNS: Tuple[str, ...] = BASE_COLUMNS + (MICRO_STEP,) + OPS
 # the columns of load() on a merged view (analysis/merge.py): no rank, no vpp_stage, a dp_rank
@@ -102,30 +105,42 @@ def scan_parquet_dataset(root: str, ranks: Optional[Sequence[int]] = None,
             rank = int(rm.group("rank"))
             if wanted_ranks is not None and rank not in wanted_ranks:
                 continue
-            windows = (pl.scan_parquet(path).group_by("file_first", "file_last").agg(pl.len().alias("n"))
-                       .sort("file_first", "file_last").collect())
-            for a, b, n in windows.iter_rows():
-                _PARQUET_ROWS[(path, a, b)] = n
+            lf = pl.scan_parquet(path)
+            windows = (_with_file_run(pl, lf).group_by("file_first", "file_last", "file_run").agg(pl.len().alias("n"))
+                       .sort("file_first", "file_last", "file_run").collect())
+            for a, b, k, n in windows.iter_rows():
+                _PARQUET_ROWS[(path, a, b, k)] = n
                 if steps is not None:
                     lo, hi = steps
                     if (lo is not None and b < lo) or (hi is not None and a > hi):
                         continue
-                layout.files.setdefault(rank, {}).setdefault(monitor, []).append(CsvFile(rank, monitor, a, b, path))
+                layout.files.setdefault(rank, {}).setdefault(monitor, []).append(
+                    CsvFile(rank, monitor, a, b, path, run=k))
     if not layout.files:
         raise InputError(f"{root}: no Parquet data matches the --ranks/--monitors/--steps selection")
     return layout
 
 
+def _with_file_run(pl, lf):
+    """An exported dataset's rows with ``file_run`` (1 where it was exported before it existed)."""
+    if "file_run" in lf.collect_schema().names():
+        return lf
+    return lf.with_columns(pl.lit(1, dtype=pl.Int64).alias("file_run"))
+
+
 def _read_parquet_windows(pl, files: Sequence[CsvFile], steps: Optional[StepRange]):
-    """Rows of the given windows of one Parquet file (all ``files`` share the path)."""
+    """Rows of the given CSV files (windows and run series) of one Parquet file (all
+    ``files`` share the path), in file order."""
     path = files[0].path
     windows = pl.DataFrame({"file_first": [f.first for f in files], "file_last": [f.last for f in files],
-                            "fidx": list(range(len(files)))}, schema={"file_first": pl.Int64, "file_last": pl.Int64,
-                                                                     "fidx": pl.Int64})
-    lf = pl.scan_parquet(path).filter(pl.col("file_first").is_between(min(f.first for f in files),
-                                                                       max(f.first for f in files)))
-    lf = lf.join(windows.lazy(), on=["file_first", "file_last"], how="inner", maintain_order="left")
-    lf = _filter_steps(pl, lf, steps)
+                            "file_run": [f.run for f in files], "fidx": list(range(len(files)))},
+                           schema={"file_first": pl.Int64, "file_last": pl.Int64, "file_run": pl.Int64,
+                                   "fidx": pl.Int64})
+    lf = _with_file_run(pl, pl.scan_parquet(path)).filter(
+        pl.col("file_first").is_between(min(f.first for f in files), max(f.first for f in files)))
+    lf = lf.join(windows.lazy(), on=["file_first", "file_last", "file_run"], how="inner", maintain_order="left")
+    lf = lf.sort("fidx", maintain_order=True)
+    lf = filter_steps(pl, lf, steps)
     df = lf.collect()
     # a dataset exported before a statistic existed (zeros) lacks its column: all null
     missing = [c for c in COLUMNS if c not in df.columns]
@@ -137,7 +152,7 @@ def _read_parquet_windows(pl, files: Sequence[CsvFile], steps: Optional[StepRang
         *[c for c in COLUMNS], "line", "fidx", DP_RANK), ops
 
 
-def _filter_steps(pl, lf, steps: Optional[StepRange]):
+def filter_steps(pl, lf, steps: Optional[StepRange]):
     if steps is None:
         return lf
     lo, hi = steps
@@ -152,31 +167,41 @@ def _filter_steps(pl, lf, steps: Optional[StepRange]):
 class Batch:
     """Rows of some files of one (rank, monitor): ``frame`` (the columns of
     :data:`COLUMNS` plus ``line``, ``fidx``, the file's index in ``files``, and
-    ``dp_rank``, null outside a merged view), in file then line order; ``headers``: the op lists of the good headers met."""
+    ``dp_rank``, null outside a merged view), in file then line order; ``headers``: the op
+    lists of the good headers met; ``file_ops``: the ops of each file (by ``fidx``) whose
+    header is good."""
 
-    def __init__(self, files: List[CsvFile], frame, headers: List[Tuple[str, ...]]) -> None:
+    def __init__(self, files: List[CsvFile], frame, headers: List[Tuple[str, ...]],
+                 file_ops: Optional[Dict[int, Tuple[str, ...]]] = None) -> None:
         self.files = files
         self.frame = frame
         self.headers = headers
+        self.file_ops = file_ops if file_ops is not None else {}
+
+
+def _estimated_rows(f: CsvFile) -> int:
+    if f.path.endswith(".parquet"):
+        return _PARQUET_ROWS.get((f.path, f.first, f.last, f.run), 1)
+    try:
+        return os.path.getsize(f.path) // _BYTES_PER_ROW_GUESS + 1
+    except OSError:
+        return 1
 
 
 def batches(files: Sequence[CsvFile], max_rows: int = BATCH_ROWS) -> Iterator[List[CsvFile]]:
-    """Consecutive groups of ``files`` of about ``max_rows`` rows (by file size)."""
+    """Consecutive groups of ``files`` (of one rank and monitor, in scan order) of about
+    ``max_rows`` rows (by file size); a window's files (:func:`.reader.window_groups`) stay
+    in one group, so that its runs are told apart in one batch (:func:`mark_runs`)."""
     group: List[CsvFile] = []
     rows = 0
-    for f in files:
-        if f.path.endswith(".parquet"):
-            est = _PARQUET_ROWS.get((f.path, f.first, f.last), 1)
-        else:
-            try:
-                est = os.path.getsize(f.path) // _BYTES_PER_ROW_GUESS + 1
-            except OSError:
-                est = 1
+    for window in window_groups(files):
+        est = sum(_estimated_rows(f) for f in window)
+        f = window[0]
         if group and (rows + est > max_rows or (f.path.endswith(".parquet") != group[0].path.endswith(".parquet"))
                       or (f.path.endswith(".parquet") and f.path != group[0].path)):
             yield group
             group, rows = [], 0
-        group.append(f)
+        group.extend(window)
         rows += est
     if group:
         yield group
@@ -188,7 +213,8 @@ def read_batch(files: List[CsvFile], problems: Problems, steps: Optional[StepRan
     pl = polars()
     if files and files[0].path.endswith(".parquet"):
         frame, ops = _read_parquet_windows(pl, files, steps)
-        return Batch(files, frame, [ops])
+        return Batch(files, frame, [ops], {i: ops for i in range(len(files))})
+    file_ops: Dict[int, Tuple[str, ...]] = {}
     fast: Dict[Tuple[Tuple[str, ...], Tuple[str, ...]], List[Tuple[int, memoryview, int]]] = {}
     # (leading columns, ops) -> [(fidx, body, rows)]
     slow: List[int] = []
@@ -206,17 +232,18 @@ def read_batch(files: List[CsvFile], problems: Problems, steps: Optional[StepRan
         frames.extend(ok_frames)
         if len(bad) < len(items):
             headers.append(ops)
+        file_ops.update((i, ops) for i, _body, _rows in items if i not in bad)
         slow.extend(bad)
     for i in sorted(slow):
-        frames.append(_read_reference(pl, files[i], i, problems, headers))
+        frames.append(_read_reference(pl, files[i], i, problems, headers, file_ops))
     frames = [fr for fr in frames if len(fr)]
     if not frames:
-        return Batch(files, empty_frame(pl), headers)
+        return Batch(files, empty_frame(pl), headers, file_ops)
     frame = pl.concat(frames, how="vertical").sort("fidx", "line", maintain_order=True) if len(frames) > 1 \
         else frames[0]
     if steps is not None:
-        frame = _filter_steps(pl, frame.lazy(), steps).collect()
-    return Batch(files, frame, headers)
+        frame = filter_steps(pl, frame.lazy(), steps).collect()
+    return Batch(files, frame, headers, file_ops)
 
 
 def _fast_candidate(f: CsvFile) -> Optional[Tuple[Tuple[str, ...], Tuple[str, ...], memoryview, int]]:
@@ -322,13 +349,14 @@ def _parse_bodies(pl, files: List[CsvFile], lead: Tuple[str, ...], ops: Tuple[st
         *COLUMNS, "line", "fidx", DP_RANK)
 
 
-def _read_reference(pl, f: CsvFile, fidx: int, problems: Problems, headers: List[Tuple[str, ...]]):
+def _read_reference(pl, f: CsvFile, fidx: int, problems: Problems, headers: List[Tuple[str, ...]],
+                    file_ops: Dict[int, Tuple[str, ...]]):
     """One file through the ``csv`` module reader (problems reported as before)."""
     cols: Dict[str, List[Any]] = {c: [] for c in COLUMNS}
     line: List[int] = []
     dp: List[Optional[int]] = []
-    file_ops: List[Tuple[str, ...]] = []
-    for row in iter_rows(f, problems, None, on_header=file_ops.append):
+    seen: List[Tuple[str, ...]] = []
+    for row in iter_rows(f, problems, None, on_header=seen.append):
         dp.append(row.dp)
         cols["vpp_stage"].append(row.vpp)
         cols["step"].append(row.step)
@@ -338,11 +366,95 @@ def _read_reference(pl, f: CsvFile, fidx: int, problems: Problems, headers: List
         for op in OPS:
             cols[op].append(row.vals.get(op))
         line.append(row.line)
-    headers.extend(file_ops)
+    headers.extend(seen)
+    if seen:
+        file_ops[fidx] = seen[0]
     schema = _schema(pl)
     df = pl.DataFrame({c: pl.Series(c, cols[c], dtype=schema[c]) for c in COLUMNS})
     return df.with_columns(pl.Series("line", line, dtype=pl.Int64), pl.lit(fidx, dtype=pl.Int64).alias("fidx"),
                            pl.Series(DP_RANK, dp, dtype=pl.Int64))
+
+
+# ------------------------------------------------------------------ runs
+class WindowInfo:
+    """What :func:`mark_runs` found in one window of a batch (the columnar twin of
+    :class:`.report.WindowRuns`): its files (indices in the batch), the runs each holds,
+    and whether modification times said their order."""
+
+    __slots__ = ("fidx", "segments", "runs", "by_time")
+
+    def __init__(self, fidx: List[int], segments: List[int], by_time: bool) -> None:
+        self.fidx = fidx
+        self.segments = segments
+        self.runs = sum(segments)
+        self.by_time = by_time
+
+
+def file_segments(pl, fr, key: Sequence[Any]):
+    """``fr`` (rows in file then line order) with ``_run``: each row's run within its file
+    (0, or k for the k-th run appended to it), as :class:`.report.FileRuns` cuts a file: a
+    run starts over at a lower step, or at the row its file's current run began with
+    (``key``: the expressions of (step, tensor, micro_step) that tell rows apart)."""
+    back = (pl.col("step").diff().over("fidx") < 0).fill_null(False)
+    # cheap test first: no step goes back and each file's first row occurs once
+    heads = fr.select(pl.col("fidx").unique(maintain_order=True).len()).item()
+    quick = fr.select(back.any().alias("b"), pl.all_horizontal(*[k == k.first().over("fidx") for k in key]).sum()
+                      .alias("h")).row(0)
+    if not quick[0] and quick[1] == heads:
+        return fr.with_columns(pl.lit(0, dtype=pl.Int64).alias("_run"))
+    seg1 = back.cast(pl.Int64).cum_sum().over("fidx")
+    same_head = pl.all_horizontal(*[(k == k.first()).over("fidx", seg1) for k in key])
+    first_row = pl.int_range(pl.len()).over("fidx", seg1) == 0
+    restart = (back | (same_head & ~first_row)).alias("_restart")
+    return (fr.with_columns(restart)
+            .with_columns(pl.col("_restart").cast(pl.Int64).cum_sum().over("fidx").alias("_run"))
+            .drop("_restart"))
+
+
+def row_key(pl) -> List[Any]:
+    """:func:`file_segments`'s key on a batch frame's own columns (tensor names)."""
+    return [pl.col("step"), pl.col(MODULE_NAME), pl.col(SCOPE), pl.col(MICRO_STEP).fill_null(-1),
+            pl.col(DP_RANK).fill_null(-1)]
+
+
+def mark_runs(pl, fr, files: Sequence[CsvFile], file_ops: Dict[int, Tuple[str, ...]], key: Sequence[Any],
+              label_id: Optional[Callable[[RunLabel], int]] = None):
+    """The runs of a batch's windows told apart, as :class:`.report.WindowRuns` does: ``fr``
+    (every row of the batch's files, whose windows are whole) with ``_run`` (the row's
+    segment in its file), ``_win`` (its window), ``_pos`` (its run's place in the window,
+    in the order of writing), ``_old`` (an earlier run's row: a later run of its window wrote
+    its step again) and, with ``label_id``, ``_label`` (``label_id`` of the run's
+    :meth:`.report.WindowRuns.label`). Returns ``(frame, [WindowInfo])``."""
+    fr = file_segments(pl, fr, key)
+    nseg = dict(fr.group_by("fidx").agg(pl.col("_run").max() + 1).iter_rows())
+    index = {f: i for i, f in enumerate(files)}
+    table: Dict[str, List[int]] = {"fidx": [], "_run": [], "_win": [], "_pos": [], "_label": []}
+    infos: List[WindowInfo] = []
+    several = False
+    for w, window in enumerate(window_groups(files)):
+        fis = [index[f] for f in window]
+        metas = [FileMeta(f.first, f.last, f.run, file_ops.get(i, ()), nseg.get(i, 0), f.mtime_ns)
+                 for f, i in zip(window, fis)]
+        order, by_time = segment_order(metas)
+        infos.append(WindowInfo(fis, [m.segments for m in metas], by_time))
+        several = several or len(order) > 1
+        for p, (j, seg) in enumerate(order):
+            table["fidx"].append(fis[j])
+            table["_run"].append(seg)
+            table["_win"].append(w)
+            table["_pos"].append(p)
+            table["_label"].append(0 if label_id is None else label_id((window[j].run, metas[j].ops, seg)))
+    if not several and len(set(table["_label"])) <= 1:  # one run a window, all of one label: no join
+        label = table["_label"][0] if table["_label"] else 0
+        return fr.with_columns(pl.lit(0, dtype=pl.Int64).alias("_win"), pl.lit(0, dtype=pl.Int64).alias("_pos"),
+                               pl.lit(False).alias("_old"), pl.lit(label, dtype=pl.Int64).alias("_label")), infos
+    runs = pl.DataFrame(table, schema={c: pl.Int64 for c in table})
+    fr = fr.join(runs, on=["fidx", "_run"], how="left", maintain_order="left")
+    if several:
+        fr = fr.with_columns((pl.col("_pos") < pl.col("_pos").max().over("_win", "step")).alias("_old"))
+    else:
+        fr = fr.with_columns(pl.lit(False).alias("_old"))
+    return fr, infos
 
 
 def frame_rows(frame, ops_present: Optional[Sequence[str]] = None) -> Iterator[Row]:
@@ -461,12 +573,15 @@ def _export_files(pl, out_dir: "SafeDir", files: List[CsvFile], problems: Proble
         fr = read_batch(group, problems, steps).frame
         first = pl.Series([f.first for f in group], dtype=pl.Int64)
         last = pl.Series([f.last for f in group], dtype=pl.Int64)
+        run = pl.Series([f.run for f in group], dtype=pl.Int64)
         fr = fr.with_columns(
             pl.col("fidx").replace_strict(list(range(len(group))), first, return_dtype=pl.Int64)
             .alias("file_first"),
             pl.col("fidx").replace_strict(list(range(len(group))), last, return_dtype=pl.Int64)
             .alias("file_last"),
-        ).select(*COLUMNS, "file_first", "file_last", "line")
+            pl.col("fidx").replace_strict(list(range(len(group))), run, return_dtype=pl.Int64)
+            .alias("file_run"),
+        ).select(*COLUMNS, "file_first", "file_last", "file_run", "line")
         with out_dir.replace(f"part-{part:05d}.parquet") as fh:
             fr.write_parquet(fh, compression="zstd", row_group_size=256 * 1024)
         part += 1

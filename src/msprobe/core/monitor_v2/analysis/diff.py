@@ -12,10 +12,10 @@ entry per tensor (its worst step).
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple
 
-from .blocks import Block, merge_steps, step_blocks
+from .blocks import Block, latest_blocks, merge_steps
 from ..rows import WEIGHT_GRAD
 from .order import OrderKey, order_key, where
-from .reader import MONITORS, CsvFile, InputError, Layout, Problems, Row, StepRange
+from .reader import MONITORS, CsvFile, InputError, Layout, Problems, Row, StepRange, window_groups
 from .text import Progress
 
 INF = float("inf")
@@ -96,11 +96,15 @@ def value_diff(a: float, b: float) -> Tuple[float, float]:
     return d, (d / scale if scale > 0 else INF)
 
 
-def _chain(files: Sequence[CsvFile], problems: Problems, steps: Optional[StepRange], quiet: bool,
-           prog: Progress) -> Iterator[Block]:
-    for f in files:
-        yield from step_blocks(f, problems, steps, lambda m, s: True, quiet=quiet)
-        prog.advance(f"rank {f.rank} {f.monitor}")
+def _chain(files: Sequence[CsvFile], problems: Problems, steps: Optional[StepRange], prog: Progress) -> Iterator[Block]:
+    """A run's blocks of one rank and monitor, a file window at a time: each step's latest
+    rows (:class:`.report.WindowRuns`: a step that several runs wrote into the same
+    output_dir is compared as its latest run left it)."""
+    for window in window_groups(files):
+        for step, (_path, block) in latest_blocks(window, problems, steps):
+            yield step, block
+        for f in window:
+            prog.advance(f"rank {f.rank} {f.monitor}")
 
 
 def diff_runs(a: Layout, b: Layout, problems: Problems, settings: DiffSettings,
@@ -131,7 +135,7 @@ def diff_runs(a: Layout, b: Layout, problems: Problems, settings: DiffSettings,
     prog = Progress(total, "comparing", enabled=progress, stream=progress_stream)
     for rank, monitor, fa, fb in pairs:
         md = report.per_monitor.setdefault(monitor, MonitorDiff())
-        streams = {"a": _chain(fa, problems, steps, False, prog), "b": _chain(fb, problems, steps, False, prog)}
+        streams = {"a": _chain(fa, problems, steps, prog), "b": _chain(fb, problems, steps, prog)}
         for step, blocks in merge_steps(streams):
             ba, bb = blocks.get("a", {}), blocks.get("b", {})
             if monitor == WEIGHT_GRAD:

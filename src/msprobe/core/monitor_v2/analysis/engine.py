@@ -4,12 +4,15 @@ Polars frames, batch by batch, in bounded memory.
 :func:`.reference.analyse` (the reference, pure Python, one row at a time) defines the
 answers; this module gives the same ones, much faster:
 
+- **runs**: a batch holds whole windows (a window's plain file and its ``.run<k>`` files);
+  :func:`.columnar.mark_runs` tells their runs apart as :class:`.report.WindowRuns` does,
+  and marks the rows of a step that a later run wrote again (``_old``: an earlier run's);
+  every count and finding below is of the latest rows, the earlier runs' apart;
 - **collected** (steps, tensors, scopes, micro-steps, rows, files): group-bys per batch;
 - **non-finite values**: one vectorised test per row; the first of each rank is the
-  smallest order key (:mod:`.order`) among them, over the latest rows of each step (a
-  row whose step a later run appended to its file wrote again is an earlier run's,
-  reported apart, as in the reference);
-- **spikes**: per tensor and statistic, rows are sorted by (tensor, row order) and a
+  smallest order key (:mod:`.order`) among them, over the latest rows of each step (the
+  earlier runs' reported apart, as in the reference);
+- **spikes**: per tensor (of each run: ``_label``) and statistic, rows are sorted by (tensor, row order) and a
   rolling minimum of the previous ``window`` values selects the *candidates*, the rows
   that pass the rule's first tests ``x > floor`` and ``x > ratio * min(history)`` (exact: a minimum has no
   rounding). Only candidates get the median and MAD, computed in Python with the
@@ -17,29 +20,33 @@ answers; this module gives the same ones, much faster:
   identical. A tensor whose history holds a NaN (an empty tensor's ``max``), where
   ``min()`` depends on order, is replayed in Python row by row. Between batches each
   tensor's last ``window`` values are carried over;
-- **rank disagreement**: the first pass keeps, per (monitor, file window, step, rank),
-  two 40-bit sums of hashes of the checked rows (name, scope, micro_step and values).
+- **rank disagreement**: the first pass keeps, per (monitor, step, rank), two 40-bit
+  sums of hashes of the checked latest rows (name, scope, micro_step and values).
   Where every rank of a chunk has the same sums, the rows are bitwise identical and
   nothing can differ; only the other (window, steps) are compared by the reference code
-  (:func:`.blocks.compare_window` on re-read files), as are windows where a file repeats
-  a row within a step or goes back in steps (a run appended to its files).
+  (:func:`.blocks.compare_window` on re-read files), as are windows where a step's latest
+  rows repeat a row.
 
 Memory: two batches (about :data:`.columnar.BATCH_ROWS` rows each: the one analysed and
 the next, read meanwhile on a second thread, see :class:`_ReadAhead`) plus, per tensor,
 ``window`` values and, per (rank, monitor, step), a few integers.
 """
 
+from bisect import bisect_left, bisect_right
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from .blocks import compare_window, rank_windows
-from .columnar import DP_RANK, Batch, batches, frame_rows, open_layout, polars, read_batch, row_of
+from .columnar import (DP_RANK, Batch, WindowInfo, batches, filter_steps, frame_rows, mark_runs, open_layout, polars,
+                       read_batch, row_of)
 from .localise import localise
 from ..rows import REDUCED, SCOPE, WEIGHT_GRAD
 from .order import LAST, order_key, phase
 from .reader import MONITORS, OPS, Layout, Problems, StepRange
 from .report import (INF, MAD_SCALE, RANK_CHECKED_MONITORS, Collected, FirstN, RankCheckSettings, Report, RowVisitor,
-                     SpikeSettings, appended_item, files_to_read, finding, median, rank_check_note, relabel)
+                     RunLabel, SpikeSettings, appended_item, files_to_read, finding, median, rank_check_note, relabel,
+                     runs_item)
 from .text import Progress
 
 _HASH_MOD = 1 << 40
@@ -80,22 +87,24 @@ def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, 
     nonfinite_count = 0
     earlier_nonfinite: Dict[int, Tuple[Any, Dict[str, Any]]] = {}
     earlier_count = 0
-    spike_items = FirstN(limit)
-    spike_steps: Counter = Counter()
+    found = _Spikes(FirstN(limit), Counter(), FirstN(limit), Counter())
     do_rank_check = rank_check.enabled and len(layout.ranks) > 1
     prog = Progress(files_to_read(layout, rank_check), "reading", enabled=progress, stream=progress_stream)
-    hashes: Dict[Tuple[str, Tuple[int, int]], Dict[int, Dict[int, Tuple[int, int, int]]]] = {}
-    irregular: Dict[Tuple[str, Tuple[int, int]], set] = {}
+    hashes: Dict[str, Dict[int, Dict[int, Tuple[int, int, int]]]] = {}  # monitor -> step -> rank -> sums
+    irregular: Dict[str, Dict[int, set]] = {}  # monitor -> step -> ranks whose rows need the row-by-row check
     kw = {} if batch_rows is None else {"max_rows": batch_rows}
     appended: List[Dict[str, Any]] = []
+    run_windows: List[Dict[str, Any]] = []
+    steps_repeated = 0
     tensor_ids: Dict[str, Dict[str, Any]] = {}  # monitor -> carry of _tensor_ids: one id space for all ranks
 
     plan = [(rank, monitor, list(batches(layout.files_of(rank, monitor), **kw)))
             for rank in layout.ranks for monitor in MONITORS if layout.files_of(rank, monitor)]
 
     def read(group: List[Any], monitor: str) -> Tuple[Batch, Any, Any]:
-        # on the reading thread: the rows, their tensor ids and their non-finite kind
-        batch = read_batch(group, problems, steps)
+        # on the reading thread: the rows, their tensor ids and their non-finite kind; every
+        # row, whatever --steps selects (which run wrote a step last does not depend on it)
+        batch = read_batch(group, problems, None)
         fr = batch.frame
         if not len(fr):
             return batch, fr, None
@@ -112,6 +121,7 @@ def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, 
                 col.ranks.add(rank)
                 spike_stats = spikes.stats if (spikes.enabled and monitor in spikes.monitors) else ()
                 carry: Dict[str, Any] = {}
+                labels: Dict[RunLabel, int] = {}  # the runs' spike histories: one id each (the first met is 0)
                 seq0 = 0
                 for group in groups:
                     batch, fr, ids = read_ahead.next()
@@ -121,27 +131,35 @@ def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, 
                         if any(op not in col.ops for op in ops):
                             col.ops[:] = [op for op in OPS if op in col.ops or op in ops]
                     if len(fr):
+                        fr, infos = mark_runs(pl, fr, batch.files, batch.file_ops,
+                                              [pl.col("step"), pl.col("_gid"), pl.col("micro_step").fill_null(-1)],
+                                              lambda label: labels.setdefault(label, len(labels)))
+                        _appended(pl, fr, rank, monitor, batch, appended)
+                        repeated = _repeated(pl, fr, infos)
+                        steps_repeated += sum(len(v) for v in repeated.values())
+                        if steps is not None:
+                            fr = filter_steps(pl, fr.lazy(), steps).collect()
+                        _run_windows(pl, fr, infos, repeated, rank, monitor, batch, run_windows)
+                    if len(fr):
                         fr = fr.with_columns(pl.int_range(seq0, seq0 + len(fr), dtype=pl.Int64).alias("seq"))
                         seq0 += len(fr)
-                        n_rows += len(fr)
-                        col.rows += len(fr)
-                        _collect(pl, fr, col, ids)
-                        fr = _with_runs(pl, fr)
-                        _appended(pl, fr, rank, monitor, batch, appended)
-                        latest, earlier = _nonfinite(pl, fr, rank, monitor, batch, first_nonfinite, nonfinite_by,
-                                                     earlier_nonfinite)
-                        nonfinite_count += latest
-                        earlier_count += earlier
+                        latest = fr.filter(~pl.col("_old")) if fr["_old"].any() else fr
+                        n_rows += len(latest)
+                        _collect(pl, fr, latest, col, ids)
+                        n_latest, n_earlier = _nonfinite(pl, fr, rank, monitor, batch, first_nonfinite, nonfinite_by,
+                                                         earlier_nonfinite)
+                        nonfinite_count += n_latest
+                        earlier_count += n_earlier
                         if spike_stats:
                             _spikes(pl, _per_run_tensors(pl, fr), rank, monitor, batch, spikes, spike_stats, carry,
-                                    spike_items, spike_steps)
+                                    found)
                         if do_rank_check and monitor in RANK_CHECKED_MONITORS:
-                            _hash_steps(pl, fr, rank, monitor, batch, hashes, irregular)
+                            _hash_steps(pl, latest, rank, monitor, hashes, irregular)
                         for visit in visitors:
                             want = getattr(visit, "rank", None)
                             if want is not None and want != rank:
                                 continue
-                            for row, fidx in zip(frame_rows(fr), fr["fidx"]):
+                            for row, fidx in zip(frame_rows(latest), latest["fidx"]):
                                 visit(rank, monitor, row, group[fidx])
                     for _ in group:
                         prog.advance(f"rank {rank} {monitor}")
@@ -154,11 +172,23 @@ def analyse_columnar(layout: Layout, problems: Problems, spikes: SpikeSettings, 
     mismatches = {} if note else _check_ranks(layout, problems, rank_check, steps, hashes, irregular, prog)
     prog.close()
     report = Report(layout, collected, rank_files, rank_rows, first_nonfinite, nonfinite_count, nonfinite_by,
-                    spike_items, spike_steps, spikes, mismatches, rank_check, note, problems, appended,
-                    earlier_nonfinite=earlier_nonfinite, earlier_nonfinite_count=earlier_count)
+                    found.items, found.steps, spikes, mismatches, rank_check, note, problems, appended,
+                    earlier_nonfinite=earlier_nonfinite, earlier_nonfinite_count=earlier_count,
+                    earlier_spikes=found.earlier_items, earlier_spike_steps=found.earlier_steps,
+                    run_windows=run_windows, steps_repeated=steps_repeated)
     relabel(report)
     localise(report, steps)
     return report
+
+
+@dataclass
+class _Spikes:
+    """The spikes found: of each step's latest rows, and of the earlier runs' rows."""
+
+    items: FirstN
+    steps: Counter
+    earlier_items: FirstN
+    earlier_steps: Counter
 
 
 class _ReadAhead:
@@ -192,40 +222,49 @@ class _ReadAhead:
 
 
 # ------------------------------------------------------------------ collected
-def _collect(pl, fr, col: Collected, ids) -> None:
-    """``ids``: the (module_name, scope, _gid) table of :func:`_tensor_ids`."""
+def _collect(pl, fr, latest, col: Collected, ids) -> None:
+    """``ids``: the (module_name, scope, _gid) table of :func:`_tensor_ids`; ``latest``: the
+    rows of ``fr`` that are their step's latest (rows and scopes count those, as the
+    reference does; steps, tensors and micro-steps are those of every row)."""
     col.steps.update(fr["step"].unique().to_list())
     per_gid = fr.group_by("_gid").agg(pl.len().alias("n"), pl.col("seq").min().alias("first"))
     per_gid = per_gid.join(ids, on="_gid", how="left")
     col.tensors.update(per_gid.select("module_name", "scope").iter_rows())
+    if latest is not fr:
+        per_gid = latest.group_by("_gid").agg(pl.len().alias("n"), pl.col("seq").min().alias("first"))
+        per_gid = per_gid.join(ids, on="_gid", how="left")
     scopes = per_gid.group_by("scope").agg(pl.col("n").sum(), pl.col("first").min()).sort("first")
     for scope, n, _first in scopes.iter_rows():  # in order of first appearance, as the reference counts
         col.scopes[scope] += n
+    col.rows += len(latest)
+    col.earlier_rows += len(fr) - len(latest)
     col.micro_steps.update(fr["micro_step"].drop_nulls().unique().to_list())
 
 
-def _with_runs(pl, fr):
-    """``fr`` with ``_run``: the row's run within its file (0, or k for the k-th run
-    appended to it; see :class:`.report.FileRuns`), on integer columns."""
-    back = (pl.col("step").diff().over("fidx") < 0).fill_null(False)
-    key = [pl.col("step"), pl.col("_gid"), pl.col("micro_step").fill_null(-1)]
-    # cheap test first: no step goes back and each file's first row occurs once
-    heads = fr.select(pl.col("fidx").unique(maintain_order=True).len()).item()
-    quick = fr.select(back.any().alias("b"), pl.all_horizontal(*[k == k.first().over("fidx") for k in key]).sum()
-                      .alias("h")).row(0)
-    if not quick[0] and quick[1] == heads:
-        return fr.with_columns(pl.lit(0, dtype=pl.Int64).alias("_run"))
-    seg1 = back.cast(pl.Int64).cum_sum().over("fidx")
-    same_head = pl.all_horizontal(*[(k == k.first()).over("fidx", seg1) for k in key])
-    first_row = pl.int_range(pl.len()).over("fidx", seg1) == 0
-    restart = (back | (same_head & ~first_row)).alias("_restart")
-    return (fr.with_columns(restart)
-            .with_columns(pl.col("_restart").cast(pl.Int64).cum_sum().over("fidx").alias("_run"))
-            .drop("_restart"))
+def _repeated(pl, fr, infos: List[WindowInfo]) -> Dict[int, List[int]]:
+    """Window (``_win``) -> the steps more than one of its runs wrote (every row of the batch)."""
+    if all(w.runs < 2 for w in infos):
+        return {}
+    many = (fr.group_by("_win", "step").agg(pl.col("_pos").n_unique().alias("n")).filter(pl.col("n") > 1)
+            .group_by("_win").agg(pl.col("step").sort()))
+    return {w: list(steps) for w, steps in many.iter_rows()}
+
+
+def _run_windows(pl, fr, infos: List[WindowInfo], repeated: Dict[int, List[int]], rank: int, monitor: str,
+                 batch: Batch, out: List[Dict[str, Any]]) -> None:
+    """The report's items of the windows whose rows lie in several files (as
+    :meth:`.report.WindowRuns.item`); ``fr``: the rows within --steps."""
+    several = [(w, info) for w, info in enumerate(infos) if sum(1 for n in info.segments if n) > 1]
+    if not several:
+        return
+    earlier = dict(fr.filter(pl.col("_old")).group_by("_win").len().iter_rows()) if len(fr) else {}
+    for w, info in several:
+        paths = [batch.files[i].path for i, n in zip(info.fidx, info.segments) if n]
+        out.append(runs_item(rank, monitor, paths, info.runs, repeated.get(w, []), earlier.get(w, 0), info.by_time))
 
 
 def _appended(pl, fr, rank: int, monitor: str, batch: Batch, out: List[Dict[str, Any]]) -> None:
-    """Files holding several runs (``fr`` carries ``_run``, see :func:`_with_runs`)."""
+    """Files holding several runs (``fr`` carries ``_run``, see :func:`.columnar.file_segments`)."""
     if not (fr["_run"] > 0).any():
         return
     fr = fr.select("fidx", "step", "line", "_run")
@@ -242,11 +281,12 @@ def _appended(pl, fr, rank: int, monitor: str, batch: Batch, out: List[Dict[str,
 
 
 def _per_run_tensors(pl, fr):
-    """``fr`` whose ``_gid`` also names the run: each run appended to a file has its own
-    spike history, as in :func:`.reference.analyse` (ids of run 0 are unchanged)."""
-    if not (fr["_run"] > 0).any():
+    """``fr`` whose ``_gid`` also names the run (``_label``, see :func:`.columnar.mark_runs`):
+    each run has its own spike history, as in :func:`.reference.analyse` (ids of the first
+    run met are unchanged)."""
+    if not (fr["_label"] > 0).any():
         return fr
-    return fr.with_columns((pl.col("_gid").cast(pl.Int64) + pl.col("_run") * (1 << 32)).alias("_gid"))
+    return fr.with_columns((pl.col("_gid").cast(pl.Int64) + pl.col("_label") * (1 << 32)).alias("_gid"))
 
 
 # ------------------------------------------------------------------ non-finite
@@ -274,16 +314,11 @@ def _order_columns(pl, monitor: str, scopes: Sequence[str]):
 
 def _nonfinite(pl, fr, rank: int, monitor: str, batch: Batch, first_nonfinite: Dict, nonfinite_by: Counter,
                earlier_nonfinite: Dict) -> Tuple[int, int]:
-    """The non-finite rows of a batch (``fr`` carries ``_run``, see :func:`_with_runs`):
-    ``(latest, earlier)`` counts; a row whose step a later run of its file wrote again
-    is an earlier run's (:meth:`.report.FileRuns.rewritten`)."""
+    """The non-finite rows of a batch (``fr`` carries ``_old``, see :func:`.columnar.mark_runs`):
+    ``(latest, earlier)`` counts; a row whose step a later run wrote again is an earlier
+    run's (:class:`.report.WindowRuns`)."""
     if not fr["kind"].is_not_null().any():
         return 0, 0
-    if (fr["_run"] > 0).any():
-        old = pl.col("_run") < pl.col("_run").max().over("fidx", "step")
-        fr = fr.with_columns(old.alias("_old"))
-    else:
-        fr = fr.with_columns(pl.lit(False).alias("_old"))
     bad = fr.filter(pl.col("kind").is_not_null())
     latest = bad.filter(~pl.col("_old"))
     earlier = bad.filter(pl.col("_old"))
@@ -315,7 +350,9 @@ def _spike_value(pl, stat: str, has_min: bool):
 
 
 def _spikes(pl, fr, rank: int, monitor: str, batch: Batch, settings: SpikeSettings, stats: Sequence[str],
-            carry: Dict[str, Any], items: FirstN, spike_steps: Counter) -> None:
+            carry: Dict[str, Any], found: _Spikes) -> None:
+    """The spikes of a batch (``fr`` carries ``_old``: a spike of an earlier run's row is
+    counted as theirs)."""
     import numpy as np
 
     W, min_hist, ratio, mad_k, floor = settings.window, settings.min_history, settings.ratio, settings.mad_k, settings.floor
@@ -410,12 +447,13 @@ def _spikes(pl, fr, rank: int, monitor: str, batch: Batch, settings: SpikeSettin
         return
     rows = fr.filter(pl.col("seq").is_in(list(hits))).sort("seq")
     for rec in rows.iter_rows(named=True):
-        found = [hits[rec["seq"]][st] for st in stats if st in hits[rec["seq"]]]  # the reference's order
-        label, xv, med, mad = found[0]
+        of_row = [hits[rec["seq"]][st] for st in stats if st in hits[rec["seq"]]]  # the reference's order
+        label, xv, med, mad = of_row[0]
         row = row_of(rec)
         spiked = finding(rank, monitor, row, batch.files[rec["fidx"]].path, stat=label, value=xv, median=med,
-                         mad=mad, ratio=(xv / med) if med > 0 else INF, stats=[t[0] for t in found])
-        spike_steps[row.step] += 1
+                         mad=mad, ratio=(xv / med) if med > 0 else INF, stats=[t[0] for t in of_row])
+        steps, items = (found.earlier_steps, found.earlier_items) if rec["_old"] else (found.steps, found.items)
+        steps[row.step] += 1
         items.add(order_key(row.step, monitor, row.scope, row.micro, row.line, rank), spiked)
 
 
@@ -472,44 +510,42 @@ def _dp_of(k: Tuple[Any, ...]) -> Optional[int]:
 
 
 # ------------------------------------------------------------------ rank agreement
-def _hash_steps(pl, fr, rank: int, monitor: str, batch: Batch, hashes: Dict, irregular: Dict) -> None:
+def _hash_steps(pl, fr, rank: int, monitor: str, hashes: Dict, irregular: Dict) -> None:
+    """Per step, the sums of hashes of ``fr``'s checked rows (each step's latest rows: they
+    lie in one file, see :class:`.report.WindowRuns`)."""
     checked = fr.filter(pl.col(SCOPE) == REDUCED) if monitor == WEIGHT_GRAD else fr
     if not len(checked):
         return
-    windows = [(f.first, f.last) for f in batch.files]
-    # a file whose steps go back, or that repeats a row within a step: compare it the reference way
-    per_file = checked.group_by("fidx").agg(
-        (pl.col("step").diff() < 0).any().alias("back"),
-        (pl.struct("step", "_gid", "micro_step").n_unique() < pl.len()).alias("dup"))
-    for fidx, back, dup in per_file.iter_rows():
-        if back or dup:
-            irregular.setdefault((monitor, windows[fidx]), set()).add(rank)
+    # a step that repeats a row: compare it the reference way
+    dup = checked.group_by("step").agg((pl.struct("_gid", "micro_step").n_unique() < pl.len()).alias("dup"))
+    for step, is_dup in dup.iter_rows():
+        if is_dup:
+            irregular.setdefault(monitor, {}).setdefault(step, set()).add(rank)
     # the tensor by its id (one id space per monitor, shared by all ranks)
     cols = ["_gid", "micro_step"] + [op for op in OPS if op in checked.columns]
     h = pl.struct(cols)
     hv = h.hash(seed=1)  # 64 bits, summed as a 40-bit and a 24-bit part (no overflow below 2**24 rows)
-    sums = checked.group_by("fidx", "step").agg(
+    sums = checked.group_by("step").agg(
         (hv // _HASH_MOD).sum().alias("h1"), (hv % _HASH_MOD).sum().alias("h2"), pl.len().alias("n"))
-    for fidx, step, h1, h2, n in sums.iter_rows():
-        per_step = hashes.setdefault((monitor, windows[fidx]), {}).setdefault(step, {})
-        prev = per_step.get(rank)
-        if prev is not None:  # two files of one window cannot happen; be safe
-            irregular.setdefault((monitor, windows[fidx]), set()).add(rank)
-        per_step[rank] = (int(h1), int(h2), int(n))
+    per_monitor = hashes.setdefault(monitor, {})
+    for step, h1, h2, n in sums.iter_rows():
+        per_monitor.setdefault(step, {})[rank] = (int(h1), int(h2), int(n))
 
 
 def _check_ranks(layout: Layout, problems: Problems, settings: RankCheckSettings, steps: Optional[StepRange],
                  hashes: Dict, irregular: Dict, prog: Progress) -> Dict[int, Dict[str, Any]]:
     """:func:`.reference.check_ranks`, comparing only what the hashes cannot clear."""
     result: Dict[int, Dict[str, Any]] = {}
+    sorted_steps = {m: sorted(per) for m, per in hashes.items()}
     for w in rank_windows(layout, settings):
         for _ in range(w.reads):  # the same count as the reference's second read
             prog.advance(f"rank agreement, {w.monitor}")
         if len(w.files) < 2:
             continue
-        cset = set(w.chunk)
-        todo = _steps_to_compare(hashes.get((w.monitor, w.window), {}), cset,
-                                 bool(irregular.get((w.monitor, w.window), set()) & cset), w.window)
+        known = sorted_steps.get(w.monitor, [])
+        in_window = known[bisect_left(known, w.window[0]):bisect_right(known, w.window[1])]
+        todo = _steps_to_compare(hashes.get(w.monitor, {}), irregular.get(w.monitor, {}), in_window, set(w.chunk),
+                                 w.window)
         if todo is None:
             continue
         lo, hi = todo
@@ -520,14 +556,14 @@ def _check_ranks(layout: Layout, problems: Problems, settings: RankCheckSettings
     return result
 
 
-def _steps_to_compare(per_step: Dict[int, Dict[int, Tuple[int, int, int]]], chunk: set, irregular: bool,
-                      window: Tuple[int, int]) -> Optional[Tuple[int, int]]:
+def _steps_to_compare(per_step: Dict[int, Dict[int, Tuple[int, int, int]]], irregular: Dict[int, set],
+                      in_window: List[int], chunk: set, window: Tuple[int, int]) -> Optional[Tuple[int, int]]:
     """The step range of a window that must be compared row by row, or None."""
-    if irregular:
+    if any(irregular.get(step, set()) & chunk for step in in_window):
         return window
     differing = []
-    for step, by_rank in per_step.items():
-        sums = {v for r, v in by_rank.items() if r in chunk}
+    for step in in_window:
+        sums = {v for r, v in per_step[step].items() if r in chunk}
         if len(sums) > 1:
             differing.append(step)
     if not differing:

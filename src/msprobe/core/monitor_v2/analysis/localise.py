@@ -23,25 +23,26 @@ After an engine's pass, for each rank with a non-finite value, in its first bad 
 - **Dumps.** ``rank_<r>/dump_step<S>/manifest.json`` (and ``dump_step<S>.<n>``, a later
   run's dump of a step that already had one): the tensors kept to replay a step.
 
-Rows that a later run wrote again (see :meth:`.report.FileRuns.rewritten`) are an
-earlier run's: the first bad step is read from the latest rows only.
+Rows that a later run wrote again (see :class:`.report.WindowRuns`: in the same file, or
+beside it in a ``.run<k>`` file) are an earlier run's: the first bad step is read from the
+latest rows only.
 
-Only the files holding step S (and the latest one before it) are read again, so the cost
+Only the windows holding step S (and the latest one before it) are read again, so the cost
 grows with the ranks that went bad, not with the length of the run.
 """
 
 import io
 import json
 import os
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .. import rows
 from ..errors import UnsafePathError
 from ..evidence import DUMP_DIR_RE
 from ..safe_fs import open_regular
 from .order import OrderKey, order_key, phase, where
-from .reader import MONITORS, CsvFile, Layout, Problems, Row, StepRange, iter_rows
-from .report import FileRuns, Report, finding, nonfinite_kind
+from .reader import MONITORS, Layout, Problems, Row, StepRange, window_groups
+from .report import Report, finding, latest_rows, nonfinite_kind
 
 ALERT_FILE = "anomalies.jsonl"
 MANIFEST = "manifest.json"
@@ -91,14 +92,6 @@ class _Phase:
         self.first: Optional[Tuple[OrderKey, Row, str]] = None
 
 
-def _rows(f: CsvFile, problems: Problems, steps: StepRange) -> Iterator[Row]:
-    if f.path.endswith(".parquet"):  # an exported dataset (see .columnar)
-        from .columnar import parquet_rows
-
-        return parquet_rows(f, steps)
-    return iter_rows(f, problems, steps)
-
-
 def _within(lo: Optional[int], hi: Optional[int], steps: Optional[StepRange]) -> StepRange:
     if steps is None:
         return lo, hi
@@ -107,29 +100,16 @@ def _within(lo: Optional[int], hi: Optional[int], steps: Optional[StepRange]) ->
     return a, b
 
 
-def _latest_rows(f: CsvFile, problems: Problems, steps: StepRange) -> List[Row]:
-    """The rows of ``f`` that no later run of the file wrote again (a run resumed or
-    re-run into the same files): what the latest run left of each step."""
-    runs = FileRuns()
-    kept: List[Tuple[int, Row]] = []
-    for row in _rows(f, problems, steps):
-        runs.add(row.step, row.line, row.name, row.scope, row.micro, row.dp)
-        kept.append((runs.seg, row))
-    if not runs.restarts:
-        return [row for _, row in kept]
-    return [row for seg, row in kept if not runs.rewritten(row.step, seg)]
-
-
 def _rank_localisation(layout: Layout, rank: int, step: int, first: Dict[str, Any], problems: Problems,
                        steps: Optional[StepRange]) -> Dict[str, Any]:
     phases: Dict[Tuple[str, str], _Phase] = {}
     previous: Optional[int] = None
     for monitor in MONITORS:
-        files = [f for f in layout.files_of(rank, monitor) if f.first <= step]
-        holding = [f for f in files if f.last >= step]
-        before = [f for f in files if f.last < step][-1:]
-        for f in before + holding:
-            for row in _latest_rows(f, problems, _within(None, step, steps)):
+        windows = [g for g in window_groups(layout.files_of(rank, monitor)) if g[0].first <= step]
+        holding = [g for g in windows if max(f.last for f in g) >= step]
+        before = [g for g in windows if max(f.last for f in g) < step][-1:]
+        for group in before + holding:
+            for f, row in latest_rows(group, problems, _within(None, step, steps)):
                 if row.step < step:
                     previous = row.step if previous is None else max(previous, row.step)
                 elif row.step == step:

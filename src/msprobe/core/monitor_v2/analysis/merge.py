@@ -28,15 +28,19 @@ gathered:
 ``cc`` rows are per-rank communication calls: not merged, counted. A rank without a
 readable ``layout.json`` has its rows counted as ``no_layout``.
 
+Runs: a step that several runs wrote (a run resumed or re-run into the same output_dir,
+in the same file or beside it in a ``.run<k>`` file) is merged from its latest rows, as
+the other commands read it (:class:`.report.WindowRuns`); the earlier runs' rows are set
+aside and counted (``earlier_rows`` in merge.json, one note), never merged with them.
+
 Two implementations write the same files: with Polars (``engine="polars"``, the default
 where it is installed) each monitor is read a batch of about a million rows at a time
 from every rank (the columnar engine's reader) and combined with integer group and
 piece ids; in pure Python (``engine="python"``, standard library only, used without
-Polars) it is read step by step from every rank at once (one open file per rank). Both
-hand the rows of a step to one writer (:class:`_Emitter`) as the same items, sorted in
-execution order. Memory stays bounded either way: one batch (or one step) of one
-monitor over all ranks, plus one small descriptor per (rank, row name, scope). No torch
-and no NumPy.
+Polars) it is read a file window at a time from every rank at once. Both hand the rows of
+a step to one writer (:class:`_Emitter`) as the same items, sorted in execution order.
+Memory stays bounded either way: one batch (or one file window) of one monitor over all
+ranks, plus one small descriptor per (rank, row name, scope). No torch and no NumPy.
 """
 
 import csv
@@ -54,7 +58,9 @@ from ..errors import UnsafePathError
 from ..rows import ALL_OPS, COUNT_OPS, MICRO_STEP_MONITORS, MONITORS
 from ..safe_fs import SafeDir, open_regular, read_regular_file
 from ..writer import csv_cell
-from .reader import DP_RANK, RANK_RE, CsvFile, InputError, Problems, Row, header_ops, iter_rows, scan
+from .reader import DP_RANK, RANK_RE, CsvFile, InputError, Problems, Row, header_ops, scan, window_groups
+from .report import read_window
+from .text import compact_steps
 from .reader import MERGE_FILE as REPORT_FILE
 from .reader import MERGE_FORMAT as MERGED_FORMAT
 
@@ -122,6 +128,8 @@ class MergeReport:
     first_disagreements: List[Dict[str, Any]] = field(default_factory=list)
     files: List[str] = field(default_factory=list)  # the files written, relative to dest
     no_layout_ranks: List[int] = field(default_factory=list)
+    # rows of steps that a later run wrote again, set aside: monitor -> {"rows", "ranks", "steps"}
+    earlier: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     missing_ranks: List[int] = field(default_factory=list)  # below world_size, with no rank directory
     layout_unknown: List[str] = field(default_factory=list)  # the layouts' "unknown" lines, each once
     notes: List[str] = field(default_factory=list)
@@ -136,8 +144,32 @@ class MergeReport:
             # beyond the fixed keys: what the CLI and a reader may want without re-reading
             "rtol": self.rtol, "monitors": dict(self.rows_per_monitor), "disagreeing_rows": self.disagreeing_rows,
             "no_layout_ranks": self.no_layout_ranks, "missing_ranks": self.missing_ranks,
-            "layout_unknown": self.layout_unknown,
+            "layout_unknown": self.layout_unknown, "earlier_rows": self.earlier_rows,
         }
+
+    @property
+    def earlier_rows(self) -> int:
+        """Rows of earlier runs set aside (each step is merged from its latest rows)."""
+        return sum(e["rows"] for e in self.earlier.values())
+
+    def set_aside(self, monitor: str, rank: int, steps: Sequence[int]) -> None:
+        """Earlier runs' rows of ``monitor`` on ``rank``, one step per row."""
+        if not steps:
+            return
+        e = self.earlier.setdefault(monitor, {"rows": 0, "ranks": set(), "steps": set()})
+        e["rows"] += len(steps)
+        e["ranks"].add(rank)
+        e["steps"].update(steps)
+
+    def earlier_note(self) -> Optional[str]:
+        """The one note on the earlier runs' rows set aside (None when there are none)."""
+        if not self.earlier:
+            return None
+        parts = [f"{m} {e['rows']} on rank(s) {','.join(map(str, sorted(e['ranks'])))}, step(s) "
+                 f"{compact_steps(sorted(e['steps']))}" for m, e in self.earlier.items()]
+        return (f"{self.earlier_rows} row(s) of earlier runs set aside ({'; '.join(parts)}): a later run wrote "
+                "these steps again (a run resumed or re-run into the same output_dir, appended to the same files or "
+                "beside them in .run<k> files); each step is merged from its latest rows")
 
     def _leave_out(self, kind: str, n: int, example: Optional[Dict[str, Any]]) -> None:
         self.left_out[kind] += n
@@ -299,21 +331,29 @@ class _RankLayout:
 
 # ----------------------------------------------------------------------- streaming
 class _Stream:
-    """One rank's rows of one monitor, over its files in step order, a step at a time."""
+    """One rank's rows of one monitor, a file window at a time (its files read together and
+    each step's latest rows kept, :class:`.report.WindowRuns`; the earlier runs' rows are
+    set aside), a step at a time."""
 
-    def __init__(self, rank: int, files: Sequence[CsvFile], problems: Problems,
+    def __init__(self, rank: int, monitor: str, files: Sequence[CsvFile], problems: Problems, report: MergeReport,
                  file_done: Optional[Callable[[str], None]] = None) -> None:
         self.rank = rank
-        self._rows = self._chain(files, problems, file_done)
+        self._rows = self._chain(monitor, files, problems, report, file_done)
         self.head: Optional[Row] = next(self._rows, None)
 
-    @staticmethod
-    def _chain(files: Sequence[CsvFile], problems: Problems,
+    def _chain(self, monitor: str, files: Sequence[CsvFile], problems: Problems, report: MergeReport,
                file_done: Optional[Callable[[str], None]]) -> Iterator[Row]:
-        for f in files:
-            yield from iter_rows(f, problems)
+        for window in window_groups(files):
+            win, read = read_window(window, problems)
             if file_done is not None:
-                file_done(f"rank {f.rank} {f.monitor}")
+                for f in window:
+                    file_done(f"rank {f.rank} {f.monitor}")
+            earlier = [row.step for fi, seg, row in read if win.several and win.earlier(fi, seg, row.step)]
+            report.rows_read += len(earlier)
+            report.set_aside(monitor, self.rank, earlier)
+            latest = [row for fi, seg, row in read if not (win.several and win.earlier(fi, seg, row.step))]
+            latest.sort(key=lambda row: row.step)  # stable: a step's rows stay in their file's order
+            yield from latest
 
     def take(self, step: int) -> List[Row]:
         out = []
@@ -403,7 +443,7 @@ def merge_run(source: str, dest: str, rtol: float = 1e-5, *, problems: Optional[
                 if not per_rank:
                     continue
                 if monitor not in MERGED_MONITORS:
-                    n = _count_rows(per_rank, problems, progress)
+                    n = _count_rows(monitor, per_rank, problems, report, progress)
                     report.rows_read += n
                     report._leave_out(CC, n, None)
                     continue
@@ -416,6 +456,9 @@ def merge_run(source: str, dest: str, rtol: float = 1e-5, *, problems: Optional[
         report.files += [DISAGREEMENTS_FILE, REPORT_FILE]
         if report.left_out[CC]:
             report.notes.append(f"{report.left_out[CC]} cc row(s) not merged: communication calls are per rank")
+        note = report.earlier_note()
+        if note is not None:
+            report.notes.append(note)
         out.write_bytes(REPORT_FILE, (json.dumps(report.to_json(), indent=1) + "\n").encode("utf-8"))
     finally:
         out.close()
@@ -465,14 +508,20 @@ def _describe_layouts(layouts: Dict[int, _RankLayout], ranks: Sequence[int], rep
                             f"{report.world_size} have no rank directory: pieces they held are missing")
 
 
-def _count_rows(per_rank: Dict[int, List[CsvFile]], problems: Problems,
+def _count_rows(monitor: str, per_rank: Dict[int, List[CsvFile]], problems: Problems, report: MergeReport,
                 progress: Optional[Callable[[str], None]]) -> int:
+    """The latest rows of a monitor that is not merged (the earlier runs' set aside)."""
     n = 0
-    for fs in per_rank.values():
-        for f in fs:
-            n += sum(1 for _ in iter_rows(f, problems))
+    for rank, fs in per_rank.items():
+        for window in window_groups(fs):
+            win, read = read_window(window, problems)
+            earlier = [row.step for fi, seg, row in read if win.several and win.earlier(fi, seg, row.step)]
+            report.rows_read += len(earlier)
+            report.set_aside(monitor, rank, earlier)
+            n += len(read) - len(earlier)
             if progress is not None:
-                progress(f"rank {f.rank} {f.monitor}")
+                for f in window:
+                    progress(f"rank {f.rank} {f.monitor}")
     return n
 
 
@@ -605,7 +654,7 @@ def _merge_monitor(out: SafeDir, dis: Any, monitor: str, per_rank: Dict[int, Lis
 def _python_monitor(emit: _Emitter, monitor: str, per_rank: Dict[int, List[CsvFile]],
                     layouts: Dict[int, _RankLayout], ops: Sequence[str], rtol: float, problems: Problems,
                     report: MergeReport, progress: Optional[Callable[[str], None]]) -> None:
-    streams = [_Stream(r, fs, problems, progress) for r, fs in sorted(per_rank.items())]
+    streams = [_Stream(r, monitor, fs, problems, report, progress) for r, fs in sorted(per_rank.items())]
     last_step: Optional[int] = None
     while True:
         live = [s for s in streams if s.head is not None]
@@ -728,29 +777,29 @@ def polars_available() -> bool:
 
 
 def _step_chunks(per_rank: Dict[int, List[CsvFile]], max_rows: int) -> List[Tuple[int, int]]:
-    """Step ranges of about ``max_rows`` rows over all ranks, cut where files start."""
-    rows_at: Dict[int, int] = {}
-    last = 0
-    for fs in per_rank.values():
-        for f in fs:
-            try:
-                est = os.path.getsize(f.path) // 60 + 1
-            except OSError:
-                est = 1
-            rows_at[f.first] = rows_at.get(f.first, 0) + est
-            last = max(last, f.last)
+    """Step ranges of about ``max_rows`` rows over all ranks, cut between file windows (files
+    whose steps overlap, on any rank, stay in one range: their runs are told apart together)."""
+    files = sorted((f for fs in per_rank.values() for f in fs), key=lambda f: (f.first, f.last, f.run, f.rank))
     out: List[Tuple[int, int]] = []
     start: Optional[int] = None
+    end = 0
     acc = 0
-    for first in sorted(rows_at):
+    for window in window_groups(files):
+        est = 0
+        for f in window:
+            try:
+                est += os.path.getsize(f.path) // 60 + 1
+            except OSError:
+                est += 1
+        if start is not None and acc + est > max_rows:
+            out.append((start, end))
+            start, acc = None, 0
         if start is None:
-            start = first
-        elif acc + rows_at[first] > max_rows:
-            out.append((start, first - 1))
-            start, acc = first, 0
-        acc += rows_at[first]
+            start = window[0].first
+        end = max(f.last for f in window)
+        acc += est
     if start is not None:
-        out.append((start, last))
+        out.append((start, end))
     return out
 
 
@@ -762,7 +811,7 @@ def _polars_monitor(emit: _Emitter, monitor: str, per_rank: Dict[int, List[CsvFi
     reader does)."""
     import polars as pl
 
-    from .columnar import BATCH_ROWS, read_batch
+    from .columnar import BATCH_ROWS, mark_runs, read_batch, row_key
 
     seen: set = set()
     ids = _Ids()
@@ -772,11 +821,19 @@ def _polars_monitor(emit: _Emitter, monitor: str, per_rank: Dict[int, List[CsvFi
             mine = [f for f in fs if f.last >= lo and f.first <= hi]
             if not mine:
                 continue
-            fr = read_batch(mine, problems, (lo, hi)).frame
+            batch = read_batch(mine, problems, None)
+            fr = batch.frame
             for f in mine:
                 if progress is not None and f.path not in seen:
                     seen.add(f.path)
                     progress(f"rank {f.rank} {f.monitor}")
+            if len(fr):
+                # each step's latest rows (the earlier runs' set aside, counted as read)
+                fr, _infos = mark_runs(pl, fr, mine, batch.file_ops, row_key(pl))
+                earlier = fr.filter(pl.col("_old"))
+                report.rows_read += len(earlier)
+                report.set_aside(monitor, rank, earlier["step"].to_list())
+                fr = fr.filter(~pl.col("_old")).drop("_run", "_win", "_pos", "_old", "_label")
             if len(fr):
                 frames.append(fr.with_columns(pl.lit(rank, dtype=pl.Int64).alias("rank")))
         if not frames:

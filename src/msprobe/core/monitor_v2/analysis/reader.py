@@ -3,8 +3,9 @@
 Layout: ``<output_dir>/rank_<r>/<monitor>_step<a>-<b>.csv``, and
 ``<monitor>_step<a>-<b>.run<k>.csv`` for the same window written by another run (a re-run
 with other columns, or a second job that wrote while the first one ran): a file of its
-own, listed after the plain one (by ``k``). Files are read one row at a time with the
-``csv`` module; nothing keeps a whole file in memory.
+own, listed after the plain one (by ``k``). The files whose steps overlap are one
+*window* (:func:`window_groups`): the runs in it are told apart by :class:`.report.WindowRuns`.
+Files are read one row at a time with the ``csv`` module.
 
 A **merged view** (the ``DEST`` of ``msprobe-monitor merge``, recognised by its
 ``merge.json``) is read the same way: ``DEST/<monitor>.csv``, columns
@@ -111,6 +112,9 @@ class CsvFile:
     path: str
     merged: bool = False  # a merged view's <monitor>.csv (no vpp_stage, optional dp_rank)
     run: int = 1  # the run series of the name: 1 plain, k for <monitor>_step<a>-<b>.run<k>.csv
+    # when the file was last written (0: not known, as in an exported dataset): says which of
+    # a window's files holds the latest run where their names cannot (.report.segment_order)
+    mtime_ns: int = 0
 
 
 @dataclass
@@ -252,8 +256,9 @@ def scan(root: str, ranks: Optional[Sequence[int]] = None, monitors: Optional[Se
                 lo, hi = steps
                 if (lo is not None and b < lo) or (hi is not None and a > hi):
                     continue
+            path = os.path.join(rank_dirs[rank], name)
             per_monitor.setdefault(monitor, []).append(
-                CsvFile(rank, monitor, a, b, os.path.join(rank_dirs[rank], name), run=file_run(fm)))
+                CsvFile(rank, monitor, a, b, path, run=file_run(fm), mtime_ns=_mtime_ns(path)))
         for files in per_monitor.values():
             files.sort(key=lambda f: (f.first, f.last, f.run))
         if per_monitor:
@@ -263,6 +268,31 @@ def scan(root: str, ranks: Optional[Sequence[int]] = None, monitors: Optional[Se
             raise InputError(f"{root}: the rank_<r> directories hold no <monitor>_step<a>-<b>[.run<k>].csv files")
         raise InputError(f"{root}: no CSV file matches the --ranks/--monitors/--steps selection")
     return layout
+
+
+def _mtime_ns(path: str) -> int:
+    """The file's modification time (of the name itself: a link is refused when read)."""
+    try:
+        return os.lstat(path).st_mtime_ns
+    except OSError:
+        return 0
+
+
+def window_groups(files: Sequence[CsvFile]) -> List[List[CsvFile]]:
+    """``files`` of one rank and monitor (in :func:`scan`'s order) cut into windows: the
+    files whose steps overlap, i.e. a window's plain file and its ``.run<k>`` files (and
+    files of windows that another ``step_count_per_record`` or a monitor turned on mid-window
+    cut otherwise), each window in scan order. A step's rows of all runs lie in one window."""
+    groups: List[List[CsvFile]] = []
+    end = 0
+    for f in files:
+        if groups and f.first <= end:
+            groups[-1].append(f)
+            end = max(end, f.last)
+        else:
+            groups.append([f])
+            end = f.last
+    return groups
 
 
 def is_merged_view(root: str) -> bool:

@@ -1,4 +1,12 @@
-"""One streaming pass over an output directory: what was collected, and the anomalies.
+"""One pass over an output directory: what was collected, and the anomalies.
+
+**Runs.** A window's files (its plain file and its ``.run<k>`` files, see
+:func:`.reader.window_groups`) are read together, one window at a time, and their runs
+told apart (:class:`.report.WindowRuns`): each step's latest rows (those of the latest run
+that wrote it) are the report's; rows that a later run wrote again (a run resumed from a
+checkpoint, or re-run, into the same output_dir writes their step once more, in the same
+file or beside it) are the earlier runs', counted and reported apart, never with them.
+Only the rows of one window are held in memory.
 
 Three detectors:
 
@@ -6,10 +14,7 @@ Three detectors:
 or ``min``/``max``/``mean`` is NaN/Inf. An empty tensor (``nan`` min/max/mean with
 ``norm`` 0) is not an anomaly. The first one in execution order (see :mod:`.order`)
 over all ranks and monitors is *the* first non-finite value; the first one of each rank
-is reported too. Rows that a later run wrote again (a run resumed from a checkpoint, or
-re-run, into the same files writes their step once more, see :class:`FileRuns`) are the
-earlier runs' and are kept apart: the first non-finite value is that of the latest rows
-of each step, and the earlier runs' first one is reported as theirs.
+is reported too, of the latest rows; the earlier runs' first one is reported as theirs.
 
 **Spikes.** For each rank and tensor (monitor, name, scope) of ``SpikeSettings.monitors``
 (default: every monitor but ``optimizer``, whose state is a smoothed, lagging image of
@@ -19,9 +24,9 @@ of each statistic in ``SpikeSettings.stats`` (default ``norm`` and ``max``; ``ma
 checked as the largest magnitude ``absmax = max(|min|, |max|)`` when the file has
 ``min``, so that a value crossing zero is not mistaken for a jump) is compared
 with the tensor's own previous ``window`` finite values (micro-batch rows of a step
-count as separate values) of the same run: in files that hold several runs (a script
-re-run with the same output_dir, see :class:`FileRuns`), the k-th run of each file has
-a history of its own. It is a spike when at least ``min_history`` values precede
+count as separate values) of the same run: each run (:meth:`.report.WindowRuns.label`:
+the k-th run of each file of a ``.run<k>`` series and column set) has a history of its
+own, and a spike is the latest run's or an earlier run's as its row is. It is a spike when at least ``min_history`` values precede
 it and both ``x > median + k * 1.4826 * MAD`` (robust z-score above ``k``; MAD is the
 median absolute deviation, 1.4826 * MAD estimates a standard deviation) and
 ``x > ratio * median`` and ``x > floor`` (an absolute floor, default 1e-6: a value that
@@ -32,7 +37,7 @@ stops being flagged once it is the median.
 ``reduced``, ``param`` (both scopes) and ``optimizer`` state. For each (step, tensor,
 statistic) present on several ranks, values within ``rtol``/``atol`` of each other are
 grouped; the largest group is the consensus (a tie goes to the group holding the lowest
-rank) and every other rank is reported. NaN equals NaN here. Sharded runs (FSDP, ZeRO,
+rank) and every other rank is reported, on each step's latest rows. NaN equals NaN here. Sharded runs (FSDP, ZeRO,
 tensor or pipeline parallelism) hold different shards or layers under the same names
 on different ranks: turn the check off (``--no-rank-check``) or restrict it to ranks
 that replicate each other (``--rank-groups``). Ranks are compared in chunks of at most
@@ -41,14 +46,14 @@ that replicate each other (``--rank-groups``). Ranks are compared in chunks of a
 
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Sequence, TextIO, Tuple
+from typing import Any, Deque, Dict, Hashable, List, Optional, Sequence, TextIO, Tuple
 
 from .blocks import compare_window, rank_windows
 from .localise import localise
 from .order import OrderKey, order_key
-from .reader import MONITORS, OPS, CsvFile, Layout, Problems, Row, StepRange, iter_rows, scan
-from .report import (INF, MAD_SCALE, Collected, FileRuns, FirstN, RankCheckSettings, Report, RowVisitor,
-                     SpikeSettings, files_to_read, finding, median, nonfinite_kind, rank_check_note, relabel)
+from .reader import MONITORS, OPS, CsvFile, Layout, Problems, Row, StepRange, in_steps, scan, window_groups
+from .report import (INF, MAD_SCALE, Collected, FirstN, RankCheckSettings, Report, RowVisitor, SpikeSettings,
+                     files_to_read, finding, median, nonfinite_kind, rank_check_note, read_window, relabel)
 from .text import Progress
 
 
@@ -72,9 +77,9 @@ def analyse(layout: Layout, problems: Problems, spikes: SpikeSettings, rank_chec
             steps: Optional[StepRange] = None, limit: Optional[int] = 50,
             progress: Optional[bool] = None, visitors: Sequence[RowVisitor] = (),
             progress_stream: Optional[TextIO] = None) -> Report:
-    """Stream every file of ``layout`` once (plus a second read of the rank-checked files
-    when there are several ranks) and return the :class:`.report.Report`."""
-    tally = _Tally({m: Collected() for m in layout.monitors}, FirstN(limit))
+    """Read every file of ``layout`` once, a window at a time (plus a second read of the
+    rank-checked files when there are several ranks), and return the :class:`.report.Report`."""
+    tally = _Tally({m: Collected() for m in layout.monitors}, FirstN(limit), FirstN(limit))
     prog = Progress(files_to_read(layout, rank_check), "reading", enabled=progress, stream=progress_stream)
     read = _Reading(tally, problems, spikes, steps, visitors, prog)
     for rank in layout.ranks:
@@ -85,7 +90,9 @@ def analyse(layout: Layout, problems: Problems, spikes: SpikeSettings, rank_chec
     report = Report(layout, tally.collected, tally.rank_files, tally.rank_rows, tally.first_nonfinite,
                     tally.nonfinite_count, tally.nonfinite_by, tally.spike_items, tally.spike_steps, spikes,
                     mismatches, rank_check, note, problems, tally.appended,
-                    earlier_nonfinite=tally.earlier_nonfinite, earlier_nonfinite_count=tally.earlier_count)
+                    earlier_nonfinite=tally.earlier_nonfinite, earlier_nonfinite_count=tally.earlier_count,
+                    earlier_spikes=tally.earlier_spike_items, earlier_spike_steps=tally.earlier_spike_steps,
+                    run_windows=tally.run_windows, steps_repeated=tally.steps_repeated)
     relabel(report)
     localise(report, steps)
     return report
@@ -97,59 +104,44 @@ class _Tally:
 
     collected: Dict[str, Collected]
     spike_items: FirstN
+    earlier_spike_items: FirstN
     rank_files: Dict[int, int] = field(default_factory=dict)
     rank_rows: Dict[int, int] = field(default_factory=dict)
     first_nonfinite: Dict[int, Tuple[OrderKey, Dict[str, Any]]] = field(default_factory=dict)
     nonfinite_by: Counter = field(default_factory=Counter)
     nonfinite_count: int = 0
     spike_steps: Counter = field(default_factory=Counter)
+    earlier_spike_steps: Counter = field(default_factory=Counter)
     appended: List[Dict[str, Any]] = field(default_factory=list)
     earlier_nonfinite: Dict[int, Tuple[OrderKey, Dict[str, Any]]] = field(default_factory=dict)
     earlier_count: int = 0
+    run_windows: List[Dict[str, Any]] = field(default_factory=list)
+    steps_repeated: int = 0
 
-    def nonfinite(self, rank: int, monitor: str, found: "_FileNonfinite", runs: "FileRuns") -> None:
-        """A file's non-finite rows, once the file is read: a row whose step a later run
-        of the file wrote again is an earlier run's."""
-        for (seg, step, scope), n in found.counts.items():
-            if runs.rewritten(step, seg):
-                self.earlier_count += n
-            else:
-                self.nonfinite_count += n
-                self.nonfinite_by[(monitor, scope)] += n
-        for (seg, step), (key, row, kind) in found.first.items():
-            into = self.earlier_nonfinite if runs.rewritten(step, seg) else self.first_nonfinite
-            best = into.get(rank)
-            if best is None or key < best[0]:
-                into[rank] = (key, finding(rank, monitor, row, found.path, kind=kind, values=dict(row.vals)))
-
-    def spike(self, rank: int, monitor: str, row: Row, item: Dict[str, Any]) -> None:
-        self.spike_steps[row.step] += 1
-        self.spike_items.add(order_key(row.step, monitor, row.scope, row.micro, row.line, rank), item)
-
-
-class _FileNonfinite:
-    """The non-finite rows of one file, by the run of the file that wrote them (its
-    segment, see :class:`FileRuns`) and step: how many per scope, and the first one in
-    execution order."""
-
-    __slots__ = ("path", "counts", "first")
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.counts: Dict[Tuple[int, int, str], int] = {}  # in the order the rows came
-        self.first: Dict[Tuple[int, int], Tuple[OrderKey, Row, str]] = {}
-
-    def add(self, rank: int, monitor: str, row: Row, kind: str, seg: int) -> None:
-        ck = (seg, row.step, row.scope)
-        self.counts[ck] = self.counts.get(ck, 0) + 1
+    def nonfinite(self, rank: int, monitor: str, row: Row, path: str, kind: str, earlier: bool) -> None:
+        """A non-finite row: the latest of its step, or an earlier run's."""
+        if earlier:
+            self.earlier_count += 1
+            into = self.earlier_nonfinite
+        else:
+            self.nonfinite_count += 1
+            self.nonfinite_by[(monitor, row.scope)] += 1
+            into = self.first_nonfinite
         key = order_key(row.step, monitor, row.scope, row.micro, row.line, rank)
-        best = self.first.get((seg, row.step))
+        best = into.get(rank)
         if best is None or key < best[0]:
-            self.first[(seg, row.step)] = (key, row, kind)
+            into[rank] = (key, finding(rank, monitor, row, path, kind=kind, values=dict(row.vals)))
+
+    def spike(self, rank: int, monitor: str, row: Row, item: Dict[str, Any], earlier: bool) -> None:
+        steps, items = (self.earlier_spike_steps, self.earlier_spike_items) if earlier else \
+            (self.spike_steps, self.spike_items)
+        steps[row.step] += 1
+        items.add(order_key(row.step, monitor, row.scope, row.micro, row.line, rank), item)
 
 
 class _Reading:
-    """The first pass: each file once, row by row, in rank and monitor order."""
+    """The first pass: in rank and monitor order, each window's files read, their runs told
+    apart (:class:`.report.WindowRuns`), then its rows analysed in file and line order."""
 
     def __init__(self, tally: _Tally, problems: Problems, spikes: SpikeSettings, steps: Optional[StepRange],
                  visitors: Sequence[RowVisitor], prog: Progress) -> None:
@@ -175,33 +167,47 @@ class _Reading:
         col.ranks.add(rank)
         checked = self.spikes.enabled and monitor in self.spikes.monitors
         detector = SpikeDetector(self.spikes, self.spikes.stats if checked else ())
-        return sum(self.file(rank, monitor, f, col, detector) for f in files)
+        return sum(self.window(rank, monitor, group, col, detector) for group in window_groups(files))
 
-    def file(self, rank: int, monitor: str, f: CsvFile, col: Collected, detector: "SpikeDetector") -> int:
-        runs = FileRuns()
-        bad = _FileNonfinite(f.path)
-        col.files += 1
-        n_rows = 0
-        for row in iter_rows(f, self.problems, self.steps, on_header=lambda ops: merge_ops(col, ops)):
-            n_rows += 1
-            # first: the row's run (a re-run appended to the file) chooses its spike history
-            runs.add(row.step, row.line, row.name, row.scope, row.micro, row.dp)
-            collect_row(col, row)
+    def window(self, rank: int, monitor: str, files: Sequence[CsvFile], col: Collected,
+               detector: "SpikeDetector") -> int:
+        """One window's rows (the latest of each step counted; the earlier runs' apart);
+        returns the count of its latest rows."""
+        col.files += len(files)
+        # every row of the window, whatever --steps selects: which run wrote a step last
+        # does not depend on the selection
+        win, read = read_window(files, self.problems, on_header=lambda _fi, ops: merge_ops(col, ops))
+        for _ in files:
+            self.prog.advance(f"rank {rank} {monitor}")
+        n_rows = n_earlier = 0
+        for fi, seg, row in read:
+            if self.steps is not None and not in_steps(row.step, self.steps):
+                continue
+            earlier = win.several and win.earlier(fi, seg, row.step)
+            f = files[fi]
+            collect_row(col, row, earlier)
+            if earlier:
+                n_earlier += 1
+            else:
+                n_rows += 1
             kind = nonfinite_kind(row.vals)
             if kind is not None:
-                bad.add(rank, monitor, row, kind, runs.seg)
+                self.tally.nonfinite(rank, monitor, row, f.path, kind, earlier)
             elif detector.stats:
-                spiked = detector.check(rank, monitor, row, f.path, runs.seg)
+                # each run against its own history: a re-run is never compared with the run before it
+                spiked = detector.check(rank, monitor, row, f.path, win.label(fi, seg))
                 if spiked is not None:
-                    self.tally.spike(rank, monitor, row, spiked)
-            col.rows += 1
-            for visit in self.visitors:
-                visit(rank, monitor, row, f)
-        if bad.counts:
-            self.tally.nonfinite(rank, monitor, bad, runs)
-        if runs.restarts:
-            self.tally.appended.append(runs.item(rank, monitor, f.path))
-        self.prog.advance(f"rank {rank} {monitor}")
+                    self.tally.spike(rank, monitor, row, spiked, earlier)
+            if not earlier:
+                for visit in self.visitors:
+                    visit(rank, monitor, row, f)
+        for f, runs in zip(files, win.runs):
+            if runs.restarts:
+                self.tally.appended.append(runs.item(rank, monitor, f.path))
+        item = win.item(rank, monitor, n_earlier)
+        if item is not None:
+            self.tally.run_windows.append(item)
+        self.tally.steps_repeated += len(win.repeated)
         return n_rows
 
 
@@ -211,10 +217,17 @@ def merge_ops(col: Collected, ops: Tuple[str, ...]) -> None:
         col.ops[:] = [op for op in OPS if op in col.ops or op in ops]
 
 
-def collect_row(col: Collected, row: Row) -> None:
+def collect_row(col: Collected, row: Row, earlier: bool = False) -> None:
+    """What a row adds to its monitor's collection: rows and scopes count each step's
+    latest rows (an earlier run's row is counted apart); steps, tensors and micro-steps
+    are those of every row."""
     col.steps.add(row.step)
     col.tensors.add((row.name, row.scope))
-    col.scopes[row.scope] += 1
+    if earlier:
+        col.earlier_rows += 1
+    else:
+        col.rows += 1
+        col.scopes[row.scope] += 1
     if row.micro is not None:
         col.micro_steps.add(row.micro)
 
@@ -228,16 +241,16 @@ class SpikeDetector:
         self.s = settings
         self.stats = stats
         # (name, scope, dp_rank, run) -> stat -> the previous values (dp_rank: of a merged
-        # view's row kept per data-parallel rank, else None)
-        self.history: Dict[Tuple[str, str, Optional[int], int], Dict[str, Deque[float]]] = {}
+        # view's row kept per data-parallel rank, else None; run: WindowRuns.label)
+        self.history: Dict[Tuple[str, str, Optional[int], Hashable], Dict[str, Deque[float]]] = {}
 
-    def check(self, rank: int, monitor: str, row: Row, path: str, run: int) -> Optional[Dict[str, Any]]:
+    def check(self, rank: int, monitor: str, row: Row, path: str, run: Hashable) -> Optional[Dict[str, Any]]:
         """The row's finding when one of its statistics is a spike (None otherwise); every
         value then joins its history.
 
-        The k-th run of every file is the k-th run of the script: each run has its own
-        history, so that a re-run is never compared with the end of the run before it (nor
-        do its repeated values shrink the MAD)."""
+        Each run (:meth:`.report.WindowRuns.label`) has its own history, so that a re-run is
+        never compared with the end of the run before it, whether it was appended to the
+        same files or written beside them (nor do its repeated values shrink the MAD)."""
         hist = self.history.setdefault((row.name, row.scope, row.dp, run), {})
         spiked = None
         for stat in self.stats:

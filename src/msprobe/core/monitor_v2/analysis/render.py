@@ -18,8 +18,13 @@ if TYPE_CHECKING:  # merge imports the writer's cell format: loaded by the merge
 ORDER_TEXT = ("execution order: step, micro-batch, parameters at step start, forward (module call order), "
               "backward, gradients, then optimizer state and updated parameters")
 APPENDED_NOTE = ("a file whose steps start over holds several runs: a script re-run with the same output_dir "
-                 "appends to the files of the earlier run, so those steps are counted more than once; "
-                 "use a new output_dir per run, or delete the old files")
+                 "appends to the files of the earlier run; each step's latest rows are the report's, the rows "
+                 "they replaced are the earlier runs' (counted apart); use a new output_dir per run to keep runs apart")
+RUNS_NOTE = ("a window's rows lie in several files when a run wrote beside the earlier run's file, into "
+             "<monitor>_step<a>-<b>.run<k>.csv (a re-run with other ops or columns, or a second job writing to the "
+             "same output_dir at the same time); its runs are ordered by the file names (plain, .run2, ...) and, "
+             "where those cannot say it, by the files' modification times; each step's latest rows are the "
+             "report's, the rows they replaced are the earlier runs' (counted apart)")
 NF_HEADERS = ["rank", "step", "micro_step", "monitor", "scope", "tensor", "kind", "values", "file:line"]
 SPIKE_HEADERS = ["rank", "step", "micro_step", "monitor", "scope", "tensor", "stats", "value", "median",
                  "x median", "file:line"]
@@ -109,6 +114,8 @@ def anomaly_tables(report: Report, limit: int) -> AnomalyTables:
             NF_HEADERS, _limit([_nf_row(i, root, report.layout) for i in earlier], limit),
             f"{report.earlier_nonfinite_count} non-finite row(s) of earlier runs; " + EARLIER_NOTE)
     out["Spikes"] = _spike_table(report, limit)
+    if report.earlier_spikes.count:
+        out["Spikes of earlier runs (rows a later run wrote again)"] = _spike_table(report, limit, earlier=True)
     mm = report.mismatch_list()
     rank_rows = [[i["rank"], i["step"], i["micro_step"], i["monitor"], i["scope"], i["tensor"], i["stat"],
                   i["value"], i["consensus"], ranks_text(i["consensus_ranks"]), i["rows_differing"],
@@ -118,16 +125,20 @@ def anomaly_tables(report: Report, limit: int) -> AnomalyTables:
     return out
 
 
-def _spike_table(report: Report, limit: int) -> Tuple[List[str], List[List[Any]], str]:
+def _spike_table(report: Report, limit: int, earlier: bool = False) -> Tuple[List[str], List[List[Any]], str]:
+    """The spikes of each step's latest rows, or (``earlier``) of the earlier runs' rows."""
     root = report.layout.root
-    sp = report.spikes
+    sp = report.earlier_spikes if earlier else report.spikes
+    per_step = report.earlier_spike_steps if earlier else report.spike_steps
     spike_rows = [[rank_label(report.layout, i["rank"]), i["step"], i["micro_step"], i["monitor"], i["scope"],
                    tensor_label(i), ",".join(i["stats"]),
                    i["value"], i["median"], i["ratio"], where_text(i, root)] for i in sp.items()]
     note = (report.spike_settings.describe() if report.spike_settings.enabled else "off (--no-spikes)")
+    if earlier:
+        note = "each run against its own history; " + EARLIER_NOTE
     if sp.count:
-        steps = sorted(report.spike_steps)
-        shown = (", ".join(f"{st} ({report.spike_steps[st]})" for st in steps[:10])
+        steps = sorted(per_step)
+        shown = (", ".join(f"{st} ({per_step[st]})" for st in steps[:10])
                  + (", ..." if len(steps) > 10 else ""))
         note += f"; {sp.count} row(s) with a spike, at steps: {shown}"
         if sp.count > min(len(spike_rows), limit or len(spike_rows)):
@@ -163,11 +174,18 @@ def report_json(report: Report, limit: int) -> Dict[str, Any]:
         "spikes": {"enabled": report.spike_settings.enabled, "rule": report.spike_settings.describe(),
                    "settings": dict(report.spike_settings.__dict__), "count": report.spikes.count,
                    "per_step": {str(k): v for k, v in sorted(report.spike_steps.items())},
-                   "items": report.spikes.items()[:lim]},
+                   "items": report.spikes.items()[:lim],
+                   "earlier_runs": {
+                       "note": EARLIER_NOTE, "count": report.earlier_spikes.count,
+                       "per_step": {str(k): v for k, v in sorted(report.earlier_spike_steps.items())},
+                       "items": report.earlier_spikes.items()[:lim]}},
         "rank_check": {"enabled": report.mismatch_settings.enabled and not report.rank_check_note,
                        "note": report.rank_check_note or report.mismatch_settings.describe(),
                        "ranks_differing": len(report.mismatches), "items": report.mismatch_list()[:lim]},
         "appended": {"files": len(report.appended), "note": APPENDED_NOTE, "items": report.appended[:lim]},
+        "runs": {"run_files": _run_files(layout), "windows": len(report.run_windows),
+                 "steps_repeated": report.steps_repeated, "earlier_rows": report.earlier_rows, "note": RUNS_NOTE,
+                 "items": report.run_windows[:lim]},
         "localisation": {"note": LOCALISATION_NOTE,
                          "per_rank": [report.localisation[r] for r in sorted(report.localisation)][:lim]},
         "alerts": {"per_rank": [report.alerts[r] for r in sorted(report.alerts)][:lim]},
@@ -182,6 +200,25 @@ def _appended_text(item: Dict[str, Any], root: str) -> str:
     return (f"{rel_path(item['file'], root)}: {runs} runs (run {2 if runs == 2 else '2..' + str(runs)} starts at line "
             f"{', '.join(map(str, item['restart_lines'][:5]))}{', ...' if len(item['restart_lines']) > 5 else ''}); "
             f"repeated step(s): {compact_steps(item['steps_repeated']) if item['steps_repeated'] else 'none'}")
+
+
+def _run_files(layout: Layout) -> int:
+    """The ``<monitor>_step<a>-<b>.run<k>.csv`` files read."""
+    return sum(1 for f in layout.all_files() if f.run > 1)
+
+
+def _runs_text(item: Dict[str, Any], root: str) -> str:
+    """A window whose rows lie in several files: its files, the latest run's last."""
+    files = [rel_path(p, root) for p in item["files"]]
+    return (f"{files[0]} and beside it {', '.join(os.path.basename(p) for p in files[1:])}: {item['runs']} runs"
+            + (" (ordered by modification time)" if item["order"] != "names" else "")
+            + f"; repeated step(s): {compact_steps(item['steps_repeated']) if item['steps_repeated'] else 'none'}")
+
+
+def _runs_rows(report: Report, limit: int) -> List[List[Any]]:
+    return [[i["rank"], i["monitor"], " ".join(os.path.basename(p) for p in i["files"]), i["runs"], i["order"],
+             compact_steps(i["steps_repeated"]) if i["steps_repeated"] else "-", i["earlier_rows"]]
+            for i in _limit(report.run_windows, limit)]
 
 
 def _appended_rows(report: Report, limit: int) -> List[List[Any]]:
@@ -212,6 +249,9 @@ def _collected_text(report: Report) -> List[str]:
     else:
         lines = [f"  {len(layout.ranks)} rank(s) ({ranks_text(layout.ranks)}), {layout.n_files} file(s), {rows} rows, "
                  f"steps {compact_steps(steps)}"]
+    if report.earlier_rows:
+        lines[-1] += (f" (each step's latest rows; {report.earlier_rows} row(s) of earlier runs, which a later run "
+                      "wrote again, counted apart)")
     trows = []
     for m, c in report.collected.items():
         scopes = ", ".join(f"{s}" for s in sorted(c.scopes, key=lambda s: -c.scopes[s])[:6])
@@ -243,15 +283,30 @@ def summary_text(report: Report) -> str:
     lines += ["", "Headline anomalies:"]
     lines += _headline_nonfinite(report) + _headline_localisation(report) + _headline_spikes(report)
     lines += _headline_ranks(report) + _headline_evidence(report)
-    if report.appended:
-        repeated = sum(len(i["steps_repeated"]) for i in report.appended)
-        lines.append(f"  appended re-runs:  {len(report.appended)} file(s) hold several runs (a re-run appended to "
-                     f"the same output_dir), {repeated} step(s) written more than once; first: "
-                     f"{_appended_text(report.appended[0], root)}")
+    lines += _headline_runs(report)
     if report.problems.count:
         lines.append(f"  malformed input:   {report.problems.summary()} (see the warnings above)")
     lines += ["", f"Details: {command_line('anomalies', root)}"]
     return "\n".join(lines)
+
+
+def _headline_runs(report: Report) -> List[str]:
+    """Several runs in the output: appended to the same files, or written beside them."""
+    root = report.layout.root
+    run_files = _run_files(report.layout)
+    if not (report.appended or run_files or report.run_windows):
+        return []
+    held = []
+    if report.appended:
+        held.append(f"{len(report.appended)} file(s) with runs appended to them (a re-run into the same files)")
+    if run_files:
+        held.append(f"{run_files} .run<k> file(s) written beside earlier files (a re-run with other ops, or a second "
+                    "job at the same time)")
+    first = (_runs_text(report.run_windows[0], root) if report.run_windows else
+             _appended_text(report.appended[0], root) if report.appended else "")
+    return [f"  several runs:      {' and '.join(held)}; {report.steps_repeated} step(s) written more than once, "
+            f"{report.earlier_rows} row(s) of earlier runs set aside (each step's latest rows are the report's)"
+            + (f"; first: {first}" if first else "")]
 
 
 def _nf_text(report: Report, item: Dict[str, Any]) -> str:
@@ -373,12 +428,23 @@ def _dump_text(d: Dict[str, Any], root: str, with_run: bool = False) -> str:
 def _headline_spikes(report: Report) -> List[str]:
     if not report.spike_settings.enabled:
         return ["  spikes:            not checked (--no-spikes)"]
+    lines = []
     if not report.spikes.count:
-        return ["  spikes:            none"]
-    s0 = report.spikes.items()[0]
-    return [f"  spikes:            {report.spikes.count} row(s); first: {_who(report.layout, s0['rank'])}, step {s0['step']}, "
-            f"{tensor_label(s0)} ({s0['monitor']} {s0['scope']}) {s0['stat']} {fmt_num(s0['value'])} = "
-            f"{fmt_num(s0['ratio'], 3)} x its median; steps: " + compact_steps(sorted(report.spike_steps))]
+        lines.append("  spikes:            none" + (" in the latest run" if report.earlier_spikes.count else ""))
+    else:
+        lines.append(f"  spikes:            {report.spikes.count} row(s); first: {_spike_text(report, report.spikes)}; "
+                     "steps: " + compact_steps(sorted(report.spike_steps)))
+    if report.earlier_spikes.count:
+        lines.append(f"  earlier spikes:    {report.earlier_spikes.count} row(s) among the rows that a later run wrote "
+                     f"again; first: {_spike_text(report, report.earlier_spikes)}; steps: "
+                     + compact_steps(sorted(report.earlier_spike_steps)))
+    return lines
+
+
+def _spike_text(report: Report, spikes: Any) -> str:
+    s0 = spikes.items()[0]
+    return (f"{_who(report.layout, s0['rank'])}, step {s0['step']}, {tensor_label(s0)} ({s0['monitor']} {s0['scope']}) "
+            f"{s0['stat']} {fmt_num(s0['value'])} = {fmt_num(s0['ratio'], 3)} x its median")
 
 
 def _headline_ranks(report: Report) -> List[str]:
@@ -424,6 +490,14 @@ def anomalies_text(report: Report, limit: int, code: int) -> str:
         lines += ["", "STEPS WRITTEN MORE THAN ONCE (runs appended to the same files)", f"  ({APPENDED_NOTE})",
                   table(["rank", "monitor", "file", "runs", "later runs start at line", "steps written again"],
                         _appended_rows(report, limit))]
+    if report.run_windows:
+        lines += ["", "WINDOWS WRITTEN BY SEVERAL RUNS INTO SEVERAL FILES (.run<k> files beside the earlier ones)",
+                  f"  ({RUNS_NOTE})",
+                  table(["rank", "monitor", "files (by name)", "runs", "ordered by", "steps written again",
+                         "earlier rows"], _runs_rows(report, limit))]
+    if report.earlier_rows:
+        lines.append(f"  {report.earlier_rows} row(s) of earlier runs counted apart; every finding above is of each "
+                     "step's latest rows unless it says earlier runs")
     if report.problems.count:
         lines += ["", f"MALFORMED INPUT: {report.problems.summary()} (see the warnings on stderr)"]
     verdict = "anomalies found" if report.anomalies_found else "no anomaly"
@@ -515,6 +589,9 @@ def plot_text(report: Report, stat: str, rank: int, out_dir: str, n_images: int,
     if omitted_lines:
         lines.append(f"  {omitted_lines} tensor line(s) not drawn (--max-plots {max_plots}); "
                      f"choose with --match, --monitors or --steps")
+    if report.earlier_rows:
+        lines.append(f"  {report.earlier_rows} row(s) of earlier runs not drawn (a later run wrote their steps again: "
+                     "each step's latest rows are drawn)")
     if html_path:
         lines.append(f"  report: {html_path}")
         lines.append(f"  open:   file://{os.path.abspath(html_path)}")

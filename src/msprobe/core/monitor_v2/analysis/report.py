@@ -3,19 +3,20 @@
 An analysis engine (:class:`AnalysisEngine`: the reference one in :mod:`.reference`,
 the columnar one in :mod:`.engine`) opens an output directory as a
 :class:`.reader.Layout` and turns it into a :class:`Report`; :mod:`.render` writes
-the report as text, JSON or HTML tables. The settings of the detectors, and the
-few numbers of their rules that both engines must share to give identical findings,
-live here too.
+the report as text, JSON or HTML tables. The settings of the detectors, the few
+numbers of their rules that both engines must share to give identical findings, and
+what a run is where several runs wrote into one output_dir (:class:`WindowRuns`: each
+step's latest rows, the earlier runs' apart), live here too.
 """
 
 import os
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Set, TextIO, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Sequence, Set, TextIO, Tuple
 
 from ..rows import CC, MODULE, OPTIMIZER, PARAM, REDUCED, WEIGHT_GRAD
 from .order import OrderKey, where
-from .reader import CsvFile, Layout, Problems, Row, StepRange
+from .reader import CsvFile, Layout, Problems, Row, StepRange, in_steps, iter_rows
 
 INF = float("inf")
 MAD_SCALE = 1.4826  # 1.4826 * MAD estimates a standard deviation
@@ -94,7 +95,8 @@ class Collected:
     """What one monitor wrote (all ranks)."""
 
     files: int = 0
-    rows: int = 0
+    rows: int = 0  # each step's latest rows (see WindowRuns)
+    earlier_rows: int = 0  # rows of steps that a later run wrote again
     steps: Set[int] = field(default_factory=set)
     tensors: Set[Tuple[str, str]] = field(default_factory=set)
     ops: List[str] = field(default_factory=list)
@@ -105,7 +107,7 @@ class Collected:
     def to_json(self) -> Dict[str, Any]:
         steps = sorted(self.steps)
         return {
-            "files": self.files, "rows": self.rows, "ranks": sorted(self.ranks),
+            "files": self.files, "rows": self.rows, "earlier_rows": self.earlier_rows, "ranks": sorted(self.ranks),
             "steps": len(steps), "first_step": steps[0] if steps else None,
             "last_step": steps[-1] if steps else None,
             "tensors": len(self.tensors), "ops": self.ops, "scopes": dict(self.scopes),
@@ -132,21 +134,29 @@ def appended_item(rank: int, monitor: str, path: str, restarts: List[int], repea
             "steps_repeated": repeated, "line": restarts[0]}
 
 
+def runs_item(rank: int, monitor: str, paths: List[str], runs: int, repeated: List[int], earlier: int,
+              by_time: bool) -> Dict[str, Any]:
+    """A window whose rows lie in several files (its plain file and ``.run<k>`` files):
+    ``runs``, the runs in them all; ``earlier``, the rows of its steps that a later run wrote
+    again; ``by_time``: their files' modification times said which run is the latest."""
+    return {"rank": rank, "monitor": monitor, "files": paths, "runs": runs, "steps_repeated": repeated,
+            "earlier_rows": earlier, "order": "modification times" if by_time else "names"}
+
+
 class FileRuns:
     """Steps of one file that were written more than once. A run appended to the file
     of an earlier one (a script re-run with the same output_dir) starts over: at a lower
     step, or, in a file of one step, at the row the file's current run began with (same
-    step, tensor, scope and micro_step)."""
+    step, tensor, scope and micro_step). Each run of the file is a *segment* of it."""
 
-    __slots__ = ("last", "seg", "restarts", "first_seg", "last_seg", "repeated", "head")
+    __slots__ = ("last", "seg", "restarts", "first_seg", "repeated", "head")
 
     def __init__(self) -> None:
         self.last: Optional[int] = None
         self.head: Optional[Tuple[int, str, str, Optional[int], Optional[int]]] = None  # first row of the run
         self.seg = 0
         self.restarts: List[int] = []  # line where each appended run starts
-        self.first_seg: Dict[int, int] = {}
-        self.last_seg: Dict[int, int] = {}  # step -> the last run of the file that wrote it
+        self.first_seg: Dict[int, int] = {}  # step -> the first run of the file that wrote it
         self.repeated: Set[int] = set()
 
     def add(self, step: int, line: int, name: str, scope: str, micro: Optional[int],
@@ -159,17 +169,172 @@ class FileRuns:
             self.restarts.append(line)
             self.head = key
         self.last = step
-        self.last_seg[step] = self.seg
         if self.first_seg.setdefault(step, self.seg) != self.seg:
             self.repeated.add(step)
 
-    def rewritten(self, step: int, seg: int) -> bool:
-        """Whether a later run of the file (after run ``seg``) wrote ``step`` again: the
-        rows of run ``seg`` at that step are then an earlier run's."""
-        return self.last_seg.get(step, seg) > seg
+    @property
+    def segments(self) -> int:
+        """The runs the file holds (0 for a file without a readable row)."""
+        return 0 if self.last is None else self.seg + 1
 
     def item(self, rank: int, monitor: str, path: str) -> Dict[str, Any]:
         return appended_item(rank, monitor, path, self.restarts, sorted(self.repeated))
+
+
+# ------------------------------------------------------------------ runs of a window
+@dataclass(frozen=True)
+class FileMeta:
+    """What says when a file of a window was written: its window, its name's run series
+    (``.run<k>``: 1 for the plain name), its statistics, the runs (segments) it holds and
+    its modification time (0: not known)."""
+
+    first: int
+    last: int
+    run: int
+    ops: Tuple[str, ...]
+    segments: int
+    mtime_ns: int
+
+
+def names_settle(metas: Sequence[FileMeta]) -> bool:
+    """Whether the names and headers of a window's files say in which order their runs
+    wrote. The writer appends to a file only when it starts with the run's own header, and
+    makes ``.run<k>`` only beside files of other headers: a ``.run<k>`` file's run came after
+    the lone run of each lower-``k`` file of another header. Files of one header (a run
+    resumed where its own series had no file of the window, a second job at the same time),
+    or a lower-``k`` file holding several runs (a later one may have come back to it after
+    the ``.run<k>`` file was made), or windows cut differently, do not say it."""
+    live = [m for m in metas if m.segments]
+    for i, a in enumerate(live):
+        for b in live[i + 1:]:
+            if not ((a.first, a.last) == (b.first, b.last) and a.run < b.run and a.ops != b.ops
+                    and a.segments == 1):
+                return False
+    return True
+
+
+def segment_order(metas: Sequence[FileMeta]) -> Tuple[List[Tuple[int, int]], bool]:
+    """The runs of a window, ``(file index, segment)``, from the first written to the
+    latest, and whether the files' modification times chose that order.
+
+    Each file's runs are in the order they were appended; files in the order of their
+    names (plain, ``.run2``, ...). Where the names do not say it (:func:`names_settle`) and
+    every file's modification time is known, the last run of each file is placed by when
+    its file was last written: the runs that are last in their file take the places of the
+    last runs in name order, sorted by time (ties in name order). A run that is not the last
+    of its file keeps its place."""
+    seq = [(i, s) for i, m in enumerate(metas) for s in range(m.segments)]
+    if names_settle(metas) or any(m.mtime_ns == 0 for m in metas if m.segments):
+        return seq, False
+    slots = [p for p, (i, s) in enumerate(seq) if s == metas[i].segments - 1]
+    lasts = sorted((seq[p] for p in slots), key=lambda t: (metas[t[0]].mtime_ns, t[0]))
+    for p, item in zip(slots, lasts):
+        seq[p] = item
+    return seq, True
+
+
+RunLabel = Tuple[int, Tuple[str, ...], int]  # the file's run series, its statistics, its segment
+
+
+class WindowRuns:
+    """The runs of one window of one (rank, monitor): its files (:func:`.reader.window_groups`)
+    cut into runs (a file's segments, :class:`FileRuns`) and put in the order they were
+    written (:func:`segment_order`). A step's **latest** rows are those of the latest run
+    that wrote it; its rows of other runs are **earlier runs'** rows: a run resumed from a
+    checkpoint, or re-run, into the same output_dir wrote the step again (in the same file,
+    or beside it in a ``.run<k>`` file). Both engines decide this the same way.
+
+    Use: :meth:`add` each row of each file in order (``ops`` set from the file's header),
+    then :meth:`finish`, then :meth:`earlier` and :meth:`label`."""
+
+    def __init__(self, files: Sequence[CsvFile]) -> None:
+        self.files = list(files)
+        self.runs = [FileRuns() for _ in self.files]
+        self.ops: List[Tuple[str, ...]] = [() for _ in self.files]
+        self._written: Dict[int, Set[Tuple[int, int]]] = {}  # step -> the (file, segment) that wrote it
+        self._pos: Dict[Tuple[int, int], int] = {}
+        self._latest: Dict[int, int] = {}  # step -> the place of the latest run that wrote it
+        self.by_time = False
+        self.repeated: List[int] = []
+
+    def add(self, fi: int, row: Row) -> int:
+        """The row's segment in its file (``fi``: the file's index in the window)."""
+        runs = self.runs[fi]
+        runs.add(row.step, row.line, row.name, row.scope, row.micro, row.dp)
+        self._written.setdefault(row.step, set()).add((fi, runs.seg))
+        return runs.seg
+
+    def metas(self) -> List[FileMeta]:
+        return [FileMeta(f.first, f.last, f.run, self.ops[i], self.runs[i].segments, f.mtime_ns)
+                for i, f in enumerate(self.files)]
+
+    def finish(self) -> None:
+        order, self.by_time = segment_order(self.metas())
+        self._pos = {key: p for p, key in enumerate(order)}
+        self._latest = {step: max(self._pos[k] for k in keys) for step, keys in self._written.items()}
+        self.repeated = sorted(step for step, keys in self._written.items() if len(keys) > 1)
+
+    def earlier(self, fi: int, seg: int, step: int) -> bool:
+        """Whether the row of segment ``seg`` of file ``fi`` at ``step`` is an earlier run's."""
+        return self._pos[(fi, seg)] < self._latest[step]
+
+    def label(self, fi: int, seg: int) -> RunLabel:
+        """Which run a row belongs to, for a history of its own (spikes): the file's run
+        series, its statistics and the segment. A run keeps its series and statistics from
+        window to window (the writer keeps a monitor's series once it moved it), so its
+        label is the same in every window; runs of other settings or series never share one."""
+        return self.files[fi].run, self.ops[fi], seg
+
+    @property
+    def several(self) -> bool:
+        """Whether the window holds more than one run."""
+        return len(self._pos) > 1
+
+    def item(self, rank: int, monitor: str, earlier: int) -> Optional[Dict[str, Any]]:
+        """The report's item of a window whose rows lie in several files (None otherwise)."""
+        if sum(1 for r in self.runs if r.segments) < 2:
+            return None
+        return runs_item(rank, monitor, [f.path for f, r in zip(self.files, self.runs) if r.segments],
+                         len(self._pos), self.repeated, earlier, self.by_time)
+
+
+def read_window(files: Sequence[CsvFile], problems: Problems, keep: Optional[Callable[[Row], bool]] = None,
+                on_header: Optional[Callable[[int, Tuple[str, ...]], None]] = None,
+                ) -> Tuple[WindowRuns, List[Tuple[int, int, Row]]]:
+    """Every row of a window's files read, its runs told apart: ``(runs, [(file index,
+    segment, row)])`` of the rows ``keep`` accepts (all by default), in file and line order.
+    Holds those rows of one window in memory. ``on_header(file index, ops)`` for each good
+    header."""
+    win = WindowRuns(files)
+    out: List[Tuple[int, int, Row]] = []
+    for fi, f in enumerate(files):
+        def header(ops: Tuple[str, ...], fi: int = fi) -> None:
+            win.ops[fi] = ops
+            if on_header is not None:
+                on_header(fi, ops)
+
+        if f.path.endswith(".parquet"):  # an exported dataset (see .columnar)
+            from .columnar import parquet_rows
+
+            rows: Iterable[Row] = parquet_rows(f, None)
+        else:
+            rows = iter_rows(f, problems, None, on_header=header)
+        for row in rows:
+            seg = win.add(fi, row)
+            if keep is None or keep(row):
+                out.append((fi, seg, row))
+    win.finish()
+    return win, out
+
+
+def latest_rows(files: Sequence[CsvFile], problems: Problems, steps: Optional[StepRange] = None,
+                keep: Optional[Callable[[Row], bool]] = None) -> List[Tuple[CsvFile, Row]]:
+    """The latest rows of a window (:class:`WindowRuns`) within ``steps``, with their file,
+    in step order (a step's rows in their file's order)."""
+    win, read = read_window(files, problems, lambda row: in_steps(row.step, steps) and (keep is None or keep(row)))
+    out = [(files[fi], row) for fi, seg, row in read if not win.earlier(fi, seg, row.step)]
+    out.sort(key=lambda t: t[1].step)  # stable: a step's rows stay in their order
+    return out
 
 
 class FirstN:
@@ -213,12 +378,19 @@ class Report:
     rank_check_note: str
     problems: Problems
     appended: List[Dict[str, Any]] = field(default_factory=list)
-    # Non-finite rows that a later run wrote again (a run resumed, or re-run, into the same
-    # files rewrote their step): the earlier runs'. ``first_nonfinite`` and
-    # ``nonfinite_count`` hold the latest rows of each step (what the latest run left);
-    # these, the rows it replaced, per rank, and their count.
+    # Rows that a later run wrote again (a run resumed, or re-run, into the same output_dir
+    # wrote their step once more, in the same file or beside it in a .run<k> file, see
+    # WindowRuns): the earlier runs'. ``first_nonfinite``, ``nonfinite_count``, ``spikes``
+    # and the rank check hold the latest rows of each step (what the latest run left); these,
+    # the earlier runs' rows, apart.
     earlier_nonfinite: Dict[int, Tuple[OrderKey, Dict[str, Any]]] = field(default_factory=dict)
     earlier_nonfinite_count: int = 0
+    earlier_spikes: FirstN = field(default_factory=lambda: FirstN(None))
+    earlier_spike_steps: Counter = field(default_factory=Counter)
+    # windows whose rows lie in several files (runs_item), and the steps written by more than
+    # one run (in all windows, one file or several)
+    run_windows: List[Dict[str, Any]] = field(default_factory=list)
+    steps_repeated: int = 0
     # filled by .localise.localise after the pass (the same code for both engines)
     localisation: Dict[int, Dict[str, Any]] = field(default_factory=dict)
     alerts: Dict[int, Dict[str, Any]] = field(default_factory=dict)
@@ -241,8 +413,13 @@ class Report:
     def anomalies_found(self) -> bool:
         # a merged view: the replicas merge found disagreeing are anomalies too (merge.json)
         merged_disagreements = (self.layout.merged or {}).get("disagreements") or 0
-        return bool(self.nonfinite_count or self.earlier_nonfinite_count or self.spikes.count or self.mismatches
-                    or merged_disagreements)
+        return bool(self.nonfinite_count or self.earlier_nonfinite_count or self.spikes.count
+                    or self.earlier_spikes.count or self.mismatches or merged_disagreements)
+
+    @property
+    def earlier_rows(self) -> int:
+        """Rows of earlier runs, set aside (every monitor and rank)."""
+        return sum(c.earlier_rows for c in self.collected.values())
 
     def mismatch_list(self) -> List[Dict[str, Any]]:
         out = []
@@ -283,7 +460,7 @@ def relabel(report: Report) -> None:
     wg = report.collected.get(WEIGHT_GRAD)
     per_micro = wg is not None and len(wg.micro_steps) > 1
     items = [v[1] for v in report.first_nonfinite.values()] + [v[1] for v in report.earlier_nonfinite.values()] + \
-        report.spikes.items() + [m["first"] for m in report.mismatches.values()]
+        report.spikes.items() + report.earlier_spikes.items() + [m["first"] for m in report.mismatches.values()]
     for item in items:
         if item is not None and item.get("monitor") == WEIGHT_GRAD:
             item["where"] = where(item["monitor"], item["scope"], item["micro_step"], per_micro)
