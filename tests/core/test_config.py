@@ -270,7 +270,7 @@ def test_defaults(tmp_path, monkeypatch):
     assert cfg.framework == "pytorch"
     assert cfg.output_dir == str(tmp_path)  # "./", resolved at construction (issue 12)
     assert cfg.format == "csv"
-    assert cfg.async_write is False
+    assert cfg.async_write is None  # the writer thread, waited for (writer.py); false: synchronous
     assert cfg.ranks is None
     assert cfg.patch_optimizer_step is None
     assert dict(cfg.monitors) == {}
@@ -372,7 +372,7 @@ def test_null_values_mean_defaults(tmp_path, monkeypatch):
     assert cfg.framework == default.framework == "pytorch"
     assert cfg.output_dir == default.output_dir
     assert cfg.format == "csv"
-    assert cfg.async_write is False
+    assert cfg.async_write is None
     assert cfg.ranks is None
     assert cfg.schedule == StepSchedule()
     assert cfg.patch_optimizer_step is None

@@ -200,6 +200,40 @@ def test_async_writes_off_the_training_thread(tmp_path, monkeypatch):
     assert len(rows_of(out, "param")) == 3 * 8
 
 
+@pytest.mark.parametrize("async_write, on_training_thread", [(None, False), (False, True)],
+                         ids=["default", "sync"])
+def test_rows_are_on_disk_when_step_returns(tmp_path, monkeypatch, async_write, on_training_thread):
+    """The default writer writes on its own thread and step() waits for it (issue 47: a
+    stalled file system then stalls training 1 s at most, test_stalled_fs.py); "async_write":
+    false writes on the training thread. Either way a step's rows are on disk, whole, when
+    the optimizer step that ends it returns."""
+    threads = []
+    original = writer_mod.CsvWriter.write_step
+
+    def spy(self, *args, **kwargs):
+        threads.append(threading.current_thread())
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(writer_mod.CsvWriter, "write_step", spy)
+    out = tmp_path / "out"
+    cfg = {"output_dir": str(out), "step_count_per_record": 100, "monitors": {"param": {"enabled": True}}}
+    if async_write is not None:
+        cfg["async_write"] = async_write
+    model = TinyMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = TrainerMonitorV2(cfg)
+    mon.start(model=model, optimizer=opt)
+    for step, (x, y) in enumerate(make_batches(5)):
+        loss_fn(model, x, y).backward()
+        opt.step()
+        rows = rows_of(out, "param")  # no stop(), no drain
+        assert [int(r["step"]) for r in rows] == [s for s in range(step + 1) for _ in range(8)]
+        opt.zero_grad()
+    mon.stop()
+    assert len(threads) == 5
+    assert all((t is threading.main_thread()) == on_training_thread for t in threads), threads
+
+
 # ------------------------------------------------------------------------- values
 @pytest.mark.parametrize(
     "op, value, expected",

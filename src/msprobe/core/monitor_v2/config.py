@@ -361,7 +361,7 @@ class MonitorConfig:
     framework: str = "pytorch"
     output_dir: str = "./"
     format: str = "csv"
-    async_write: bool = False
+    async_write: Optional[bool] = None  # None: the writer thread, waited for up to 1 s a step (writer.py)
     ranks: Optional[Tuple[int, ...]] = None  # None: every rank monitors
     schedule: StepSchedule = StepSchedule()
     patch_optimizer_step: Optional[bool] = None  # None: patch iff an optimizer is given
@@ -661,7 +661,7 @@ def load_config(source: Union[str, os.PathLike, Mapping], fr: Optional[str] = No
     if fmt is not None and (not isinstance(fmt, str) or fmt.lower() != "csv"):
         raise fail("format", fmt, "only 'csv' is supported")
 
-    async_write = False if get("async_write") is None else check_bool("async_write", get("async_write"))
+    async_write = None if get("async_write") is None else check_bool("async_write", get("async_write"))
     ranks = None
     if get("rank") is not None:
         ranks = check_rank_list("rank", get("rank")) or None  # [] means every rank

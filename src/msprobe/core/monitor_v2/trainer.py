@@ -35,7 +35,7 @@ from .monitor import ContainedErrors, Monitor, module_tags, short_error
 from .logonce import LogOnce
 from .patching import Patch
 from .sinks import make_sink_hub
-from .writer import AsyncCsvWriter, CsvWriter, MonitorOutput, count_rows
+from .writer import STALL_S, AsyncCsvWriter, CsvWriter, MonitorOutput, count_rows
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
@@ -141,7 +141,10 @@ class TrainerMonitorV2:
         )
         writer.sinks = make_sink_hub(self.config.sinks, self.rank, self.config.output_dir,
                                      {o.name: o.ops for o in outputs})
-        self._writer = AsyncCsvWriter(writer) if self.config.async_write else writer
+        if self.config.async_write is None:  # the default: on the writer thread, step() waits up to STALL_S
+            self._writer = AsyncCsvWriter(writer, wait_s=STALL_S)
+        else:  # true: never waits; false: on the training thread, as long as the file system takes
+            self._writer = AsyncCsvWriter(writer) if self.config.async_write else writer
         self._session = session
 
         attached: List[Monitor] = []
@@ -579,9 +582,11 @@ class TrainerMonitorV2:
     def stop(self) -> None:
         """Remove every hook and wrapper, flush and close the output. Idempotent.
 
-        With ``async_write``, a Ctrl-C while ``stop()`` waits for the backlog raises
-        here after a warning; calling ``stop()`` again goes on with the drain (and the
-        exit handler drains too). In a forked child it only removes the hooks."""
+        Unless ``async_write`` is false, the rows are written on the writer's thread and
+        ``stop()`` waits for those not written yet, for a bounded time
+        (``MSPROBE_MONITOR_EXIT_WAIT``, see ``writer.AsyncCsvWriter``); a Ctrl-C while it
+        waits raises here after a warning, and calling ``stop()`` again goes on with the
+        drain (and the exit handler drains too). In a forked child it only removes the hooks."""
         if self._state in ("new", "stopped"):
             return
         state = self._state

@@ -3,7 +3,12 @@
 ``CsvWriter`` appends the rows of one step to the file of the step's window in one write
 (so a crash loses at most the steps not yet handed to the writer). ``AsyncCsvWriter``
 does the merging, formatting and writing on a background thread; ``close()`` (called by
-``stop()`` and at interpreter exit) drains it.
+``stop()`` and at interpreter exit) drains it, for a bounded time. Which one runs
+(``async_write``): by default ``AsyncCsvWriter`` with ``step()`` waiting up to ``STALL_S``
+for each step (rows on disk when ``step()`` returns, and a stalled file system never
+stalls training for longer); ``true``: it never waits; ``false``: ``CsvWriter`` on the
+training thread, which waits as long as the file system does (docs/long-runs.md,
+"A stalled file system").
 
 Output problems while training never reach the training code and never make ``stop()``
 raise. A step whose write to a file fails (a full disk, a quota) is rolled back, so a file
@@ -32,6 +37,7 @@ Runs that share a rank directory (see docs/output-format.md, "Files"):
 """
 
 import atexit
+import collections
 import csv
 import functools
 import io
@@ -39,13 +45,16 @@ import logging
 import math
 import os
 import queue
+import signal
+import sys
 import threading
+import time
 import unicodedata
-from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from . import native, safe_fs
 from .alert import Alerter
-from .errors import OutputError, UnsafePathError
+from .errors import ConfigError, OutputError, UnsafePathError
 from .logonce import LogOnce
 from .rows import ALL_OPS, BASE_COLUMNS, MICRO_STEP, file_name, header
 from .schedule import StepSchedule
@@ -746,18 +755,20 @@ class CsvWriter:
         and the ``rows`` it would have written."""
         self._count_loss(step, rows, ())
         if self._first_error is None:
-            self._first_error = repr(exc)
+            self._first_error = str(exc) if isinstance(exc, _NotWritten) else repr(exc)
 
     def abandon_in_child(self) -> None:
         """In a forked child: nothing to undo (the child never writes; see the trainer)."""
 
-    def close(self) -> None:
-        """Close the files, then drop the run's locks; log what was lost. Never raises."""
+    def close(self, sinks: bool = True) -> None:
+        """Close the files, then drop the run's locks; log what was lost. Never raises.
+        ``sinks`` False: the dashboards are closed by the caller (the async writer closes
+        the files on its thread, the dashboards on the caller's)."""
         for opened in self._files.values():
             opened.close()
         self._files.clear()
         self._release_locks()
-        if self.sinks is not None:
+        if sinks and self.sinks is not None:
             self.sinks.close()
         said = self.loss_summary()
         if said:
@@ -807,23 +818,158 @@ def _merged_count(records: List[Record]) -> int:
         return 0
 
 
-class AsyncCsvWriter:
-    """Same interface as ``CsvWriter``; the work happens on a daemon thread.
+# ------------------------------------------------------------------ the writer thread
+EXIT_WAIT_ENV = "MSPROBE_MONITOR_EXIT_WAIT"
+QUEUE_RECORDS_ENV = "MSPROBE_MONITOR_QUEUE_RECORDS"
+# How long the drain at exit (and a SIGTERM during a stall) waits for the file system, in
+# seconds: well inside the grace period of a preemption (Slurm's KillWait, Kubernetes'
+# terminationGracePeriodSeconds: 30 s by default).
+EXIT_WAIT_S = 10.0
+# How long step() waits for the writer thread to write a step (the default writer), and how
+# long the writer thread may work on one step before the file system counts as stalled
+# (async_write). A healthy file system takes a step's rows in milliseconds.
+STALL_S = 1.0
+# Statistics records kept in memory while the file system does not take them (a record is
+# about 300 bytes on the host: some 80 MB); past that, steps are dropped and counted.
+QUEUE_RECORDS = 1 << 18
+# How long an exit drain interrupted by Ctrl-C waits for the writer thread to count what is
+# left as lost (it writes nothing more: quick, unless it is stuck in the file system).
+_GIVE_UP_WAIT_S = 1.0
+_POLL_S = 0.05  # waits in short slices: a Ctrl-C is seen at once
 
-    ``close()`` drains the queue. Interrupted (Ctrl-C while ``stop()`` waits), it says
-    how much is still queued and can be called again: it goes on where it stopped. The
-    exit handler calls it too, so a program that never finishes ``stop()`` still writes
-    its backlog; only when that last drain is interrupted as well are the remaining
-    steps given up, counted exactly (steps and rows) and logged once by ``close()``."""
+
+def exit_wait() -> float:
+    """``MSPROBE_MONITOR_EXIT_WAIT`` (seconds, >= 0; ``inf``: as long as it takes), else
+    ``EXIT_WAIT_S``. Read at ``start()``: a bad value fails there, not at exit."""
+    raw = os.environ.get(EXIT_WAIT_ENV)
+    if raw is None or not raw.strip():
+        return EXIT_WAIT_S
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        value = math.nan
+    if not value >= 0:  # NaN too
+        raise ConfigError(f"monitor_v2: environment variable {EXIT_WAIT_ENV}={raw!r} is not allowed: it must be a "
+                          f"number of seconds >= 0 (0: do not wait at exit; inf: wait as long as the file system "
+                          f"takes)", field=EXIT_WAIT_ENV)
+    return value
+
+
+def queue_records() -> int:
+    """``MSPROBE_MONITOR_QUEUE_RECORDS`` (an integer >= 1), else ``QUEUE_RECORDS``."""
+    raw = os.environ.get(QUEUE_RECORDS_ENV)
+    if raw is None or not raw.strip():
+        return QUEUE_RECORDS
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ConfigError(f"monitor_v2: environment variable {QUEUE_RECORDS_ENV}={raw!r} is not allowed: it must be "
+                          f"a number of statistics records >= 1", field=QUEUE_RECORDS_ENV)
+    return value
+
+
+def _seconds(value: float) -> str:
+    return "as long as it takes" if math.isinf(value) else f"{value:g} s"
+
+
+def say_on_stderr(text: str) -> None:
+    """``text`` as one line on stderr at once, through the descriptor: not through
+    ``sys.stderr`` (a signal handler may run while the training thread holds its lock) nor
+    through logging (a handler may write to the stalled file system itself)."""
+    data = (text + "\n").encode("utf-8", errors="backslashreplace")
+    try:
+        while data:
+            data = data[os.write(2, data):]
+    except OSError:
+        pass
+
+
+class _Step:
+    """A step handed to the writer thread: its records, the device copy to wait for, how
+    many records it holds (the queue's bound counts them) and, where ``step()`` waits for
+    it, the event set once it is written."""
+
+    __slots__ = ("step", "records", "ready", "n_records", "done")
+
+    def __init__(self, step: int, records: Dict[str, List[Record]], ready: Optional[Callable[[], None]],
+                 n_records: int, done: Optional[threading.Event]) -> None:
+        self.step = step
+        self.records = records
+        self.ready = ready
+        self.n_records = n_records
+        self.done = done
+
+
+class _Stall:
+    """A stall of the file system, from the step the writer thread was stuck on to the
+    ``write_step`` that finds the queue empty again."""
+
+    __slots__ = ("first", "dropped")
+
+    def __init__(self, first: int) -> None:
+        self.first = first
+        self.dropped: List[int] = []
+
+
+class AsyncCsvWriter:
+    """Same interface as ``CsvWriter``; merging, formatting and writing happen on a daemon
+    thread, in the order the steps were handed over.
+
+    ``wait_s`` set (the default writer): ``write_step`` waits up to ``wait_s`` for the step
+    to be written, so on a healthy file system its rows are on disk when ``step()`` returns,
+    as with the synchronous writer. A step not written by then means a stalled file system:
+    said once, and training goes on without waiting (the steps queue) until a later step
+    finds the queue empty again (said too). ``wait_s`` None (``async_write: true``): never
+    waits; a stall is said when the writer thread has been on one step for ``STALL_S``.
+
+    The queue is bounded (``MSPROBE_MONITOR_QUEUE_RECORDS``): a step that finds it full is
+    dropped, said once, counted and named at ``close()``.
+
+    During a stall, where SIGTERM has its default disposition and the training runs on the
+    main thread, a handler of the monitor stands in for the default until the queue is
+    empty again (or ``close()``): it says on stderr what is not written, waits for it at
+    most ``MSPROBE_MONITOR_EXIT_WAIT`` seconds, then ends the process as SIGTERM does.
+
+    ``close()`` drains the queue. At exit (the interpreter's exit handler, or ``stop()``
+    while ``SystemExit`` or ``KeyboardInterrupt`` unwinds the program) steps still queued
+    are said on stderr at once, the drain is bounded by ``MSPROBE_MONITOR_EXIT_WAIT`` in
+    all, and what is still not written is said again, as lost. A ``stop()`` otherwise waits
+    as long as steps get written and gives up after that time without one. Interrupted
+    (Ctrl-C while ``stop()`` waits), it says how much is still queued and can be called
+    again: it goes on where it stopped. The exit handler calls it too, so a program that
+    never finishes ``stop()`` still writes its backlog; only when that last drain is
+    interrupted as well are the remaining steps given up, counted exactly (steps and rows)
+    and logged once."""
 
     _STOP = object()
 
-    def __init__(self, writer: CsvWriter) -> None:
+    def __init__(self, writer: CsvWriter, wait_s: Optional[float] = None) -> None:
+        try:
+            self._exit_wait = exit_wait()
+            self._max_records = queue_records()
+        except ConfigError:
+            writer.close()  # its run lock
+            raise
         self._writer = writer
+        self._wait_s = wait_s
         self._queue: "queue.Queue" = queue.Queue()
+        # The steps handed over and not yet written, oldest first: appended by write_step,
+        # taken off by the writer thread once a step is done (deque operations are atomic,
+        # and reading it takes no lock: a signal handler may read it at any moment).
+        self._outstanding: "collections.deque[_Step]" = collections.deque()
+        # Counts of steps and records handed over (training thread) and done (writer thread):
+        # one writer each, so no lock
+        self._handed = self._done = 0
+        self._handed_records = self._done_records = 0
+        self._busy_since: Optional[float] = None  # when the writer thread took its current step
+        self._stall: Optional[_Stall] = None
+        self._stalls = 0
+        self._dropped: Dict[int, int] = {}  # steps dropped at a full queue -> their rows
+        self._abandoned: Set[int] = set()  # steps given up at a bounded drain
         self._error: Optional[BaseException] = None
-        self._current: Optional[Tuple[int, Dict[str, List[Record]]]] = None  # on the writer thread now
-        self._give_up = False  # set at exit after an interrupted drain: count the rest as lost
+        self._give_up = False  # set when a drain gave up: count the rest as lost, write nothing
         self._stop_sent = False
         self._once = LogOnce()
         self._closed = False
@@ -836,8 +982,12 @@ class AsyncCsvWriter:
         atexit.register(self._at_exit)
 
     @property
+    def rank_dir(self) -> str:
+        return self._writer.rank_dir
+
+    @property
     def lost_steps(self) -> Set[int]:
-        return self._writer.lost_steps
+        return self._writer.lost_steps | self._abandoned | set(self._dropped)
 
     @property
     def partly_lost_steps(self) -> Set[int]:
@@ -851,6 +1001,7 @@ class AsyncCsvWriter:
     def written_rows(self) -> int:
         return self._writer.written_rows
 
+    # ------------------------------------------------------------ writer thread
     def _run(self) -> None:
         try:
             self._loop()
@@ -861,6 +1012,7 @@ class AsyncCsvWriter:
         while True:
             item = self._queue.get()
             if item is self._STOP:
+                self._finish()
                 self._queue.task_done()
                 return
             if isinstance(item, _Call):  # an output change, in order with the steps queued before it
@@ -870,28 +1022,118 @@ class AsyncCsvWriter:
                     logger.error("monitor_v2: changing the outputs failed: %r", exc)
                 self._queue.task_done()
                 continue
-            self._current = item
+            self._busy_since = time.monotonic()
             try:
                 if self._give_up:
-                    self._writer.report_lost(item[0], _Interrupted("the drain at exit was interrupted"),
-                                             count_rows(item[1]))
+                    self._writer.report_lost(item.step, _NotWritten("the wait for the file system was given up"),
+                                             count_rows(item.records))
+                elif item.ready is None:
+                    self._writer.write_step(item.step, item.records)
                 else:
-                    self._writer.write_step(*item)
+                    self._writer.write_step(item.step, item.records, item.ready)
             except Exception as exc:  # noqa: BLE001 - counted and reported by close(), never lost
-                self._writer.report_lost(item[0], exc, count_rows(item[1]))
+                self._writer.report_lost(item.step, exc, count_rows(item.records))
                 if self._error is None:
                     self._error = exc
-                    logger.error("monitor_v2: writing step %s failed: %r", item[0], exc)
-            self._current = None
+                    logger.error("monitor_v2: writing step %s failed: %r", item.step, exc)
+            self._busy_since = None
+            self._done_records += item.n_records
+            self._outstanding.popleft()  # this item: steps are written in the order handed over
+            self._done += 1
+            if item.done is not None:
+                item.done.set()
             self._queue.task_done()
 
+    def _finish(self) -> None:
+        """On the writer thread, after the last step: count the dropped steps, close the
+        files and drop the run's lock (the file system's part of closing: bounded by the
+        caller's wait), log what was lost."""
+        try:
+            for step, rows in sorted(self._dropped.items()):
+                self._writer.report_lost(step, _NotWritten("the queue of steps to write was full"), rows)
+            self._writer.close(sinks=False)
+        except Exception as exc:  # noqa: BLE001
+            logger.error("monitor_v2: closing the output failed: %r", exc)
+
+    # ---------------------------------------------------------- training thread
     def drain(self) -> None:
         """Wait until every step handed over so far has been written (or counted as lost)."""
         self._queue.join()
 
     def write_step(self, step: int, records: Dict[str, List[Record]],
                    ready: Optional[Callable[[], None]] = None) -> None:
-        self._queue.put((step, records) if ready is None else (step, records, ready))
+        n_records = 0
+        for recs in records.values():
+            n_records += len(recs)
+        outstanding = self._handed - self._done
+        if self._stall is not None:
+            if not outstanding:
+                self._end_stall(step)
+        elif outstanding and self._wait_s is None:
+            busy = self._busy_since
+            if busy is not None and time.monotonic() - busy >= STALL_S:
+                self._begin_stall(step)
+        if outstanding and self._handed_records - self._done_records + n_records > self._max_records:
+            self._drop(step, records, outstanding)
+            return
+        wait = self._wait_s is not None and self._stall is None
+        item = _Step(step, records, ready, n_records, threading.Event() if wait else None)
+        self._outstanding.append(item)
+        self._handed += 1
+        self._handed_records += n_records
+        self._queue.put(item)
+        if wait and not item.done.wait(self._wait_s):  # type: ignore[union-attr]
+            self._begin_stall(step)
+
+    def _begin_stall(self, step: int) -> None:
+        waiting = list(self._outstanding)
+        stuck = waiting[0].step if waiting else step
+        self._stall = _Stall(stuck)
+        self._stalls += 1
+        on_sigterm = _guard_sigterm(self)
+        if self._stalls > _EPISODES_LOGGED:
+            return
+        if on_sigterm == "handled":
+            sigterm = (f"A SIGTERM meanwhile (a preemption) is said on stderr with what is not written, which "
+                       f"the monitor then waits for at most {_seconds(self._exit_wait)} (MSPROBE_MONITOR_EXIT_WAIT) "
+                       f"before the process ends as SIGTERM ends it.")
+        elif on_sigterm == "off-main":
+            sigterm = ("A SIGTERM with its default disposition would end the process without a word about them: "
+                       "the training runs outside the main thread, where the monitor cannot set a handler.")
+        else:
+            sigterm = (f"At exit the monitor waits at most {_seconds(self._exit_wait)} for them "
+                       f"(MSPROBE_MONITOR_EXIT_WAIT).")
+        logger.warning(
+            "monitor_v2: the file system under %s has not taken the rows of step %d for %g s (it is stalled or very "
+            "slow: a network file system that does not answer, a frozen mount). Training goes on without waiting: "
+            "the rows of the next steps are kept in memory and written in order once it answers (at most %d "
+            "statistics records, MSPROBE_MONITOR_QUEUE_RECORDS; past that, steps are dropped and counted). %s Said "
+            "once per stall%s.", self._writer.rank_dir, stuck, STALL_S, self._max_records, sigterm,
+            " (later stalls are not said)" if self._stalls == _EPISODES_LOGGED else "")
+
+    def _end_stall(self, step: int) -> None:
+        stall, self._stall = self._stall, None
+        _unguard_sigterm(self)
+        if stall is None or self._stalls > _EPISODES_LOGGED:
+            return
+        dropped = ""
+        if stall.dropped:
+            dropped = (f"; {len(stall.dropped)} step(s) that found the queue full were dropped "
+                       f"({_ranges(stall.dropped)})")
+        logger.warning("monitor_v2: writing to %s has caught up by step %d: the steps queued since the stall began "
+                       "(step %d) are handed to the file system%s.", self._writer.rank_dir, step, stall.first, dropped)
+
+    def _drop(self, step: int, records: Dict[str, List[Record]], outstanding: int) -> None:
+        self._dropped[step] = count_rows(records)
+        if self._stall is not None:
+            self._stall.dropped.append(step)
+        self._once.warning(
+            "queue-full",
+            "monitor_v2: %d step(s) (%d statistics records) are waiting to be written to %s, the most this monitor "
+            "keeps in memory (MSPROBE_MONITOR_QUEUE_RECORDS=%d): step %d is dropped, and so is every step that finds "
+            "the queue full, until the file system takes the queue. Dropped steps are counted and named by stop(). "
+            "Logged once.", outstanding, self._handed_records - self._done_records, self._writer.rank_dir,
+            self._max_records, step)
 
     def report_lost(self, step: int, exc: BaseException, rows: int = 0) -> None:
         self._writer.report_lost(step, exc, rows)
@@ -901,24 +1143,28 @@ class AsyncCsvWriter:
 
     def pending(self) -> Tuple[int, int]:
         """``(steps, rows)`` handed over and not written yet (queued or being written)."""
-        with self._queue.mutex:
-            items = [i for i in self._queue.queue if i is not self._STOP and not isinstance(i, _Call)]
-        current = self._current
-        if current is not None:
-            items.append(current)
-        return len(items), sum(count_rows(i[1]) for i in items)
+        items = list(self._outstanding)
+        return len(items), sum(count_rows(i.records) for i in items)
 
+    # -------------------------------------------------------------------- close
     def close(self) -> None:
-        """Drain, then close the files. A KeyboardInterrupt while waiting is raised
-        after a warning; the next call goes on with the drain."""
+        """Drain, then close the files. Bounded: see the class. A KeyboardInterrupt while
+        waiting is raised after a warning; the next call goes on with the drain."""
         if self._closed:
             return
+        exiting = isinstance(sys.exc_info()[1], (SystemExit, KeyboardInterrupt))
+        self._close(f"stop() while the program exits ({type(sys.exc_info()[1]).__name__})" if exiting else None)
+
+    def _close(self, exiting: Optional[str]) -> None:
+        """``exiting``: why the process ends (said on stderr, the wait bounded in all);
+        None: a ``stop()`` of a program that goes on (logged, the wait bounded by progress)."""
+        said = self._say_exiting(exiting) if exiting else None
+        deadline = time.monotonic() + self._exit_wait
         if not self._stop_sent:
             self._stop_sent = True
             self._queue.put(self._STOP)
         try:
-            while not self._finished.wait(0.05):  # short waits: Ctrl-C is seen at once
-                pass
+            finished = self._wait_finished(deadline) if exiting else self._wait_in_stop()
         except BaseException:
             steps, rows = self.pending()
             self._once.warning(
@@ -927,30 +1173,128 @@ class AsyncCsvWriter:
                 "%s; nothing is lost yet: call stop() again to write them (at exit the monitor writes them "
                 "too). Logged once.", steps, rows, self._writer.rank_dir)
             raise
+        if not finished:
+            self._abandon(exiting or "stop()", say_on_stderr if exiting else _log_warning)
+            return
         self._closed = True
         atexit.unregister(self._at_exit)
-        self._writer.close()
+        _unguard_sigterm(self)
+        if said:
+            say_on_stderr(f"monitor_v2: {exiting}: the {said} step(s) are written to {self._writer.rank_dir}.")
+        if self._writer.sinks is not None:
+            self._writer.sinks.close()
+
+    def _wait_finished(self, deadline: float) -> bool:
+        """Wait for the writer thread to end, until ``deadline`` at most."""
+        while not self._finished.wait(_POLL_S):
+            if time.monotonic() >= deadline:
+                return False
+        return True
+
+    def _wait_in_stop(self) -> bool:
+        """``stop()``'s wait: as long as the writer thread writes steps; said once it has
+        waited ``STALL_S``, given up after ``MSPROBE_MONITOR_EXIT_WAIT`` without a step."""
+        said = False
+        done, since = self._done, time.monotonic()
+        while not self._finished.wait(_POLL_S):
+            now = time.monotonic()
+            if self._done != done:
+                done, since = self._done, now
+            if not said and (self._stall is not None or now - since >= STALL_S):
+                said = True  # at once during a stall, else once the wait is longer than a healthy one
+                items = list(self._outstanding)
+                if items:
+                    logger.warning(
+                        "monitor_v2: stop() is waiting for the file system: %d step(s) (%d row(s)) are not written to "
+                        "%s yet (steps %s); it gives up after %s without a step written (MSPROBE_MONITOR_EXIT_WAIT).",
+                        len(items), sum(count_rows(i.records) for i in items), self._writer.rank_dir,
+                        _ranges(i.step for i in items), _seconds(self._exit_wait))
+            if now - since >= self._exit_wait:
+                return False
+        return True
+
+    def _say_exiting(self, why: str) -> Optional[int]:
+        """Say on stderr, at once, the steps not written yet (None when there are none)."""
+        items = list(self._outstanding)
+        if not items:
+            return None
+        say_on_stderr(
+            f"monitor_v2: {why}: {len(items)} step(s) ({sum(count_rows(i.records) for i in items)} row(s)) are not "
+            f"written to {self._writer.rank_dir} yet (steps {_ranges(i.step for i in items)}){self._dropped_text()}; "
+            f"waiting {_seconds(self._exit_wait)} at most for the file system to take them "
+            f"(MSPROBE_MONITOR_EXIT_WAIT).")
+        return len(items)
+
+    def _dropped_text(self) -> str:
+        if not self._dropped:
+            return ""
+        return (f"; {len(self._dropped)} earlier step(s) ({sum(self._dropped.values())} row(s)) were dropped when "
+                f"the queue was full (steps {_ranges(self._dropped)})")
+
+    def _abandon(self, why: str, say: Callable[[str], None]) -> None:
+        """Give up the steps still queued: counted as lost, said, and nothing more waited
+        for (the writer thread, if the file system ever answers, writes none of them)."""
+        self._give_up = True
+        self._closed = True
+        atexit.unregister(self._at_exit)
+        _unguard_sigterm(self)
+        items = list(self._outstanding)
+        self._abandoned.update(i.step for i in items)
+        if not items:
+            return
+        current = " (the first of them was being written: it may still reach its file)" \
+            if self._busy_since is not None else ""
+        say(f"monitor_v2: {why}: gave up waiting for the file system after {_seconds(self._exit_wait)}: "
+            f"{len(items)} step(s) ({sum(count_rows(i.records) for i in items)} row(s)) were not written to "
+            f"{self._writer.rank_dir} and are lost (steps {_ranges(i.step for i in items)}){current}"
+            f"{self._dropped_text()}.")
+
+    def _drain_for_signal(self, why: str, deadline: float) -> None:
+        """In the SIGTERM handler: say what is not written, wait for it until ``deadline``,
+        say what is lost. Takes no lock (the training thread, which the handler
+        interrupted, may hold the queue's) and closes nothing (the process ends now)."""
+        said = self._say_exiting(why)
+        if said is None:
+            return
+        target = self._handed
+        while self._done < target and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+        if self._done >= target:
+            say_on_stderr(f"monitor_v2: {why}: the {said} step(s) are written to {self._writer.rank_dir}.")
+        else:
+            self._abandon(why, say_on_stderr)
 
     def _at_exit(self) -> None:
+        if self._closed:
+            return
         try:
-            self.close()
+            self._close("the process is exiting")
         except KeyboardInterrupt:
             # Interrupted at exit too: the process ends now. The writer thread counts the
-            # rest as lost (no writing: quick), and close() says how much, once.
+            # rest as lost (no writing: quick) and says how much, once; where it is stuck in
+            # the file system, that is said here instead.
             self._give_up = True
-            self._finished.wait(5.0)
+            if not self._finished.wait(_GIVE_UP_WAIT_S):
+                self._abandon("the process is exiting", say_on_stderr)
             self._closed = True
-            self._writer.close()
 
     def abandon_in_child(self) -> None:
         """In a forked child: its writer thread does not exist and the files are the
         parent's; write nothing, drain nothing, log nothing at exit."""
         self._closed = True
         atexit.unregister(self._at_exit)
+        _AT_RISK.discard(self)
 
 
-class _Interrupted(Exception):
-    pass
+def _log_warning(text: str) -> None:
+    logger.warning("%s", text)
+
+
+class _NotWritten(Exception):
+    """Why a step handed to the writer was not written (the first error ``close()`` names)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "not written"
 
 
 class _Call:
@@ -960,3 +1304,83 @@ class _Call:
 
     def __init__(self, fn) -> None:  # type: ignore[no-untyped-def]
         self.fn = fn
+
+
+# --------------------------------------------------------- SIGTERM during a stall
+# Writers whose steps wait behind a stalled file system; while there is one, and SIGTERM had
+# its default disposition, _on_sigterm is installed in its place.
+_AT_RISK: Set[AsyncCsvWriter] = set()
+_sigterm_installed = False
+
+
+def _guard_sigterm(writer: AsyncCsvWriter) -> str:
+    """``writer`` has steps at risk: stand in for SIGTERM's default disposition. What a
+    SIGTERM does now: ``handled`` (the monitor's handler), ``own`` (the training's own
+    disposition, left alone), ``off-main`` (the default, which no handler can replace from
+    this thread)."""
+    global _sigterm_installed
+    _AT_RISK.add(writer)
+    if _sigterm_installed:
+        return "handled"
+    if threading.current_thread() is not threading.main_thread():
+        return "off-main"
+    try:
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:  # a handler, SIG_IGN, or one set in C (None)
+            return "own"
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError):
+        return "off-main"
+    _sigterm_installed = True
+    return "handled"
+
+
+def _unguard_sigterm(writer: AsyncCsvWriter) -> None:
+    """``writer`` has no step at risk any more: SIGTERM's default again once no writer has.
+    Off the main thread the handler stays: with nothing at risk it does what the default
+    does. A handler the training set since is left alone."""
+    global _sigterm_installed
+    _AT_RISK.discard(writer)
+    if _AT_RISK or not _sigterm_installed or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except (ValueError, OSError):
+        return
+    _sigterm_installed = False
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM while steps wait behind a stalled file system (the disposition was the
+    default): say them on stderr, wait for them at most ``MSPROBE_MONITOR_EXIT_WAIT``
+    seconds, say what is lost, then end the process as the default disposition does (no
+    exit handler runs, the status says SIGTERM). A second SIGTERM ends it at once."""
+    global _sigterm_installed
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _sigterm_installed = False
+    writers = list(_AT_RISK)
+    _AT_RISK.clear()
+    if writers:
+        deadline = time.monotonic() + min(w._exit_wait for w in writers)
+        for w in writers:
+            w._drain_for_signal("SIGTERM", deadline)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _forget_in_child() -> None:
+    """After ``os.fork()``, in the child: the parent's writers are not its own; SIGTERM's
+    default again (the child's disposition before the monitor stood in for it)."""
+    global _sigterm_installed
+    _AT_RISK.clear()
+    if not _sigterm_installed:
+        return
+    _sigterm_installed = False
+    try:
+        if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except (ValueError, OSError):
+        pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
