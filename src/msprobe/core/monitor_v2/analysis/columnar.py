@@ -35,7 +35,7 @@ from ..rows import (BASE_COLUMNS, COUNT_OPS, DEFAULT_OPS, MICRO_STEP, MICRO_STEP
 from ..safe_fs import SafeDir, open_regular
 from .reader import (DP_RANK, OPS, CsvFile, InputError, Layout, Problems, Row, StepRange, header_ops, iter_rows,
                      merged_columns, refuse_merged, window_groups)
-from .report import FileMeta, RunLabel, segment_order
+from .runs import FileMeta, RunLabel, segment_order
 
 INSTALL_HINT = pip_command("polars>=1.20", "matplotlib>=3.5") + " (what the 'analysis' extra of msprobe-monitor installs)"
 PARQUET_GLOB = "part-*.parquet"
