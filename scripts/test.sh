@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh machine: installs what it needs, then runs pytest.
-# Measured on a quiet 2-core CI-size machine from a fresh clone: the first run about 13-16 min
-# (setup 148-215 s from pip's cache, pytest 618-730 s), later runs about 8-12 min (pytest 485 s); a loaded machine
-# takes several times that.
+# Measured on a 2-core CI-size machine (load average 2-3) from a fresh clone on 2026-12-07: about 25 min
+# (setup 142 s from pip's cache, pytest 1,285 s for 2,872 tests); a loaded machine takes several times that.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh test
-echo "test.sh: running pytest $* on $(nproc 2>/dev/null || echo '?') core(s): about 8-12 min for the whole suite on a" \
-     "quiet 2-core machine (much longer on a loaded one); -v names each test as it starts, and the 15 slowest" \
+echo "test.sh: running pytest $* on $(nproc 2>/dev/null || echo '?') core(s): about 20-25 min for the whole suite on a" \
+     "2-core machine (much longer on a loaded one); -v names each test as it starts, and the 15 slowest" \
      "are listed at the end"
 # every optional library is installed above: a test that needs one which is missing fails
 # instead of skipping (tests/support/extras.py), so that nothing goes quiet in CI
