@@ -22,9 +22,9 @@ from typing import Dict, List
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from support import find_row, rows_of
+from support.modes import SeenByTheEngine
 from msprobe.core.monitor_v2.frameworks.pytorch import stats as torch_stats
 from msprobe.core.monitor_v2.frameworks.pytorch.stats import ACCEL_ON_CPU_ENV, DeviceStats, TorchStatsEngine
 from msprobe.core.monitor_v2.stats import StatPlan, merge_records
@@ -45,7 +45,7 @@ def seam(monkeypatch):
     return engine
 
 
-class OpCost(TorchDispatchMode):
+class OpCost(SeenByTheEngine):
     """ATen ops the engine runs inside it (views left out: they launch nothing), the bytes
     their tensor arguments and results hold, and the peak of the bytes of results alive
     at once (each result's storage followed by a weak reference until it is freed)."""
@@ -55,17 +55,7 @@ class OpCost(TorchDispatchMode):
         self.ops: Counter = Counter()
         self.read = self.written = 0
         self.live = self.peak = 0
-        self._checks = ()
         self._storages: Dict[int, int] = {}
-
-    def __enter__(self):
-        self._checks = (torch_stats._dispatch_modes, torch_stats._function_modes)
-        torch_stats._dispatch_modes = torch_stats._function_modes = lambda: 0
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch_stats._dispatch_modes, torch_stats._function_modes = self._checks
-        return super().__exit__(*exc)
 
     def _freed(self, nbytes: int) -> None:
         self.live -= nbytes

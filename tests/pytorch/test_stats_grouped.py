@@ -16,9 +16,9 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from support import assert_row_matches, find_row, numpy_stats, rows_of
+from support.modes import SeenByTheEngine
 from msprobe.core.monitor_v2 import native
 from msprobe.core.monitor_v2 import stats as core_stats
 from msprobe.core.monitor_v2.frameworks.pytorch import stats as torch_stats
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:Runtim
 ALL_OPS = ("min", "max", "mean", "norm", "nans", "zeros")
 
 
-class AtenCalls(TorchDispatchMode):
+class AtenCalls(SeenByTheEngine):
     """Counts the ATen operators run inside it, by name (``aminmax``, ``sum``...). The
     engine sets the training's modes aside (none of them sees its work:
     test_dispatch_modes.py); this one, which counts the engine's own calls, is let in by
@@ -41,16 +41,6 @@ class AtenCalls(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.calls: Counter = Counter()
-        self._checks = ()
-
-    def __enter__(self):
-        self._checks = (torch_stats._dispatch_modes, torch_stats._function_modes)
-        torch_stats._dispatch_modes = torch_stats._function_modes = lambda: 0
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch_stats._dispatch_modes, torch_stats._function_modes = self._checks
-        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.calls[func.overloadpacket.__name__] += 1
