@@ -535,6 +535,38 @@ def test_a_builder_asked_to_stop_stops_its_compiler_and_leaves_nothing(tmp_path,
     assert sorted(p.name for p in cache.iterdir()) == []
 
 
+_SLOW_TO_END_COMPILER = r"""
+import signal, subprocess, sys, time
+# a driver that ends at once on SIGTERM, and a compiler proper that takes 1.5 s to end on it
+child = subprocess.Popen([sys.executable, "-c",
+    "import signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1.5), sys.exit(1)))\n"
+    "open(sys.argv[1], 'w').close()\n"
+    "while True: time.sleep(0.1)", sys.argv[1] + ".started"])
+time.sleep(120)
+"""
+
+
+def test_a_stopped_builder_waits_for_a_compiler_that_outlives_its_driver(tmp_path):
+    """The driver can exit before the compiler proper it ran: the builder says "stopped"
+    only once every process of its build has ended."""
+    compiler = tmp_path / "compiler.py"
+    compiler.write_text(_SLOW_TO_END_COMPILER)
+    source = tmp_path / "hooks.cpp"
+    source.write_text("")
+    started = Path(f"{source}.started")
+    builder = detached_build.start([sys.executable, str(compiler), str(source)], [], [], str(source),
+                                   str(tmp_path / "hooks.so"))
+    session = builder.process.pid
+    _wait_for(lambda: started.exists(), 60)
+    assert started.exists(), "the compiler proper never started"
+    os.kill(session, signal.SIGTERM)
+    with pytest.raises(native._Unavailable, match="stopped by signal 15"):
+        builder.result()
+    assert not [pid for pid, sid, state, _ in _processes() if sid == session and state != "Z"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["compiler.py", "hooks.cpp", "hooks.cpp.started"]
+
+
 def test_only_the_processes_of_a_dead_builders_build_are_stopped(tmp_path):
     """A builder killed outright leaves its session's processes: those naming the source or
     the library's partial file are stopped; another process of that session is not."""

@@ -194,17 +194,45 @@ def _build(compiler: List[str], flags: List[str], libraries: List[str], source: 
 
 def _stop_group(compiling: subprocess.Popen) -> None:
     """SIGTERM to the compiler's process group (the driver removes its temporary files),
-    SIGKILL where it is still there after the grace period."""
-    for signum, grace in ((signal.SIGTERM, _STOP_GRACE_SECONDS), (signal.SIGKILL, None)):
+    SIGKILL where any of it is still there after the grace period. Returns once the whole
+    group has ended: the driver can exit before the compiler proper it ran has (that one,
+    signalled too, is still ending), and the builder must not exit and say "stopped" while
+    a process of its build runs on."""
+    for signum, grace in ((signal.SIGTERM, _STOP_GRACE_SECONDS), (signal.SIGKILL, _STOP_GRACE_SECONDS)):
         try:
             os.killpg(compiling.pid, signum)
         except OSError:
             pass
+        deadline = time.monotonic() + grace
         try:
             compiling.wait(grace)
-            return
         except subprocess.TimeoutExpired:
             continue
+        while group_members(compiling.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not group_members(compiling.pid):
+            return
+
+
+def group_members(group: int) -> List[int]:
+    """The live processes (not zombies) of process group ``group``. Linux only (``/proc``);
+    elsewhere none are found."""
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            if fields[0] != b"Z" and int(fields[2]) == group:
+                found.append(int(entry))
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+    return found
 
 
 def take_lock(lock: str, stale: bool = False) -> bool:
