@@ -389,14 +389,21 @@ def check_fused_reader() -> None:
     got = triton_stats.fused_reader(tensors, StatPlan.from_ops(("norm",)))
     assert got is not None and all(nans is None and zeros is None for _, nans, zeros in got)
     _check(got[0][0], 0, None, tensors[0], "fused_reader, norm only")
-    assert triton_stats.fused_reader([tensors[0], torch.randn(3, 4).t()], StatPlan.from_ops(("norm",))) is None
+    assert triton_stats.fused_reader([tensors[0], torch.randn(3, 4)[:, ::2]], StatPlan.from_ops(("norm",))) is None
+    # a dense permutation is read in memory order: the same statistics
+    base = _data(6 * 7 * 5, torch.float32, 3).view(6, 7, 5)
+    got = triton_stats.fused_reader([base.permute(2, 0, 1), base.transpose(0, 2)], StatPlan.from_ops(("norm",)))
+    assert got is not None
+    for (vector, _, _), t in zip(got, (base.permute(2, 0, 1), base.transpose(0, 2))):
+        _check(vector, 0, None, t, "fused_reader, permuted")
     assert triton_stats.fused_reader([tensors[0], torch.empty(2, device="meta")], StatPlan.from_ops(("norm",))) is None
 
 
 def test_fused_reader(interpreted):
     """The engine's seam (``stats.fused_reader``): per tensor a [4] vector and 0-d counts,
-    only the counts the plan asks for; a list holding a tensor it does not read as it is
-    (not contiguous), or tensors of two devices, goes back to the caller (None)."""
+    only the counts the plan asks for; dense permutations (a transpose) read in memory
+    order; a list holding a tensor it does not read as it is (a strided slice with gaps),
+    or tensors of two devices, goes back to the caller (None)."""
     interpreted(check_fused_reader)
 
 
@@ -415,11 +422,12 @@ def check_available_and_accepts() -> None:
     assert not triton_stats.available(torch.device("meta"))
     x = torch.randn(4, 6)
     assert triton_stats.accepts(x) and triton_stats.accepts(x.bfloat16()) and triton_stats.accepts(x.half())
-    assert not triton_stats.accepts(x.t())  # not contiguous
+    assert triton_stats.accepts(x.t()) and triton_stats.accepts(torch.randn(2, 3, 4).permute(2, 0, 1))  # dense
+    assert not triton_stats.accepts(x[:, ::2]) and not triton_stats.accepts(x[:1].expand(4, 6))  # gaps, repeats
     assert not triton_stats.accepts(x.double()) and not triton_stats.accepts(x.int())
     assert not triton_stats.accepts(x._neg_view())
     with pytest.raises(ValueError, match="accepts"):
-        triton_stats.read_many([x, x.t()], False)
+        triton_stats.read_many([x, x[:, ::2]], False)
     os.environ.pop("TRITON_INTERPRET")  # changed after Triton's import: not usable
     try:
         assert not triton_stats.available(CPU)

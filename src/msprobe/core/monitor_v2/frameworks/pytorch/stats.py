@@ -91,7 +91,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from ... import native
-from . import graph_hooks
+from . import graph_hooks, triton_stats
 from ...logonce import LogOnce
 from ...monitor import short_error
 from ...stats import EMPTY_VECTOR, Record, StatPlan, read_grouped, record_type
@@ -291,12 +291,44 @@ def _strided_norm(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.linalg.vector_norm(torch.stack(parts))
 
 
-# The place of a fused statistics kernel for accelerators (issue 48 item 1: Triton, in
-# triton_stats.py): a function of (same-device tensors, plan) that returns for each tensor
-# its (vector, nans, zeros) as device values ``to_host`` moves (a [4] tensor or
-# ``DeviceStats``; 0-d counts), or None where it does not read that list. Not set here:
-# the ATen reads below serve every device until it is.
-fused_reader: Optional[Callable[[Sequence[torch.Tensor], StatPlan], Optional[List[Tuple[Any, Any, Any]]]]] = None
+# Device types whose tensors the fused kernel does not read (no Triton, no back end, a
+# failed launch): found at their first read, said once at INFO by triton_stats, then
+# skipped without a call.
+_no_kernel: set = set()
+
+
+def _kernel_reader(tensors: Sequence[torch.Tensor], plan: StatPlan) -> Optional[List[Tuple[Any, Any, Any]]]:
+    """The fused Triton kernel (``triton_stats.fused_reader``: one read of each element,
+    two launches for the whole list) where it reads ``tensors`` (one device, each
+    ``triton_stats.accepts``-ed), else None: the caller's ATen path."""
+    kind = tensors[0].device.type
+    if kind in _no_kernel:
+        return None
+    if not triton_stats.usable(tensors[0].device):
+        _no_kernel.add(kind)
+        return None
+    got = triton_stats.fused_reader(tensors, plan)
+    if got is None and not triton_stats.available(tensors[0].device):  # its launch failed: said there
+        _no_kernel.add(kind)
+    return got
+
+
+# The fused statistics kernel for accelerators: a function of (same-device tensors, plan)
+# that returns for each tensor its (vector, nans, zeros) as device values ``to_host``
+# moves (a [4] tensor or ``DeviceStats``; 0-d counts), or None where it does not read that
+# list. The Triton kernel by default; tests set it to None to take the ATen path alone.
+fused_reader: Optional[Callable[[Sequence[torch.Tensor], StatPlan],
+                                Optional[List[Tuple[Any, Any, Any]]]]] = _kernel_reader
+
+
+def _kernel_tensor(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """``t`` as the fused kernel reads it (a DTensor's local shard), or None where the
+    kernel does not take it as it is (``triton_stats.accepts``: other dtypes and layouts,
+    strided views that are not dense) or it has no element (the ATen path's empty record
+    needs no launch)."""
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    return t if t.numel() and triton_stats.accepts(t) else None
 
 
 def device_vectors(tensors: Sequence[torch.Tensor], plan: StatPlan,
@@ -1061,6 +1093,46 @@ class TorchStatsEngine:
         if tensors and any(t.is_cuda for t in tensors) and _capturing():
             self.warn_unobserved(keys[0][1], self._captured(keys[0][1]))
             return [self._Record(*key, None, None, 0, None) for key in keys]
+        if fused_reader is not None:
+            return self._records_fused(tensors, plan, keys)
+        return self._records_unfused(tensors, plan, keys)
+
+    def _records_fused(self, tensors: Sequence[torch.Tensor], plan: StatPlan,
+                       keys: Sequence[Tuple[int, str, str, Optional[int]]]) -> List[Record]:
+        """``_records_aten`` where a fused kernel is set: every accelerator tensor it takes,
+        whatever its size, in one ``fused_reader`` call per device (no stack, no per-tensor
+        launch); the others, and a device whose kernel did not read, through
+        ``_records_unfused``, each record in its place."""
+        by_device: Dict[torch.device, List[Tuple[int, torch.Tensor]]] = defaultdict(list)
+        rest: List[int] = []
+        on_host = self.on_host
+        for i, t in enumerate(tensors):
+            u = _kernel_tensor(t) if not on_host(t.device) else None
+            if u is None:
+                rest.append(i)
+            else:
+                by_device[u.device].append((i, u))
+        if not by_device:
+            return self._records_unfused(tensors, plan, keys)
+        records: List[Any] = [None] * len(tensors)
+        with torch.no_grad():
+            for members in by_device.values():
+                got = fused_reader([u for _, u in members], plan) if fused_reader is not None else None
+                if got is None:
+                    rest.extend(i for i, _ in members)
+                    continue
+                for (i, u), (vector, nans, zeros) in zip(members, got):
+                    records[i] = self._Record(*keys[i], vector, nans, u.numel(), zeros)
+        if rest:
+            rest.sort()
+            read = self._records_unfused([tensors[i] for i in rest], plan, [keys[i] for i in rest])
+            for i, rec in zip(rest, read):
+                records[i] = rec
+        return records
+
+    def _records_unfused(self, tensors: Sequence[torch.Tensor], plan: StatPlan,
+                         keys: Sequence[Tuple[int, str, str, Optional[int]]]) -> List[Record]:
+        """``_records_aten`` without the fused kernel: grouped and per-tensor ATen reads."""
         later: Dict[torch.device, List[int]] = defaultdict(list)  # accelerator tensors read together
 
         def group_of(i: int) -> Optional[Tuple[Any, int]]:

@@ -119,20 +119,69 @@ def available(device: torch.device) -> bool:
     CUDA/ROCm device with Triton compiling, or the CPU under Triton's interpreter
     (``TRITON_INTERPRET=1`` set before Triton was first imported, and still set); False
     also once a build or launch failed on this device type."""
+    return why_unavailable(device) is None
+
+
+def why_unavailable(device: torch.device) -> Optional[str]:
+    """None where ``available(device)``, else why not, in words for the INFO line that
+    says the ATen path reads that device's tensors."""
     device = torch.device(device)
     if device.type in _failed:
-        return False
+        return "a build or launch of the kernel failed on this device type earlier"
+    if not _triton_importable():
+        return "Triton is not installed (or does not import)"
     mode = _mode()
+    if mode is None:
+        return "TRITON_INTERPRET changed after Triton was imported"
     if device.type == "cpu":
-        return mode is True
-    return device.type == "cuda" and mode is False and torch.cuda.is_available()
+        return None if mode else "CPU tensors are read by the kernel only under Triton's interpreter " \
+                                 "(TRITON_INTERPRET=1)"
+    if device.type != "cuda":
+        return f"Triton has no back end for {device.type} devices here"
+    if mode:
+        return "Triton's interpreter (TRITON_INTERPRET=1) cannot read device memory"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    return None
+
+
+def usable(device: torch.device) -> bool:
+    """``available(device)``; where not, said once at INFO (why, and that ATen reads the
+    device type's tensors: one line per device type, a failed launch's included)."""
+    why = why_unavailable(device)
+    if why is None:
+        return True
+    _say_unavailable(torch.device(device), why)
+    return False
+
+
+def _say_unavailable(device: torch.device, why: str) -> None:
+    _said.info(("fallback", device.type), "monitor_v2: the Triton statistics kernel does not read %s tensors (%s); "
+               "their statistics use ATen. Logged once.", device.type, why)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill ``numel`` consecutive places of memory, each once:
+    its dimensions, by increasing stride, are those of a contiguous tensor (dimensions of
+    size 1 have any stride)."""
+    expected = 1
+    for size, stride in sorted(((size, stride) for size, stride in zip(t.shape, t.stride()) if size != 1),
+                               key=lambda dim: dim[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def accepts(t: torch.Tensor) -> bool:
-    """True for a tensor ``read_many`` reads as it is: a plain dense contiguous fp32,
-    bf16 or fp16 tensor without a negative bit. Any other goes to the caller's fallback."""
+    """True for a tensor ``read_many`` reads as it is: a plain fp32, bf16 or fp16 tensor
+    without a negative bit whose elements fill one block of memory, each once (contiguous
+    in some order of its dimensions: a transpose or a permutation of a contiguous tensor,
+    a channels-last one; min, max, the sums and the counts do not depend on the order).
+    Its first element is then the block's lowest address. Any other (a strided slice, an
+    expanded tensor) goes to the caller's fallback."""
     return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.dtype in _CODES and t.layout == torch.strided
-            and not t.is_nested and t.is_contiguous() and not t.is_neg())
+            and not t.is_nested and (t.is_contiguous() or _dense(t)) and not t.is_neg())
 
 
 # The kernels of the mode they were built in: ``triton.jit`` picks the interpreter when it
@@ -335,10 +384,11 @@ def read_many(tensors: Sequence[torch.Tensor], zeros: bool, *, chunk: Optional[i
     for t in tensors:
         if t.device != device or not accepts(t):
             raise ValueError(f"read_many cannot read a {t.dtype} tensor of layout {t.layout} on {t.device} "
-                             f"(contiguous: {t.is_contiguous()}) in a list on {device}: check accepts() first")
-    if not available(device):
-        _said.info(("unavailable", device.type), "monitor_v2: the Triton statistics kernel is not available for "
-                   "%s tensors; their statistics use ATen", device.type)
+                             f"(dense: {_dense(t)}) in a list on {device}: check accepts() "
+                             f"first")
+    why = why_unavailable(device)
+    if why is not None:
+        _say_unavailable(device, why)
         return None
     if block < 16 or block & (block - 1):
         raise ValueError(f"block must be a power of two of at least 16, not {block}")
@@ -350,8 +400,9 @@ def read_many(tensors: Sequence[torch.Tensor], zeros: bool, *, chunk: Optional[i
         return _launch(tensors, zeros, chunk, block, device)
     except Exception as exc:  # noqa: BLE001 - contained: the caller falls back to ATen
         _failed.add(device.type)
-        _said.info(("failed", device.type), "monitor_v2: the Triton statistics kernel failed on %s (%s); "
-                   "statistics of %s tensors use ATen from now on", device, short_error(exc), device.type)
+        _said.info(("fallback", device.type), "monitor_v2: the Triton statistics kernel failed on %s (%s); "
+                   "statistics of %s tensors use ATen from now on. Logged once.", device, short_error(exc),
+                   device.type)
         return None
 
 

@@ -48,9 +48,11 @@ capture instead, or says why the value cannot be captured exactly (``stacks/``).
 
 Batched ``unreduced`` reads (plain torch in one process, or chunks that are, or are inside
 the wrapper an integration names, torch DDPs writing ``.grad`` only at the pass's end, see
-``_ddp_writes_at_end``; accumulated
-gradients of at most ``GROUP_MAX_NUMEL`` elements; a larger one is read in its hook, where
-it is still in the caches): the post-accumulate hook only notes the parameter, and one callback queued
+``_ddp_writes_at_end``; on the CPU accumulated
+gradients of at most ``GROUP_MAX_NUMEL`` elements, a larger one being read in its hook, where
+it is still in the caches; on accelerators, and under the engine's CPU test seam, gradients of
+every size: the fused kernel reads them all in two launches): the post-accumulate hook only notes
+the parameter, and one callback queued
 on the autograd engine reads the whole backward pass's gradients at once when that pass
 ends (one call of the statistics kernel instead of one per parameter). Nothing holds a
 gradient in between: the note is the parameter's own record, and ``.grad`` is read in the
@@ -233,12 +235,14 @@ class WeightGradMonitor(Monitor):
             hook = functools.partial(self._on_micro_batch_grad, source)
             self._handles.append(tensor.register_hook(self.errors.wrap(site, hook)))
         else:
-            # A gradient larger than a group's member is read in its own hook: nothing would
-            # batch it (every engine reduces it alone), and on the CPU it is still in the
-            # caches there, where the end of the pass reads it from memory again (GPT-sized
-            # tensors: 12.1 -> 9.8 ms a step for weight_grad).
+            # On the CPU a gradient larger than a group's member is read in its own hook:
+            # nothing would batch it (the CPU engines reduce it alone), and it is still in
+            # the caches there, where the end of the pass reads it from memory again
+            # (GPT-sized tensors: 12.1 -> 9.8 ms a step for weight_grad). On an
+            # accelerator every size is read at the pass's end: the fused kernel reads the
+            # whole pass's gradients in two launches, where each hook would cost two.
             if (self._batched and source.plain_param is tensor and len(source.rows) == 1
-                    and tensor.numel() <= GROUP_MAX_NUMEL):
+                    and (tensor.numel() <= GROUP_MAX_NUMEL or not self.session.engine.on_host(tensor.device))):
                 if self._notes is not None:  # one Python hook for all of them, called with the source
                     if self._slow_note is None:
                         self._slow_note = _BatchedGradHook(self, None, site)
