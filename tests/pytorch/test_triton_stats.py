@@ -10,22 +10,18 @@ Triton reads ``TRITON_INTERPRET`` when it is imported (its own library functions
 ``tl.zeros`` and the reductions, are made for the mode of that moment) and when a kernel
 is made. Setting it in this process could come too late (another test may have imported
 Triton) and would leak into later tests, so the checks (``check_*``) run in one child
-Python per mode for the whole module: ``interpreted`` (``TRITON_INTERPRET=1`` from the
-start) and ``compiling`` (unset). Each test sends its check's name there and fails with
-the child's traceback.
+Python per mode for the whole module (``support.child_checks``): ``interpreted``
+(``TRITON_INTERPRET=1`` from the start) and ``compiling`` (unset). Each test sends its
+check's name there and fails with the child's traceback.
 
 The interpreter runs the kernels' own code, not the GPU's compiler; the last check
 compiles them with Triton's real back ends (CUDA sm_90 and sm_80, ROCm gfx942: no device
 needed) and checks that aligned tensors are read in vector loads."""
 
-import json
 import logging
 import math
 import os
 import re
-import select
-import subprocess
-import sys
 from typing import Any, List, Optional, Tuple
 
 import numpy as np
@@ -33,7 +29,7 @@ import pytest
 import torch
 
 from support.extras import require
-from support.launch import worker_env
+from support.child_checks import ChildChecks
 
 require("triton", "the accelerator statistics kernel is written in Triton and tested under its interpreter")
 
@@ -42,73 +38,17 @@ from msprobe.core.monitor_v2.frameworks.pytorch import triton_stats  # noqa: E40
 CPU = torch.device("cpu")
 RTOL = 1e-6
 FP32_MAX = float(np.finfo(np.float32).max)
-CHECK_TIMEOUT_S = 900  # a hung child fails the test instead of the run
-
-_WORKER = r"""
-import importlib.util, json, os, sys, traceback
-protocol = os.fdopen(os.dup(1), "w")
-os.dup2(2, 1)  # what the checks print goes to stderr, not into the protocol
-spec = importlib.util.spec_from_file_location("triton_stats_checks", sys.argv[1])
-checks = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(checks)
-for line in sys.stdin:
-    call = json.loads(line)
-    try:
-        getattr(checks, call["name"])(*call["args"])
-        result = {"ok": True}
-    except BaseException:
-        result = {"ok": False, "error": traceback.format_exc()}
-    protocol.write(json.dumps(result) + "\n")
-    protocol.flush()
-"""
-
-
-class _Child:
-    """A Python that imported this module with ``TRITON_INTERPRET=1`` or without it, and
-    runs its checks by name."""
-
-    def __init__(self, interpret: bool) -> None:
-        env = worker_env()
-        env.pop("TRITON_INTERPRET", None)
-        if interpret:
-            env["TRITON_INTERPRET"] = "1"
-        self.process = subprocess.Popen([sys.executable, "-c", _WORKER, __file__], env=env, stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True)
-
-    def __call__(self, check: Any, *args: Any) -> None:
-        __tracebackhide__ = True
-        assert self.process.stdin is not None and self.process.stdout is not None
-        self.process.stdin.write(json.dumps({"name": check.__name__, "args": list(args)}) + "\n")
-        self.process.stdin.flush()
-        ready, _, _ = select.select([self.process.stdout], [], [], CHECK_TIMEOUT_S)
-        line = self.process.stdout.readline() if ready else ""
-        if not line:
-            self.process.kill()
-            pytest.fail(f"the child running {check.__name__} ended or hung (exit code {self.process.poll()})",
-                        pytrace=False)
-        result = json.loads(line)
-        if not result["ok"]:
-            pytest.fail(f"{check.__name__}{tuple(args)} failed in the child:\n{result['error']}", pytrace=False)
-
-    def close(self) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.close()
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-
 
 @pytest.fixture(scope="module")
 def interpreted():
-    child = _Child(interpret=True)
+    child = ChildChecks(__file__, {"TRITON_INTERPRET": "1"})
     yield child
     child.close()
 
 
 @pytest.fixture(scope="module")
 def compiling():
-    child = _Child(interpret=False)
+    child = ChildChecks(__file__, {"TRITON_INTERPRET": None})
     yield child
     child.close()
 
