@@ -74,7 +74,8 @@ from torch.utils._pytree import tree_flatten
 
 from msprobe.core.monitor_v2 import rows as monitor_rows
 from msprobe.core.monitor_v2.frameworks.pytorch import stats as torch_stats
-from msprobe.core.monitor_v2.stats import GROUP_MAX_NUMEL, StatPlan
+from msprobe.core.monitor_v2.frameworks.pytorch import triton_stats
+from msprobe.core.monitor_v2.stats import StatPlan
 
 # The H100 model's constants (the estimate's only inputs besides the measured counts)
 HBM_BYTES_PER_S = 3.35e12
@@ -88,6 +89,7 @@ _NO_LAUNCH = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_st
 # ops whose result is read on the host: a synchronisation where their input is on the device
 _HOST_READS = {"_local_scalar_dense", "is_nonzero", "item", "equal", "nonzero"}
 _COPIES = {"_to_copy", "copy_", "to"}
+_ALLOCATIONS = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"}
 _CAT_INPUTS_PER_KERNEL = 128
 
 
@@ -163,14 +165,12 @@ class DeviceCostTracer(TorchDispatchMode):
         self._live_bytes -= self._live.pop(key, 0)
 
     def launch(self, name: str, read_bytes: int, written_bytes: int, kernels: int) -> None:
-        """A kernel launch seen outside ATen (Triton). Its arguments show a pointer table,
-        not the tensors it reads: the read's first launch counts one read of its tensors
-        (the kernel reads each element once by design: an assumption, not a count)."""
+        """A kernel launch seen outside ATen (Triton): its bytes as the caller counts them
+        (the statistics kernel's tensors are named by its pointer table, not among its
+        arguments: ``_TritonLaunches`` reads them from the table)."""
         read = self.current
         if read is None:
             return
-        if not read.triton_launches:
-            read_bytes += read.monitored_bytes
         read.triton_launches += kernels
         read.kernels += kernels
         read.bytes_read += read_bytes
@@ -198,7 +198,10 @@ class DeviceCostTracer(TorchDispatchMode):
             read.syncs += 1
         outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         aliasing = any(r.alias_info is not None for r in func._schema.returns)
-        # views, allocations, metadata queries (a fake tensor's ``device``) launch nothing
+        # views, allocations, metadata queries (a fake tensor's ``device``) launch nothing;
+        # an allocation's result is a temporary all the same (the kernel's partials)
+        if name in _ALLOCATIONS and not aliasing:
+            self._track(read, outputs)
         if aliasing or not outputs or name in _NO_LAUNCH or name in _HOST_READS:
             return out
         if name in _COPIES and on_device and outputs and all(t.device.type == "cpu" for t in outputs):
@@ -223,7 +226,12 @@ class DeviceCostTracer(TorchDispatchMode):
         read.bytes_written += written_bytes
         read.gpu_us += _gpu_us(read_bytes + written_bytes) + TINY_KERNEL_US * (kernels - 1)
         read.names[name] += 1
-        for t in outputs:  # temporaries: alive until their tensor goes
+        self._track(read, outputs)
+        return out
+
+    def _track(self, read: Read, outputs: Sequence[torch.Tensor]) -> None:
+        """Temporaries: alive until their tensor goes; the read's peak follows them."""
+        for t in outputs:
             key = id(t)
             if key in self._live:
                 continue
@@ -232,11 +240,32 @@ class DeviceCostTracer(TorchDispatchMode):
             self._live_bytes += nbytes
             weakref.finalize(t, self._forget, key)
         read.peak_temporary = max(read.peak_temporary, self._live_bytes - self._baseline)
-        return out
 
 
 def _gpu_us(nbytes: int) -> float:
     return max(TINY_KERNEL_US, nbytes / (HBM_BYTES_PER_S * HBM_EFFICIENCY) * 1e6)
+
+
+_KERNEL_ELEMENT_BYTES = {0: 4, 1: 2, 2: 2}  # triton_stats' dtype codes: fp32, bf16, fp16
+
+
+def _triton_bytes(name: str, args: Sequence[Any], kwargs: Dict[str, Any]) -> Tuple[int, int]:
+    """(bytes read, bytes written) of a Triton launch. The statistics kernel's first launch
+    (``partials_kernel(table, n, ...)``) reads each element of the tensors its table names
+    once (its design: a chunk is read a second time only where its fp32 sums overflowed
+    or underflowed), the table, and writes its partials; any other launch reads its
+    tensor arguments but the last two and writes those (``finish_kernel``: the partials
+    and the table in, the vectors and counts out)."""
+    tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+    if name == "partials_kernel" and len(args) >= 5:
+        table, n, partials = args[0], int(args[1]), args[4]
+        numels = table[n:2 * n].tolist()
+        codes = table[2 * n:3 * n].tolist()
+        data = sum(numel * _KERNEL_ELEMENT_BYTES[code] for numel, code in zip(numels, codes))
+        return data + _distinct_bytes(table), _distinct_bytes(partials)
+    if len(tensors) > 2:
+        return sum(map(_distinct_bytes, tensors[:-2])), sum(map(_distinct_bytes, tensors[-2:]))
+    return sum(map(_distinct_bytes, tensors)), 0
 
 
 class _TritonLaunches:
@@ -267,12 +296,15 @@ class _TritonLaunches:
                 continue
 
             def run(self: Any, *args: Any, __original: Callable[..., Any] = original, **kwargs: Any) -> Any:
-                tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
-                tracer.launch(f"triton:{getattr(self, '__name__', 'kernel')}",
-                              sum(_distinct_bytes(t) for t in tensors), 0, 1)
-                # the interpreter's own tensor work (copies of the arguments) is not the engine's
+                # the interpreter's own tensor work (copies of the arguments) is not the
+                # engine's, nor is reading the table here
                 current, tracer.current = tracer.current, None
                 try:
+                    name = getattr(self, "__name__", "kernel")
+                    read_bytes, written_bytes = _triton_bytes(name, args, kwargs)
+                    tracer.current = current
+                    tracer.launch(f"triton:{name}", read_bytes, written_bytes, 1)
+                    tracer.current = None
                     return __original(self, *args, **kwargs)
                 finally:
                     tracer.current = current
@@ -303,8 +335,10 @@ class Shapes:
     big_shape: Tuple[int, int] = (32000, 4096)  # the one 131M-element tensor (an embedding gradient)
 
 
-SMOKE = Shapes(layers=2, hidden=256, inter=688, vocab=1024, module_layers=1, tokens=64, rope_dim=16, experts=8,
-               expert_shape=(512, 512), big_shape=(1024, 2048))
+# small enough for Triton's interpreter (the seam's run); 24 experts of a little more than
+# a group's largest member, so that a batched read of them is not grouped by the ATen path
+SMOKE = Shapes(layers=2, hidden=256, inter=688, vocab=1024, module_layers=1, tokens=64, rope_dim=16, experts=24,
+               expert_shape=(256, 264), big_shape=(1024, 2048))
 
 
 def llama_params(s: Shapes) -> List[Tuple[str, Tuple[int, ...]]]:
@@ -326,6 +360,10 @@ def llama_params(s: Shapes) -> List[Tuple[str, Tuple[int, ...]]]:
 
 # "cuda": fake tensors (no memory); "cpu": real ones, through the engine's test seam
 _DEVICE = ["cuda"]
+# the phase of weight_grad's read of a whole backward pass's gradients at its end: inside
+# backward as the hooks are (a sync there counts as one in hooks), batched as the
+# optimizer step's reads are
+PASS_END = "pass end"
 
 
 def _device_tensor(shape: Sequence[int], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -342,16 +380,10 @@ def weight_grad_workload(engine: Any, tracer: DeviceCostTracer, plan: StatPlan, 
     params = llama_params(s)
     grads = [_device_tensor(shape) for _, shape in params]
     names = [name for name, _ in params]
-    records = []
-    # unreduced: a gradient above a group's size in its own hook, the others together at
-    # the pass's end (weight_grad's batched read on plain torch)
-    small = [i for i, g in enumerate(grads) if g.numel() <= GROUP_MAX_NUMEL]
-    for i, g in enumerate(grads):
-        if g.numel() > GROUP_MAX_NUMEL:
-            with tracer.read("weight_grad 7B", "hooks", [g]):
-                records.append(engine.record(g, plan, 0, names[i], "unreduced"))
-    with tracer.read("weight_grad 7B", "hooks", [grads[i] for i in small]):
-        records += engine.record_many([grads[i] for i in small], plan, _keys([names[i] for i in small], "unreduced"))
+    # unreduced: every gradient together at the backward pass's end (weight_grad's batched
+    # read on plain torch: on accelerators gradients of every size)
+    with tracer.read("weight_grad 7B", PASS_END, grads):
+        records = engine.record_many(grads, plan, _keys(names, "unreduced"))
     with tracer.read("weight_grad 7B", "batched", grads):
         records += engine.record_many(grads, plan, _keys(names, "reduced"))
     with tracer.read("weight_grad 7B", "step", []):
@@ -381,10 +413,8 @@ def module_workload(engine: Any, tracer: DeviceCostTracer, plan: StatPlan, s: Sh
 def experts_workload(engine: Any, tracer: DeviceCostTracer, plan: StatPlan, s: Shapes) -> None:
     grads = [_device_tensor(s.expert_shape) for _ in range(s.experts)]
     names = [f"model.layers.{i // 48}.mlp.experts.{i % 48}.weight" for i in range(s.experts)]
-    records = []
-    for name, g in zip(names, grads):
-        with tracer.read("3,072 experts", "hooks", [g]):
-            records.append(engine.record(g, plan, 0, name, "unreduced"))
+    with tracer.read("3,072 experts", PASS_END, grads):
+        records = engine.record_many(grads, plan, _keys(names, "unreduced"))
     with tracer.read("3,072 experts", "batched", grads):
         records += engine.record_many(grads, plan, _keys(names, "reduced"))
     with tracer.read("3,072 experts", "step", []):
@@ -407,10 +437,96 @@ WORKLOADS: Dict[str, Callable[..., None]] = {
 }
 
 
-def trace(shapes: Shapes, only: Optional[Sequence[str]] = None, seam: bool = False) -> List[Read]:
-    """Every workload's reads on fake ``cuda`` tensors, each with a fresh engine; ``seam``:
-    on real CPU tensors that the engine treats as an accelerator's (``SEAM_ENV``)."""
+H100_SMS = 132  # multiprocessors: how the kernel cuts a list into chunks on an H100
+
+
+def _h100_chunk(total: int) -> int:
+    """``triton_stats._chunk_size`` on an H100: elements a program of the kernel reads."""
+    wanted = -(-total // (triton_stats._PROGRAMS_PER_SM * H100_SMS))
+    return min(triton_stats._MAX_CHUNK, max(triton_stats._BLOCK, 1 << max(0, wanted - 1).bit_length()))
+
+
+def _kernel_takes(t: torch.Tensor) -> bool:
+    """``triton_stats.accepts`` with fake tensors let in (their type is ``FakeTensor``)."""
+    if isinstance(t, FakeTensor):
+        return (t.dtype in triton_stats._CODES and t.layout == torch.strided and not t.is_nested
+                and (t.is_contiguous() or triton_stats._dense(t)) and not t.is_neg())
+    return _ACCEPTS[0](t)
+
+
+_ACCEPTS = [triton_stats.accepts]
+
+
+class ModelledKernel:
+    """The engine's ``fused_reader`` on fake ``cuda`` tensors, where no Triton kernel can
+    run: for a list the kernel takes, the two launches ``triton_stats.read_many`` makes, with
+    their bytes (each element of the list read once, the table, the partials written and
+    read back, the vectors and counts written; chunks as on an H100), and its results,
+    allocated as it allocates them. A model, stated as such in the table's note."""
+
+    def __init__(self, tracer: DeviceCostTracer) -> None:
+        self.tracer = tracer
+
+    def __call__(self, tensors: Sequence[torch.Tensor], plan: StatPlan) -> Optional[List[Tuple[Any, Any, Any]]]:
+        if not tensors or not all(map(_kernel_takes, tensors)) or len({t.device for t in tensors}) != 1:
+            return None
+        n = len(tensors)
+        chunk = _h100_chunk(sum(t.numel() for t in tensors))
+        n_chunks = sum(-(-t.numel() // chunk) for t in tensors)
+        device = tensors[0].device
+        table = 8 * (4 * n + 1)
+        partials = torch.empty(triton_stats._PARTIALS * max(n_chunks, 1), dtype=torch.float64, device=device)
+        vectors = torch.empty((n, 4), dtype=torch.float64, device=device)
+        counts = torch.empty((2, n), dtype=torch.int64, device=device)
+        data = sum(t.numel() * t.element_size() for t in tensors)
+        if n_chunks:
+            self.tracer.launch("triton:partials_kernel", data + table, _distinct_bytes(partials), 1)
+        self.tracer.launch("triton:finish_kernel", _distinct_bytes(partials) + table,
+                           _distinct_bytes(vectors) + _distinct_bytes(counts), 1)
+        del partials
+        absent = [None] * n
+        nans, zeros = counts.unbind(0)  # (indexing a fake cuda tensor asks a torch without CUDA for its device)
+        return list(zip(vectors.unbind(0), nans.unbind(0) if plan.nans else absent,
+                        zeros.unbind(0) if plan.zeros else absent))
+
+
+class _EventOfAFakeRun:
+    """``torch.cuda.Event`` for fake ``cuda`` tensors on a torch without CUDA, whose own
+    class cannot be made: without it the engine's ``to_host`` takes its fallback for
+    devices without events (a blocking copy) instead of what it does on a GPU (a
+    non-blocking copy into pinned memory and an event the writer waits on)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+
+# the three ways the workloads are traced: the ATen path and the kernel path (modelled) on
+# fake ``cuda`` tensors at full shapes, and the engine as it is (the Triton kernel under its
+# interpreter) on real CPU tensors through the test seam at small shapes
+ATEN, KERNEL, SEAM = "aten", "kernel", "seam"
+KERNEL_SUFFIX = " (kernel)"
+
+
+def trace(shapes: Shapes, only: Optional[Sequence[str]] = None, path: str = ATEN) -> List[Read]:
+    """Every workload's reads, each with a fresh engine: on fake ``cuda`` tensors through
+    the ATen path (``ATEN``: no fused reader) or the fused kernel's (``KERNEL``: its launches
+    modelled, ``ModelledKernel``); ``SEAM``: on real CPU tensors that the engine treats as an
+    accelerator's (``SEAM_ENV``), with whatever fused reader it has."""
+    seam = path == SEAM
     _DEVICE[0] = "cpu" if seam else "cuda"
+    if seam:
+        # Triton imported now (the engine imports it at its first read), so that the
+        # tracer counts the first workload's launches too
+        triton_stats.available(torch.device("cpu"))
     plan = StatPlan.from_ops(monitor_rows.DEFAULT_OPS)
     reads: List[Read] = []
     # an engine's warning about a fake tensor is not one a run would give
@@ -419,21 +535,31 @@ def trace(shapes: Shapes, only: Optional[Sequence[str]] = None, seam: bool = Fal
     quiet.setLevel(logging.ERROR)
     with contextlib.ExitStack() as undo:
         undo.callback(quiet.setLevel, level)
-        if not torch.cuda.is_available():
+        if not seam and not torch.cuda.is_available():
             # the fake tensors say "cuda" to a torch without CUDA, whose capture check
-            # raises: no stream of it can be capturing
-            capturing = torch.cuda.is_current_stream_capturing
+            # raises (no stream of it can be capturing) and whose events cannot be made
+            capturing, event = torch.cuda.is_current_stream_capturing, torch.cuda.Event
             torch.cuda.is_current_stream_capturing = lambda: False
+            torch.cuda.Event = _EventOfAFakeRun
             undo.callback(setattr, torch.cuda, "is_current_stream_capturing", capturing)
+            undo.callback(setattr, torch.cuda, "Event", event)
+        reader = torch_stats.fused_reader
+        undo.callback(setattr, torch_stats, "fused_reader", reader)
+        undo.callback(setattr, triton_stats, "accepts", _ACCEPTS[0])
         for name, workload in WORKLOADS.items():
             if only and name not in only:
                 continue
             engine = torch_stats.TorchStatsEngine()
             tracer = DeviceCostTracer()
+            if path == ATEN:
+                torch_stats.fused_reader = None
+            elif path == KERNEL:
+                torch_stats.fused_reader = ModelledKernel(tracer)
+                triton_stats.accepts = _kernel_takes
             with contextlib.nullcontext() if seam else FakeTensorMode(), tracer:
                 workload(engine, tracer, plan, shapes)
             for r in tracer.reads:
-                r.workload += SEAM_SUFFIX if seam else ""
+                r.workload += {ATEN: "", KERNEL: KERNEL_SUFFIX, SEAM: SEAM_SUFFIX}[path]
             reads += tracer.reads
     return reads
 
@@ -506,7 +632,7 @@ def summarise(reads: Sequence[Read]) -> Dict[str, Workload]:
         if r.phase == "step":
             w.step_syncs += r.syncs
             w.step_blocking_copies += r.blocking_copies
-        elif r.phase == "hooks":
+        elif r.phase in ("hooks", PASS_END):
             w.hook_syncs += r.syncs
         w.gpu_ms += r.gpu_us / 1e3
         w.host_ms += r.kernels * HOST_US_PER_LAUNCH / 1e3
@@ -514,7 +640,7 @@ def summarise(reads: Sequence[Read]) -> Dict[str, Workload]:
         single = [r.kernels for r in reads if r.workload == name and r.phase == "hooks" and r.tensors == 1]
         if single:
             w.per_tensor_kernels = (min(single), max(single))
-        batched = [r for r in reads if r.workload == name and r.phase == "batched" and r.tensors > 1]
+        batched = [r for r in reads if r.workload == name and r.phase in ("batched", PASS_END) and r.tensors > 1]
         if batched:
             w.batched_kernels_per_tensor = sum(r.kernels for r in batched) / sum(r.tensors for r in batched)
     return out
@@ -541,25 +667,22 @@ def bytes_per_element(reads: Sequence[Read]) -> Optional[Tuple[float, float]]:
     return moved / sum(r.elements for r in chosen), moved / one_read
 
 
-def _kernel_path(reads: Sequence[Read]) -> List[Read]:
-    return [r for r in reads if r.triton_launches]
-
-
-def _fallback(reads: Sequence[Read]) -> List[Read]:
-    """The fake ``cuda`` reads (full shapes) that launched no Triton kernel."""
-    return [r for r in reads if not r.workload.endswith(SEAM_SUFFIX) and not r.triton_launches]
-
-
 def table(reads: Sequence[Read], seam_note: str = "") -> str:
     """The one table: issue 48's measures, today and target columns, and this engine's
-    figures (the ATen path on fake ``cuda`` tensors at full shapes; the kernel path where a
-    read through the seam launched a Triton kernel, at the small shapes)."""
-    fake = [r for r in reads if not r.workload.endswith(SEAM_SUFFIX)]
-    seam = [r for r in reads if r.workload.endswith(SEAM_SUFFIX)]
-    w = summarise(fake)
-    ws = summarise(seam)
-    no_kernel = seam_note or ("no read through the seam launched a Triton kernel" if seam
-                              else "not measured (the seam was not run)")
+    figures: the ATen path (fake ``cuda`` tensors, full shapes, every op counted), the
+    kernel path at full shapes (fake tensors, the kernel's launches modelled) and through
+    the seam (real CPU tensors at the small shapes, the Triton kernel run under its
+    interpreter: launches counted, bytes from its table)."""
+    def part(suffix: str) -> List[Read]:
+        if suffix:
+            return [r for r in reads if r.workload.endswith(suffix)]
+        return [r for r in reads if not r.workload.endswith((SEAM_SUFFIX, KERNEL_SUFFIX))]
+
+    aten, kernel, seam = part(""), part(KERNEL_SUFFIX), part(SEAM_SUFFIX)
+    w, wk, ws = summarise(aten), summarise(kernel), summarise(seam)
+    seam_ran = any(r.triton_launches for r in seam)
+    no_seam = seam_note or ("no read through the seam launched a Triton kernel" if seam
+                            else "not measured (the seam was not run)")
     rows: List[Tuple[str, str, str, str]] = []
 
     def per_element(chosen: Sequence[Read]) -> str:
@@ -567,20 +690,21 @@ def table(reads: Sequence[Read], seam_note: str = "") -> str:
         if got is None:
             return "no read took it"
         per, ratio = got
-        return f"{per:.1f} B ({ratio:.1f}x one read; {per - per / ratio:.1f} B beyond it)"
+        return f"{per:.1f} B ({ratio:.2f}x one read; {per - per / ratio:.1f} B beyond it)"
 
-    kernel = _kernel_path(reads)
+    kernel_bytes = f"full shapes {per_element(kernel)}" if kernel else ""
+    kernel_bytes += (f"; seam {per_element(seam)}" if seam_ran else f"; seam: {no_seam}")
     rows.append(("bytes per element, tensors >= 64K elements, kernel path", "32 B (16x, bf16)",
-                 "<= 1.3x one read", per_element(kernel) + " (seam; the kernel's own reads assumed one read)"
-                 if kernel else no_kernel))
-    rows.append(("same, ATen fallback", "32 B", "<= 5 B beyond one read", per_element(_fallback(reads))))
+                 "<= 1.3x one read", kernel_bytes.lstrip("; ")))
+    rows.append(("same, ATen fallback", "32 B", "<= 5 B beyond one read", per_element(aten)))
 
-    def both(name: str, fallback: Callable[[Workload], str], seam_name: str = "") -> str:
-        got = f"fallback {fallback(w[name])}" if name in w else ""
-        ks = ws.get(name + SEAM_SUFFIX)
-        if ks is not None and ks.triton_launches:
-            got += f"; kernel path (seam) {fallback(ks)}"
-        return got
+    def three(name: str, show: Callable[[Workload], str], sep: str = "; ") -> str:
+        got = [f"fallback {show(w[name])}"] if name in w else []
+        if name + KERNEL_SUFFIX in wk:
+            got.append(f"kernel path {show(wk[name + KERNEL_SUFFIX])}")
+        if seam_ran and name + SEAM_SUFFIX in ws:
+            got.append(f"seam {show(ws[name + SEAM_SUFFIX])}")
+        return sep.join(got)
 
     def single(x: Workload) -> str:
         lo, hi = x.per_tensor_kernels
@@ -588,43 +712,72 @@ def table(reads: Sequence[Read], seam_note: str = "") -> str:
 
     if "module 4 layers" in w:
         rows.append(("launches per tensor in module hooks", "10-107", "<= 2 (kernel path), <= 4 (fallback)",
-                     both("module 4 layers", single)))
+                     three("module 4 layers", single)))
     batched = [n for n, x in w.items() if x.batched_kernels_per_tensor]
     if batched:
         rows.append(("launches for batched `reduced`/`param`/`optimizer`/`unreduced` reads", "~10 per tensor",
                      "<= 1 per 10 tensors (kernel path)",
-                     "; ".join(both(n, lambda x: f"{x.batched_kernels_per_tensor:.2f} per tensor ({n})")
-                               for n in batched)))
+                     "; ".join(f"{n}: " + three(n, lambda x: f"{x.batched_kernels_per_tensor:.3f}", ", ")
+                               + " per tensor" for n in batched)))
     if "one big tensor" in w:
-        big = [r for r in fake if r.workload == "one big tensor" and r.phase == "hooks"]
+        big = [r for r in aten if r.workload == "one big tensor" and r.phase == "hooks"]
+
+        def launches(x: Workload) -> str:
+            return str(sum(r.kernels for r in reads if r.workload == x.name and r.phase == "hooks"))
+
         rows.append((f"launches for one {big[0].elements / 1e6:.0f}M-element tensor", "107", "<= 3",
-                     both("one big tensor", lambda x: str(sum(r.kernels for r in reads
-                                                              if r.workload == x.name and r.phase == "hooks")))))
-    reads_of_data = [r for r in fake if r.phase != "step"]
-    if reads_of_data:
+                     three("one big tensor", launches)))
+
+    def peak(chosen: Sequence[Read]) -> str:
+        data = [r for r in chosen if r.phase != "step"]
+        return _mib(max(r.peak_temporary for r in data)) if data else "-"
+
+    if aten:
         rows.append(("peak temporary of one read", "up to n bytes", "<= 8 MiB",
-                     _mib(max(r.peak_temporary for r in reads_of_data))))
-    hook_syncs = sum(x.hook_syncs for x in w.values())
-    step_copies = [x.step_blocking_copies for x in w.values() if x.name != "one big tensor"]
+                     f"fallback {peak(aten)}" + (f"; kernel path {peak(kernel)}" if kernel else "")
+                     + (f"; seam {peak(seam)}" if seam_ran else "")))
+
+    def syncs(x: Dict[str, Workload]) -> str:
+        copies = [v.step_blocking_copies for v in x.values() if not v.name.startswith("one big tensor")]
+        hooks = sum(v.hook_syncs for v in x.values())
+        return f"{hooks} / {min(copies)}-{max(copies)}" if copies else f"{hooks} / -"
+
     rows.append(("host syncs in hooks / blocking copies in `step()` with `async_write`", "0 / 2-3", "0 / 0",
-                 f"{hook_syncs} / {min(step_copies)}-{max(step_copies)}" if step_copies else f"{hook_syncs} / -"))
+                 f"fallback {syncs(w)}" + (f"; kernel path {syncs(wk)}" if wk else "")
+                 + (f"; seam {syncs(ws)}" if seam_ran else "")))
     names = [n for n in ("weight_grad 7B", "module 4 layers", "3,072 experts") if n in w]
     if names:
+        est = "ATen path: " + " / ".join(_ms(*w[n].added_ms) for n in names)
+        if all(n + KERNEL_SUFFIX in wk for n in names):
+            est += "; kernel path: " + " / ".join(_ms(*wk[n + KERNEL_SUFFIX].added_ms) for n in names)
         rows.append(("estimated H100: 7B `weight_grad` / `module` 4 of 32 layers / 3,072 experts",
-                     "185-276 ms / 46-70 ms / 0.39-0.73 s", "<= 15 ms / <= 5 ms / <= 30 ms",
-                     "ATen path: " + " / ".join(_ms(*w[n].added_ms) for n in names)))
+                     "185-276 ms / 46-70 ms / 0.39-0.73 s", "<= 15 ms / <= 5 ms / <= 30 ms", est))
         today = {"weight_grad 7B": "18,044 / 431 GB", "module 4 layers": "4,784 / 106 GB",
                  "3,072 experts": "67,584 / 825 GB"}
         for n in names:
             x = w[n]
-            rows.append((f"{n}: launches / bytes moved (measured)", today[n], "-",
-                         f"{x.kernels:,} / {x.bytes_moved / 1e9:,.1f} GB "
-                         f"({x.ops:,} ATen ops; one read: {x.monitored_bytes / 1e9:,.1f} GB)"))
+            got = (f"ATen path {x.kernels:,} / {x.bytes_moved / 1e9:,.1f} GB ({x.ops:,} ATen ops; one read: "
+                   f"{x.monitored_bytes / 1e9:,.1f} GB)")
+            k = wk.get(n + KERNEL_SUFFIX)
+            if k is not None:
+                got += f"; kernel path {k.kernels:,} / {k.bytes_moved / 1e9:,.1f} GB ({k.triton_launches:,} Triton)"
+            rows.append((f"{n}: launches / bytes moved (measured)", today[n], "-", got))
     rows.append(("on a GPU: `weight_grad` / all monitors on a 1B model", "unmeasured", "<= 1.01 / <= 1.05",
                  "needs a GPU (scripts/gpu_checks.sh)"))
     lines = ["| measure | today (issue 48) | target | this engine |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
     return "\n".join(lines)
+
+
+NOTE = ("Fallback: the ATen path on fake `cuda` tensors at full shapes, every op counted (the fused "
+        "reader off, as on a device without Triton). Kernel path: the same fake tensors with the engine's "
+        "fused reader in place; Triton cannot run on fake tensors, so each read it takes counts the "
+        "kernel's two launches and one read of its tensors' bytes (plus its table, partials and "
+        "results), a model. Seam: the small shapes on real CPU tensors through "
+        "MSPROBE_MONITOR_ACCEL_ON_CPU=1 with TRITON_INTERPRET=1, the Triton kernel run: its launches "
+        "counted, its bytes read from its table (each element once). The table of addresses each call "
+        "copies to the device (16 bytes a tensor, from pinned memory, not a kernel) is not counted as a "
+        "launch. Times are estimates from the stated constants.")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -639,10 +792,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.seam_only:
         shapes = SMOKE
-        reads = trace(shapes, args.only, seam=True)
+        reads = trace(shapes, args.only, SEAM)
     else:
         shapes = SMOKE if args.smoke else Shapes()
-        reads = trace(shapes, args.only)
+        reads = trace(shapes, args.only, ATEN) + trace(shapes, args.only, KERNEL)
     if not any(r.ops or r.triton_launches for r in reads):
         print("the tracer saw no operation of the engine: it set the tracer aside as a training mode",
               file=sys.stderr)
@@ -656,6 +809,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{SMOKE.expert_shape}... on CPU tensors, {', '.join(f'{k}={v}' for k, v in SEAM_ENV.items())}")
     print()
     print(table(reads, note))
+    print()
+    print(NOTE)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"shapes": asdict(shapes),

@@ -75,6 +75,26 @@ def test_smoke_mode_prints_the_targets_table_and_counts_that_follow_the_shapes(t
         assert (seam["tensors"], seam["elements"]) == (got["workloads"][name]["tensors"],
                                                        got["workloads"][name]["elements"])
         assert seam["kernels"] > 0
+    # the kernel path: the fake tensors' reads with the kernel's launches modelled (full
+    # shapes in a real run), and the seam's with the Triton kernel run under its interpreter
+    for suffix in (device_cost.KERNEL_SUFFIX, device_cost.SEAM_SUFFIX):
+        for name in ("weight_grad 7B", "module 4 layers", "3,072 experts", "one big tensor"):
+            kernel = got["workloads"][name + suffix]
+            assert (kernel["tensors"], kernel["elements"]) == (got["workloads"][name]["tensors"],
+                                                               got["workloads"][name]["elements"])
+            assert kernel["triton_launches"] > 0 and kernel["hook_syncs"] == 0
+            assert kernel["step_blocking_copies"] == 0, (name, suffix)
+        for r in reads:
+            if not r["workload"].endswith(suffix) or r["phase"] == "step":
+                continue
+            if r["phase"] == "hooks" and r["names"].get("add"):  # the module monitor's sum of gradient parts
+                continue
+            # one fused call: two launches, whatever the number of tensors; each element read once
+            assert r["triton_launches"] == r["kernels"] == 2, r
+            assert r["monitored_bytes"] <= r["bytes_read"] <= 1.3 * r["monitored_bytes"] + 4096, r
+            assert r["peak_temporary"] <= 8 << 20, r
+    # the ATen path's copies to the host are non-blocking too (pinned memory and an event)
+    assert all(w["step_blocking_copies"] == 0 for w in got["workloads"].values())
     big = [r for r in reads if r["workload"] == "one big tensor" and r["phase"] == "hooks"]
     assert big[0]["elements"] == s.big_shape[0] * s.big_shape[1]
     for w in got["workloads"].values():
