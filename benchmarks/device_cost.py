@@ -15,7 +15,7 @@ engine sees every ATen op it issues. What it counts is **measured**:
   inputs for ``stack``/``cat``, plus every Triton kernel launch the engine makes;
 - bytes read and written, from shapes and dtypes (a tensor an op reads twice counts once; a
   stride-0 expanded tensor counts its distinct elements);
-- the peak temporary of a read: the largest total of tensors created by its ops and alive
+- the peak temporary of a read: the largest total of tensors its ops and allocations made, alive
   at once (followed by weak references);
 - host syncs: ``_local_scalar_dense`` or ``is_nonzero`` of a device tensor, and device-to-host
   copies that are not ``non_blocking`` (blocking copies), apart for the hooks (module and
@@ -33,21 +33,34 @@ host (the GPU waits for them). The workloads are those of issue 48 (and of
 ``../shared/notes/gpu-path-cost-2026-12.md``, where the method comes from):
 
 - ``weight_grad`` on a 7B Llama (32 layers, hidden 4096, intermediate 11008, vocabulary 32000,
-  bf16; 291 gradients), read as ``unreduced`` (in their hooks, the small ones together at the
-  pass end, as the monitor does on plain torch) and ``reduced`` (one ``record_many``);
+  bf16; 291 gradients), read as ``unreduced`` (all together at the backward pass's end, as the
+  monitor does on accelerators on plain torch in one process) and ``reduced`` (one
+  ``record_many``);
 - ``module`` on 4 of 32 layers at 1 x 4096 tokens: per layer the 37 tensors a decoder layer's
   modules show (27 of [1, 4096, 4096], 8 of [1, 4096, 11008], cos/sin [4096, 128]), read through
   the module monitor's ``recorder`` with the same-tensor cache, 5 of them sums of two
-  gradient parts (``sum_parts``);
+  gradient parts (``sum_parts``, counted apart: not a read);
 - 3,072 expert weights of 4M elements (an MoE model's experts on one rank at 8-way expert
-  parallelism), ``unreduced`` in their hooks and ``reduced`` in one ``record_many``.
+  parallelism), ``unreduced`` at the pass's end and ``reduced`` in one ``record_many`` each
+  (where expert parallelism keeps the monitor from reading at the pass's end, its
+  ``unreduced`` reads are per hook: 2 launches a tensor on the kernel path).
 
-The fake tensors take the ATen path (a Triton kernel cannot launch on them). The fused
-kernel's path is measured through the engine's test seam: the same workloads at the small
-shapes run on real CPU tensors in a child process with ``MSPROBE_MONITOR_ACCEL_ON_CPU=1`` and
-``TRITON_INTERPRET=1``, where Triton launches are counted (their arguments show a table of
-addresses, not the tensors: a read through the kernel counts one read of its tensors, an
-assumption the table states).
+Three tracings. **Fallback**: the fake tensors with the engine's fused reader off
+(``stats.fused_reader = None``: a device without Triton), every ATen op counted. **Kernel
+path**: the same fake tensors with the fused reader in place; a Triton kernel cannot launch
+on them, so ``ModelledKernel`` stands in for it: each list it takes counts the kernel's two
+launches and one read of its tensors' bytes (plus its table, partials and results, chunks
+as on an H100), a model the table's note states. **Seam**: the engine as it is, the same
+workloads at the small shapes on real CPU tensors in a child process with
+``MSPROBE_MONITOR_ACCEL_ON_CPU=1`` and ``TRITON_INTERPRET=1``, where the Triton kernel runs:
+its launches are counted, and the bytes its first launch reads are those of the tensors its
+table names (each element once: the kernel's design; a chunk whose fp32 sums overflow is
+read twice, which ordinary data never is).
+
+On a torch without CUDA, ``torch.cuda.Event`` cannot be made; the engine's ``to_host`` then
+takes its fallback for devices without events, a blocking copy, where a GPU takes a
+non-blocking copy into pinned memory and an event the writer waits on. The fake tracings
+give the engine a stand-in event (``_EventOfAFakeRun``) so that they count the GPU's path.
 
 The engine is whatever ``frameworks/pytorch/stats.py`` is when this runs: the table shows the
 engine of the day against the issue's "today" and "target" columns.
@@ -364,6 +377,10 @@ _DEVICE = ["cuda"]
 # backward as the hooks are (a sync there counts as one in hooks), batched as the
 # optimizer step's reads are
 PASS_END = "pass end"
+# the module monitor's sum of the parts of a gradient that reaches a module's input through
+# several edges (``sum_parts``): inside backward, a gradient-sized result the statistics
+# need, not a read of the statistics engine
+SUM_OF_PARTS = "sum of parts"
 
 
 def _device_tensor(shape: Sequence[int], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -399,7 +416,7 @@ def module_workload(engine: Any, tracer: DeviceCostTracer, plan: StatPlan, s: Sh
         rope = [_device_tensor((s.tokens, s.rope_dim)) for _ in range(2)]
         for i in range(5):  # a grad_input that arrives through two edges: its parts summed first
             parts = [_device_tensor((1, s.tokens, s.hidden)) for _ in range(2)]
-            with tracer.read("module 4 layers", "hooks", parts):
+            with tracer.read("module 4 layers", SUM_OF_PARTS, parts):
                 total = engine.sum_parts(parts[0], parts[1])
             hidden.append(total)
         for j, t in enumerate(hidden + inter + rope):
@@ -632,7 +649,7 @@ def summarise(reads: Sequence[Read]) -> Dict[str, Workload]:
         if r.phase == "step":
             w.step_syncs += r.syncs
             w.step_blocking_copies += r.blocking_copies
-        elif r.phase in ("hooks", PASS_END):
+        elif r.phase in ("hooks", PASS_END, SUM_OF_PARTS):
             w.hook_syncs += r.syncs
         w.gpu_ms += r.gpu_us / 1e3
         w.host_ms += r.kernels * HOST_US_PER_LAUNCH / 1e3
@@ -729,13 +746,16 @@ def table(reads: Sequence[Read], seam_note: str = "") -> str:
                      three("one big tensor", launches)))
 
     def peak(chosen: Sequence[Read]) -> str:
-        data = [r for r in chosen if r.phase != "step"]
+        data = [r for r in chosen if r.phase not in ("step", SUM_OF_PARTS)]
         return _mib(max(r.peak_temporary for r in data)) if data else "-"
 
     if aten:
+        sums = [r.peak_temporary for r in aten if r.phase == SUM_OF_PARTS]
         rows.append(("peak temporary of one read", "up to n bytes", "<= 8 MiB",
                      f"fallback {peak(aten)}" + (f"; kernel path {peak(kernel)}" if kernel else "")
-                     + (f"; seam {peak(seam)}" if seam_ran else "")))
+                     + (f"; seam {peak(seam)}" if seam_ran else "")
+                     + (f" (the module monitor's sum of a gradient's parts, not a read: {_mib(max(sums))})"
+                        if sums else "")))
 
     def syncs(x: Dict[str, Workload]) -> str:
         copies = [v.step_blocking_copies for v in x.values() if not v.name.startswith("one big tensor")]

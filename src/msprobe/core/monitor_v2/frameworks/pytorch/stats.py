@@ -6,6 +6,12 @@ cloned or kept: the reductions read the tensor in place.
 - On the CPU, contiguous fp32/bf16/fp16 tensors go through the one-pass C kernel of
   ``monitor_v2.native`` when it could be built: one read of the data for all
   statistics and the NaN count, with the results already on the host (sums in fp64).
+- On accelerators (and under the CPU test seam with Triton's interpreter), fp32/bf16/fp16
+  tensors whose elements fill one block of memory go through the fused Triton kernel
+  (``triton_stats.py``, the seam ``fused_reader``): one read of each element, two launches
+  for one tensor in a hook or for a whole ``record_many`` list of any sizes, the results
+  left on the device. Where Triton is missing, has no back end for the device, or a launch
+  fails (said once at INFO, naming why), and for the other tensors, ATen's reductions below.
 - Elsewhere, and without a C compiler, ATen's reductions compute the vector on the
   tensor's own device. The sum and the sum of squares are accumulated so that finite
   values give finite, accurate results (a 4M-element norm within ~1e-9 of an fp64
@@ -1084,7 +1090,9 @@ class TorchStatsEngine:
 
     def _records_aten(self, tensors: Sequence[torch.Tensor], plan: StatPlan,
                       keys: Sequence[Tuple[int, str, str, Optional[int]]]) -> List[Record]:
-        """``record_many`` of tensors the one-pass kernel does not read: small tensors of
+        """``record_many`` of tensors the one-pass kernel does not read: on accelerators
+        those the fused kernel takes in one ``fused_reader`` call per device
+        (``_records_fused``); of the rest, small tensors of
         one device, dtype and shape (a model's repeated layers, an MoE model's experts) in
         grouped reductions (``_grouped_vectors``: a handful of ATen calls per group
         instead of five or six per tensor, none of which waits for the device), the others
