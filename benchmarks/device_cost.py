@@ -266,9 +266,9 @@ def _triton_bytes(name: str, args: Sequence[Any], kwargs: Dict[str, Any]) -> Tup
     """(bytes read, bytes written) of a Triton launch. The statistics kernel's first launch
     (``partials_kernel(table, n, ...)``) reads each element of the tensors its table names
     once (its design: a chunk is read a second time only where its fp32 sums overflowed
-    or underflowed), the table, and writes its partials; any other launch reads its
-    tensor arguments but the last two and writes those (``finish_kernel``: the partials
-    and the table in, the vectors and counts out)."""
+    or underflowed), the table, and writes its partials; its second (``finish_kernel``)
+    reads the table and the partials and writes the vectors and counts; any other launch
+    counts its tensor arguments as read."""
     tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
     if name == "partials_kernel" and len(args) >= 5:
         table, n, partials = args[0], int(args[1]), args[4]
@@ -276,8 +276,8 @@ def _triton_bytes(name: str, args: Sequence[Any], kwargs: Dict[str, Any]) -> Tup
         codes = table[2 * n:3 * n].tolist()
         data = sum(numel * _KERNEL_ELEMENT_BYTES[code] for numel, code in zip(numels, codes))
         return data + _distinct_bytes(table), _distinct_bytes(partials)
-    if len(tensors) > 2:
-        return sum(map(_distinct_bytes, tensors[:-2])), sum(map(_distinct_bytes, tensors[-2:]))
+    if name == "finish_kernel" and len(tensors) > 2:
+        return sum(map(_distinct_bytes, tensors[:2])), sum(map(_distinct_bytes, tensors[2:]))
     return sum(map(_distinct_bytes, tensors)), 0
 
 
@@ -488,19 +488,21 @@ class ModelledKernel:
         if not tensors or not all(map(_kernel_takes, tensors)) or len({t.device for t in tensors}) != 1:
             return None
         n = len(tensors)
-        chunk = _h100_chunk(sum(t.numel() for t in tensors))
-        n_chunks = sum(-(-t.numel() // chunk) for t in tensors)
+        numels = [t.numel() for t in tensors]
+        chunk = _h100_chunk(sum(numels))
         device = tensors[0].device
-        table = 8 * (4 * n + 1)
-        partials = torch.empty(triton_stats._PARTIALS * max(n_chunks, 1), dtype=torch.float64, device=device)
         vectors = torch.empty((n, 4), dtype=torch.float64, device=device)
         counts = torch.empty((2, n), dtype=torch.int64, device=device)
-        data = sum(t.numel() * t.element_size() for t in tensors)
-        if n_chunks:
-            self.tracer.launch("triton:partials_kernel", data + table, _distinct_bytes(partials), 1)
-        self.tracer.launch("triton:finish_kernel", _distinct_bytes(partials) + table,
-                           _distinct_bytes(vectors) + _distinct_bytes(counts), 1)
-        del partials
+        for start, stop in triton_stats.parts(numels, chunk):  # a pair of launches a part, as read_many
+            m = stop - start
+            n_chunks = sum(-(-numel // chunk) for numel in numels[start:stop])
+            table = 8 * (4 * m + 1)
+            partials = torch.empty(triton_stats._PARTIALS * max(n_chunks, 1), dtype=torch.float64, device=device)
+            data = sum(t.numel() * t.element_size() for t in tensors[start:stop])
+            if n_chunks:
+                self.tracer.launch("triton:partials_kernel", data + table, _distinct_bytes(partials), 1)
+            self.tracer.launch("triton:finish_kernel", _distinct_bytes(partials) + table, 48 * m, 1)
+            del partials
         absent = [None] * n
         nans, zeros = counts.unbind(0)  # (indexing a fake cuda tensor asks a torch without CUDA for its device)
         return list(zip(vectors.unbind(0), nans.unbind(0) if plan.nans else absent,
@@ -792,8 +794,8 @@ def table(reads: Sequence[Read], seam_note: str = "") -> str:
 NOTE = ("Fallback: the ATen path on fake `cuda` tensors at full shapes, every op counted (the fused "
         "reader off, as on a device without Triton). Kernel path: the same fake tensors with the engine's "
         "fused reader in place; Triton cannot run on fake tensors, so each read it takes counts the "
-        "kernel's two launches and one read of its tensors' bytes (plus its table, partials and "
-        "results), a model. Seam: the small shapes on real CPU tensors through "
+        "kernel's two launches (a pair for each part of at most 2^17 chunks, 8.6G elements) and one read of "
+        "its tensors' bytes (plus its table, partials and results), a model. Seam: the small shapes on real CPU tensors through "
         "MSPROBE_MONITOR_ACCEL_ON_CPU=1 with TRITON_INTERPRET=1, the Triton kernel run: its launches "
         "counted, its bytes read from its table (each element once). The table of addresses each call "
         "copies to the device (16 bytes a tensor, from pinned memory, not a kernel) is not counted as a "

@@ -311,6 +311,33 @@ def check_one_list_two_launches() -> None:
             kernel.pre_run_hooks.remove(hook)
 
 
+def check_long_list_in_parts() -> None:
+    assert triton_stats.parts([5000, 5000, 1, 9000, 0, 2048], 2048, most=4) == [(0, 1), (1, 3), (3, 4), (4, 6)]
+    assert triton_stats.parts([10 ** 6], 2048, most=4) == [(0, 1)]  # more chunks than that: a part alone
+    launches, hooks = _count_launches()
+    most = triton_stats._MAX_CHUNKS_A_LAUNCH
+    triton_stats._MAX_CHUNKS_A_LAUNCH = 4
+    try:
+        tensors = [_data(n, list(DTYPES.values())[i % 3], i) for i, n in enumerate([5000, 5000, 1, 9000, 0, 2048])]
+        tensors[1][17] = math.nan
+        tensors[3][0] = 0.0
+        vectors, nans, zeros = triton_stats.read_many(tensors, True, chunk=2048)
+        assert launches == ["partials", "finish"] * 4, launches
+        for i, t in enumerate(tensors):
+            _check(vectors[i], int(nans[i]), int(zeros[i]), t, f"part list[{i}]")
+    finally:
+        triton_stats._MAX_CHUNKS_A_LAUNCH = most
+        for kernel, hook in hooks:
+            kernel.pre_run_hooks.remove(hook)
+
+
+def test_a_long_list_is_read_in_parts(interpreted):
+    """A list of more chunks than one pair of launches reads (2^17; 4 here) is read in
+    parts, in order, a pair of launches each, so that the partials stay bounded; the
+    values are those of one list."""
+    interpreted(check_long_list_in_parts)
+
+
 def test_one_list_two_launches(interpreted):
     """A list of 150 tensors of mixed sizes and dtypes: one launch for the chunks, one to
     finish; a list of empty tensors needs only the second."""
@@ -427,7 +454,8 @@ def check_kernels_compile(backend: str, arch: Any, warp: int) -> None:
         wide_loads[aligned] = len(re.findall(r"ld\.global\.v4\.b32|global_load_dwordx[24]", code))
     assert wide_loads[True] >= 3 and wide_loads[False] == 0, wide_loads
     finish = ASTSource(finish_kernel, {"table": "*i64", "n": "i32", "partials": "*fp64", "n_chunks": "i32",
-                                       "vectors": "*fp64", "counts": "*i64", "BLOCK": "constexpr"},
+                                       "vectors": "*fp64", "nan_counts": "*i64", "zero_counts": "*i64",
+                                       "BLOCK": "constexpr"},
                        constexprs={"BLOCK": triton_stats._FINISH_BLOCK})
     assert triton.compile(finish, target=target, options={"num_warps": 4}).asm
 

@@ -22,6 +22,9 @@ How a list is read:
   ``_BLOCK`` and ``_MAX_CHUNK`` elements.
 - Launch 2 runs one program per tensor and adds its chunks' partials in fp64; the
   vector is ``[min, max, sum, sqrt(sum of squares)]`` in fp64.
+- A list of more than ``_MAX_CHUNKS_A_LAUNCH`` chunks (2^17: 8.6G elements at the largest
+  chunk) is read in parts of at most that many chunks (``parts``), a pair of launches each,
+  so that the partials, 48 bytes a chunk, stay under 6 MiB.
 
 Values, as the C kernel's:
 
@@ -84,6 +87,9 @@ _MAX_CHUNK = 1 << 16  # elements a program reads at most (then 32 fp32 additions
 _PROGRAMS_PER_SM = 8  # a list is cut into at least this many chunks a multiprocessor
 _PARTIALS = 6  # min, max, sum, sum of squares, NaN count, zero count
 _TINY_SUMSQ = 2.0 ** -80  # below it, subnormal squares may matter: the chunk is read in fp64
+# chunks one pair of launches reads at most: 6 MiB of partials (48 bytes a chunk), 8.6G
+# elements at the largest chunk; a longer list takes one more pair a part
+_MAX_CHUNKS_A_LAUNCH = 1 << 17
 
 _said = LogOnce()
 _failed: set = set()  # device types whose build or launch failed once: not tried again
@@ -304,7 +310,7 @@ def _kernels() -> Tuple[Any, Any]:
         tl.store(partials + 5 * n_chunks + pid, zero_count.to(tl.float64))
 
     @triton.jit
-    def finish_kernel(table, n, partials, n_chunks, vectors, counts, BLOCK: tl.constexpr):
+    def finish_kernel(table, n, partials, n_chunks, vectors, nan_counts, zero_counts, BLOCK: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         first = tl.load(table + 3 * n + t)
         last = tl.load(table + 3 * n + t + 1)
@@ -331,8 +337,8 @@ def _kernels() -> Tuple[Any, Any]:
         tl.store(vectors + 4 * t + 1, tl.where(undefined, float("nan"), tl.max(mx, axis=0)))
         tl.store(vectors + 4 * t + 2, tl.sum(s, axis=0))
         tl.store(vectors + 4 * t + 3, tl.sqrt(tl.sum(q, axis=0)))
-        tl.store(counts + t, nan_count.to(tl.int64))
-        tl.store(counts + n + t, tl.sum(zeros, axis=0).to(tl.int64))
+        tl.store(nan_counts + t, nan_count.to(tl.int64))
+        tl.store(zero_counts + t, tl.sum(zeros, axis=0).to(tl.int64))
 
     _fold_tile, _pointer, _reduce_chunk = fold_tile, pointer, reduce_chunk
     _built = (mode, partials_kernel, finish_kernel)
@@ -406,21 +412,43 @@ def read_many(tensors: Sequence[torch.Tensor], zeros: bool, *, chunk: Optional[i
         return None
 
 
+def parts(numels: Sequence[int], chunk: int, most: Optional[int] = None) -> List[Tuple[int, int]]:
+    """``[start, stop)`` ranges of a list, in order, each read by one pair of launches:
+    together at most ``most`` chunks (``_MAX_CHUNKS_A_LAUNCH``), so that the partials of
+    one launch stay under 6 MiB however long the list (a tensor with more chunks than
+    that is a part alone)."""
+    most = _MAX_CHUNKS_A_LAUNCH if most is None else most
+    out: List[Tuple[int, int]] = []
+    start = taken = 0
+    for i, numel in enumerate(numels):
+        chunks = -(-numel // chunk)
+        if taken and taken + chunks > most:
+            out.append((start, i))
+            start, taken = i, 0
+        taken += chunks
+    out.append((start, len(numels)))
+    return out
+
+
 def _launch(tensors: Sequence[torch.Tensor], zeros: bool, chunk: int, block: int,
             device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     partials_kernel, finish_kernel = _kernels()
     n = len(tensors)
-    table, n_chunks, aligned = _table(tensors, chunk, device)
-    partials = torch.empty(_PARTIALS * max(n_chunks, 1), dtype=torch.float64, device=device)
     vectors = torch.empty((n, 4), dtype=torch.float64, device=device)
     counts = torch.empty((2, n), dtype=torch.int64, device=device)
     guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with guard:
-        if n_chunks:
-            partials_kernel[(n_chunks,)](table, n, n.bit_length(), chunk, partials, n_chunks, BLOCK=block,
-                                         ZEROS=zeros, TINY=_TINY_SUMSQ, ALIGNED=aligned, num_warps=_WARPS)
-        finish_kernel[(n,)](table, n, partials, n_chunks, vectors, counts, BLOCK=_FINISH_BLOCK,
-                            num_warps=4)
+        for start, stop in parts([t.numel() for t in tensors], chunk):
+            part = tensors[start:stop]
+            m = stop - start
+            table, n_chunks, aligned = _table(part, chunk, device)
+            partials = torch.empty(_PARTIALS * max(n_chunks, 1), dtype=torch.float64, device=device)
+            if n_chunks:
+                partials_kernel[(n_chunks,)](table, m, m.bit_length(), chunk, partials, n_chunks, BLOCK=block,
+                                             ZEROS=zeros, TINY=_TINY_SUMSQ, ALIGNED=aligned, num_warps=_WARPS)
+            finish_kernel[(m,)](table, m, partials, n_chunks, vectors[start:stop], counts[0, start:stop],
+                                counts[1, start:stop], BLOCK=_FINISH_BLOCK, num_warps=4)
+            del partials  # the next part's may reuse its memory (the caching allocator orders them on the stream)
     return vectors, counts[0], counts[1] if zeros else None
 
 
