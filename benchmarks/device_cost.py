@@ -794,12 +794,12 @@ def table(reads: Sequence[Read], seam_note: str = "") -> str:
 NOTE = ("Fallback: the ATen path on fake `cuda` tensors at full shapes, every op counted (the fused "
         "reader off, as on a device without Triton). Kernel path: the same fake tensors with the engine's "
         "fused reader in place; Triton cannot run on fake tensors, so each read it takes counts the "
-        "kernel's two launches (a pair for each part of at most 2^17 chunks, 8.6G elements) and one read of "
-        "its tensors' bytes (plus its table, partials and results), a model. Seam: the small shapes on real CPU tensors through "
-        "MSPROBE_MONITOR_ACCEL_ON_CPU=1 with TRITON_INTERPRET=1, the Triton kernel run: its launches "
-        "counted, its bytes read from its table (each element once). The table of addresses each call "
-        "copies to the device (16 bytes a tensor, from pinned memory, not a kernel) is not counted as a "
-        "launch. Times are estimates from the stated constants.")
+        "kernel's two launches (a pair for each part of at most 2^17 chunks, 8.6G elements) and one "
+        "read of its tensors' bytes (plus its table, partials and results), a model. Seam: the small "
+        "shapes on real CPU tensors through MSPROBE_MONITOR_ACCEL_ON_CPU=1 with TRITON_INTERPRET=1, the "
+        "Triton kernel run: its launches counted, its bytes read from its table (each element once). The "
+        "table of addresses each call copies to the device (16 bytes a tensor, from pinned memory, not a "
+        "kernel) is not counted as a launch. Times are estimates from the stated constants.")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
