@@ -10,7 +10,9 @@ test_stats_grouped.py's ``AtenCalls`` does): ATen ops per tensor, bytes they rea
 write, and the largest set of temporaries alive at once. The whole monitor (every monitor
 on test_module.py's tiny GPT, sync and async writer) runs under the seam with its rows
 against NumPy and training bit-identical. The CUDA-only checks (capture, streams) are at
-the end and run on a GPU machine.
+the end and run on a GPU machine. This process has no ``TRITON_INTERPRET=1``, so the fused
+Triton kernel does not read CPU tensors here: these are the ATen path's checks (said once at
+INFO, the last test); test_kernel_path.py runs the kernel's path under the seam.
 """
 
 import copy
@@ -457,3 +459,33 @@ def test_ddp_two_ranks_under_the_seam(tmp_path):
                 _tight(find_row(rows, step=s, module_name=name, scope="unreduced"), local)
                 mean = sum(sum(g[name] for g in refs[q]["grads"][s]) for q in range(2)) / 2
                 _tight(find_row(rows, step=s, module_name=name, scope="reduced"), mean)
+
+
+# ------------------------------------------------------------------ the fused kernel's absence
+def test_where_the_kernel_does_not_read_the_reads_use_aten_said_once(seam, monkeypatch, caplog):
+    """Under the seam without Triton's interpreter the fused kernel cannot read CPU tensors
+    (on a device: no Triton, no back end for it): every read takes the ATen path, with
+    the values right, and one INFO line says why; the engine does not ask again."""
+    from msprobe.core.monitor_v2.frameworks.pytorch import triton_stats
+    from msprobe.core.monitor_v2.logonce import LogOnce
+
+    if triton_stats.available(torch.device("cpu")):  # TRITON_INTERPRET=1 in this process since Triton's import
+        pytest.fail("this check needs a process without TRITON_INTERPRET=1 (test_kernel_path.py runs that case)")
+    monkeypatch.setattr(torch_stats, "_no_kernel", set())
+    monkeypatch.setattr(triton_stats, "_said", LogOnce())
+    asked: List[int] = []
+    usable = triton_stats.usable
+    monkeypatch.setattr(triton_stats, "usable", lambda device: asked.append(1) or usable(device))
+    caplog.set_level("INFO", logger="msprobe.monitor_v2")
+    g = torch.Generator().manual_seed(12)
+    tensors = [torch.randn(70000, generator=g), torch.randn(50, generator=g).bfloat16()]
+    plan = StatPlan.from_ops(ALL_OPS)
+    recs = seam.record_many(tensors, plan, [(0, f"t{i}", "s", None) for i in range(len(tensors))])
+    recs += [seam.record(t, plan, 0, f"one{i}", "s") for i, t in enumerate(tensors)]
+    _host(seam, recs)
+    for rec, t in zip(recs, tensors + tensors):
+        _assert_matches_numpy(rec.vector, rec.nans, rec.zeros, rec.numel, t, rec.name)
+    said = [r for r in caplog.records if "Triton statistics kernel" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "INFO", [r.getMessage() for r in said]
+    assert "does not read cpu tensors (" in said[0].getMessage() and "use ATen" in said[0].getMessage()
+    assert asked == [1]  # found once, then skipped without a call
