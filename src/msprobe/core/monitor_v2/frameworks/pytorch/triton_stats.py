@@ -390,8 +390,7 @@ def read_many(tensors: Sequence[torch.Tensor], zeros: bool, *, chunk: Optional[i
     for t in tensors:
         if t.device != device or not accepts(t):
             raise ValueError(f"read_many cannot read a {t.dtype} tensor of layout {t.layout} on {t.device} "
-                             f"(dense: {_dense(t)}) in a list on {device}: check accepts() "
-                             f"first")
+                             f"(dense: {_dense(t)}) in a list on {device}: check accepts() first")
     why = why_unavailable(device)
     if why is not None:
         _say_unavailable(device, why)
