@@ -311,7 +311,8 @@ def device_vectors(tensors: Sequence[torch.Tensor], plan: StatPlan,
             return got
     device = tensors[0].device
     wide = _norm_dtype(device)
-    zero = zero_of(device, wide)
+    # the stand-in for a statistic the plan leaves out, made only then (a launch once)
+    zero = None if plan.minmax and plan.total and plan.norm else zero_of(device, wide)
     norms = device_norms(tensors, wide) if plan.norm else [zero] * len(tensors)
     out = []
     for t, norm in zip(tensors, norms):
@@ -503,29 +504,26 @@ def _grouped_device(group: List[torch.Tensor], plan: StatPlan,
                     zero_of: Callable[[torch.device, torch.dtype], torch.Tensor],
                     ) -> Tuple[Sequence[Any], Sequence[Any], Sequence[Any], int]:
     """``_grouped_vectors`` on an accelerator: the group stacked in its own dtype (one
-    bounded copy, ``GROUP_ELEMENTS`` at most), reduced along rows as ``device_vectors``
-    reduces one tensor (``aminmax``, an fp32 sum, fp64 norms in one multi-tensor call, the
-    NaN and zero counts of the block: at most 4 bytes an element), and the rows' vectors
-    as one ``[n, 4]`` tensor whose rows ``to_host`` moves with the step's others."""
+    bounded copy, ``GROUP_ELEMENTS`` at most) and reduced along its rows as
+    ``device_vectors`` reduces one tensor: ``aminmax``, an fp32 sum, the rows' norms in one
+    multi-tensor call, the NaN (and zero) counts of the block. Six launches for the whole
+    group (eight with zeros), whatever its size: each tensor's vector is a ``DeviceStats``
+    of its rows' 0-d results (views: no cast, no stack of the four columns; ``to_host``
+    joins them with the step's others, widening each to the buffer's dtype exactly)."""
     numel = group[0].numel()
     device = group[0].device
     wide = _norm_dtype(device)
+    count = len(group)
     with torch.no_grad():
-        x = torch.stack(group).reshape(len(group), numel)
-        zero = zero_of(device, wide).expand(len(group))
-        total = x.sum(dim=1, dtype=_sum_dtype(x)).to(wide) if plan.total else zero
-        norm = torch.stack(device_norms(list(x.unbind(0)), wide)) if plan.norm else zero
-        if plan.minmax:
-            mn, mx = torch.aminmax(x, dim=1)
-            mn, mx = mn.to(wide), mx.to(wide)
-        else:
-            mn = mx = zero
-        vectors = torch.stack((mn, mx, total, norm), dim=1)
-        nans = torch.isnan(x).sum(dim=1) if plan.nans else None
-        zeros = torch.eq(x, 0).sum(dim=1) if plan.zeros else None
-    absent = [None] * len(group)
-    return (vectors.unbind(0), absent if nans is None else nans.unbind(0),
-            absent if zeros is None else zeros.unbind(0), numel)
+        x = torch.stack(group).reshape(count, numel)
+        zero = None if plan.minmax and plan.total and plan.norm else zero_of(device, wide)
+        mn, mx = torch.aminmax(x, dim=1) if plan.minmax else ((zero,) * count, (zero,) * count)
+        total = x.sum(dim=1, dtype=_sum_dtype(x)) if plan.total else (zero,) * count
+        norms = device_norms(list(x.unbind(0)), wide) if plan.norm else (zero,) * count
+        nans = torch.isnan(x).sum(dim=1).unbind(0) if plan.nans else [None] * count
+        zeros = torch.eq(x, 0).sum(dim=1).unbind(0) if plan.zeros else [None] * count
+    vectors = [DeviceStats(parts) for parts in zip(mn, mx, total, norms)]
+    return vectors, nans, zeros, numel
 
 
 def _memory_key(t: torch.Tensor, plan: StatPlan) -> Optional[Tuple[int, int, torch.dtype, Tuple[bool, ...]]]:
