@@ -461,8 +461,8 @@ def _grouped_vectors(group: List[torch.Tensor], plan: StatPlan,
     nothing is kept) and reduced along its rows: one ``aminmax``, one sum, one norm and
     one NaN count for the whole group, where each tensor alone costs five or six ATen
     calls whose fixed cost, not the data, is most of a small tensor's time. On an
-    accelerator nothing is read back (the results are one ``[n, 4]`` device tensor and
-    its rows, which ``to_host`` moves with the step's others); on the CPU, where reading a
+    accelerator nothing is read back (each tensor's vector is a ``DeviceStats`` of its
+    row's results, which ``to_host`` moves with the step's others); on the CPU, where reading a
     value is not a synchronisation, the results are host values, and the NaN count runs
     only where a statistic is not finite (as ``_nan_count`` does). ``on_host`` False: the
     accelerator reads (``_grouped_device``), also for CPU tensors under the test seam."""
