@@ -302,8 +302,9 @@ fused_reader: Optional[Callable[[Sequence[torch.Tensor], StatPlan], Optional[Lis
 def device_vectors(tensors: Sequence[torch.Tensor], plan: StatPlan,
                    zero_of: Callable[[torch.device, torch.dtype], torch.Tensor]) -> List[Tuple[Any, Any, Any]]:
     """``(vector, nans, zeros)`` of prepared, non-empty tensors of one accelerator, with
-    nothing read back: per tensor ``aminmax``, an fp32 ``sum`` and the chunked NaN (and
-    zero) counts; the norms of the whole list in one multi-tensor call. The fused kernel
+    nothing read back: per tensor ``aminmax`` and an fp32 ``sum``; the norms of the whole
+    list in one multi-tensor call; the NaN (and zero) counts in bounded booleans, those of
+    same-size tensors side by side in one (``_shared_counts``). The fused kernel
     (``fused_reader``) first, where one is set."""
     if fused_reader is not None:
         got = fused_reader(tensors, plan)
@@ -314,14 +315,53 @@ def device_vectors(tensors: Sequence[torch.Tensor], plan: StatPlan,
     # the stand-in for a statistic the plan leaves out, made only then (a launch once)
     zero = None if plan.minmax and plan.total and plan.norm else zero_of(device, wide)
     norms = device_norms(tensors, wide) if plan.norm else [zero] * len(tensors)
+    nans = _shared_counts(tensors, _mark_nan, torch.isnan) if plan.nans else [None] * len(tensors)
+    zeros = _shared_counts(tensors, _mark_zero, _is_zero) if plan.zeros else [None] * len(tensors)
     out = []
-    for t, norm in zip(tensors, norms):
+    for t, norm, nan_count, zero_count in zip(tensors, norms, nans, zeros):
         mn, mx = torch.aminmax(t) if plan.minmax else (zero, zero)
         total = t.sum(dtype=_sum_dtype(t)) if plan.total else zero
-        nans = _device_count(t, torch.isnan) if plan.nans else None
-        zeros = _device_count(t, _is_zero) if plan.zeros else None
-        out.append((DeviceStats((mn, mx, total, norm)), nans, zeros))
+        out.append((DeviceStats((mn, mx, total, norm)), nan_count, zero_count))
     return out
+
+
+def _mark_nan(t: torch.Tensor, marks: torch.Tensor) -> None:
+    torch.ne(t, t, out=marks)  # true exactly for NaN: isnan, written into ``marks``
+
+
+def _mark_zero(t: torch.Tensor, marks: torch.Tensor) -> None:
+    torch.eq(t, 0, out=marks)
+
+
+def _shared_counts(tensors: Sequence[torch.Tensor], mark: Callable[[torch.Tensor, torch.Tensor], None],
+                   what: Callable[[torch.Tensor], torch.Tensor]) -> List[Any]:
+    """Per tensor of one device, the elements ``what`` holds for, counted on the device
+    (``_device_count``'s values). ATen has no reduction that counts NaNs, so each count is
+    a boolean of its tensor (``mark`` writes it) and the boolean's sum: two launches. Tensors
+    of one size up to half a counting chunk write theirs into the rows of one buffer of at
+    most ``_COUNT_CHUNK`` bytes, summed along its rows in one launch: one launch a tensor and
+    one a buffer (a list of 4M-element experts: 1.5 a tensor instead of 2). The others are
+    counted alone, larger ones chunk by chunk."""
+    counts: List[Any] = [None] * len(tensors)
+    by_size: Dict[int, List[int]] = defaultdict(list)
+    for i, t in enumerate(tensors):
+        if t.numel() <= _COUNT_CHUNK // 2:
+            by_size[t.numel()].append(i)
+        else:
+            counts[i] = _device_count(t, what)
+    for numel, members in by_size.items():
+        rows = _COUNT_CHUNK // numel
+        for start in range(0, len(members), rows):
+            part = members[start:start + rows]
+            if len(part) == 1:
+                counts[part[0]] = _device_count(tensors[part[0]], what)
+                continue
+            marks = torch.empty((len(part), numel), dtype=torch.bool, device=tensors[part[0]].device)
+            for row, i in zip(marks, part):
+                mark(tensors[i], row.view(tensors[i].shape))
+            for i, count in zip(part, marks.sum(dim=1).unbind(0)):
+                counts[i] = count
+    return counts
 
 
 def _sumsq_cpu(flat: torch.Tensor) -> torch.Tensor:
