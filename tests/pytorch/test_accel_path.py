@@ -374,22 +374,26 @@ def test_a_fresh_engine_launches_only_the_reductions(seam):
 @pytest.mark.parametrize("ops", [("min", "max", "mean", "norm", "nans"), ALL_OPS], ids=["nans", "nans-zeros"])
 def test_same_size_tensors_of_a_list_share_their_count_buffer(seam, ops):
     """``record_many`` of eight tensors of 2^20 elements (an MoE model's experts, a model's
-    repeated projections): their NaN (and zero) booleans are the rows of one 8 MiB buffer,
+    repeated projections; one a transposed view): their NaN (and zero) booleans are the rows of one 8 MiB buffer,
     summed in one launch: per tensor ``aminmax``, ``sum`` and the boolean (``ne``, ``eq``),
-    one sum of the buffer and one ``_foreach_norm`` for the list (8 x 4 + 1 launches before,
-    8 x 6 + 1 with zeros); the counts exact, with no temporary above 8 MiB."""
+    one sum of the buffer and one ``_foreach_norm`` for the list (and the transposed one's
+    copy and norm: 8 x 4 + 3 launches before, 8 x 6 + 3 with zeros); the counts exact, with
+    no temporary above 8 MiB."""
     g = torch.Generator().manual_seed(20)
     tensors = [torch.randn(1 << 10, 1 << 10, generator=g).to(torch.bfloat16) for _ in range(8)]
     tensors[2][5, 7] = tensors[2][0, 0] = tensors[7][1023, 1023] = math.nan
     tensors[3][4, :] = 0.0
     tensors[3][5, 1] = -0.0
     tensors[6][:, 9] = math.inf
+    tensors[5] = tensors[5].t()  # a view that is not contiguous writes its row all the same
+    tensors[5][0, 3] = math.nan
     plan = StatPlan.from_ops(ops)
     torch_stats._norm_dtype(torch.device("cpu"))  # the once-a-process probe, outside the count
     with OpCost() as cost:
         recs = seam.record_many(tensors, plan, [(0, f"t{i}", "s", None) for i in range(len(tensors))])
     launched = Counter({op: k for op, k in cost.ops.items() if not op.startswith("empty")})
-    want = Counter({"aminmax": 8, "sum": 8 + 1, "ne": 8, "_foreach_norm": 1})
+    # the transposed one's norm reads a contiguous copy of it (``_strided_norm``, 2 MiB)
+    want = Counter({"aminmax": 8, "sum": 8 + 1, "ne": 8, "_foreach_norm": 1 + 1, "clone": 1})
     if plan.zeros:
         want.update({"eq": 8, "sum": 1})
     assert launched == want, launched
