@@ -57,7 +57,6 @@ class OpCost(SeenByTheEngine):
         self.ops: Counter = Counter()
         self.read = self.written = 0
         self.live = self.peak = 0
-        self._storages: Dict[int, int] = {}
 
     def _freed(self, nbytes: int) -> None:
         self.live -= nbytes
@@ -70,12 +69,13 @@ class OpCost(SeenByTheEngine):
         for a in torch.utils._pytree.tree_leaves((args, kwargs)):
             if isinstance(a, torch.Tensor):
                 self.read += a.numel() * a.element_size()
+        # an out= or in-place op writes into a tensor that exists: no new temporary
+        writes_into = any(r.alias_info is not None for r in func._schema.returns)
         for o in torch.utils._pytree.tree_leaves(out):
             if isinstance(o, torch.Tensor):
                 nbytes = o.numel() * o.element_size()
                 self.written += nbytes
-                storage = o.untyped_storage()
-                if id(storage) not in self._storages:
+                if not writes_into:
                     self.live += nbytes
                     self.peak = max(self.peak, self.live)
                     weakref.finalize(o, self._freed, nbytes)
@@ -278,6 +278,128 @@ def test_a_list_reads_its_norms_in_one_multi_tensor_call(seam):
         recs = seam.record_many(tensors, plan, keys)
     assert cost.ops["_foreach_norm"] == 2, cost.ops
     assert cost.launches <= 4 * len(tensors) + 2, cost.ops
+    _host(seam, recs)
+    for rec, t in zip(recs, tensors):
+        _assert_matches_numpy(rec.vector, rec.nans, rec.zeros, rec.numel, t, rec.name)
+
+
+# ---------------------------------------------------- the size matrix (issue 48 item 2)
+MATRIX_SIZES = [0, 1, 1025, (1 << 20) + 3, (1 << 22) + 5]
+
+
+def _matrix_tensors(n: int, dtype: torch.dtype) -> List[torch.Tensor]:
+    """The matrix's tensors of ``n`` elements: ``_finite_and_special``'s (NaN, +-inf, -0.0,
+    zeros, one value near the dtype's maximum; above 2^16 elements only the first two, the
+    small sizes cover the others), an all-NaN one, and one whose values near the maximum
+    make a square sum that fp64 holds and fp32 does not (3e38 and -3e38: its sum stays
+    finite in any order; fp16's maximum squares within fp32 anyway)."""
+    out = _finite_and_special(n, dtype)
+    if n > 1 << 16:
+        out = out[:2]
+    if n:
+        out.append(torch.full((n,), math.nan, dtype=dtype))
+    if n >= 3:
+        big = 3.0e38 if dtype != torch.float16 else 65000.0
+        wide = _special(n, dtype, seed=1)
+        wide[0], wide[n // 2] = big, -big
+        out.append(wide)
+    return out
+
+
+@pytest.mark.parametrize("n", MATRIX_SIZES, ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_size_matrix_in_hooks_and_in_lists_against_numpy(seam, dtype, n):
+    """Each tensor of the matrix read as a hook reads it (``record``) and all of them in
+    one ``record_many`` (small same-shape ones grouped, the others one multi-tensor norm
+    call): min, max, NaN and zero counts exact, mean and norm within 1e-6 of NumPy's
+    float64; a tensor with a NaN reads NaN everywhere, as the C kernel's does."""
+    plan = StatPlan.from_ops(ALL_OPS)
+    tensors = _matrix_tensors(n, dtype)
+    hooks = [seam.record(t, plan, 0, f"hook{i}", "s") for i, t in enumerate(tensors)]
+    listed = seam.record_many(tensors, plan, [(0, f"list{i}", "s", None) for i in range(len(tensors))])
+    _host(seam, hooks + listed)
+    for rec, t in zip(hooks + listed, tensors + tensors):
+        _assert_matches_numpy(rec.vector, rec.nans, rec.zeros, rec.numel, t, f"{rec.name} {dtype} n={n}")
+
+
+def test_a_2_24_plus_7_fp32_tensor_against_numpy(seam):
+    """Above 2^24 elements an fp32 accumulator that added serially would drift (its
+    spacing at 1.7e7 is 2): values around 1, with a few specials, in a hook and in a list."""
+    n = (1 << 24) + 7
+    g = torch.Generator().manual_seed(24)
+    t = torch.randn(n, generator=g) * 0.5 + 1.0
+    t[3], t[n - 5], t[n // 2] = 0.0, -0.0, 3.0e38
+    plan = StatPlan.from_ops(ALL_OPS)
+    recs = [seam.record(t, plan, 0, "hook", "s"), *seam.record_many([t, t[:1025]], plan, [(0, "l0", "s", None),
+                                                                                         (0, "l1", "s", None)])]
+    _host(seam, recs)
+    for rec, want in zip(recs, (t, t, t[:1025])):
+        _assert_matches_numpy(rec.vector, rec.nans, rec.zeros, rec.numel, want, rec.name)
+
+
+@pytest.mark.parametrize("members", [8, 64])
+def test_a_group_costs_six_launches_whatever_its_members(seam, members):
+    """``record_many`` of same-shape small tensors (a model's repeated layers): the stack,
+    ``aminmax``, the sum, one ``_foreach_norm`` for the rows, and the NaN count (``isnan``,
+    ``sum``): six launches for the group, none per member (no cast of the columns, no stack
+    of the four of them: each vector is its rows' 0-d results, joined at ``to_host``)."""
+    g = torch.Generator().manual_seed(members)
+    tensors = [torch.randn(30, 33, generator=g).to(torch.bfloat16) for _ in range(members)]
+    tensors[1][2, 3] = math.nan
+    tensors[2][0, 0] = math.inf
+    plan = StatPlan.from_ops(("min", "max", "mean", "norm", "nans"))
+    torch_stats._norm_dtype(torch.device("cpu"))  # the once-a-process probe, outside the count
+    with OpCost() as cost:
+        recs = seam.record_many(tensors, plan, [(0, f"t{i}", "s", None) for i in range(members)])
+    assert cost.ops == Counter({"stack": 1, "aminmax": 1, "sum": 2, "_foreach_norm": 1, "isnan": 1}), cost.ops
+    _host(seam, recs)
+    for rec, t in zip(recs, tensors):
+        _assert_matches_numpy(rec.vector, rec.nans, rec.zeros, rec.numel, t, rec.name)
+
+
+def test_a_fresh_engine_launches_only_the_reductions(seam):
+    """The first read of a new engine launches what every read does, nothing more: the
+    stand-in zero of a statistic the plan leaves out is made only when one is left out."""
+    torch_stats._norm_dtype(torch.device("cpu"))  # the once-a-process probe, outside the count
+    t = torch.randn(5000, generator=torch.Generator().manual_seed(2))
+    with OpCost() as cost:
+        rec = seam.record(t, StatPlan.from_ops(("min", "max", "mean", "norm", "nans")), 0, "t", "s")
+    assert cost.ops == Counter({"aminmax": 1, "sum": 2, "_foreach_norm": 1, "isnan": 1}), cost.ops
+    with OpCost() as cost:
+        without_norm = seam.record(t, StatPlan.from_ops(("min", "max", "mean", "nans")), 0, "u", "s")
+    assert cost.ops == Counter({"zeros": 1, "aminmax": 1, "sum": 2, "isnan": 1}), cost.ops
+    _host(seam, [rec, without_norm])
+    _assert_matches_numpy(rec.vector, rec.nans, rec.zeros, rec.numel, t, "t")
+    assert without_norm.vector[3] == 0.0 and without_norm.vector[:3] == rec.vector[:3]
+
+
+@pytest.mark.parametrize("ops", [("min", "max", "mean", "norm", "nans"), ALL_OPS], ids=["nans", "nans-zeros"])
+def test_same_size_tensors_of_a_list_share_their_count_buffer(seam, ops):
+    """``record_many`` of eight tensors of 2^20 elements (an MoE model's experts, a model's
+    repeated projections; one a transposed view): their NaN (and zero) booleans are the rows of one 8 MiB buffer,
+    summed in one launch: per tensor ``aminmax``, ``sum`` and the boolean (``ne``, ``eq``),
+    one sum of the buffer and one ``_foreach_norm`` for the list (and the transposed one's
+    copy and norm: 8 x 4 + 3 launches before, 8 x 6 + 3 with zeros); the counts exact, with
+    no temporary above 8 MiB."""
+    g = torch.Generator().manual_seed(20)
+    tensors = [torch.randn(1 << 10, 1 << 10, generator=g).to(torch.bfloat16) for _ in range(8)]
+    tensors[2][5, 7] = tensors[2][0, 0] = tensors[7][1023, 1023] = math.nan
+    tensors[3][4, :] = 0.0
+    tensors[3][5, 1] = -0.0
+    tensors[6][:, 9] = math.inf
+    tensors[5] = tensors[5].t()  # a view that is not contiguous writes its row all the same
+    tensors[5][0, 3] = math.nan
+    plan = StatPlan.from_ops(ops)
+    torch_stats._norm_dtype(torch.device("cpu"))  # the once-a-process probe, outside the count
+    with OpCost() as cost:
+        recs = seam.record_many(tensors, plan, [(0, f"t{i}", "s", None) for i in range(len(tensors))])
+    launched = Counter({op: k for op, k in cost.ops.items() if not op.startswith("empty")})
+    # the transposed one's norm reads a contiguous copy of it (``_strided_norm``, 2 MiB)
+    want = Counter({"aminmax": 8, "sum": 8 + 1, "ne": 8, "_foreach_norm": 1 + 1, "clone": 1})
+    if plan.zeros:
+        want.update({"eq": 8, "sum": 1})
+    assert launched == want, launched
+    assert cost.peak <= 8 * MiB + 4096, cost.peak
     _host(seam, recs)
     for rec, t in zip(recs, tensors):
         _assert_matches_numpy(rec.vector, rec.nans, rec.zeros, rec.numel, t, rec.name)

@@ -340,8 +340,9 @@ def _kernel_tensor(t: torch.Tensor) -> Optional[torch.Tensor]:
 def device_vectors(tensors: Sequence[torch.Tensor], plan: StatPlan,
                    zero_of: Callable[[torch.device, torch.dtype], torch.Tensor]) -> List[Tuple[Any, Any, Any]]:
     """``(vector, nans, zeros)`` of prepared, non-empty tensors of one accelerator, with
-    nothing read back: per tensor ``aminmax``, an fp32 ``sum`` and the chunked NaN (and
-    zero) counts; the norms of the whole list in one multi-tensor call. The fused kernel
+    nothing read back: per tensor ``aminmax`` and an fp32 ``sum``; the norms of the whole
+    list in one multi-tensor call; the NaN (and zero) counts in bounded booleans, those of
+    same-size tensors side by side in one (``_shared_counts``). The fused kernel
     (``fused_reader``) first, where one is set."""
     if fused_reader is not None:
         got = fused_reader(tensors, plan)
@@ -349,16 +350,56 @@ def device_vectors(tensors: Sequence[torch.Tensor], plan: StatPlan,
             return got
     device = tensors[0].device
     wide = _norm_dtype(device)
-    zero = zero_of(device, wide)
+    # the stand-in for a statistic the plan leaves out, made only then (a launch once)
+    zero = None if plan.minmax and plan.total and plan.norm else zero_of(device, wide)
     norms = device_norms(tensors, wide) if plan.norm else [zero] * len(tensors)
+    nans = _shared_counts(tensors, _mark_nan, torch.isnan) if plan.nans else [None] * len(tensors)
+    zeros = _shared_counts(tensors, _mark_zero, _is_zero) if plan.zeros else [None] * len(tensors)
     out = []
-    for t, norm in zip(tensors, norms):
+    for t, norm, nan_count, zero_count in zip(tensors, norms, nans, zeros):
         mn, mx = torch.aminmax(t) if plan.minmax else (zero, zero)
         total = t.sum(dtype=_sum_dtype(t)) if plan.total else zero
-        nans = _device_count(t, torch.isnan) if plan.nans else None
-        zeros = _device_count(t, _is_zero) if plan.zeros else None
-        out.append((DeviceStats((mn, mx, total, norm)), nans, zeros))
+        out.append((DeviceStats((mn, mx, total, norm)), nan_count, zero_count))
     return out
+
+
+def _mark_nan(t: torch.Tensor, marks: torch.Tensor) -> None:
+    torch.ne(t, t, out=marks)  # true exactly for NaN: isnan, written into ``marks``
+
+
+def _mark_zero(t: torch.Tensor, marks: torch.Tensor) -> None:
+    torch.eq(t, 0, out=marks)
+
+
+def _shared_counts(tensors: Sequence[torch.Tensor], mark: Callable[[torch.Tensor, torch.Tensor], None],
+                   what: Callable[[torch.Tensor], torch.Tensor]) -> List[Any]:
+    """Per tensor of one device, the elements ``what`` holds for, counted on the device
+    (``_device_count``'s values). ATen has no reduction that counts NaNs, so each count is
+    a boolean of its tensor (``mark`` writes it) and the boolean's sum: two launches. Tensors
+    of one size up to half a counting chunk write theirs into the rows of one buffer of at
+    most ``_COUNT_CHUNK`` bytes, summed along its rows in one launch: one launch a tensor and
+    one a buffer (a list of 4M-element experts: 1.5 a tensor instead of 2). The others are
+    counted alone, larger ones chunk by chunk."""
+    counts: List[Any] = [None] * len(tensors)
+    by_size: Dict[int, List[int]] = defaultdict(list)
+    for i, t in enumerate(tensors):
+        if t.numel() <= _COUNT_CHUNK // 2:
+            by_size[t.numel()].append(i)
+        else:
+            counts[i] = _device_count(t, what)
+    for numel, members in by_size.items():
+        rows = _COUNT_CHUNK // numel
+        for start in range(0, len(members), rows):
+            part = members[start:start + rows]
+            if len(part) == 1:
+                counts[part[0]] = _device_count(tensors[part[0]], what)
+                continue
+            marks = torch.empty((len(part), numel), dtype=torch.bool, device=tensors[part[0]].device)
+            for row, i in zip(marks, part):
+                mark(tensors[i], row.view(tensors[i].shape))
+            for i, count in zip(part, marks.sum(dim=1).unbind(0)):
+                counts[i] = count
+    return counts
 
 
 def _sumsq_cpu(flat: torch.Tensor) -> torch.Tensor:
@@ -498,8 +539,8 @@ def _grouped_vectors(group: List[torch.Tensor], plan: StatPlan,
     nothing is kept) and reduced along its rows: one ``aminmax``, one sum, one norm and
     one NaN count for the whole group, where each tensor alone costs five or six ATen
     calls whose fixed cost, not the data, is most of a small tensor's time. On an
-    accelerator nothing is read back (the results are one ``[n, 4]`` device tensor and
-    its rows, which ``to_host`` moves with the step's others); on the CPU, where reading a
+    accelerator nothing is read back (each tensor's vector is a ``DeviceStats`` of its
+    row's results, which ``to_host`` moves with the step's others); on the CPU, where reading a
     value is not a synchronisation, the results are host values, and the NaN count runs
     only where a statistic is not finite (as ``_nan_count`` does). ``on_host`` False: the
     accelerator reads (``_grouped_device``), also for CPU tensors under the test seam."""
@@ -541,29 +582,26 @@ def _grouped_device(group: List[torch.Tensor], plan: StatPlan,
                     zero_of: Callable[[torch.device, torch.dtype], torch.Tensor],
                     ) -> Tuple[Sequence[Any], Sequence[Any], Sequence[Any], int]:
     """``_grouped_vectors`` on an accelerator: the group stacked in its own dtype (one
-    bounded copy, ``GROUP_ELEMENTS`` at most), reduced along rows as ``device_vectors``
-    reduces one tensor (``aminmax``, an fp32 sum, fp64 norms in one multi-tensor call, the
-    NaN and zero counts of the block: at most 4 bytes an element), and the rows' vectors
-    as one ``[n, 4]`` tensor whose rows ``to_host`` moves with the step's others."""
+    bounded copy, ``GROUP_ELEMENTS`` at most) and reduced along its rows as
+    ``device_vectors`` reduces one tensor: ``aminmax``, an fp32 sum, the rows' norms in one
+    multi-tensor call, the NaN (and zero) counts of the block. Six launches for the whole
+    group (eight with zeros), whatever its size: each tensor's vector is a ``DeviceStats``
+    of its rows' 0-d results (views: no cast, no stack of the four columns; ``to_host``
+    joins them with the step's others, widening each to the buffer's dtype exactly)."""
     numel = group[0].numel()
     device = group[0].device
     wide = _norm_dtype(device)
+    count = len(group)
     with torch.no_grad():
-        x = torch.stack(group).reshape(len(group), numel)
-        zero = zero_of(device, wide).expand(len(group))
-        total = x.sum(dim=1, dtype=_sum_dtype(x)).to(wide) if plan.total else zero
-        norm = torch.stack(device_norms(list(x.unbind(0)), wide)) if plan.norm else zero
-        if plan.minmax:
-            mn, mx = torch.aminmax(x, dim=1)
-            mn, mx = mn.to(wide), mx.to(wide)
-        else:
-            mn = mx = zero
-        vectors = torch.stack((mn, mx, total, norm), dim=1)
-        nans = torch.isnan(x).sum(dim=1) if plan.nans else None
-        zeros = torch.eq(x, 0).sum(dim=1) if plan.zeros else None
-    absent = [None] * len(group)
-    return (vectors.unbind(0), absent if nans is None else nans.unbind(0),
-            absent if zeros is None else zeros.unbind(0), numel)
+        x = torch.stack(group).reshape(count, numel)
+        zero = None if plan.minmax and plan.total and plan.norm else zero_of(device, wide)
+        mn, mx = torch.aminmax(x, dim=1) if plan.minmax else ((zero,) * count, (zero,) * count)
+        total = x.sum(dim=1, dtype=_sum_dtype(x)) if plan.total else (zero,) * count
+        norms = device_norms(list(x.unbind(0)), wide) if plan.norm else (zero,) * count
+        nans = torch.isnan(x).sum(dim=1).unbind(0) if plan.nans else [None] * count
+        zeros = torch.eq(x, 0).sum(dim=1).unbind(0) if plan.zeros else [None] * count
+    vectors = [DeviceStats(parts) for parts in zip(mn, mx, total, norms)]
+    return vectors, nans, zeros, numel
 
 
 def _memory_key(t: torch.Tensor, plan: StatPlan) -> Optional[Tuple[int, int, torch.dtype, Tuple[bool, ...]]]:
