@@ -129,7 +129,7 @@ def train_gpt(out_dir: Path, bf16: bool = False, data_seed: int = 1, init_seed: 
             mon.log_scalars(step, loss=loss.detach(), grad_norm=grad_norm)
         opt.step()
         opt.zero_grad()
-        losses.append((step, float(loss), float(grad_norm)))
+        losses.append((step, float(loss.detach()), float(grad_norm)))
     if mon is not None:
         mon.stop()
     return losses
