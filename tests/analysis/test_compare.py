@@ -340,3 +340,38 @@ def test_fail_on_error_and_html(runs, tmp_path):
     page = (tmp_path / "p" / "compare.html").read_text()
     assert "<svg" in page and "rank x step" in page and "layer x step" in page and "<script" not in page
     assert "blocks.1" in page and "src=" not in page
+
+
+# ------------------------------------------------------------------ different layouts
+def test_dp2_against_gradient_accumulation_under_global_names(ddp_runs, tmp_path):
+    """DDP on 2 ranks against one process accumulating the same two batches: merged under
+    global names, the per-dp rows pooled (DP sizes differ), ``unreduced`` not comparable
+    (1 vs 2 micro-batches), ``reduced`` aligned although its micro_step differs (1 vs 2)."""
+    out = tmp_path / "cmp"
+    res = cli("compare", ddp_runs / "ref", ddp_runs / "accum", "--out", out, "--json")
+    doc = res.json()
+    assert res.code == 0 and doc["verdict"] == "pass"
+    assert doc["settings"]["collapse_dp"] is True
+    assert (out / "merged_ref" / "merge.json").is_file() and (out / "merged_cand" / "merge.json").is_file()
+    assert set(doc["not_comparable"]) == {"weight_grad/unreduced"}
+    assert doc["provenance"]["ref"]["micro_batches"] == 1 and doc["provenance"]["cand"]["micro_batches"] == 2
+    assert any("world_size: 2 vs 1" in d for d in doc["provenance"]["config_differences"])
+    got = compare_csv(out / "compare.csv")
+    reduced = {k: r for k, r in got.items() if k[1] == "weight_grad"}
+    assert {k[4] for k in reduced} == {"reduced"}
+    # independently: rank 0's reduced gradients (replicas) against the accumulated ones
+    a, b = read_run(ddp_runs / "ref"), read_run(ddp_runs / "accum")
+    keys = [k for k in a if k[0] == 0 and k[1] == "weight_grad" and k[4] == "reduced"]
+    assert len(keys) == len(reduced) == 6 * 5
+    for k in keys:
+        x, y = a[k]["norm"], b[k]["norm"]
+        row = reduced[(0, "weight_grad", k[2], k[3], "reduced", "")]
+        assert float(row["ref_norm"]) == x and float(row["cand_norm"]) == y
+        assert float(row["error"]) == pytest.approx(abs(y - x) / max(abs(x), abs(y)), abs=1e-15)
+        assert abs(y - x) <= FP32_TOL * max(abs(x), abs(y))
+    # the perturbed DDP run against it: reduced parts at the perturbed step; unreduced cannot say more
+    res = cli("compare", ddp_runs / "cand", ddp_runs / "accum", "--out", tmp_path / "p")
+    assert res.code == 1
+    assert f"Where they part: step {PERTURB_STEP}, reduced" in res.out
+    assert "no unreduced rows at that step" in res.out
+    assert "Not comparable: weight_grad/unreduced" in res.out

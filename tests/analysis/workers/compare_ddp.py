@@ -8,9 +8,11 @@ and param monitors on. In ``cand`` a DDP communication hook multiplies ``fc2.wei
 slice of the all-reduced bucket by 1.01 from step PERTURB_STEP on: the gradient is changed
 only after the all-reduce, so its local (unreduced) rows agree with ``ref`` and its
 reduced rows do not. Both runs use the same all-reduce (the hook's own) so that they are
-bit-identical elsewhere.
+bit-identical elsewhere. Rank 0 first trains OUT_ROOT/accum alone (world size 1, gradient
+accumulation over the two ranks' batches: see ``train_accumulated``).
 """
 
+import os
 import sys
 
 import torch
@@ -79,8 +81,38 @@ def train(out_dir: str, rank: int, perturb_step: int, perturb: bool) -> None:
     mon.stop()
 
 
+def train_accumulated(out_dir: str) -> None:
+    """One process, no DDP: the two ranks' batches of each step as two micro-batches of
+    gradient accumulation (each loss halved), so that its reduced gradients are the DDP
+    run's (the mean of the two ranks'), up to rounding; its per-micro-batch rows are not
+    comparable with the DDP run's."""
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    mon = TrainerMonitorV2({
+        "output_dir": out_dir,
+        "monitors": {
+            "weight_grad": {"enabled": True, "monitor_mbs_grad": True},
+            "optimizer": {"enabled": True},
+            "param": {"enabled": True},
+        },
+    })
+    mon.start(model=net, optimizer=opt, grad_acc_steps=2)
+    gens = [torch.Generator().manual_seed(100 + r) for r in range(2)]
+    for _step in range(STEPS):
+        for g in gens:
+            x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+            (torch.nn.functional.mse_loss(net(x), y) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    mon.stop()
+
+
 def main() -> None:
     root, perturb_step = sys.argv[1], int(sys.argv[2])
+    if os.environ.get("RANK") == "0":
+        # before the process group exists: a run of its own, world size 1
+        train_accumulated(f"{root}/accum")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     train(f"{root}/ref", rank, perturb_step, perturb=False)
