@@ -17,6 +17,7 @@ from compare_runs import DEFECT_SCALE, train_gpt, write_loss_log
 WORKER = Path(__file__).parent / "workers" / "compare_ddp.py"
 DEFECT_LAYER, DEFECT_STEP, PERTURB_STEP = "blocks.1.mlp", 3, 2
 BF16_TOL, FP32_TOL = 4e-2, 1e-4  # the documented defaults (docs/compare.md)
+FLOOR = 1e-12  # of both
 PHASES = {("param", "param_origin"): 0, ("module", "forward"): 1, ("module", "backward"): 2,
           ("weight_grad", "unreduced"): 3, ("weight_grad", "reduced"): 5, ("param", "param_updated"): 7}
 
@@ -94,7 +95,7 @@ def test_bf16_within_tolerance_and_errors_match_numpy(runs, tmp_path):
     assert res.code == 0, res.out
     assert res.out.startswith("Verdict: bfloat16 within tolerance")
     assert f"Wrote {out / 'compare.csv'}" in res.out
-    expected = scaled_norm_errors(runs["fp32"], runs["bf16"], 1e-5)
+    expected = scaled_norm_errors(runs["fp32"], runs["bf16"], FLOOR)
     got = compare_csv(out / "compare.csv")
     assert set(got) == set(expected)
     for k, e in expected.items():
@@ -112,12 +113,12 @@ def test_bf16_within_tolerance_and_errors_match_numpy(runs, tmp_path):
     for k in list(got)[:200]:
         for s in ("min", "max", "mean", "norm"):
             x, y = a[k][s], b[k][s]
-            if max(abs(x), abs(y)) <= 1e-5:
+            if max(abs(x), abs(y)) <= FLOOR:
                 continue
             assert float(got[k][f"{s}_signed"]) == pytest.approx(y - x, rel=1e-12, abs=1e-300)
             assert float(got[k][f"{s}_abs"]) == pytest.approx(abs(y - x), rel=1e-12, abs=1e-300)
-            assert float(got[k][f"{s}_rel"]) == pytest.approx(abs(y - x) / max(abs(x), 1e-5), rel=1e-12, abs=1e-300)
-            assert float(got[k][f"{s}_scaled"]) == pytest.approx(abs(y - x) / max(abs(x), abs(y), 1e-5),
+            assert float(got[k][f"{s}_rel"]) == pytest.approx(abs(y - x) / max(abs(x), FLOOR), rel=1e-12, abs=1e-300)
+            assert float(got[k][f"{s}_scaled"]) == pytest.approx(abs(y - x) / max(abs(x), abs(y), FLOOR),
                                                                  rel=1e-12, abs=1e-300)
 
 
@@ -154,7 +155,7 @@ def test_injected_defect_found_at_its_step_phase_and_module(runs, tmp_path):
     assert doc["worst_layers"][0]["layer"] == "blocks.1"
     # independently: the earliest (step, phase) with a row beyond the float32 tolerance,
     # and the module whose output error exceeds 10 x its input error first in call order
-    errors = scaled_norm_errors(runs["fp32"], runs["defect"], 1e-8)
+    errors = scaled_norm_errors(runs["fp32"], runs["defect"], FLOOR)
     assert earliest_beyond(errors, FP32_TOL) == (DEFECT_STEP, 1)
     out_e = errors[(0, "module", DEFECT_STEP, f"{DEFECT_LAYER}.output.0", "forward", "")]
     in_e = errors[(0, "module", DEFECT_STEP, f"{DEFECT_LAYER}.input.0", "forward", "")]
@@ -182,7 +183,7 @@ def test_perturbed_after_all_reduce_is_reduced_not_unreduced(ddp_runs, tmp_path)
     assert part["first_row"]["tensor"] == "fc2.weight"
     grown = {(g["rank"], g["tensor"]) for g in doc["grows_after_reduce"] if g["step"] == PERTURB_STEP}
     assert grown == {(0, "fc2.weight"), (1, "fc2.weight")}
-    errors = scaled_norm_errors(ddp_runs / "ref", ddp_runs / "cand", 1e-8)
+    errors = scaled_norm_errors(ddp_runs / "ref", ddp_runs / "cand", FLOOR)
     assert earliest_beyond(errors, FP32_TOL) == (PERTURB_STEP, 5)
     for rank in (0, 1):
         assert errors[(rank, "weight_grad", PERTURB_STEP, "fc2.weight", "unreduced", "1")] == 0.0
@@ -198,8 +199,8 @@ def test_baseline_turns_errors_into_ratios_to_the_noise(runs, tmp_path):
     res = cli("compare", runs["fp32"], runs["bf16"], "--dtype", "bfloat16", "--baseline", runs["seed"],
               "--out", out, "--json")
     doc = res.json()
-    err = scaled_norm_errors(runs["fp32"], runs["bf16"], 1e-5)
-    noise = scaled_norm_errors(runs["fp32"], runs["seed"], 1e-5)
+    err = scaled_norm_errors(runs["fp32"], runs["bf16"], FLOOR)
+    noise = scaled_norm_errors(runs["fp32"], runs["seed"], FLOOR)
     got = compare_csv(out / "compare.csv")
     levels = {"pass": 0, "warning": 0, "error": 0}
     for k, e in err.items():
@@ -222,8 +223,8 @@ def test_baseline_turns_errors_into_ratios_to_the_noise(runs, tmp_path):
     res = cli("compare", runs["fp32"], runs["defect"], "--baseline", runs["bf16"], "--out", tmp_path / "d", "--json")
     got = compare_csv(tmp_path / "d" / "compare.csv")
     row = got[(0, "module", DEFECT_STEP, f"{DEFECT_LAYER}.output.0", "forward", "")]
-    derr = scaled_norm_errors(runs["fp32"], runs["defect"], 1e-8)
-    dnoise = scaled_norm_errors(runs["fp32"], runs["bf16"], 1e-8)
+    derr = scaled_norm_errors(runs["fp32"], runs["defect"], FLOOR)
+    dnoise = scaled_norm_errors(runs["fp32"], runs["bf16"], FLOOR)
     k = (0, "module", DEFECT_STEP, f"{DEFECT_LAYER}.output.0", "forward", "")
     assert float(row["ratio"]) == pytest.approx(derr[k] / max(dnoise[k], 2.0 ** -14), rel=1e-9)
     assert float(row["ratio"]) > 2 and row["level"] != "pass"
