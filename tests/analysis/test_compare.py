@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from analysis_helpers import cli
+from support.extras import needs
 from compare_runs import DEFECT_SCALE, train_gpt, write_loss_log
 
 WORKER = Path(__file__).parent / "workers" / "compare_ddp.py"
@@ -376,3 +377,48 @@ def test_dp2_against_gradient_accumulation_under_global_names(ddp_runs, tmp_path
     assert f"Where they part: step {PERTURB_STEP}, reduced" in res.out
     assert "no unreduced rows at that step" in res.out
     assert "Not comparable: weight_grad/unreduced" in res.out
+
+
+# ------------------------------------------------------------------ the two paths
+def _same(a, b, path=""):
+    """Equal documents; pooled sums (another summation order) within 1e-12."""
+    if isinstance(a, dict):
+        assert set(a) == set(b), (path, set(a) ^ set(b))
+        for k in a:
+            if k not in ("files", "path", "merged_from", "notes"):
+                _same(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) or isinstance(b, float):
+        assert a == b or math.isclose(float(a), float(b), rel_tol=1e-12,
+                                      abs_tol=1e-12 if "pooled" in path else 0.0), (path, a, b)
+    else:
+        assert a == b, (path, a, b)
+
+
+@needs("polars", "compare's columnar path (the one for millions of rows) is Polars")
+@pytest.mark.parametrize("case", ["bf16_baseline", "defect", "reduced", "layouts"])
+def test_columnar_and_python_paths_agree(runs, ddp_runs, tmp_path, case):
+    argv = {"bf16_baseline": (runs["fp32"], runs["bf16"], "--dtype", "bf16", "--baseline", runs["seed"]),
+            "defect": (runs["fp32"], runs["defect"]),
+            "reduced": (ddp_runs / "ref", ddp_runs / "cand"),
+            "layouts": (ddp_runs / "ref", ddp_runs / "accum")}[case]
+    docs, csvs = {}, {}
+    for engine in ("python", "columnar"):
+        res = cli("compare", *argv, "--engine", engine, "--out", tmp_path / engine, "--json", "--limit", "0")
+        docs[engine] = res.json()
+        csvs[engine] = compare_csv(tmp_path / engine / "compare.csv")
+    _same(docs["python"], docs["columnar"])
+    assert set(csvs["python"]) == set(csvs["columnar"])
+    for k, row in csvs["python"].items():
+        other = csvs["columnar"][k]
+        assert set(row) == set(other)
+        for col, v in row.items():
+            if v in ("", other[col]) or not v[:1].isdigit() and v[:1] not in "-.n":
+                assert v == other[col], (k, col)
+            else:
+                x, y = float(v), float(other[col])
+                # Polars' float division may differ in the last bit
+                assert math.isclose(x, y, rel_tol=1e-14) or (x != x and y != y), (k, col, v, other[col])
