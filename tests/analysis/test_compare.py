@@ -422,3 +422,43 @@ def test_columnar_and_python_paths_agree(runs, ddp_runs, tmp_path, case):
                 x, y = float(v), float(other[col])
                 # Polars' float division may differ in the last bit
                 assert math.isclose(x, y, rel_tol=1e-14) or (x != x and y != y), (k, col, v, other[col])
+
+
+def test_nonfinite_mismatch_is_named_and_an_error(runs, tmp_path):
+    """A NaN on one side only is a non-finite mismatch (an error, no number); NaN on both
+    sides agrees."""
+    import shutil
+
+    sides = {}
+    for name in ("ref", "cand"):
+        d = tmp_path / name
+        shutil.copytree(runs["fp32"], d)
+        sides[name] = d
+
+    def poison(root, tensor, step=2):
+        path = root / "rank_0" / f"weight_grad_step{step}-{step}.csv"
+        with open(path, newline="") as fh:
+            recs = list(csv.reader(fh))
+        col = recs[0].index("norm")
+        for r in recs[1:]:
+            if r[2] == tensor and r[3] == "reduced":
+                r[col] = "nan"
+                r[recs[0].index("nans")] = "3"
+        with open(path, "w", newline="") as fh:
+            csv.writer(fh, lineterminator="\n").writerows(recs)
+
+    poison(sides["cand"], "blocks.0.mlp.fc.weight")
+    poison(sides["ref"], "blocks.1.mlp.fc.weight")
+    poison(sides["cand"], "blocks.1.mlp.fc.weight")
+    res = cli("compare", sides["ref"], sides["cand"], "--out", tmp_path / "o", "--json")
+    doc = res.json()
+    assert res.code == 1 and doc["counts"]["nonfinite_mismatch"] == 1 and doc["counts"]["error"] == 1
+    part = doc["where_they_part"]
+    assert (part["step"], part["phase"]) == (2, "reduced")
+    assert part["first_row"]["tensor"] == "blocks.0.mlp.fc.weight"
+    assert part["first_row"]["class"] == "nonfinite_mismatch"
+    got = compare_csv(tmp_path / "o" / "compare.csv")
+    row = got[(0, "weight_grad", 2, "blocks.0.mlp.fc.weight", "reduced", "")]
+    assert row["class"] == "nonfinite_mismatch" and row["level"] == "error" and math.isnan(float(row["error"]))
+    both = got[(0, "weight_grad", 2, "blocks.1.mlp.fc.weight", "reduced", "")]
+    assert both["class"] == "compared" and both["level"] == "pass" and float(both["error"]) == 0.0

@@ -1001,5 +1001,5 @@ def _cell(v: Any) -> str:
     if v is None:
         return ""
     if isinstance(v, float):
-        return repr(v) if v == v else "nan"
+        return repr(v) if v == v else "NaN"  # as Polars writes it (the columnar path)
     return str(v)

@@ -111,6 +111,9 @@ def report_text(report: CompareReport, code: int, limit: int) -> str:
     if report.scalars is not None:
         out.extend(_scalars_text(report.scalars))
     out.append("")
+    # what was compared, before what it says: a difference of setup explains many errors
+    out.extend(_provenance_text(report))
+    out.append("")
     out.extend(_where_text(report))
     if report.worst:
         out.append("")
@@ -130,8 +133,6 @@ def report_text(report: CompareReport, code: int, limit: int) -> str:
         out.append(f"Grows after reduce: {len(report.grows_after_reduce)} gradient row(s) beyond tolerance after the "
                    f"reduce and within it before; first: step {g['step']} rank {g['rank']} {g['tensor']} "
                    f"(unreduced {_e(g['unreduced_error'])}, reduced {_e(g['reduced_error'])})")
-    out.append("")
-    out.extend(_provenance_text(report))
     if report.only or report.not_comparable:
         out.append("")
         for m, scopes in report.only.items():
