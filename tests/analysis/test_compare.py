@@ -316,7 +316,7 @@ def test_step_offset_map_and_rows_in_one_run(runs, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (("--dtype", "int8"), "dtype 'int8': choose among"),
-    (("--fail-on", "never"), "invalid choice"),
+    (("--fail-on", "never"), "argument --fail-on: invalid choice"),
 ])
 def test_bad_input_exit_2(runs, tmp_path, capsys, argv, message):
     res = cli("compare", runs["fp32"], runs["bf16"], *argv, "--out", tmp_path / "o")

@@ -224,8 +224,38 @@ def _colour(value: float, tol: float) -> str:
     return f"rgb(255,{int(255 - 200 * t)},{int(80 - 80 * t)})"
 
 
+MAX_COLUMNS, MAX_ROWS = 200, 300  # of a heat map: a page a browser opens at once
+
+
+def _binned(rows_: Sequence[str], cols: Sequence[int], cells: Dict[Tuple[str, int], float]
+            ) -> Tuple[Sequence[str], List[int], Dict[Tuple[str, int], float], int]:
+    """At most MAX_COLUMNS columns: consecutive steps taken together (the largest error of
+    the bin, labelled by its first step); at most MAX_ROWS rows (the worst kept)."""
+    per = max(1, math.ceil(len(cols) / MAX_COLUMNS))
+    first = {c: cols[(i // per) * per] for i, c in enumerate(cols)}
+    out: Dict[Tuple[str, int], float] = {}
+    for (r, c), v in cells.items():
+        k = (r, first.get(c, c))
+        old = out.get(k)
+        out[k] = v if old is None or _rank_value(v) > _rank_value(old) else old
+    if len(rows_) > MAX_ROWS:
+        worst = {r: max(_rank_value(v) for (rr, _), v in out.items() if rr == r) for r in rows_}
+        keep = set(sorted(rows_, key=lambda r: -worst.get(r, 0.0))[:MAX_ROWS])
+        rows_ = [r for r in rows_ if r in keep]
+    return rows_, sorted(set(first.values())), out, per
+
+
+def _rank_value(v: float) -> float:
+    return math.inf if v != v else v
+
+
 def _heat(title: str, rows_: Sequence[str], cols: Sequence[int], cells: Dict[Tuple[str, int], float],
           tol: float) -> str:
+    n_rows = len(rows_)
+    rows_, cols, cells, per = _binned(rows_, cols, cells)
+    if per > 1 or len(rows_) < n_rows:
+        title += (f" ({per} steps a column" if per > 1 else " (") + \
+            (f", the {len(rows_)} worst of {n_rows} rows)" if len(rows_) < n_rows else ")")
     cw, ch, left, top = 28, 16, 230, 30
     w, h = left + cw * len(cols) + 10, top + ch * len(rows_) + 10
     out = [f'<h3>{html.escape(title)}</h3><svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
