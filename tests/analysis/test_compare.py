@@ -462,3 +462,26 @@ def test_nonfinite_mismatch_is_named_and_an_error(runs, tmp_path):
     assert row["class"] == "nonfinite_mismatch" and row["level"] == "error" and math.isnan(float(row["error"]))
     both = got[(0, "weight_grad", 2, "blocks.1.mlp.fc.weight", "reduced", "")]
     assert both["class"] == "compared" and both["level"] == "pass" and float(both["error"]) == 0.0
+
+
+def test_module_rule_error_level(runs, tmp_path):
+    """msProbe's error rule: a module whose input agrees (error < 0.1) and whose output is
+    off by more than 0.5 (here its norm x 3: 2/3)."""
+    import shutil
+
+    cand = tmp_path / "cand"
+    shutil.copytree(runs["fp32"], cand)
+    path = cand / "rank_0" / "module_step4-4.csv"
+    with open(path, newline="") as fh:
+        recs = list(csv.reader(fh))
+    col = recs[0].index("norm")
+    for r in recs[1:]:
+        if r[2] == "blocks.2.mlp.output.0" and r[3] == "forward":
+            r[col] = repr(3 * float(r[col]))
+    with open(path, "w", newline="") as fh:
+        csv.writer(fh, lineterminator="\n").writerows(recs)
+    doc = cli("compare", runs["fp32"], cand, "--out", tmp_path / "o", "--json").json()
+    born = doc["where_they_part"]["born_at"]
+    assert (doc["where_they_part"]["step"], doc["where_they_part"]["phase"]) == (4, "forward")
+    assert born["module"] == "blocks.2.mlp" and born["level"] == "error"
+    assert born["input_error"] == 0.0 and born["output_error"] == pytest.approx(2 / 3, rel=1e-6)
