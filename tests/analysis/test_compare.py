@@ -282,12 +282,11 @@ def test_scalars_rows(runs, tmp_path):
 
 
 # ------------------------------------------------------------------ alignment and bad input
-def test_step_offset_map_and_rows_in_one_run(runs, tmp_path):
+def shifted_renamed_run(src: Path, cand: Path) -> Path:
+    """A copy of ``src`` that numbers its steps from 1 and calls the MLPs ``ffn``."""
     import shutil
 
-    cand = tmp_path / "cand"
-    shutil.copytree(runs["fp32"], cand)
-    # the candidate numbers its steps from 1 and calls the MLPs "ffn"
+    shutil.copytree(src, cand)
     # last window first: each file moves to the next window's name
     for path in sorted((cand / "rank_0").glob("*.csv"), key=lambda p: -int(p.stem.split("_step")[1].split("-")[0])):
         with open(path, newline="") as fh:
@@ -300,6 +299,11 @@ def test_step_offset_map_and_rows_in_one_run(runs, tmp_path):
         with open(path.parent / f"{path.stem.split('_step')[0]}_step{int(a) + 1}-{int(b) + 1}.csv", "w",
                   newline="") as fh:
             csv.writer(fh, lineterminator="\n").writerows(recs)
+    return cand
+
+
+def test_step_offset_map_and_rows_in_one_run(runs, tmp_path):
+    cand = shifted_renamed_run(runs["fp32"], tmp_path / "cand")
     (tmp_path / "map.txt").write_text("# candidate reference\nblocks.0.ffn blocks.0.mlp\n")
     res = cli("compare", runs["fp32"], cand, "--step-offset", "-1", "--map", tmp_path / "map.txt",
               "--out", tmp_path / "o", "--json")
@@ -399,12 +403,17 @@ def _same(a, b, path=""):
 
 
 @needs("polars", "compare's columnar path (the one for millions of rows) is Polars")
-@pytest.mark.parametrize("case", ["bf16_baseline", "defect", "reduced", "layouts"])
+@pytest.mark.parametrize("case", ["bf16_baseline", "defect", "reduced", "layouts", "map_offset_steps"])
 def test_columnar_and_python_paths_agree(runs, ddp_runs, tmp_path, case):
+    if case == "map_offset_steps":
+        cand = shifted_renamed_run(runs["fp32"], tmp_path / "cand")
+        (tmp_path / "map.txt").write_text("blocks.0.ffn blocks.0.mlp\nblocks.1 blocks.1\n")
     argv = {"bf16_baseline": (runs["fp32"], runs["bf16"], "--dtype", "bf16", "--baseline", runs["seed"]),
             "defect": (runs["fp32"], runs["defect"]),
             "reduced": (ddp_runs / "ref", ddp_runs / "cand"),
-            "layouts": (ddp_runs / "ref", ddp_runs / "accum")}[case]
+            "layouts": (ddp_runs / "ref", ddp_runs / "accum"),
+            "map_offset_steps": (runs["bf16"], tmp_path / "cand", "--step-offset", "-1", "--map",
+                                 tmp_path / "map.txt", "--steps", "1:4")}[case]
     docs, csvs = {}, {}
     for engine in ("python", "columnar"):
         res = cli("compare", *argv, "--engine", engine, "--out", tmp_path / engine, "--json", "--limit", "0")
