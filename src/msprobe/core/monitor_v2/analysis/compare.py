@@ -43,14 +43,13 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from .. import layout as lay
 from .. import rows
 from .blocks import latest_blocks
 from .order import PHASE_LABELS
-from .reader import (InputError, Layout, Problems, Row, StepRange, is_merged_view, read_merge_json, scan,
-                     window_groups)
+from .reader import InputError, Layout, Problems, StepRange, scan, window_groups
 
 # ------------------------------------------------------------------ dtypes and tolerances
 # The scaled error of a whole tensor's norm that a run computed in this precision shows
@@ -423,7 +422,8 @@ def migration_verdict(ref: Dict[str, Dict[int, float]], cand: Dict[str, Dict[int
         diffs = [(s, loss_c[s] - loss_r[s], loss_r[s]) for s in steps]
         s0, d0, r0 = diffs[0]
         first_ok = _finite(d0) and (abs(d0) <= FIRST_LOSS_ABS or abs(d0) <= FIRST_LOSS_REL * abs(r0))
-        bad = [s for s, d, r in diffs if not (_finite(d) and (abs(d) <= ALL_LOSS_ABS or abs(d) <= ALL_LOSS_REL * abs(r)))]
+        bad = [s for s, d, r in diffs
+               if not (_finite(d) and (abs(d) <= ALL_LOSS_ABS or abs(d) <= ALL_LOSS_REL * abs(r)))]
         worst = max(diffs, key=lambda t: abs(t[1]) if _finite(t[1]) else math.inf)
         out["loss"] = {
             "steps": len(steps), "first_step": s0, "first_abs": abs(d0), "first_rel": _rel(d0, r0),
@@ -437,7 +437,8 @@ def migration_verdict(ref: Dict[str, Dict[int, float]], cand: Dict[str, Dict[int
     if gsteps:
         rel = [(g_c[s] - g_r[s]) / abs(g_r[s]) for s in gsteps]
         mean = sum(rel) / len(rel)
-        out["grad_norm"] = {"steps": len(gsteps), "mean_signed_rel": mean, "ok": _finite(mean) and abs(mean) <= GRAD_NORM_MEAN_REL,
+        out["grad_norm"] = {"steps": len(gsteps), "mean_signed_rel": mean,
+                            "ok": _finite(mean) and abs(mean) <= GRAD_NORM_MEAN_REL,
                             "rule": f"mean signed relative error within +-{GRAD_NORM_MEAN_REL:.0%}"}
     if not out:
         return None
@@ -740,7 +741,8 @@ def _score(report: CompareReport, not_comparable_why: Optional[str]) -> None:
                       key=lambda k: (k[2], k[0], k[1], k[4], k[3], _none_last(k[5]), _none_last(k[6]))):
         monitor, scope = key[1], key[4]
         if not_comparable_why and (monitor, scope) in PER_MICRO_SCOPES:
-            nc = report.not_comparable.setdefault(f"{monitor}/{scope}", {"ref": 0, "cand": 0, "why": not_comparable_why})
+            nc = report.not_comparable.setdefault(f"{monitor}/{scope}",
+                                                  {"ref": 0, "cand": 0, "why": not_comparable_why})
             nc["ref"] += key in ref.rows
             nc["cand"] += key in cand.rows
             continue
@@ -829,8 +831,11 @@ def _aggregate(report: CompareReport) -> None:
             acc[0] += float(rn) ** 2
             acc[1] += float(cn) ** 2
             acc[2] += 1
-    for (monitor, scope, step), (sr, sc, n) in sorted(pooled.items(), key=lambda t: (t[0][2], rows.execution_phase(t[0][0], t[0][1]),
-                                                                           t[0][0], t[0][1])):
+    def pooled_order(t: Tuple[Tuple[str, str, int], List[float]]) -> Tuple[int, int, str, str]:
+        (monitor, scope, step), _ = t
+        return step, rows.execution_phase(monitor, scope), monitor, scope
+
+    for (monitor, scope, step), (sr, sc, n) in sorted(pooled.items(), key=pooled_order):
         a, b = math.sqrt(sr), math.sqrt(sc)
         report.pooled.append({"monitor": monitor, "scope": scope, "step": step, "ref_norm": a, "cand_norm": b,
                               "scaled_error": abs(b - a) / max(a, b, report.floor), "rows": n})
@@ -982,7 +987,8 @@ def write_csv(report: CompareReport, path: str) -> int:
         w.writerow(cols)
         for r in report.results:
             rank, monitor, step, name, scope, micro, dp = r.key
-            row: List[Any] = [rank, monitor, step, name, scope, "" if micro is None else micro, "" if dp is None else dp]
+            row: List[Any] = [rank, monitor, step, name, scope, "" if micro is None else micro,
+                              "" if dp is None else dp]
             for op in ops:
                 row += [_cell(r.ref.get(op)), _cell(r.cand.get(op))]
             for op in ops:

@@ -8,7 +8,6 @@ Reading is the columnar engine's (:func:`.columnar.read_batch`, each step's late
 only, :func:`.columnar.mark_runs`). The results equal the pure-Python path's
 (tests/analysis/test_compare.py runs both)."""
 
-import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .. import rows
@@ -21,6 +20,14 @@ from .reader import Problems, StepRange
 def _enums(pl):
     """Classes and levels as Polars enums (one byte a row, not a string)."""
     return pl.Enum([COMPARED, NEAR_ZERO, NONFINITE]), pl.Enum([PASS, WARNING, ERROR])
+
+
+def _cls(pl, name: str):
+    return pl.lit(name, dtype=_enums(pl)[0])
+
+
+def _lvl(pl, name: str):
+    return pl.lit(name, dtype=_enums(pl)[1])
 
 
 KEY = ("rank", "monitor", "step", "module_name", "scope", "micro_step", "dp_rank")
@@ -132,8 +139,8 @@ def _errors(pl, op: str, floor: float):
     both = rf & cf
     scale = pl.max_horizontal(r.abs(), c.abs())
     near = both & (scale <= floor)
-    cls = (pl.when(both).then(pl.when(near).then(pl.lit(NEAR_ZERO, dtype=_enums(pl)[0])).otherwise(pl.lit(COMPARED, dtype=_enums(pl)[0])))
-           .when(same_nf).then(pl.lit(COMPARED, dtype=_enums(pl)[0])).otherwise(pl.lit(NONFINITE, dtype=_enums(pl)[0])))
+    cls = (pl.when(both).then(pl.when(near).then(_cls(pl, NEAR_ZERO)).otherwise(_cls(pl, COMPARED)))
+           .when(same_nf).then(_cls(pl, COMPARED)).otherwise(_cls(pl, NONFINITE)))
     nan = pl.lit(float("nan"))
     signed = pl.when(both).then(d).when(same_nf).then(0.0).otherwise(nan)
     ab = signed.abs()
@@ -177,13 +184,13 @@ def score(report: CompareReport, frames: Dict[str, Any], not_comparable_why: Opt
     cmp_err = pl.max_horizontal(*[pl.when(pl.col(f"{s}_class") == COMPARED).then(pl.col(f"{s}_scaled"))
                                   for s in judged]) if judged else pl.lit(None)
     al = al.with_columns(
-        pl.when(nan_mismatch | any_nf).then(pl.lit(NONFINITE, dtype=_enums(pl)[0])).when(all_near).then(pl.lit(NEAR_ZERO, dtype=_enums(pl)[0]))
-        .otherwise(pl.lit(COMPARED, dtype=_enums(pl)[0])).alias("class"))
+        pl.when(nan_mismatch | any_nf).then(_cls(pl, NONFINITE)).when(all_near).then(_cls(pl, NEAR_ZERO))
+        .otherwise(_cls(pl, COMPARED)).alias("class"))
     al = al.with_columns(
         pl.when(pl.col("class") == NONFINITE).then(float("nan")).when(pl.col("class") == NEAR_ZERO).then(0.0)
         .otherwise(cmp_err).cast(pl.Float64).alias("error"))
-    by_tol = (pl.when(pl.col("error").is_nan() | (pl.col("error") > ERROR_FACTOR * tol)).then(pl.lit(ERROR, dtype=_enums(pl)[1]))
-              .when(pl.col("error") > tol).then(pl.lit(WARNING, dtype=_enums(pl)[1])).otherwise(pl.lit(PASS, dtype=_enums(pl)[1])))
+    by_tol = (pl.when(pl.col("error").is_nan() | (pl.col("error") > ERROR_FACTOR * tol)).then(_lvl(pl, ERROR))
+              .when(pl.col("error") > tol).then(_lvl(pl, WARNING)).otherwise(_lvl(pl, PASS)))
     counts = {"no_baseline": 0}
     if base is not None:
         bn = base.select(*KEY, *[pl.col(s).alias(f"base_{s}") for s in judged])
@@ -203,14 +210,14 @@ def score(report: CompareReport, frames: Dict[str, Any], not_comparable_why: Opt
         al = al.with_columns(pl.when(pl.col("class") == COMPARED).then(pl.col("noise")).alias("noise"))
         al = al.with_columns(pl.when(pl.col("noise").is_not_null()).then(
             pl.col("error") / pl.max_horizontal(pl.col("noise"), pl.lit(MIN_NOISE[report.dtype]))).alias("ratio"))
-        by_ratio = (pl.when(pl.col("ratio").is_nan() | (pl.col("ratio") > ERROR_RATIO)).then(pl.lit(ERROR, dtype=_enums(pl)[1]))
-                    .when(pl.col("ratio") > WARNING_RATIO).then(pl.lit(WARNING, dtype=_enums(pl)[1])).otherwise(pl.lit(PASS, dtype=_enums(pl)[1])))
-        level = (pl.when(pl.col("class") == NONFINITE).then(pl.lit(ERROR, dtype=_enums(pl)[1])).when(pl.col("class") == NEAR_ZERO)
-                 .then(pl.lit(PASS, dtype=_enums(pl)[1])).when(pl.col("noise").is_null()).then(by_tol).otherwise(by_ratio))
+        by_ratio = (pl.when(pl.col("ratio").is_nan() | (pl.col("ratio") > ERROR_RATIO)).then(_lvl(pl, ERROR))
+                    .when(pl.col("ratio") > WARNING_RATIO).then(_lvl(pl, WARNING)).otherwise(_lvl(pl, PASS)))
+        level = (pl.when(pl.col("class") == NONFINITE).then(_lvl(pl, ERROR)).when(pl.col("class") == NEAR_ZERO)
+                 .then(_lvl(pl, PASS)).when(pl.col("noise").is_null()).then(by_tol).otherwise(by_ratio))
         counts["no_baseline"] = al.filter((pl.col("class") == COMPARED) & pl.col("noise").is_null()).height
     else:
-        level = (pl.when(pl.col("class") == NONFINITE).then(pl.lit(ERROR, dtype=_enums(pl)[1])).when(pl.col("class") == NEAR_ZERO)
-                 .then(pl.lit(PASS, dtype=_enums(pl)[1])).otherwise(by_tol))
+        level = (pl.when(pl.col("class") == NONFINITE).then(_lvl(pl, ERROR)).when(pl.col("class") == NEAR_ZERO)
+                 .then(_lvl(pl, PASS)).otherwise(by_tol))
     al = al.with_columns(level.alias("level"), _phase(pl).alias("phase"))
     for c, n in al.group_by("class").len().iter_rows():
         counts[c] = n
@@ -244,7 +251,8 @@ def _aggregate(report: CompareReport, al) -> None:
         report.layer_steps[(layer, step)] = e
     fin = al.filter(pl.col("ref_norm").is_finite() & pl.col("cand_norm").is_finite())
     pooled = (fin.group_by("monitor", "scope", "step", "phase")
-              .agg((pl.col("ref_norm") ** 2).sum().sqrt().alias("a"), (pl.col("cand_norm") ** 2).sum().sqrt().alias("b"),
+              .agg((pl.col("ref_norm") ** 2).sum().sqrt().alias("a"),
+                   (pl.col("cand_norm") ** 2).sum().sqrt().alias("b"),
                    pl.len().alias("n"))
               .sort("step", "phase", "monitor", "scope"))
     for monitor, scope, step, _p, a, b, n in pooled.iter_rows():
@@ -294,7 +302,8 @@ def write_csv(report: CompareReport, path: str) -> int:
     al = report.frame
     ops = list(report.present_ops) + ["nans"]
     cols: List[Any] = [pl.col("rank"), pl.col("monitor"), pl.col("step"), pl.col("module_name"), pl.col("scope"),
-                       pl.when(pl.col("micro_step") == NONE).then(None).otherwise(pl.col("micro_step")).alias("micro_step"),
+                       pl.when(pl.col("micro_step") == NONE).then(None).otherwise(pl.col("micro_step"))
+                       .alias("micro_step"),
                        pl.when(pl.col("dp_rank") == NONE).then(None).otherwise(pl.col("dp_rank")).alias("dp_rank")]
     for op in ops:
         cols += [pl.col(f"ref_{op}").cast(pl.Int64) if op == "nans" else pl.col(f"ref_{op}"),

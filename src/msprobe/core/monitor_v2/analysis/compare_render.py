@@ -6,11 +6,10 @@ runs; no script, no image file, no third-party package)."""
 
 import html
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
-from .compare import (ERROR, ERROR_FACTOR, ERROR_RATIO, MODULE_ERROR_INPUT, MODULE_ERROR_OUTPUT,
-                      MODULE_WARNING_FACTOR, PASS, WARNING, WARNING_RATIO, CompareReport)
-from .text import fmt_num, json_safe, table
+from .compare import ERROR, ERROR_FACTOR, ERROR_RATIO, MODULE_WARNING_FACTOR, PASS, WARNING, WARNING_RATIO, CompareReport
+from .text import json_safe, table
 
 VERDICT_TEXT = {PASS: "within tolerance", WARNING: "beyond tolerance (warning)", ERROR: "beyond tolerance (error)"}
 
@@ -286,15 +285,16 @@ def _curve(title: str, pts_a: List[Tuple[int, float]], pts_b: List[Tuple[int, fl
     y0, y1 = min(ys), max(ys) if max(ys) > min(ys) else min(ys) + 1
 
     def path(pts: List[Tuple[int, float]]) -> str:
-        return " ".join(f"{pad + (x - x0) / (x1 - x0) * (w - 2 * pad):.1f},{h - pad - (y - y0) / (y1 - y0) * (h - 2 * pad):.1f}"
-                        for x, y in pts)
+        return " ".join(f"{pad + (x - x0) / (x1 - x0) * (w - 2 * pad):.1f},"
+                        f"{h - pad - (y - y0) / (y1 - y0) * (h - 2 * pad):.1f}" for x, y in pts)
 
     return (f'<div class="curve"><h4>{html.escape(title)}</h4><svg xmlns="http://www.w3.org/2000/svg" width="{w}" '
             f'height="{h}" font-family="sans-serif" font-size="10"><rect x="{pad}" y="{pad}" width="{w - 2 * pad}" '
             f'height="{h - 2 * pad}" fill="none" stroke="#999"/>'
             f'<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{path(pts_a)}"/>'
             f'<polyline fill="none" stroke="#9467bd" stroke-width="2" stroke-dasharray="5,3" points="{path(pts_b)}"/>'
-            f'<text x="{pad}" y="{h - 8}">step {x0}</text><text x="{w - pad}" y="{h - 8}" text-anchor="end">step {x1}</text>'
+            f'<text x="{pad}" y="{h - 8}">step {x0}</text>'
+            f'<text x="{w - pad}" y="{h - 8}" text-anchor="end">step {x1}</text>'
             f'<text x="4" y="{pad}">{_e(y1)}</text><text x="4" y="{h - pad}">{_e(y0)}</text>'
             f'<text x="{w - pad}" y="{pad - 6}" text-anchor="end" fill="#1f77b4">REF</text>'
             f'<text x="{w - pad - 40}" y="{pad - 6}" text-anchor="end" fill="#9467bd">CAND</text></svg></div>')
@@ -334,7 +334,8 @@ def write_html(report: CompareReport, path: str, code: int, limit: int) -> None:
     for p in report.pooled:
         by.setdefault((p["monitor"], p["scope"]), []).append(p)
     for (m, s), ps in by.items():
-        parts.append(_curve(f"{m} {s}", [(p["step"], p["ref_norm"]) for p in ps], [(p["step"], p["cand_norm"]) for p in ps]))
+        parts.append(_curve(f"{m} {s}", [(p["step"], p["ref_norm"]) for p in ps],
+                            [(p["step"], p["cand_norm"]) for p in ps]))
     parts.append("</body></html>")
     with open(path, "w", encoding="utf-8") as fh:
         fh.write("\n".join(parts))
