@@ -494,3 +494,14 @@ def test_module_rule_error_level(runs, tmp_path):
     assert (doc["where_they_part"]["step"], doc["where_they_part"]["phase"]) == (4, "forward")
     assert born["module"] == "blocks.2.mlp" and born["level"] == "error"
     assert born["input_error"] == 0.0 and born["output_error"] == pytest.approx(2 / 3, rel=1e-6)
+
+
+def test_merged_views_given_directly(ddp_runs, tmp_path):
+    """Two merged views (msprobe-monitor merge's DEST) compare as the runs they were merged from."""
+    for name in ("ref", "accum"):
+        assert cli("merge", ddp_runs / name, tmp_path / f"m_{name}").code == 0
+    direct = cli("compare", tmp_path / "m_ref", tmp_path / "m_accum", "--out", tmp_path / "a", "--json").json()
+    auto = cli("compare", ddp_runs / "ref", ddp_runs / "accum", "--out", tmp_path / "b", "--json").json()
+    assert direct["provenance"]["ref"]["kind"] == "merged view" and not (tmp_path / "a" / "merged_ref").exists()
+    for k in ("verdict", "counts", "not_comparable", "only_in_one", "first_step"):
+        assert direct[k] == auto[k], k
