@@ -114,6 +114,11 @@ class TrainerMonitorV2:
             return
 
         enabled = self.config.enabled_monitors
+        if any(s.name == rows.MOE for s in enabled) and rows.MOE not in backend.MONITORS:
+            # an MoE model trains as well without it: said once, the other monitors run
+            logger.warning("monitor_v2: monitor 'moe' is not available for framework '%s' in this version (its "
+                           "routers are not observed; the other monitors run)", self.config.framework)
+            enabled = [s for s in enabled if s.name != rows.MOE]
         on_anomaly = self.config.alert.on_anomaly if self.config.alert is not None else None
         escalated = [s for s in on_anomaly.monitors.values() if s.enabled] if on_anomaly is not None else []
         for settings in enabled + escalated:
@@ -205,7 +210,15 @@ class TrainerMonitorV2:
             return
         rank_dir = self.rank_dir
         text = render(doc)  # now, at start(): the first written step only writes the file
-        writer.before_first_file = lambda: write_layout(rank_dir, text)
+        monitors = self.monitors
+
+        def write() -> None:
+            # the moe routers are known once their first call showed their outputs: the
+            # first written step's, which has run when its rows are written
+            routers = {k: v for m in monitors if m.name == rows.MOE for k, v in m.layout().items()}
+            write_layout(rank_dir, render({**doc, "moe": routers}) if routers else text)
+
+        writer.before_first_file = write
 
     # ------------------------------------------ alert.dump / stop_on_nonfinite
     def _make_guard(self, backend: Any, session: Session) -> Any:
