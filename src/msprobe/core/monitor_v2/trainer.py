@@ -35,7 +35,7 @@ from .monitor import ContainedErrors, Monitor, module_tags, short_error
 from .logonce import LogOnce
 from .patching import Patch
 from .sinks import make_sink_hub
-from .writer import STALL_S, AsyncCsvWriter, CsvWriter, MonitorOutput, count_rows
+from .writer import STALL_S, AsyncCsvWriter, CsvWriter, MonitorOutput, SidecarOutput, count_rows
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
@@ -136,7 +136,7 @@ class TrainerMonitorV2:
         session: Session = backend.Session(model, optimizer, context, self.rank_dir)
         self.monitors = [backend.MONITORS[s.name](s, session, self.errors) for s in enabled]
 
-        outputs = [MonitorOutput(m.name, m.settings.ops, m.name in rows.MICRO_STEP_MONITORS) for m in self.monitors]
+        outputs = _outputs(self.monitors)
         self._alerter = make_alerter(self.config.alert, self.rank, self.rank_dir)
         writer = CsvWriter(
             self.rank_dir,
@@ -374,11 +374,23 @@ class TrainerMonitorV2:
                 continue
             if recs:
                 records[m.name] = recs
+        sidecars: Dict[str, list] = {}
+        for m in self.monitors:
+            side = getattr(m, "sidecar", None)  # moe's raw counts (its copies are issued there)
+            if side is not None and self._active:
+                try:
+                    got = side()
+                except Exception as exc:  # noqa: BLE001
+                    self.errors.report(f"{m.name} sidecar", exc)
+                    continue
+                if got:
+                    sidecars[rows.MOE_COUNTS] = got
         if self._active and records:
             try:
                 # device values are only being copied: the writer waits for them (ready) when
                 # it formats the rows, on its own thread with async_write
                 ready = self._session.engine.to_host([r for recs in records.values() for r in recs])
+                records.update(sidecars)
                 if ready is None:
                     self._writer.write_step(step, records)
                 else:
@@ -570,7 +582,7 @@ class TrainerMonitorV2:
         self.monitors = monitors
         self._timed = timed_names(wanted)
         self._next_change = self._plan.next_change(step)
-        outputs = [MonitorOutput(m.name, m.settings.ops, m.name in rows.MICRO_STEP_MONITORS) for m in monitors]
+        outputs = _outputs(monitors)
         self._writer.update_outputs(step, outputs, self.schedule)
 
     def _attach_monitor(self, settings: Any) -> Optional[Monitor]:
@@ -730,3 +742,11 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _outputs(monitors: List[Monitor]) -> List[MonitorOutput]:
+    """The files the monitors write: one per monitor, and moe's raw counts with ``per_expert``."""
+    outputs = [MonitorOutput(m.name, m.settings.ops, m.name in rows.MICRO_STEP_MONITORS) for m in monitors]
+    if any(m.name == rows.MOE and m.settings.options.get("per_expert") for m in monitors):
+        outputs.append(SidecarOutput(rows.MOE_COUNTS, rows.MOE_COUNTS_HEADER))
+    return outputs

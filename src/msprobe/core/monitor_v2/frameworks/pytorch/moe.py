@@ -42,6 +42,7 @@ from ... import rows
 from ...logonce import LogOnce
 from ...monitor import Monitor
 from ...stats import Record, StatPlan
+from ...writer import CountsRecord
 from .compile import eager_hook
 from .copies import ModuleHooks
 from .stats import outside_training_modes
@@ -396,6 +397,19 @@ class MoeMonitor(Monitor):
                 router.counts = {}
         return super().collect()
 
+    def sidecar(self) -> List[CountsRecord]:
+        """``"per_expert": true``: the step's raw counts per router, copied to the host
+        without blocking (pinned memory and an event on an accelerator; the writer waits
+        for it where it formats the row), for ``moe_counts_step<a>-<b>.csv``."""
+        taken, self.step_counts = self.step_counts, []
+        if not self.per_expert or not taken:
+            return []
+        out: List[CountsRecord] = []
+        with torch.no_grad():
+            for vpp, name, counts in taken:
+                out.append(_host_copy(vpp, name, counts))
+        return out
+
     def layout(self) -> Dict[str, Any]:
         """``layout.json``'s ``moe``: each router found so far, by row prefix."""
         return {r.tag: r.entry() for r in self.routers if r.checked and r.valid}
@@ -404,6 +418,20 @@ class MoeMonitor(Monitor):
         self._hooks.remove()
         for router in self.routers:
             router.counts = {}
+
+
+@outside_training_modes
+def _host_copy(vpp: int, name: str, counts: torch.Tensor) -> CountsRecord:
+    if counts.device.type == "cpu":
+        return CountsRecord(vpp, name, counts.clone())
+    try:
+        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+        host.copy_(counts, non_blocking=True)
+        event = torch.cuda.Event() if counts.device.type == "cuda" else torch.Event(device=counts.device)
+        event.record()
+        return CountsRecord(vpp, name, host, event)
+    except Exception:  # noqa: BLE001 - a device without pinned memory or events: a plain copy
+        return CountsRecord(vpp, name, counts.cpu())
 
 
 def _seq(output: Any) -> Sequence[Any]:
