@@ -423,6 +423,9 @@ def cmd_plot(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     report = _analyse(args, engine, layout, problems, err, visitors=[collector])
     out_dir = args.out or os.path.join(layout.root, "analysis_report")
     figures = render(collector, report, out_dir)
+    from .plot import draw_moe_heat_maps
+
+    figures += draw_moe_heat_maps(layout, rank, problems, steps, out_dir, len(figures) + 1)
     html_path = None
     if settings.html:
         html_path = os.path.join(out_dir, "report.html")
