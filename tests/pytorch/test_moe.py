@@ -9,6 +9,7 @@ monitor under the accelerator seam."""
 
 import copy
 import csv
+import io
 import json
 import logging
 import math
@@ -367,3 +368,42 @@ def test_a_router_without_observable_logits_is_said_once(tmp_path, caplog):
     kinds = {r["module_name"].rpartition(".")[2] for r in got}
     assert "tokens_per_expert" in kinds and "logits" not in kinds
     assert all(float(r["mean"]) == 3.0 for r in got if r["module_name"].endswith("tokens_per_expert"))
+
+
+def test_structure_lists_routers_and_dashboard_keys(tmp_path):
+    """structure.txt and ``struct`` name the routers found; the dashboards' per-router
+    MaxVio, CV and dead-expert keys agree with the raw counts (the sidecar, NumPy)."""
+    from msprobe.core.monitor_v2.analysis.cli import main
+    from msprobe.core.monitor_v2.config import load_config
+    from msprobe.core.monitor_v2.sinks import Aggregates
+    from msprobe.core.monitor_v2.stats import Row, Stat
+
+    torch.manual_seed(0)
+    model, pattern, layers, _ = qwen3_moe()
+    out = tmp_path / "out"
+    cfg = config(out, per_expert=True)
+    cfg["structure"] = True
+    run(model, batches(1), cfg)
+    text = (out / "rank_0" / "structure.txt").read_text()
+    routers = [pattern.format(i) for i in layers]
+    noted = [line.split("\t")[1] for line in text.splitlines() if "moe router" in line]
+    assert noted == routers
+    printed = io.StringIO()
+    assert main(["struct", str(out)], out=printed, err=io.StringIO()) == 0
+    assert "MOE ROUTERS" in printed.getvalue() and all(r in printed.getvalue() for r in routers)
+
+    settings = load_config({"sinks": {"tensorboard": {"enabled": True}}, "monitors": {"moe": {"enabled": True}}})
+    merged = []
+    for r in rows_of(out, "moe"):
+        n = 8 if r["module_name"].endswith("tokens_per_expert") else 1
+        mean, norm = float(r["mean"]), float(r["norm"])
+        merged.append(Row(0, 0, r["module_name"], r["scope"], None,
+                          Stat(n, float(r["min"]), float(r["max"]), mean * n, norm * norm, 0, int(r["zeros"]))))
+    keys = Aggregates(settings.sinks, {"moe": settings.monitors["moe"].ops}).metrics(0, [("moe", merged)])
+    with open(next((out / "rank_0").glob("moe_counts_*.csv")), newline="") as f:
+        for row in csv.DictReader(f):
+            c = np.array([int(v) for v in row["counts"].split(";")], dtype=np.float64)
+            router = row["module_name"].rpartition(".")[0]
+            assert math.isclose(keys[f"moe/routing/{router}/maxvio"], c.max() / c.mean() - 1, rel_tol=1e-6)
+            assert math.isclose(keys[f"moe/routing/{router}/cv"], c.std() / c.mean(), rel_tol=1e-5)
+            assert keys[f"moe/routing/{router}/dead_experts"] == float((c == 0).sum())

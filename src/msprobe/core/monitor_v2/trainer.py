@@ -191,7 +191,13 @@ class TrainerMonitorV2:
         """``rank_<r>/structure.txt`` (``"structure": true``): the names ``targets`` and rows use."""
         module = self.config.monitors.get(rows.MODULE)
         enabled = module is not None and module.enabled
-        path = write_structure(self.rank_dir, session.structure(), module.get("targets") if enabled else (), enabled)
+        structure = session.structure()
+        for m in self.monitors:  # moe: the routers it found (the name rule's are checked at their first call)
+            notes = m.structure_notes() if hasattr(m, "structure_notes") else {}
+            for entry in structure.modules:
+                if entry.name in notes:
+                    entry.router = notes[entry.name]
+        path = write_structure(self.rank_dir, structure, module.get("targets") if enabled else (), enabled)
         from .analysis.command import command_line  # light: no Polars on the training side
 
         logger.info("monitor_v2: model structure (module and parameter names) written to %s; "

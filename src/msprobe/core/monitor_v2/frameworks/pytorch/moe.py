@@ -410,6 +410,14 @@ class MoeMonitor(Monitor):
                 out.append(_host_copy(vpp, name, counts))
         return out
 
+    def structure_notes(self) -> Dict[str, str]:
+        """structure.txt's note of each router: how it was found (found again here: the
+        structure is written before the monitors attach)."""
+        found = find_routers(self.session.named_modules(), self.session.table.qualify, self.settings.get("routers"))
+        why = {"config": "monitors.moe.routers", "transformers": "transformers' _can_record_outputs",
+               "name": "its name; its output is checked at its first call"}
+        return {r.tag: f"moe router (found by {why[r.source]})" for r in found}
+
     def layout(self) -> Dict[str, Any]:
         """``layout.json``'s ``moe``: each router found so far, by row prefix."""
         return {r.tag: r.entry() for r in self.routers if r.checked and r.valid}
