@@ -407,3 +407,70 @@ def test_structure_lists_routers_and_dashboard_keys(tmp_path):
             assert math.isclose(keys[f"moe/routing/{router}/maxvio"], c.max() / c.mean() - 1, rel_tol=1e-6)
             assert math.isclose(keys[f"moe/routing/{router}/cv"], c.std() / c.mean(), rel_tol=1e-5)
             assert keys[f"moe/routing/{router}/dead_experts"] == float((c == 0).sum())
+
+
+def test_routing_map_and_count_vector_signatures(tmp_path, caplog):
+    """The name rule's other signatures: a router returning a bool ``[T, E]`` routing map
+    (Megatron-Core's ``TopKRouter``: probabilities and the map, its logits computed by a
+    function: not observable, said once) and a gate returning a ready ``[E]`` count vector
+    (DeepSpeed's ``TopKGate``: ``(l_aux, combine, dispatch, exp_counts)``, logits from its
+    ``wg`` Linear)."""
+    E, C = 4, 3
+
+    class MapRouter(torch.nn.Module):
+        topk = 2
+
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(E, 8))
+
+        def forward(self, x):
+            logits = torch.nn.functional.linear(x, self.weight)
+            top = torch.topk(logits, 2, dim=-1).indices
+            routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top, True)
+            return logits.softmax(-1) * routing_map, routing_map
+
+    class DsGate(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wg = torch.nn.Linear(8, E, bias=False)
+
+        def forward(self, x):
+            logits = self.wg(x)
+            first = logits.argmax(-1)
+            mask = torch.nn.functional.one_hot(first, E)
+            dispatch = mask.bool().unsqueeze(-1).expand(-1, E, C)
+            return logits.sum() * 0, dispatch.float(), dispatch, mask.sum(0)
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = MapRouter()
+            self.gate = DsGate()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            probs, _ = self.router(x)
+            l_aux = self.gate(x)[0]
+            return self.lin(x) * probs.sum(-1, keepdim=True) + l_aux
+
+    torch.manual_seed(0)
+    model = Layer()
+    maps, gate_logits = [], []
+    model.router.register_forward_hook(lambda m, a, o: maps.append(o[1].numpy().copy()))
+    model.gate.wg.register_forward_hook(lambda m, a, o: gate_logits.append(o.detach().double().numpy().copy()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMonitorV2(config(tmp_path / "out"))
+    mon.start(model=model, optimizer=opt)
+    with caplog.at_level(logging.WARNING, logger="msprobe.monitor_v2"):
+        model(torch.rand(10, 8)).sum().backward()
+        opt.step()
+    mon.stop()
+    assert mon.errors.count == 0
+    got = {r["module_name"]: r for r in rows_of(tmp_path / "out", "moe")}
+    check(got["router.tokens_per_expert"], stats(maps[0].sum(0)), "router.tokens_per_expert")
+    assert "router.logits" not in got
+    assert [r.getMessage() for r in caplog.records if "not observable" in r.getMessage()][0].count("router") >= 1
+    check(got["gate.tokens_per_expert"], stats(np.bincount(gate_logits[0].argmax(-1), minlength=E)),
+          "gate.tokens_per_expert")
+    check(got["gate.logits"], stats(gate_logits[0]), "gate.logits")

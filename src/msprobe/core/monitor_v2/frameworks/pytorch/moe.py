@@ -126,6 +126,7 @@ class Router:
         self.score: Optional[str] = None
         self.experts: Optional[str] = None
         self.checked = False  # its output's signature was read (first call)
+        self.count_vector = False  # it returns its counts per expert ([E] integers)
         self.valid = True
         self.has_logits = False
         # the step's count buffers, by scope (made at the first call of a step)
@@ -242,7 +243,6 @@ class MoeMonitor(Monitor):
         """The first call: where the indices and logits are, E, k and the score function."""
         router.checked = True
         module = router.module
-        indices = [t for t in tensors if _int_tensor(t) and t.dim() >= 1]
         maps = [t for t in tensors if t.dtype == torch.bool and t.dim() >= 2]
         weight = getattr(module, "weight", None)
         E = _attr_int(module, "num_experts", "num_local_experts", "n_routed_experts")
@@ -267,6 +267,10 @@ class MoeMonitor(Monitor):
                                type(module).__name__)
             return
         router.num_experts = E
+        # a 1-D integer [E] output is a ready count vector (DeepSpeed's exp_counts); indices
+        # have a k dimension ([T, k], [B, L, k])
+        indices = [t for t in tensors if _int_tensor(t) and t.dim() >= 2]
+        router.count_vector = not indices and any(_int_tensor(t) and tuple(t.shape) == (E,) for t in tensors)
         # logits: the declared index; else a Linear child's output; else a float [.., E]
         # output of a module that computes them itself (a 2-D [E, H] weight) or is a gate
         if router.logits_index is not None:
@@ -287,7 +291,7 @@ class MoeMonitor(Monitor):
             router.top_k = self._top_k or _attr_int(module, "top_k", "num_experts_per_tok", "topk") or \
                 self._parent_top_k(router)
         router.score = self._score or _score_of(module) or SOFTMAX
-        if not indices and not maps and router.top_k is None:
+        if not indices and not maps and not router.count_vector and router.top_k is None:
             self._once.warning(("no-counts", router.tag),
                                "monitor_v2 moe: %s returns neither expert indices nor a routing map, and its top-k "
                                "is not known (set monitors.moe.top_k): no tokens_per_expert row for it",
@@ -327,14 +331,17 @@ class MoeMonitor(Monitor):
                     logits = cand
             elif child_logits is not None and child_logits.shape[-1] == E:
                 logits = child_logits
-            indices = [t for t in tensors if _int_tensor(t) and t.dim() >= 1]
+            indices = [t for t in tensors if _int_tensor(t) and t.dim() >= 2]
             maps = [t for t in tensors if t.dtype == torch.bool and t.dim() >= 2 and t.shape[-1] == E]
+            ready = [t for t in tensors if _int_tensor(t) and tuple(t.shape) == (E,)] if router.count_vector else []
             counts = router.counts.get(scope)
             if counts is None:
                 device = (indices or maps or tensors)[0].device
                 counts = router.counts[scope] = torch.zeros(E, dtype=torch.float32, device=device)
             if indices:
                 _count_indices(counts, indices[-1], E)
+            elif ready:
+                counts.add_(ready[0].to(torch.float32))
             elif maps:
                 counts.add_(maps[0].reshape(-1, E).sum(0, dtype=torch.float32))
             elif logits is not None and router.top_k is not None:
@@ -346,11 +353,12 @@ class MoeMonitor(Monitor):
             if router.score == SIGMOID:
                 s = torch.sigmoid(wide)
                 p = s / s.sum(-1, keepdim=True)
-                entropy = -torch.where(p > 0, p * torch.log(p), torch.zeros_like(p)).sum(-1)
+                entropy = 0.0 - torch.where(p > 0, p * torch.log(p), torch.zeros_like(p)).sum(-1)
             else:
                 logp = torch.log_softmax(wide, -1)
                 p = logp.exp()
-                entropy = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
+                # 0 - sum, not -sum: a token all on one expert has entropy +0, never -0
+                entropy = 0.0 - torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
             lse = torch.logsumexp(wide, -1)
             vpp, tag, record, plan, out = router.vpp, router.tag, self._record, self.plan, self._records
             out.append(record(entropy, plan, vpp, rows.moe_row(tag, rows.TOKEN_ENTROPY), scope))
