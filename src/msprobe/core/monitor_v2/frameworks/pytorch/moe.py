@@ -55,6 +55,9 @@ _current_autograd_node = getattr(torch._C, "_current_autograd_node", lambda: Non
 _ROUTER_NAME = re.compile(r"(?:^|[._])(router|gate|gating|wg)$")
 _LOGITS_CHILDREN = ("gate", "wg", "linear", "proj")
 SOFTMAX, SIGMOID = "softmax", "sigmoid"
+# the experts beside a router: transformers and DeepSpeed ``experts``, TorchTitan
+# ``routed_experts``, Megatron-Core ``experts`` (``local_experts`` inside)
+_EXPERTS_NAMES = ("experts", "routed_experts", "local_experts")
 
 
 def _int_tensor(t: Any) -> bool:
@@ -312,11 +315,9 @@ class MoeMonitor(Monitor):
 
     def _experts_of(self, router: Router) -> Optional[str]:
         parent = router.tag.rpartition(".")[0]
-        name = f"{parent}.experts" if parent else "experts"
-        for vpp, tag, _m in self.session.named_modules():
-            if self.session.table.qualify(vpp, tag) == name:
-                return name
-        return None
+        names = [f"{parent}.{n}" if parent else n for n in _EXPERTS_NAMES]
+        tags = {self.session.table.qualify(vpp, tag) for vpp, tag, _m in self.session.named_modules()}
+        return next((n for n in names if n in tags), None)
 
     @outside_training_modes
     def _read(self, router: Router, scope: str, output: Any, tensors: List[torch.Tensor],
