@@ -150,3 +150,52 @@ def test_near_duplicate_experts_and_logit_growth(tmp_path):
     mon.stop()
     grown = [i for i in anomalies(out)["moe"]["items"] if i["kind"] == "logit growth"]
     assert {i["router"] for i in grown} == {"model.layers.0.mlp.router", "model.layers.1.mlp.router"}
+
+
+def test_plot_draws_the_heat_maps(tmp_path):
+    require("matplotlib", "plot draws the MoE heat maps with matplotlib")
+    model = gpt_oss()
+    with torch.no_grad():
+        model.model.layers[0].mlp.router.bias[3] = -1e4
+    train(model, tmp_path / "out", steps=2)
+    report = tmp_path / "report"
+    assert main(["plot", str(tmp_path / "out"), "--out", str(report)], out=io.StringIO(), err=io.StringIO()) == 0
+    assert (report / "report.html").is_file()
+    maps = sorted(p.name for p in report.glob("*_moe_heat_*.png"))
+    assert [m.split("_moe_heat_")[1] for m in maps] == ["maxvio.png", "dead.png"]  # numbered in that order
+    html = (report / "report.html").read_text()
+    assert all(m in html for m in maps) and "MoE routing" in html
+    from msprobe.core.monitor_v2.analysis.moe import heat_maps
+    from msprobe.core.monitor_v2.analysis.reader import Problems, scan
+
+    routers, steps, vio, dead = heat_maps(scan(str(tmp_path / "out")), 0, Problems())
+    rows = counts_rows(tmp_path / "out")
+    assert routers == ["model.layers.0.mlp.router", "model.layers.1.mlp.router"] and steps == [0, 1]
+    for i, router in enumerate(routers):
+        for j, step in enumerate(steps):
+            row = next(r for r in rows if r["module_name"] == f"{router}.tokens_per_expert" and r["step"] == str(step))
+            assert math.isclose(vio[i][j], float(row["max"]) / float(row["mean"]) - 1, rel_tol=1e-9)
+            assert dead[i][j] == float(row["zeros"])
+    assert dead[0] == [1.0, 1.0]
+
+
+def test_experts_without_gradient_from_expert_norms_rows(tmp_path):
+    """The dead-expert finding without a router: ``<param>.expert_norms`` rows of a gradient
+    scope (the per-expert L2 norms of a grouped expert weight's gradient, written by
+    ``weight_grad``) whose ``zeros`` stay > 0. The file is written here in the writer's
+    layout; its rows' meaning is the contract with the per-expert rows of issue 49 item 3."""
+    from msprobe.core.monitor_v2 import rows as rows_mod
+
+    rank = tmp_path / "out" / "rank_0"
+    rank.mkdir(parents=True)
+    header = rows_mod.header(rows_mod.ALL_OPS, True)
+    lines = [",".join(header)]
+    for step in range(4):
+        zeros = 1 if step >= 1 else 0  # expert 2 of 4 gets no gradient from step 1 on
+        lines.append(f"0,{step},layers.0.mlp.experts.down_proj.expert_norms,reduced,1,0.0,0.5,1.2,2.0,0,{zeros}")
+        lines.append(f"0,{step},layers.0.mlp.experts.down_proj,reduced,1,-0.1,0.1,0.0,2.0,0,0")
+    (rank / "weight_grad_step0-3.csv").write_text("\n".join(lines) + "\n")
+    items = anomalies(tmp_path / "out")["moe"]["items"]
+    assert [(i["kind"], i["router"], i["step"], i["steps"], i["value"]) for i in items] == [
+        ("experts without gradient", "layers.0.mlp.experts.down_proj", 1, 3, 1)]
+    assert anomalies(tmp_path / "out", "--moe-steps", "4")["moe"]["items"] == []
