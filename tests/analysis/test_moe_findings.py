@@ -195,6 +195,10 @@ def test_experts_without_gradient_from_expert_norms_rows(tmp_path):
         lines.append(f"0,{step},layers.0.mlp.experts.down_proj.expert_norms,reduced,1,0.0,0.5,1.2,2.0,0,{zeros}")
         lines.append(f"0,{step},layers.0.mlp.experts.down_proj,reduced,1,-0.1,0.1,0.0,2.0,0,0")
     (rank / "weight_grad_step0-3.csv").write_text("\n".join(lines) + "\n")
+    # read only where layout.json says the model has grouped experts (a 3-D parameter)
+    assert "moe" not in anomalies(tmp_path / "out")
+    (rank / "layout.json").write_text(json.dumps({"format": "msprobe-monitor-layout", "version": 1, "params": {
+        "layers.0.mlp.experts.down_proj": {"shape": [4, 8, 16], "pieces": "unknown"}}}))
     items = anomalies(tmp_path / "out")["moe"]["items"]
     assert [(i["kind"], i["router"], i["step"], i["steps"], i["value"]) for i in items] == [
         ("experts without gradient", "layers.0.mlp.experts.down_proj", 1, 3, 1)]

@@ -71,16 +71,32 @@ def cv(vals: Dict[str, float], experts: Optional[int]) -> float:
     return math.sqrt(max(norm * norm / experts - mean * mean, 0.0)) / mean
 
 
-def router_layout(root: str, rank: int) -> Dict[str, Dict[str, Any]]:
-    """``layout.json``'s ``moe`` of a rank ({} where absent or unreadable)."""
+def _layout_doc(root: str, rank: int) -> Dict[str, Any]:
     path = os.path.join(root, f"rank_{rank}", "layout.json")
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
     except (OSError, ValueError):
         return {}
-    moe = doc.get("moe") if isinstance(doc, dict) else None
+    return doc if isinstance(doc, dict) else {}
+
+
+def router_layout(root: str, rank: int) -> Dict[str, Dict[str, Any]]:
+    """``layout.json``'s ``moe`` of a rank ({} where absent or unreadable)."""
+    moe = _layout_doc(root, rank).get("moe")
     return moe if isinstance(moe, dict) else {}
+
+
+def has_grouped_experts(root: str, rank: int) -> bool:
+    """Whether a rank's ``layout.json`` names routers or a parameter of three or more
+    dimensions (grouped experts, whose gradient rows may have ``expert_norms``): only then
+    are its ``weight_grad`` files read again for them (they can be large)."""
+    doc = _layout_doc(root, rank)
+    if doc.get("moe"):
+        return True
+    params = doc.get("params")
+    return isinstance(params, dict) and any(
+        isinstance(p, dict) and isinstance(p.get("shape"), list) and len(p["shape"]) >= 3 for p in params.values())
 
 
 def _latest_rows(layout: Layout, rank: int, monitor: str, problems: Problems,
@@ -88,7 +104,10 @@ def _latest_rows(layout: Layout, rank: int, monitor: str, problems: Problems,
     """(name, scope) -> step -> values: each step's latest row (the files in the order their
     runs wrote them: by window, run series and time)."""
     out: Dict[Tuple[str, str], Dict[int, Dict[str, float]]] = {}
-    files = sorted(layout.files_of(rank, monitor), key=lambda f: (f.first, f.run, f.mtime_ns))
+    # CSV files only: an exported dataset's Parquet partitions are not read here (no MoE
+    # findings on an exported dataset)
+    files = sorted((f for f in layout.files_of(rank, monitor) if f.path.endswith(".csv")),
+                   key=lambda f: (f.first, f.run, f.mtime_ns))
     for f in files:
         for row in iter_rows(f, problems, steps):
             if monitor == rows.WEIGHT_GRAD and not row.name.endswith("." + EXPERT_NORMS):
@@ -124,7 +143,7 @@ def moe_findings(layout: Layout, problems: Problems, settings: MoeSettings,
         routers = router_layout(layout.root, rank)
         moe_rows = _latest_rows(layout, rank, rows.MOE, problems, steps) if layout.files_of(rank, rows.MOE) else {}
         grad_rows = (_latest_rows(layout, rank, rows.WEIGHT_GRAD, problems, steps)
-                     if layout.files_of(rank, rows.WEIGHT_GRAD) else {})
+                     if layout.files_of(rank, rows.WEIGHT_GRAD) and has_grouped_experts(layout.root, rank) else {})
         any_rows = any_rows or bool(moe_rows) or bool(grad_rows)
         for (name, scope), by_step in sorted(moe_rows.items()):
             parsed = rows.moe_router_of(name)

@@ -64,12 +64,26 @@ def _int_tensor(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
 
 
+def _local(t: Any) -> Any:
+    """A DTensor's local piece (no communication: this rank's tokens are what it counts)."""
+    to_local = getattr(t, "to_local", None) if isinstance(t, torch.Tensor) else None
+    return to_local() if to_local is not None and type(t).__name__ == "DTensor" else t
+
+
 def _tensors(output: Any) -> List[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (tuple, list)):
-        return [t for t in output if isinstance(t, torch.Tensor)]
-    return []
+    return [_local(t) for t in _seq(output) if isinstance(t, torch.Tensor)]
+
+
+def _replicated(w: torch.Tensor) -> Optional[torch.Tensor]:
+    """The router weight as a plain tensor, or None where this rank holds only a piece of
+    it (a sharded DTensor: its cosines would need a collective, which the monitor never
+    makes)."""
+    if type(w).__name__ != "DTensor":
+        return w
+    placements = getattr(w, "placements", ())
+    if all(type(p).__name__ == "Replicate" for p in placements):
+        return w.to_local()
+    return None
 
 
 def _attr_int(module: torch.nn.Module, *names: str) -> Optional[int]:
@@ -327,11 +341,11 @@ class MoeMonitor(Monitor):
             logits: Optional[torch.Tensor] = None
             if router.logits_index is not None:
                 seq = _seq(output)
-                cand = seq[router.logits_index] if router.logits_index < len(seq) else None
+                cand = _local(seq[router.logits_index]) if router.logits_index < len(seq) else None
                 if isinstance(cand, torch.Tensor) and cand.shape[-1] == E:
                     logits = cand
             elif child_logits is not None and child_logits.shape[-1] == E:
-                logits = child_logits
+                logits = _local(child_logits)
             indices = [t for t in tensors if _int_tensor(t) and t.dim() >= 2]
             maps = [t for t in tensors if t.dtype == torch.bool and t.dim() >= 2 and t.shape[-1] == E]
             ready = [t for t in tensors if _int_tensor(t) and tuple(t.shape) == (E,)] if router.count_vector else []
@@ -385,6 +399,13 @@ class MoeMonitor(Monitor):
             for router in self.routers:
                 w = router.weight()
                 if w is None or not router.valid or w.shape[0] < 2 or w.device.type == "meta":
+                    continue
+                w = _replicated(w)
+                if w is None:
+                    self._once.warning(("sharded-weight", router.tag),
+                                       "monitor_v2 moe: the weight of %s is sharded (a DTensor of placements other "
+                                       "than Replicate): no weight_cosine row for it (its cosines would need a "
+                                       "collective)", router.tag)
                     continue
                 E = int(w.shape[0])
                 if router.pair_index is None or router.pair_index.device != w.device:
