@@ -474,3 +474,30 @@ def test_routing_map_and_count_vector_signatures(tmp_path, caplog):
     check(got["gate.tokens_per_expert"], stats(np.bincount(gate_logits[0].argmax(-1), minlength=E)),
           "gate.tokens_per_expert")
     check(got["gate.logits"], stats(gate_logits[0]), "gate.logits")
+
+
+def test_a_gate_that_is_no_router_is_left_alone(tmp_path, caplog):
+    """A module named like a router (a gated block's ``gate`` Linear) whose output holds no
+    expert indices, map or counts, with no top_k known: not a router, said once, no rows."""
+
+    class Gated(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = torch.nn.Linear(8, 8)
+            self.up = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.sigmoid(self.gate(x)) * self.up(x)
+
+    model = torch.nn.Sequential(Gated(), Gated())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = TrainerMonitorV2(config(tmp_path / "out"))
+    mon.start(model=model, optimizer=opt)
+    with caplog.at_level(logging.WARNING, logger="msprobe.monitor_v2"):
+        for _ in range(2):
+            model(torch.rand(4, 8)).sum().backward()
+            opt.step()
+    mon.stop()
+    said = [r.getMessage() for r in caplog.records if "named like a router" in r.getMessage()]
+    assert len(said) == 2 and {s.split(" ")[2] for s in said} == {"0.gate", "1.gate"}
+    assert not list((tmp_path / "out" / "rank_0").glob("moe_*.csv"))

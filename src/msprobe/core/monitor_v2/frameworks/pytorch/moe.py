@@ -308,6 +308,16 @@ class MoeMonitor(Monitor):
             router.top_k = self._top_k or _attr_int(module, "top_k", "num_experts_per_tok", "topk") or \
                 self._parent_top_k(router)
         router.score = self._score or _score_of(module) or SOFTMAX
+        if router.source == "name" and (E < 2 or (not indices and not maps and not router.count_vector
+                                                   and router.top_k is None)):
+            # a module named like a gate whose output is only a float tensor, with no top-k to
+            # route by (a gated MLP's or attention's gate): not taken for a router
+            router.valid = False
+            self._once.warning(("not-a-router", router.tag),
+                               "monitor_v2 moe: %s (%s) is named like a router but returns no expert indices, "
+                               "routing map or counts, and no top_k is known for it: not observed (set "
+                               "monitors.moe.routers and top_k to observe it)", router.tag, type(module).__name__)
+            return
         if not indices and not maps and not router.count_vector and router.top_k is None:
             self._once.warning(("no-counts", router.tag),
                                "monitor_v2 moe: %s returns neither expert indices nor a routing map, and its top-k "
