@@ -501,3 +501,36 @@ def test_a_gate_that_is_no_router_is_left_alone(tmp_path, caplog):
     said = [r.getMessage() for r in caplog.records if "named like a router" in r.getMessage()]
     assert len(said) == 2 and {s.split(" ")[2] for s in said} == {"0.gate", "1.gate"}
     assert not list((tmp_path / "out" / "rank_0").glob("moe_*.csv"))
+
+
+def test_fsdp2_router_weight_read_whole_in_its_forward(tmp_path):
+    """Under FSDP2 the router weight is a shard between steps and whole inside the forward:
+    weight_cosine is read in the router's first call of the step, without a collective, and
+    step 0's rows equal an unsharded twin's (checked against NumPy above)."""
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    store = tempfile.mktemp(dir=tmp_path)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model, pattern, _, _ = mixtral()
+        twin = copy.deepcopy(model)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        assert type(model.model.layers[0].mlp.gate.weight).__name__ == "DTensor"
+        data = batches(1)
+        mon, _, _ = run(model, data, config(tmp_path / "fsdp"))
+    finally:
+        dist.destroy_process_group()
+    run(twin, data, config(tmp_path / "plain"))
+    assert mon.errors.count == 0
+    sharded = {(r["module_name"], r["scope"]): r for r in rows_of(tmp_path / "fsdp", "moe")}
+    plain = {(r["module_name"], r["scope"]): r for r in rows_of(tmp_path / "plain", "moe")}
+    assert sharded.keys() == plain.keys() and any(k[0].endswith("weight_cosine") for k in plain)
+    for key, row in plain.items():
+        for op in ("min", "max", "mean", "norm", "zeros"):
+            assert math.isclose(float(sharded[key][op]), float(row[op]), rel_tol=1e-5, abs_tol=1e-6), (key, op)

@@ -144,6 +144,7 @@ class Router:
         self.experts: Optional[str] = None
         self.checked = False  # its output's signature was read (first call)
         self.count_vector = False  # it returns its counts per expert ([E] integers)
+        self.cosines_read = False  # this step's weight_cosine row was made (its first training call)
         self.valid = True
         self.has_logits = False
         # the step's count buffers, by scope (made at the first call of a step)
@@ -253,6 +254,11 @@ class MoeMonitor(Monitor):
             self._check(router, output, tensors, child_logits)
             if not router.valid:
                 return
+        if scope == rows.ROUTING and not router.cosines_read:
+            # the weight as the step started (no update has run yet), read in its first call:
+            # under FSDP2 the weight is whole here, a shard between steps
+            router.cosines_read = True
+            self._weight_cosines(router)
         self._read(router, scope, output, tensors, child_logits)
 
     def _check(self, router: Router, output: Any, tensors: List[torch.Tensor],
@@ -396,35 +402,31 @@ class MoeMonitor(Monitor):
         for router in self.routers:
             router.counts = {}
         self.step_counts = []
-        if active:
-            try:
-                self._weight_cosines()
-            except Exception as exc:  # noqa: BLE001 - the monitor never breaks training
-                self.errors.report("moe router weight cosines", exc)
+        for router in self.routers:
+            router.cosines_read = False
 
     @outside_training_modes
-    def _weight_cosines(self) -> None:
-        """The pairwise cosines of each router weight's expert rows, as the step starts."""
+    def _weight_cosines(self, router: Router) -> None:
+        """The pairwise cosines of the router weight's expert rows."""
         with torch.no_grad():
-            for router in self.routers:
-                w = router.weight()
-                if w is None or not router.valid or w.shape[0] < 2 or w.device.type == "meta":
-                    continue
-                w = _replicated(w)
-                if w is None:
-                    self._once.warning(("sharded-weight", router.tag),
-                                       "monitor_v2 moe: the weight of %s is sharded (a DTensor of placements other "
-                                       "than Replicate): no weight_cosine row for it (its cosines would need a "
-                                       "collective)", router.tag)
-                    continue
-                E = int(w.shape[0])
-                if router.pair_index is None or router.pair_index.device != w.device:
-                    router.pair_index = torch.triu_indices(E, E, 1, device=w.device)
-                rows_ = w.detach().float()
-                unit = rows_ / rows_.norm(dim=1, keepdim=True).clamp_min(1e-12)
-                cos = (unit @ unit.T)[router.pair_index[0], router.pair_index[1]]
-                self._records.append(self._record(cos, self.plan, router.vpp,
-                                                  rows.moe_row(router.tag, rows.WEIGHT_COSINE), rows.ROUTER_WEIGHT))
+            w = router.weight()
+            if w is None or w.shape[0] < 2 or w.device.type == "meta":
+                return
+            w = _replicated(w)
+            if w is None:
+                self._once.warning(("sharded-weight", router.tag),
+                                   "monitor_v2 moe: the weight of %s is sharded in its forward (a DTensor of "
+                                   "placements other than Replicate): no weight_cosine row for it (its cosines "
+                                   "would need a collective)", router.tag)
+                return
+            E = int(w.shape[0])
+            if router.pair_index is None or router.pair_index.device != w.device:
+                router.pair_index = torch.triu_indices(E, E, 1, device=w.device)
+            rows_ = w.detach().float()
+            unit = rows_ / rows_.norm(dim=1, keepdim=True).clamp_min(1e-12)
+            cos = (unit @ unit.T)[router.pair_index[0], router.pair_index[1]]
+            self._records.append(self._record(cos, self.plan, router.vpp,
+                                              rows.moe_row(router.tag, rows.WEIGHT_COSINE), rows.ROUTER_WEIGHT))
 
     def collect(self) -> List[Record]:
         if self.active:
