@@ -467,6 +467,9 @@ def test_routing_map_and_count_vector_signatures(tmp_path, caplog):
         opt.step()
     mon.stop()
     assert mon.errors.count == 0
+    # stop() took every hook of its own off: the test's own are left
+    assert [len(m._forward_hooks) for m in (model, model.router, model.gate, model.gate.wg)] == [0, 1, 0, 1]
+    assert not model._forward_pre_hooks and not model._forward_hooks_always_called
     got = {r["module_name"]: r for r in rows_of(tmp_path / "out", "moe")}
     check(got["router.tokens_per_expert"], stats(maps[0].sum(0)), "router.tokens_per_expert")
     assert "router.logits" not in got
