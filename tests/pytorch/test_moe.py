@@ -537,3 +537,29 @@ def test_fsdp2_router_weight_read_whole_in_its_forward(tmp_path):
     for key, row in plain.items():
         for op in ("min", "max", "mean", "norm", "zeros"):
             assert math.isclose(float(sharded[key][op]), float(row[op]), rel_tol=1e-5, abs_tol=1e-6), (key, op)
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("routers", ["layers.(0"], "must be a regular expression"),
+    ("routers", "gate", "must be a list of strings"),
+    ("per_expert", "yes", "must be true or false"),
+    ("eval_routing", 1, "must be true or false"),
+    ("top_k", 0, "must be an integer >= 1"),
+    ("score", "tanh", "allowed: softmax, sigmoid"),
+    ("expert", True, "unknown field 'monitors.moe.expert'"),
+])
+def test_bad_moe_config_names_field_value_and_what_is_allowed(field, value, says):
+    from msprobe.core.monitor_v2.config import load_config
+    from msprobe.core.monitor_v2.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        load_config({"monitors": {"moe": {"enabled": True, field: value}}})
+    assert f"monitors.moe.{field}" in str(err.value) and says in str(err.value)
+    assert err.value.field.startswith(f"monitors.moe.{field}")
+
+
+def test_moe_file_always_has_zeros():
+    from msprobe.core.monitor_v2.config import load_config
+
+    assert load_config({"monitors": {"moe": {"enabled": True, "ops": ["max", "mean"]}}}).monitors["moe"].ops == (
+        "max", "mean", "zeros")
