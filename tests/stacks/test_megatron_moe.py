@@ -2,7 +2,8 @@
 ``(probs, routing_map)``), 2 gloo ranks on the CPU under the project's shim: the routers
 found by their name, each rank's ``tokens_per_expert`` equal to NumPy over the routing maps
 the worker captured, the logits said once as not observable (Megatron computes them with a
-function inside the router), weight cosines against NumPy, training bit-identical."""
+function inside the router), a weight_cosine row per router and step, training
+bit-identical."""
 
 import math
 from pathlib import Path
