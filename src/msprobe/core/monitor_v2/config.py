@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 from . import rows
 from .cc_base import CONFIG_FIELDS as CC_FIELDS
-from .checks import (Checker, Fields, check_bool, check_int, check_keys, check_positive_number,
+from .checks import (Checker, Fields, at_least, check_bool, check_int, check_keys, check_positive_number,
                      check_rank_list, check_str_list, describe, fail)
 from .errors import ConfigError, UnsafePathError
 from .monitor import DEFAULT_EPS, MODULE_CONFIG_FIELDS, WEIGHT_GRAD_CONFIG_FIELDS, MonitorSettings
@@ -86,6 +86,7 @@ MONITOR_FIELDS: Dict[str, Fields] = {
     rows.OPTIMIZER: OPTIMIZER_FIELDS,
     rows.PARAM: PARAM_FIELDS,
     rows.CC: CC_FIELDS,
+    rows.MOE: {},  # filled below, beside its checkers (_check_patterns is defined further down)
 }
 _COMMON_FIELDS = ("enabled", "ops", "eps")
 # listed after each monitor's own fields (messages name the long-standing ones first)
@@ -227,6 +228,21 @@ def _check_patterns(path: str, value: Any) -> Tuple[str, ...]:
         except re.error as exc:
             raise fail(f"{path}[{i}]", pattern, f"must be a regular expression ({exc})") from None
     return patterns
+
+
+# ----------------------------------------------------------------------------- moe
+# ``routers``: regular expressions (re.search) on module names: the modules whose calls are
+# a router's (they win over the transformers declaration and the name rule); ``top_k``: the
+# experts a token goes to where a router's output does not say it (a Linear gate that
+# returns only logits); ``score``: the score function where the router does not say it.
+MOE_SCORES = ("softmax", "sigmoid")
+MONITOR_FIELDS[rows.MOE].update({
+    "routers": (_check_patterns, ()),
+    "per_expert": (check_bool, False),
+    "eval_routing": (check_bool, False),
+    "top_k": (at_least(1), None),
+    "score": (_check_choice(*MOE_SCORES), None),
+})
 
 
 def _parse_sink(name: str, raw: Any) -> Optional[Dict[str, Any]]:
@@ -421,6 +437,8 @@ def _parse_monitor(name: str, raw: Any, base: str = "monitors") -> MonitorSettin
     enabled_raw = raw.get("enabled")
     enabled = (name == rows.MODULE) if enabled_raw is None else check_bool(f"{path}.enabled", enabled_raw)
     ops = _parse_ops(f"{path}.ops", raw.get("ops"))
+    if name in rows.ZEROS_MONITORS and "zeros" not in ops:  # a dead expert is a count of zero
+        ops = tuple(op for op in rows.ALL_OPS if op in ops or op == "zeros")
     eps_raw = raw.get("eps")
     eps = DEFAULT_EPS if eps_raw is None else check_positive_number(f"{path}.eps", eps_raw)
     steps = None if raw.get("steps") is None else check_int(f"{path}.steps", raw["steps"], 1)

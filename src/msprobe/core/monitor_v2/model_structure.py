@@ -29,6 +29,7 @@ from .safe_fs import write_all
 FILE_NAME = "structure.txt"
 _TITLE = re.compile(r"^# msprobe-monitor model structure: rank (?P<rank>\d+), framework (?P<fr>\w+),")
 CONTAINER_NOTE = "container: never called itself, no rows of its own (its children have them)"
+ROUTER_NOTE = "moe router"  # "moe router (found by ...)": the moe monitor observes it
 FROZEN = "frozen"
 TRAINABLE = "trainable"
 
@@ -44,6 +45,7 @@ class ModuleEntry:
     cls: str
     container: bool = False
     depth: int = 0  # nesting level: 0 for a chunk's root
+    router: str = ""  # the moe monitor's router note ("" for a module that is not one)
 
 
 @dataclass
@@ -110,6 +112,8 @@ def render(structure: Structure, targets: Sequence[str] = (), module_enabled: bo
         notes = ["root"] if m.depth == 0 else []
         if m.container:
             notes.append(CONTAINER_NOTE)
+        if m.router:
+            notes.append(m.router)
         lines.append("\t".join(("module", _escape(m.name), _escape(m.cls), "; ".join(notes))))
     for p in params:
         shape = "[" + ", ".join(str(d) for d in p.shape) + "]"
@@ -163,7 +167,9 @@ def parse_structure(text: str, source: str = FILE_NAME) -> Structure:
         kind, name, kind_type, notes = cells[0], _unescape(cells[1]), cells[2], cells[3]
         if kind == "module":
             root = notes.split(";")[0].strip() == "root"
-            s.modules.append(ModuleEntry(name, _unescape(kind_type), CONTAINER_NOTE in notes, depth_of(name, root)))
+            router = next((n.strip() for n in notes.split(";") if n.strip().startswith(ROUTER_NOTE)), "")
+            s.modules.append(ModuleEntry(name, _unescape(kind_type), CONTAINER_NOTE in notes, depth_of(name, root),
+                                         router))
         else:
             dtype, _, shape = kind_type.partition(" ")
             dims = tuple(int(d) for d in shape.strip("[]").split(",") if d.strip())

@@ -20,9 +20,10 @@ WEIGHT_GRAD = "weight_grad"
 OPTIMIZER = "optimizer"
 PARAM = "param"
 CC = "cc"
+MOE = "moe"
 # The fixed order: of the config's monitors, of the files of a step, of alerts and of
 # every analysis listing.
-MONITORS: Tuple[str, ...] = (MODULE, WEIGHT_GRAD, OPTIMIZER, PARAM, CC)
+MONITORS: Tuple[str, ...] = (MODULE, WEIGHT_GRAD, OPTIMIZER, PARAM, CC, MOE)
 
 # ------------------------------------------------------------------------ scopes
 # module: the training step's forward pass, evaluation passes and generation passes
@@ -45,6 +46,11 @@ EXP_AVG_SQ = "exp_avg_sq"
 MOMENTUM_BUFFER = "momentum_buffer"
 # cc: every communication call.
 COMM = "comm"
+# moe: the routers' decisions in the training forward (all micro-batches of a step), in
+# evaluation passes (only with ``eval_routing``), and the router weight the step started from.
+ROUTING = "routing"
+EVAL_ROUTING = "eval_routing"
+ROUTER_WEIGHT = "router_weight"
 
 SCOPES: Dict[str, Tuple[str, ...]] = {
     MODULE: (FORWARD, EVAL_FORWARD, GENERATE, BACKWARD),
@@ -52,7 +58,10 @@ SCOPES: Dict[str, Tuple[str, ...]] = {
     OPTIMIZER: (EXP_AVG, EXP_AVG_SQ, MOMENTUM_BUFFER),
     PARAM: (PARAM_ORIGIN, PARAM_UPDATED),
     CC: (COMM,),
+    MOE: (ROUTING, EVAL_ROUTING, ROUTER_WEIGHT),
 }
+# The monitors whose files always carry ``zeros`` (moe: a count of 0 tokens is a dead expert).
+ZEROS_MONITORS: Tuple[str, ...] = (MOE,)
 
 # --------------------------------------------------------------------------- ops
 # The statistics that are values, then the NaN count: the five written by default.
@@ -163,6 +172,28 @@ def cc_row(op: str, when: str, index: int, site: str) -> str:
     return f"{op}.{when}.{index}@{site}"
 
 
+# moe rows: ``<router>.<kind>``, one row per router, kind and step (all micro-batches).
+TOKENS_PER_EXPERT = "tokens_per_expert"
+TOKEN_ENTROPY = "token_entropy"
+LOGITS = "logits"
+LSE = "lse"
+WEIGHT_COSINE = "weight_cosine"
+MOE_KINDS: Tuple[str, ...] = (TOKENS_PER_EXPERT, TOKEN_ENTROPY, LOGITS, LSE, WEIGHT_COSINE)
+# the sidecar of raw counts (``"per_expert": true``): ``moe_counts_step<a>-<b>.csv``
+MOE_COUNTS = "moe_counts"
+MOE_COUNTS_HEADER: Tuple[str, ...] = (VPP_STAGE, STEP, MODULE_NAME, "counts")
+
+
+def moe_row(router: str, kind: str) -> str:
+    return f"{router}.{kind}"
+
+
+def moe_router_of(name: str) -> "Tuple[str, str] | None":
+    """``(router, kind)`` of a moe row name, or None for another name."""
+    router, _, kind = name.rpartition(".")
+    return (router, kind) if router and kind in MOE_KINDS else None
+
+
 # ------------------------------------------------------------ execution order
 # Where in a training step a (monitor, scope) was computed: the phase of the order key
 # (analysis/order.py documents the table). It lives here, not in the analysis, because the
@@ -176,6 +207,9 @@ _PHASES: Dict[Tuple[str, str], int] = {
     (MODULE, EVAL_FORWARD): 1,  # evaluation passes: forward passes, in file (call) order
     (MODULE, GENERATE): 1,  # generation passes: the same
     (MODULE, BACKWARD): 2,
+    (MOE, ROUTER_WEIGHT): 0,  # the router weight the step started from
+    (MOE, ROUTING): 1,  # the routers' decisions in the forward pass
+    (MOE, EVAL_ROUTING): 1,
     (WEIGHT_GRAD, UNREDUCED): 3,
     (WEIGHT_GRAD, REDUCED): 5,
     (PARAM, PARAM_UPDATED): 7,

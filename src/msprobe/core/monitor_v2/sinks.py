@@ -15,6 +15,9 @@ Keys (the same tags as ``msprobe-monitor export --tensorboard``), per monitor an
   step's rows (needs ``norm`` in ``ops``);
 - ``<monitor>/<scope>/nonfinite_tensors``: rows with a NaN or Inf statistic, and
   ``<monitor>/<scope>/nans``: NaN elements summed (needs ``nans``);
+- ``moe/routing/max_maxvio`` and ``moe/routing/dead_experts`` (over the routers), then per
+  router ``moe/routing/<router>/maxvio``, ``.../cv`` and ``.../dead_experts`` (from its
+  ``tokens_per_expert`` row: docs/moe.md);
 - ``<monitor>/<scope>/<tensor>/<stat>``: every statistic of the tensors ``tensors`` selects
   (regular expressions, ``re.search`` on the name), then the norm of the ``top_k`` tensors
   with the largest norm.
@@ -35,6 +38,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from . import rows as rows_mod
 from .config import SinksSettings
 from .errors import OutputError
 from .logonce import LogOnce
@@ -82,6 +86,7 @@ class Aggregates:
         first: Dict[str, float] = {}  # global norms and non-finite counts
         chosen: Dict[str, float] = {}
         ranked: Dict[Tuple[str, str], List[Tuple[float, str, float]]] = {}  # (monitor, scope) -> norms
+        per_layer: Dict[str, float] = {}  # moe: MaxVio, CV and dead experts of each router
         for monitor, rows in merged:
             ops = self.ops.get(monitor, ())
             micros = micro_labels(rows, lambda r: r.name, lambda r: r.scope, lambda r: r.micro_step)
@@ -97,6 +102,15 @@ class Aggregates:
                 first[f"{prefix}/nonfinite_tensors"] = float(sum(_nonfinite(r, ops) for r in items))
                 if "nans" in ops:
                     first[f"{prefix}/nans"] = float(sum(r.stat.nans for r in items))
+            if monitor == rows_mod.MOE:
+                routers = _moe_keys(rows)
+                if routers:
+                    first[f"{monitor}/{rows_mod.ROUTING}/max_maxvio"] = max(v[0] for v in routers.values())
+                    first[f"{monitor}/{rows_mod.ROUTING}/dead_experts"] = sum(v[2] for v in routers.values())
+                for router, (maxvio, cv, dead) in routers.items():
+                    per_layer[f"{monitor}/{rows_mod.ROUTING}/{router}/maxvio"] = maxvio
+                    per_layer[f"{monitor}/{rows_mod.ROUTING}/{router}/cv"] = cv
+                    per_layer[f"{monitor}/{rows_mod.ROUTING}/{router}/dead_experts"] = dead
             for row, micro in zip(rows, micros):
                 if self._patterns and any(p.search(row.name) for p in self._patterns):
                     for op in ops:
@@ -108,6 +122,7 @@ class Aggregates:
                         (math.inf if math.isnan(norm) else norm, tag(monitor, row.scope, row.name, "norm", micro),
                          norm))
         out = dict(first)
+        out.update(per_layer)
         out.update(chosen)
         for items in ranked.values():
             items.sort(key=lambda item: -item[0])
@@ -123,6 +138,25 @@ class Aggregates:
                 "narrow sinks.tensors. Logged once.", step, len(out), cap, cap)
             out = dict(list(out.items())[:cap])
         return out
+
+
+def _moe_keys(rows: Sequence[Row]) -> Dict[str, Tuple[float, float, float]]:
+    """router -> (MaxVio, CV, dead experts) of its ``tokens_per_expert`` row (scope
+    ``routing``): max/mean - 1, sqrt(max(norm^2/E - mean^2, 0))/mean with E the row's
+    element count, and ``zeros``."""
+    out: Dict[str, Tuple[float, float, float]] = {}
+    for row in rows:
+        parsed = rows_mod.moe_router_of(row.name)
+        if parsed is None or parsed[1] != rows_mod.TOKENS_PER_EXPERT or row.scope != rows_mod.ROUTING:
+            continue
+        stat = row.stat
+        mean = stat.value("mean")
+        if not stat.numel or not mean > 0:
+            out[parsed[0]] = (math.nan, math.nan, float(stat.zeros))
+            continue
+        var = max(stat.sumsq / stat.numel - mean * mean, 0.0)
+        out[parsed[0]] = (stat.value("max") / mean - 1.0, math.sqrt(var) / mean, float(stat.zeros))
+    return out
 
 
 def _nonfinite(row: Row, ops: Sequence[str]) -> bool:

@@ -35,7 +35,7 @@ from .monitor import ContainedErrors, Monitor, module_tags, short_error
 from .logonce import LogOnce
 from .patching import Patch
 from .sinks import make_sink_hub
-from .writer import STALL_S, AsyncCsvWriter, CsvWriter, MonitorOutput, count_rows
+from .writer import STALL_S, AsyncCsvWriter, CsvWriter, MonitorOutput, SidecarOutput, count_rows
 
 logger = logging.getLogger("msprobe.monitor_v2")
 
@@ -114,6 +114,11 @@ class TrainerMonitorV2:
             return
 
         enabled = self.config.enabled_monitors
+        if any(s.name == rows.MOE for s in enabled) and rows.MOE not in backend.MONITORS:
+            # an MoE model trains as well without it: said once, the other monitors run
+            logger.warning("monitor_v2: monitor 'moe' is not available for framework '%s' in this version (its "
+                           "routers are not observed; the other monitors run)", self.config.framework)
+            enabled = [s for s in enabled if s.name != rows.MOE]
         on_anomaly = self.config.alert.on_anomaly if self.config.alert is not None else None
         escalated = [s for s in on_anomaly.monitors.values() if s.enabled] if on_anomaly is not None else []
         for settings in enabled + escalated:
@@ -131,7 +136,7 @@ class TrainerMonitorV2:
         session: Session = backend.Session(model, optimizer, context, self.rank_dir)
         self.monitors = [backend.MONITORS[s.name](s, session, self.errors) for s in enabled]
 
-        outputs = [MonitorOutput(m.name, m.settings.ops, m.name in rows.MICRO_STEP_MONITORS) for m in self.monitors]
+        outputs = _outputs(self.monitors)
         self._alerter = make_alerter(self.config.alert, self.rank, self.rank_dir)
         writer = CsvWriter(
             self.rank_dir,
@@ -186,7 +191,13 @@ class TrainerMonitorV2:
         """``rank_<r>/structure.txt`` (``"structure": true``): the names ``targets`` and rows use."""
         module = self.config.monitors.get(rows.MODULE)
         enabled = module is not None and module.enabled
-        path = write_structure(self.rank_dir, session.structure(), module.get("targets") if enabled else (), enabled)
+        structure = session.structure()
+        for m in self.monitors:  # moe: the routers it found (the name rule's are checked at their first call)
+            notes = m.structure_notes() if hasattr(m, "structure_notes") else {}
+            for entry in structure.modules:
+                if entry.name in notes:
+                    entry.router = notes[entry.name]
+        path = write_structure(self.rank_dir, structure, module.get("targets") if enabled else (), enabled)
         from .analysis.command import command_line  # light: no Polars on the training side
 
         logger.info("monitor_v2: model structure (module and parameter names) written to %s; "
@@ -205,7 +216,15 @@ class TrainerMonitorV2:
             return
         rank_dir = self.rank_dir
         text = render(doc)  # now, at start(): the first written step only writes the file
-        writer.before_first_file = lambda: write_layout(rank_dir, text)
+        monitors = self.monitors
+
+        def write() -> None:
+            # the moe routers are known once their first call showed their outputs: the
+            # first written step's, which has run when its rows are written
+            routers = {k: v for m in monitors if m.name == rows.MOE for k, v in m.layout().items()}
+            write_layout(rank_dir, render({**doc, "moe": routers}) if routers else text)
+
+        writer.before_first_file = write
 
     # ------------------------------------------ alert.dump / stop_on_nonfinite
     def _make_guard(self, backend: Any, session: Session) -> Any:
@@ -361,11 +380,23 @@ class TrainerMonitorV2:
                 continue
             if recs:
                 records[m.name] = recs
+        sidecars: Dict[str, list] = {}
+        for m in self.monitors:
+            side = getattr(m, "sidecar", None)  # moe's raw counts (its copies are issued there)
+            if side is not None and self._active:
+                try:
+                    got = side()
+                except Exception as exc:  # noqa: BLE001
+                    self.errors.report(f"{m.name} sidecar", exc)
+                    continue
+                if got:
+                    sidecars[rows.MOE_COUNTS] = got
         if self._active and records:
             try:
                 # device values are only being copied: the writer waits for them (ready) when
                 # it formats the rows, on its own thread with async_write
                 ready = self._session.engine.to_host([r for recs in records.values() for r in recs])
+                records.update(sidecars)
                 if ready is None:
                     self._writer.write_step(step, records)
                 else:
@@ -557,7 +588,7 @@ class TrainerMonitorV2:
         self.monitors = monitors
         self._timed = timed_names(wanted)
         self._next_change = self._plan.next_change(step)
-        outputs = [MonitorOutput(m.name, m.settings.ops, m.name in rows.MICRO_STEP_MONITORS) for m in monitors]
+        outputs = _outputs(monitors)
         self._writer.update_outputs(step, outputs, self.schedule)
 
     def _attach_monitor(self, settings: Any) -> Optional[Monitor]:
@@ -717,3 +748,11 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _outputs(monitors: List[Monitor]) -> List[MonitorOutput]:
+    """The files the monitors write: one per monitor, and moe's raw counts with ``per_expert``."""
+    outputs = [MonitorOutput(m.name, m.settings.ops, m.name in rows.MICRO_STEP_MONITORS) for m in monitors]
+    if any(m.name == rows.MOE and m.settings.options.get("per_expert") for m in monitors):
+        outputs.append(SidecarOutput(rows.MOE_COUNTS, rows.MOE_COUNTS_HEADER))
+    return outputs

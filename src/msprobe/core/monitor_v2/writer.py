@@ -213,6 +213,49 @@ class MonitorOutput:
         self.stat_codes = bytes(_STAT_CODES[op] for op in self.ops)
 
 
+class CountsRecord:
+    """One row of a sidecar file (``moe_counts``): a vector of counts, copied from the device
+    without blocking (``event``, None where the copy is done), formatted ``c_0;c_1;...``."""
+
+    __slots__ = ("vpp_stage", "name", "values", "event")
+    scope = ""
+    micro_step = None
+
+    def __init__(self, vpp_stage: int, name: str, values: Any, event: Any = None) -> None:
+        self.vpp_stage = vpp_stage
+        self.name = name
+        self.values = values  # a host tensor (or a sequence) of counts
+        self.event = event
+
+    @property
+    def key(self) -> Tuple[int, str, str, None]:
+        return (self.vpp_stage, self.name, "", None)
+
+    @property
+    def vector(self) -> Any:
+        return self.values
+
+    def cells(self) -> str:
+        if self.event is not None:
+            self.event.synchronize()  # on the writer's side, never in a hook
+            self.event = None
+        values = self.values.tolist() if hasattr(self.values, "tolist") else list(self.values)
+        return ";".join(str(int(v)) for v in values)
+
+
+class SidecarOutput(MonitorOutput):
+    """A file of rows that are not statistics (``rows.MOE_COUNTS``): its own header, one
+    ``CountsRecord`` a row, written with the step's other files under the same rules."""
+
+    def __init__(self, name: str, columns: Sequence[str]) -> None:
+        super().__init__(name, (), False)
+        self.header = list(columns)
+
+    def format(self, step: int, records: Sequence["CountsRecord"]) -> bytes:
+        lines = [f"{rec.vpp_stage},{step},{_row_cell(rec.name)},{rec.cells()}\n" for rec in records]
+        return "".join(lines).encode("utf-8", errors="backslashreplace")
+
+
 class _OpenFile:
     """One open CSV file: its window, path and descriptor (opened for appending)."""
 
@@ -655,6 +698,9 @@ class CsvWriter:
         being copied from a device; waited for here, where the rows are formatted."""
         if ready is not None:
             ready()
+        sidecars = [(m, recs) for m, recs in records.items() if isinstance(self.outputs.get(m), SidecarOutput)]
+        if sidecars:
+            records = {m: recs for m, recs in records.items() if not isinstance(self.outputs.get(m), SidecarOutput)}
         fields: Optional[Dict[str, List[RowFields]]] = None
         if self.alerter is not None or self.sinks is not None:
             # rows as plain tuples, merged once for the alerter, the sinks and the files; only
@@ -676,10 +722,14 @@ class CsvWriter:
         failure: Optional[BaseException] = None
         lost = 0
         failed: List[str] = []
-        for monitor, recs in records.items():
+        for monitor, recs in list(records.items()) + sidecars:
             n = 0
             try:
-                if fields is None:
+                out = self.outputs[monitor]
+                if isinstance(out, SidecarOutput):
+                    data = out.format(step, recs)
+                    formatted, n = (lambda with_header, m=monitor, d=data: self._header(m, with_header) + d), len(recs)
+                elif fields is None:
                     formatted, n = self._formatted_records(monitor, step, recs)
                 else:
                     formatted, n = self._formatted_rows(monitor, step, fields[monitor])

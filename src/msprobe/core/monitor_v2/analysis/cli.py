@@ -132,6 +132,23 @@ def _detectors(p: argparse.ArgumentParser) -> None:
                                          "(default: all ranks form one group)")
     r.add_argument("--rank-rtol", type=_nonneg_float, default=1e-5, help="relative tolerance between ranks")
     r.add_argument("--rank-atol", type=_nonneg_float, default=0.0, help="absolute tolerance between ranks")
+    m = p.add_argument_group(
+        "moe", "mixture-of-experts routers (moe rows, and expert_norms gradient rows): dead experts, load "
+               "imbalance, routing collapse, logit growth, near-duplicate experts (docs/moe.md)")
+    m.add_argument("--moe-steps", type=_positive_int, default=3,
+                   help="N: a dead expert, an imbalance or a collapse is reported when it lasts N consecutive "
+                        "written steps")
+    m.add_argument("--moe-maxvio", type=_nonneg_float, default=1.0,
+                   help="imbalance when MaxVio = max/mean - 1 of the tokens per expert exceeds this")
+    m.add_argument("--moe-cv", type=_nonneg_float, default=1.0,
+                   help="imbalance when the coefficient of variation of the tokens per expert exceeds this")
+    m.add_argument("--moe-entropy", type=_nonneg_float, default=0.5,
+                   help="collapse when the mean token entropy is below this fraction of log(top_k)")
+    m.add_argument("--moe-logit-growth", type=_nonneg_float, default=10.0,
+                   help="logit growth when the latest max |logit| is this many times the first written step's "
+                        "(and above 10)")
+    m.add_argument("--moe-cosine", type=_nonneg_float, default=0.99,
+                   help="near-duplicate experts when two router weight rows have a cosine at least this")
 
 
 def _compare_parser(sub: Any) -> None:
@@ -391,9 +408,16 @@ def _settings(args: argparse.Namespace) -> Tuple[SpikeSettings, RankCheckSetting
 def _analyse(args: argparse.Namespace, engine: AnalysisEngine, layout: Layout, problems: Problems, err: TextIO,
              visitors: Sequence[RowVisitor] = ()) -> Report:
     spikes, rank_check = _settings(args)
-    return engine.analyse(layout, problems, spikes, rank_check, steps=parse_steps(args.steps),
-                          limit=None if args.limit == 0 else args.limit,
-                          progress=True if args.progress else None, visitors=visitors, progress_stream=err)
+    report = engine.analyse(layout, problems, spikes, rank_check, steps=parse_steps(args.steps),
+                            limit=None if args.limit == 0 else args.limit,
+                            progress=True if args.progress else None, visitors=visitors, progress_stream=err)
+    from .moe import MoeSettings, moe_findings
+
+    report.moe_settings = MoeSettings(dead_steps=args.moe_steps, maxvio=args.moe_maxvio, cv=args.moe_cv,
+                                      entropy_fraction=args.moe_entropy, logit_growth=args.moe_logit_growth,
+                                      cosine=args.moe_cosine)
+    report.moe = moe_findings(layout, problems, report.moe_settings, parse_steps(args.steps))
+    return report
 
 
 def _run_analysis(args: argparse.Namespace, err: TextIO) -> Report:
@@ -451,6 +475,9 @@ def cmd_plot(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     report = _analyse(args, engine, layout, problems, err, visitors=[collector])
     out_dir = args.out or os.path.join(layout.root, "analysis_report")
     figures = render(collector, report, out_dir)
+    from .plot import draw_moe_heat_maps
+
+    figures += draw_moe_heat_maps(layout, rank, problems, steps, out_dir, len(figures) + 1)
     html_path = None
     if settings.html:
         html_path = os.path.join(out_dir, "report.html")

@@ -558,6 +558,38 @@ def render(collector: PlotCollector, report: Report, out_dir: str) -> List[Drawn
     return made
 
 
+def draw_moe_heat_maps(layout: Any, rank: int, problems: Any, steps: Any, out_dir: str,
+                       numbered_from: int) -> List[DrawnFigure]:
+    """The MoE routers' layer x step heat maps of one rank: MaxVio (max/mean - 1 of the
+    tokens per expert) and the dead experts (``zeros``), from the ``moe`` rows (none
+    without them). Appended to the ``moe`` section of the report, across the page."""
+    from .moe import heat_maps
+
+    routers, all_steps, vio, dead = heat_maps(layout, rank, problems, steps)
+    if not routers or not all_steps:
+        return []
+    Figure, FigureCanvasAgg, _ = import_matplotlib()
+    made: List[DrawnFigure] = []
+    for i, (what, grid, cmap) in enumerate((("MaxVio = max/mean - 1 of tokens per expert", vio, "viridis"),
+                                            ("dead experts (zero tokens)", dead, "Reds"))):
+        fig = Figure(figsize=(8.4, max(2.4, 0.32 * len(routers) + 1.4)), dpi=100, layout="constrained")
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot(1, 1, 1)
+        image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap,
+                          extent=(all_steps[0] - 0.5, all_steps[-1] + 0.5, len(routers) - 0.5, -0.5))
+        ax.set_yticks(range(len(routers)))
+        ax.set_yticklabels(routers, fontsize=7)
+        ax.set_xlabel("step")
+        fig.colorbar(image, ax=ax)
+        title = f"moe: {what}, router x step (rank {rank})"
+        ax.set_title(title, fontsize=10)
+        name = f"{numbered_from + i:03d}_moe_heat_{'maxvio' if i == 0 else 'dead'}.png"
+        with replace_file(os.path.join(out_dir, name)) as fh:  # never through a link planted at the name
+            fig.savefig(fh, format="png")
+        made.append(DrawnFigure("moe", title, name, "moe", None, True))
+    return made
+
+
 # --------------------------------------------------------------------- HTML report
 _CSS = """
 body { font-family: -apple-system, "Segoe UI", Roboto, Helvetica, Arial, sans-serif; margin: 0;

@@ -122,6 +122,12 @@ def anomaly_tables(report: Report, limit: int) -> AnomalyTables:
                   where_text(i, root)] for i in mm]
     out["Ranks that disagree (first difference of each rank)"] = (
         RANK_HEADERS, _limit(rank_rows, limit), report.rank_check_note or report.mismatch_settings.describe())
+    if report.moe is not None:
+        from .moe import moe_table
+
+        headers, moe_rows = moe_table(report.moe)
+        out["MoE routing (dead experts, imbalance, collapse, logit growth, duplicates)"] = (
+            headers, _limit(moe_rows, limit), report.moe_settings.describe() if report.moe_settings else "")
     return out
 
 
@@ -190,6 +196,10 @@ def report_json(report: Report, limit: int) -> Dict[str, Any]:
                          "per_rank": [report.localisation[r] for r in sorted(report.localisation)][:lim]},
         "alerts": {"per_rank": [report.alerts[r] for r in sorted(report.alerts)][:lim]},
         "dumps": report.dumps[:lim],
+        **({} if report.moe is None else {"moe": {
+            "count": len(report.moe), "items": report.moe[:lim],
+            "rule": report.moe_settings.describe() if report.moe_settings else "",
+            "settings": dict(report.moe_settings.__dict__) if report.moe_settings else {}}}),
         "problems": _problems_json(report.problems),
         "anomalies_found": report.anomalies_found,
     }
@@ -283,11 +293,26 @@ def summary_text(report: Report) -> str:
     lines += ["", "Headline anomalies:"]
     lines += _headline_nonfinite(report) + _headline_localisation(report) + _headline_spikes(report)
     lines += _headline_ranks(report) + _headline_evidence(report)
+    lines += _headline_moe(report)
     lines += _headline_runs(report)
     if report.problems.count:
         lines.append(f"  malformed input:   {report.problems.summary()} (see the warnings above)")
     lines += ["", f"Details: {command_line('anomalies', root)}"]
     return "\n".join(lines)
+
+
+def _headline_moe(report: Report) -> List[str]:
+    if report.moe is None:
+        return []
+    if not report.moe:
+        return ["  moe routing:       none (no dead expert, imbalance, collapse, logit growth or duplicate)"]
+    kinds: Dict[str, int] = {}
+    for f in report.moe:
+        kinds[f["kind"]] = kinds.get(f["kind"], 0) + 1
+    first = report.moe[0]
+    return [f"  moe routing:       {len(report.moe)} finding(s) ("
+            + ", ".join(f"{k} {n}" for k, n in kinds.items())
+            + f"); first: rank {first['rank']} {first['router']}: {first['detail']}"]
 
 
 def _headline_runs(report: Report) -> List[str]:

@@ -344,6 +344,10 @@ class Report:
     localisation: Dict[int, Dict[str, Any]] = field(default_factory=dict)
     alerts: Dict[int, Dict[str, Any]] = field(default_factory=dict)
     dumps: List[Dict[str, Any]] = field(default_factory=list)
+    # MoE findings (analysis/moe.py; the same for both engines): None where the output has no
+    # moe or expert_norms rows
+    moe: Optional[List[Dict[str, Any]]] = None
+    moe_settings: Any = None
 
     @property
     def first(self) -> Optional[Dict[str, Any]]:
@@ -363,7 +367,7 @@ class Report:
         # a merged view: the replicas merge found disagreeing are anomalies too (merge.json)
         merged_disagreements = (self.layout.merged or {}).get("disagreements") or 0
         return bool(self.nonfinite_count or self.earlier_nonfinite_count or self.spikes.count
-                    or self.earlier_spikes.count or self.mismatches or merged_disagreements)
+                    or self.earlier_spikes.count or self.mismatches or merged_disagreements or self.moe)
 
     @property
     def earlier_rows(self) -> int:

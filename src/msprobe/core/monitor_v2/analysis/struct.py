@@ -69,8 +69,8 @@ def run_struct(path: str, rank: Optional[int], targets: Optional[Sequence[str]],
     if as_json:
         data: Dict[str, Any] = {
             "command": "struct", "file": os.path.abspath(file), "rank": s.rank, "framework": s.framework,
-            "modules": [{"name": m.name, "type": m.cls, "container": m.container, "depth": m.depth}
-                        for m in s.modules],
+            "modules": [{"name": m.name, "type": m.cls, "container": m.container, "depth": m.depth,
+                         **({"router": m.router} if m.router else {})} for m in s.modules],
             "parameters": [{"name": p.name, "dtype": p.dtype, "shape": list(p.shape), "trainable": p.trainable}
                            for p in s.params],
         }
@@ -90,6 +90,10 @@ def run_struct(path: str, rank: Optional[int], targets: Optional[Sequence[str]],
         for m in s.modules:
             note = f"{m.cls}; container: no rows of its own" if m.container else m.cls
             lines.append(f"  {'  ' * m.depth}{m.name}  ({note})")
+        routers = [m for m in s.modules if m.router]
+        if routers:
+            lines += ["", "MOE ROUTERS (observed by the moe monitor: rows <router>.tokens_per_expert, ...)"]
+            lines += [f"  {m.name}  ({m.cls}; {m.router})" for m in routers]
         lines += ["", "PARAMETERS (the module_name of weight_grad, param and optimizer rows)"]
         lines.append(table(["name", "dtype", "shape", ""],
                            [[p.name, p.dtype, "x".join(map(str, p.shape)) or "scalar",
