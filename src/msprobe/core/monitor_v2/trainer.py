@@ -30,9 +30,9 @@ from .backend import Session
 from .config import MonitorConfig, load_config
 from .dynamic import (ConfigWatch, MonitorPlan, auto_target, describe_planned, restart_fields, same_monitor,
                       schedule_text, timed_names)
-from .errors import ConfigError, MonitorStateError, NonFiniteGradientError, ScalarError
+from .errors import ConfigError, MonitorStateError, NonFiniteGradientError, OutputError, ScalarError
 from .frameworks import load_backend
-from .layout import render, write_layout
+from .layout import DTYPES, dtype_name, render, write_layout
 from .model_structure import write_structure
 from .monitor import ContainedErrors, Monitor, module_tags, short_error
 from .logonce import LogOnce
@@ -79,6 +79,12 @@ class TrainerMonitorV2:
         # whether it was written
         self._scalars: Dict[int, List[Record]] = {}
         self._ended: Optional[Tuple[int, bool]] = None
+        # layout.json: its document, the inner CSV writer (which writes it first) and the
+        # count of each monitor's row dtypes already in it
+        self._layout_doc: Optional[Dict[str, Any]] = None
+        self._layout_writer: Any = None
+        self._layout_text = ""
+        self._dtypes_seen: Dict[str, int] = {}
         self._init_incident(config_path, fr)
 
     # ------------------------------------------------------------------ properties
@@ -212,9 +218,49 @@ class TrainerMonitorV2:
             logger.warning("monitor_v2: the parallel layout of this rank could not be read (%r); layout.json is "
                            "not written and 'msprobe-monitor merge' cannot combine this rank's rows", exc)
             return
-        rank_dir = self.rank_dir
-        text = render(doc)  # now, at start(): the first written step only writes the file
-        writer.before_first_file = lambda: write_layout(rank_dir, text)
+        try:
+            doc[DTYPES] = _param_dtypes(session)
+        except Exception as exc:  # noqa: BLE001 - the layout is written without them
+            logger.warning("monitor_v2: the parameters' dtypes could not be read (%r); layout.json has no "
+                           "\"dtypes\" for them", exc)
+            doc[DTYPES] = {}
+        self._layout_doc = doc
+        self._layout_writer = writer
+        # rendered now, at start(): the first written step only writes the file; a later
+        # version (module rows' dtypes) replaces the text, then the file (_note_dtypes)
+        self._layout_text = render(doc)
+        writer.before_first_file = self._write_layout_text
+
+    def _write_layout_text(self) -> None:
+        write_layout(self.rank_dir, self._layout_text)
+
+    def _note_dtypes(self) -> None:
+        """The dtypes of rows the monitors noted since the last look (the module rows', on
+        the first written step) into ``layout.json``: written again, after the rows of
+        the step, in the writer's order."""
+        doc = self._layout_doc
+        if doc is None:
+            return
+        known = doc[DTYPES]
+        new = {}
+        for m in self.monitors:
+            noted = getattr(m, "row_dtypes", None)
+            if noted and len(noted) != self._dtypes_seen.get(m.name, 0):
+                self._dtypes_seen[m.name] = len(noted)
+                new.update((name, dtype) for name, dtype in list(noted.items()) if name not in known)
+        if not new:
+            return
+        known.update(new)
+        self._layout_text = render(doc)
+        if self._layout_writer.before_first_file is None:  # written already: again
+            self._writer.call_in_order(self._rewrite_layout)
+
+    def _rewrite_layout(self) -> None:
+        try:
+            self._write_layout_text()
+        except (OSError, OutputError) as exc:
+            self._once.warning("layout-again", "monitor_v2: %s; the CSV files are written as usual. Logged once.",
+                               exc)
 
     # ------------------------------------------ alert.dump / stop_on_nonfinite
     def _make_guard(self, backend: Any, session: Session) -> Any:
@@ -472,6 +518,11 @@ class TrainerMonitorV2:
                 self.errors.report("writing step results", exc)
                 self._writer.report_lost(step, exc, count_rows(records))
         self._session.engine.forget()
+        if self._active:
+            try:
+                self._note_dtypes()
+            except Exception as exc:  # noqa: BLE001
+                self.errors.report("recording dtypes in layout.json", exc)
         self._ended = (step, self._active)
         self._written_steps += self._active
         if self._watch is not None or self._escalation_armed or self._next_change is not None:
@@ -789,6 +840,17 @@ class TrainerMonitorV2:
 
 # The statistics every scalar row has: the default ops (the file's header is fixed).
 _SCALAR_PLAN = StatPlan.from_ops(rows.DEFAULT_OPS)
+
+
+def _param_dtypes(session: Session) -> Dict[str, str]:
+    """Each parameter's dtype under the name its rows carry (the model's and the
+    optimizer's parameters), for ``layout.json``."""
+    table = session.table
+    found: Dict[str, str] = {}
+    for info in list(table.model_params()) + list(table.optimizer_params()):
+        if info.name not in found:
+            found[info.name] = dtype_name(info.param.dtype)
+    return found
 
 
 def _outputs(monitors: List[Monitor]) -> List[MonitorOutput]:

@@ -86,6 +86,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ... import native, rows
+from ...layout import dtype_name
 from ...logonce import LogOnce
 from ...model_structure import target_hits
 from ...monitor import ContainedHook, Monitor, module_tags, select_modules
@@ -616,6 +617,22 @@ def _describe(forward: Any) -> str:
     return f"{type(forward).__name__} {name}" if isinstance(name, str) else type(forward).__name__
 
 
+class _DtypeProbe:
+    """A module row's read (``ModuleMonitor._read``) that notes the dtype of the row's
+    tensor the first time the row is read (``ModuleMonitor.row_dtypes``)."""
+
+    __slots__ = ("read", "dtypes")
+
+    def __init__(self, read: Callable[..., Record], dtypes: Dict[str, str]) -> None:
+        self.read = read
+        self.dtypes = dtypes
+
+    def __call__(self, t: torch.Tensor, vpp_stage: int, name: str, *rest: Any) -> Record:
+        if name not in self.dtypes:
+            self.dtypes[name] = dtype_name(t.dtype)
+        return self.read(t, vpp_stage, name, *rest)
+
+
 class _CallSpec:
     """What observes one module's calls, made at attach time: its Python pre-hook and forward
     hook, the extension's ``CallHook`` of each (None without the extension), its
@@ -735,6 +752,10 @@ class ModuleMonitor(Monitor):
         # and puts them back in this place among the modules' hooks
         self._set_call_hooks(True)
         warn_if_already_compiled()
+        # layout.json's "dtypes" of this monitor's rows: each row's tensor dtype, recorded
+        # on the first written step that reads any (the reads go through a probe then)
+        self.row_dtypes: Dict[str, str] = {}
+        self._unprobed: Optional[Tuple[Any, Any]] = None
 
     def _edges_into(self, target: Tuple[Any, int], roots: List[Any], boundary: int) -> List[Tuple[Any, int]]:
         """``_edges_into``'s walk: on torch's C++ nodes in C++ where the graph hooks are built,
@@ -1242,6 +1263,8 @@ class ModuleMonitor(Monitor):
                 self._set_call_hooks(active)
             except Exception as exc:  # noqa: BLE001 - never let the hooks' bookkeeping stop a step
                 self.errors.report("module hooks on or off between steps", exc)
+        if active and not self.row_dtypes and self._unprobed is None:
+            self._probe_dtypes()
         self._calls.clear()
         self._pass.depth = 0  # no model call of this thread spans a step boundary; never let a count drift
         self._pass.internal = 0
@@ -1251,8 +1274,22 @@ class ModuleMonitor(Monitor):
     def collect(self) -> List[Record]:
         for number in list(self._sums):
             self._flush(number)
+        self._end_dtype_probe()
         self._check_wrapped()
         return super().collect()
+
+    def _probe_dtypes(self) -> None:
+        """For one written step, every read of a row's tensor (``_read``, ``_read_sum``: the
+        Python hooks and the extension's look them up on each call) notes the tensor's dtype
+        under the row's name first: metadata, no value is read. The hooks stay as they are."""
+        read, read_sum = self._read, self._read_sum
+        self._unprobed = (read, read_sum)
+        self._read, self._read_sum = _DtypeProbe(read, self.row_dtypes), _DtypeProbe(read_sum, self.row_dtypes)
+
+    def _end_dtype_probe(self) -> None:
+        if self._unprobed is not None:
+            self._read, self._read_sum = self._unprobed
+            self._unprobed = None
 
     def detach(self) -> None:
         self.attached = False
