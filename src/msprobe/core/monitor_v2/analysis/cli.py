@@ -4,6 +4,7 @@
     msprobe-monitor anomalies OUT_DIR          first NaN/Inf, spikes, rank disagreement
     msprobe-monitor plot      OUT_DIR          PNG trends + report.html
     msprobe-monitor diff      OUT_A OUT_B      first difference between two runs
+    msprobe-monitor compare   REF CAND         do two runs agree within their precision; where they part
     msprobe-monitor export    OUT_DIR DEST     the output as one Parquet dataset (read by all commands)
     msprobe-monitor export    --tensorboard TB_DIR OUT_DIR   the output as TensorBoard event files
     msprobe-monitor merge     OUT_DIR DEST     a model-parallel run as whole tensors under global names
@@ -12,7 +13,7 @@
     msprobe-monitor control   CONFIG ...       edit a running job's config ("dynamic": true) safely
 
 Exit codes: 0 = ok (no anomaly / no difference / valid config / replicas agree), 1 =
-anomalies found (``anomalies``), the runs differ (``diff``) or data-parallel replicas
+anomalies found (``anomalies``), the runs differ (``diff``), rows beyond tolerance (``compare``) or data-parallel replicas
 disagree (``merge``), 2 = usage or input error (bad flag, missing
 directory, invalid config, malformed CSV with ``--strict``), 3 = internal error (a bug:
 rerun with ``--debug`` for the traceback). ``summary`` and ``plot`` exit 0 whatever they
@@ -133,6 +134,53 @@ def _detectors(p: argparse.ArgumentParser) -> None:
     r.add_argument("--rank-atol", type=_nonneg_float, default=0.0, help="absolute tolerance between ranks")
 
 
+def _compare_parser(sub: Any) -> None:
+    from .compare import DTYPES, ERROR_FACTOR, ERROR_RATIO, TOLERANCE, WARNING_RATIO
+
+    tols = ", ".join(f"{d} {TOLERANCE[d]:g}" for d in DTYPES)
+    c = sub.add_parser("compare", formatter_class=_Formatter,
+                       help="do two runs (GPU vs NPU, bf16 vs fp32, before/after) agree within their precision, and "
+                            "where do they part (exit 1 beyond tolerance)",
+                       description="Score every row both runs have (scaled error |d| / max(|ref|, |cand|, floor) of "
+                                   "the judged statistics) against the tolerance of the runs' precision, say where "
+                                   "they part (the earliest step and phase with a row beyond it, the worst layers, "
+                                   "the module where the error is born) and write compare.csv, compare.json and "
+                                   "compare.html to --out. Without --baseline: warning beyond the tolerance, error "
+                                   f"beyond {ERROR_FACTOR:g} x it (tolerances: {tols}); with --baseline REF2: the "
+                                   "error divided by the REF-vs-REF2 noise, warning above "
+                                   f"{WARNING_RATIO:g}, error above {ERROR_RATIO:g}. Exit 0 within tolerance, 1 "
+                                   "beyond (--fail-on), 2 on bad input.")
+    c.add_argument("ref", metavar="REF", help="the reference run: an output_dir or a merged view")
+    c.add_argument("cand", metavar="CAND", help="the candidate run: an output_dir or a merged view")
+    c.add_argument("--baseline", metavar="REF2", default=None,
+                   help="a second reference run (same setting as REF): errors become ratios to the run-to-run noise")
+    c.add_argument("--dtype", default=None,
+                   help="the precision the runs computed in (bfloat16, float16, float32, float64; bf16 etc.); "
+                        "default: the lowest recorded in layout.json, else float32")
+    c.add_argument("--tolerance", type=_nonneg_float, default=None, help="scaled-error tolerance (overrides the dtype's)")
+    c.add_argument("--floor", type=_nonneg_float, default=None,
+                   help="values within it of zero are near zero (default: by dtype)")
+    c.add_argument("--stats", type=_stat_list(("min", "max", "mean", "norm")), default=("norm",),
+                   help="statistics judged (min/max and means near zero are poor relative measures)")
+    c.add_argument("--collapse-dp", dest="collapse_dp", action="store_true", default=None,
+                   help="pool rows kept per data-parallel rank (on automatically when the DP sizes differ)")
+    c.add_argument("--no-collapse-dp", dest="collapse_dp", action="store_false", help=argparse.SUPPRESS)
+    c.add_argument("--map", metavar="FILE", default=None,
+                   help="rename candidate rows: lines 'CANDIDATE_PREFIX REFERENCE_PREFIX'")
+    c.add_argument("--step-offset", type=int, default=0, help="candidate step s is compared with reference step s+N")
+    c.add_argument("--loss-log", nargs=2, metavar=("REF_LOG", "CAND_LOG"), default=None,
+                   help="loss (and grad norm) per step of each run: lines 'STEP LOSS [GRAD_NORM]' "
+                        "(used where the runs have no scalars rows)")
+    c.add_argument("--fail-on", choices=("warning", "error"), default="warning",
+                   help="exit 1 when a row (or the loss standard) reaches this level")
+    c.add_argument("--out", default="compare_out", help="directory for compare.csv, compare.json, compare.html")
+    c.add_argument("--steps", help="only these (reference) steps: FIRST:LAST or one step")
+    c.add_argument("--strict", action="store_true", help="stop at the first malformed CSV line (exit 2)")
+    c.add_argument("--json", action="store_true", help="print the JSON document instead of the text summary")
+    c.add_argument("--limit", type=_nonneg_int, default=10, help="rows per table (0 = all)")
+    c.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="msprobe-monitor", formatter_class=_Formatter,
@@ -204,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--stats", type=_stat_list(OPS), default=None,
                    help="statistics to compare (default: all that both runs have)")
     _common(d)
+
+    _compare_parser(sub)
 
     e = sub.add_parser("export", formatter_class=_Formatter,
                        help="write the CSV output as one Parquet dataset (DEST), or as TensorBoard event files "
@@ -432,6 +482,36 @@ def cmd_diff(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return code
 
 
+def cmd_compare(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from .compare import CompareSettings, compare_runs, dtype_name, read_map, write_csv
+    from .compare_render import report_json, report_text, write_html
+
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise InputError(f"--out {args.out!r}: exists and is not a directory")
+    settings = CompareSettings(stats=tuple(args.stats), dtype=dtype_name(args.dtype) if args.dtype else None,
+                               tolerance=args.tolerance, floor=args.floor, collapse_dp=args.collapse_dp,
+                               step_offset=args.step_offset, rename=read_map(args.map) if args.map else [],
+                               fail_on=args.fail_on, top=10 ** 9 if args.limit == 0 else args.limit,
+                               out_dir=args.out)
+    problems = Problems(strict=args.strict, stream=err)
+    report = compare_runs(args.ref, args.cand, settings, problems, baseline_root=args.baseline,
+                          steps=parse_steps(args.steps), loss_logs=tuple(args.loss_log) if args.loss_log else None)
+    levels = ("pass", "warning", "error")
+    code = EXIT_FOUND if levels.index(report.verdict) >= levels.index(args.fail_on) else EXIT_OK
+    os.makedirs(args.out, exist_ok=True)
+    report.files = {k: os.path.join(args.out, f"compare.{k}") for k in ("csv", "json", "html")}
+    write_csv(report, report.files["csv"])
+    doc = report_json(report, code)
+    with open(report.files["json"], "w", encoding="utf-8") as fh:
+        dump_json(doc, fh)
+    write_html(report, report.files["html"], code, args.limit)
+    if args.json:
+        dump_json(doc, out)
+    else:
+        print(report_text(report, code, args.limit), file=out)
+    return code
+
+
 def cmd_export(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     from .text import Progress
 
@@ -553,6 +633,7 @@ def cmd_control(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 COMMANDS = {"summary": cmd_summary, "anomalies": cmd_anomalies, "plot": cmd_plot, "diff": cmd_diff,
+            "compare": cmd_compare,
             "export": cmd_export, "merge": cmd_merge, "validate": cmd_validate, "struct": cmd_struct,
             "control": cmd_control}
 

@@ -1,0 +1,378 @@
+"""``msprobe-monitor compare`` on real runs (tests/analysis/compare_runs.py, the tiny GPT;
+workers/compare_ddp.py, a 2-rank gloo DDP job), its numbers checked against an
+independent computation: NumPy over the rows of both runs read with the csv module."""
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Dict, Tuple
+
+import numpy as np
+import pytest
+
+from analysis_helpers import cli
+from compare_runs import DEFECT_SCALE, train_gpt, write_loss_log
+
+WORKER = Path(__file__).parent / "workers" / "compare_ddp.py"
+DEFECT_LAYER, DEFECT_STEP, PERTURB_STEP = "blocks.1.mlp", 3, 2
+BF16_TOL, FP32_TOL = 4e-2, 1e-4  # the documented defaults (docs/compare.md)
+FLOOR = 1e-12  # of both
+PHASES = {("param", "param_origin"): 0, ("module", "forward"): 1, ("module", "backward"): 2,
+          ("weight_grad", "unreduced"): 3, ("weight_grad", "reduced"): 5, ("param", "param_updated"): 7}
+
+
+def _phase(monitor: str, scope: str) -> int:
+    return PHASES.get((monitor, scope), 6 if monitor == "optimizer" else 8)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Dict[str, Path]:
+    root = tmp_path_factory.mktemp("compare_runs")
+    out = {}
+    for name, kw in {"fp32": {}, "bf16": {"bf16": True}, "defect": {"defect_layer": DEFECT_LAYER,
+                                                                      "defect_step": DEFECT_STEP},
+                     "seed": {"init_seed": 1, "data_seed": 2}}.items():
+        losses = train_gpt(root / name, **kw)
+        write_loss_log(root / f"{name}.loss", losses)
+        out[name] = root / name
+    return out
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory) -> Path:
+    from support import run_torchrun
+
+    root = tmp_path_factory.mktemp("compare_ddp")
+    run_torchrun(WORKER, root, PERTURB_STEP)
+    return root
+
+
+# ------------------------------------------------------------------ the independent computation
+Key = Tuple[int, str, int, str, str, str]
+
+
+def read_run(root: Path) -> Dict[Key, Dict[str, float]]:
+    """Every row of every rank, keyed as compare aligns them (a reduced row's micro_step
+    dropped), read with the csv module."""
+    rows = {}
+    for path in sorted(root.glob("rank_*/*.csv")):
+        rank = int(path.parent.name.split("_")[1])
+        monitor = path.name.split("_step")[0]
+        with open(path, newline="") as fh:
+            for rec in csv.DictReader(fh):
+                micro = rec.get("micro_step", "") if rec["scope"] != "reduced" else ""
+                rows[(rank, monitor, int(rec["step"]), rec["module_name"], rec["scope"], micro or "")] = \
+                    {k: float(rec[k]) for k in ("min", "max", "mean", "norm", "nans")}
+    return rows
+
+
+def scaled_norm_errors(ref: Path, cand: Path, floor: float) -> Dict[Key, float]:
+    a, b = read_run(ref), read_run(cand)
+    keys = sorted(set(a) & set(b))
+    ra = np.array([a[k]["norm"] for k in keys])
+    cb = np.array([b[k]["norm"] for k in keys])
+    scale = np.maximum(np.maximum(np.abs(ra), np.abs(cb)), floor)
+    err = np.abs(cb - ra) / scale
+    near = np.maximum(np.abs(ra), np.abs(cb)) <= floor
+    return {k: (math.nan if n else float(e)) for k, e, n in zip(keys, err, near)}  # NaN: near zero
+
+
+def compare_csv(path: Path) -> Dict[Key, Dict[str, str]]:
+    with open(path, newline="") as fh:
+        return {(int(r["rank"]), r["monitor"], int(r["step"]), r["module_name"], r["scope"], r["micro_step"]): r
+                for r in csv.DictReader(fh)}
+
+
+def earliest_beyond(errors: Dict[Key, float], tol: float) -> Tuple[int, int]:
+    return min((k[2], _phase(k[1], k[4])) for k, e in errors.items() if e == e and e > tol)
+
+
+# ------------------------------------------------------------------ fp32 against bf16
+def test_bf16_within_tolerance_and_errors_match_numpy(runs, tmp_path):
+    out = tmp_path / "cmp"
+    res = cli("compare", runs["fp32"], runs["bf16"], "--dtype", "bf16", "--out", out)
+    assert res.code == 0, res.out
+    assert res.out.startswith("Verdict: bfloat16 within tolerance")
+    assert f"Wrote {out / 'compare.csv'}" in res.out
+    expected = scaled_norm_errors(runs["fp32"], runs["bf16"], FLOOR)
+    got = compare_csv(out / "compare.csv")
+    assert set(got) == set(expected)
+    for k, e in expected.items():
+        if e != e:
+            assert got[k]["class"] == "near_zero" and got[k]["level"] == "pass"
+            continue
+        assert float(got[k]["error"]) == pytest.approx(e, rel=1e-9, abs=1e-15), k
+        assert got[k]["class"] == "compared" and got[k]["level"] == ("pass" if e <= BF16_TOL else "warning")
+    # the runs really differ at the bf16 level, and within its tolerance
+    assert 1e-3 < np.nanmax(list(expected.values())) <= BF16_TOL
+    doc = json.loads((out / "compare.json").read_text())
+    assert doc["verdict"] == "pass" and doc["where_they_part"] is None
+    # the four errors of each value statistic, against NumPy
+    a, b = read_run(runs["fp32"]), read_run(runs["bf16"])
+    for k in list(got)[:200]:
+        for s in ("min", "max", "mean", "norm"):
+            x, y = a[k][s], b[k][s]
+            if max(abs(x), abs(y)) <= FLOOR:
+                continue
+            assert float(got[k][f"{s}_signed"]) == pytest.approx(y - x, rel=1e-12, abs=1e-300)
+            assert float(got[k][f"{s}_abs"]) == pytest.approx(abs(y - x), rel=1e-12, abs=1e-300)
+            assert float(got[k][f"{s}_rel"]) == pytest.approx(abs(y - x) / max(abs(x), FLOOR), rel=1e-12, abs=1e-300)
+            assert float(got[k][f"{s}_scaled"]) == pytest.approx(abs(y - x) / max(abs(x), abs(y), FLOOR),
+                                                                 rel=1e-12, abs=1e-300)
+
+
+def test_dtype_from_layout_json_or_float32(runs, tmp_path):
+    # no dtypes recorded: float32, the strictest, and bf16 autocast is beyond it
+    res = cli("compare", runs["fp32"], runs["bf16"], "--out", tmp_path / "a", "--json")
+    doc = res.json()
+    assert res.code == 1 and doc["settings"]["dtype"] == "float32"
+    assert "no dtypes recorded" in doc["settings"]["dtype_source"]
+    # layout.json's "dtypes" (the module rows of the autocast run are bfloat16): bf16 tolerances
+    import shutil
+
+    cand = tmp_path / "bf16"
+    shutil.copytree(runs["bf16"], cand)
+    lj = cand / "rank_0" / "layout.json"
+    layout = json.loads(lj.read_text())
+    layout["dtypes"] = {"blocks.0.mlp.fc.output.0": "bfloat16", "blocks.0.mlp.fc.weight": "float32"}
+    lj.write_text(json.dumps(layout))
+    res = cli("compare", runs["fp32"], cand, "--out", tmp_path / "b", "--json")
+    doc = res.json()
+    assert res.code == 0, doc["counts"]
+    assert doc["settings"]["dtype"] == "bfloat16" and "layout.json" in doc["settings"]["dtype_source"]
+    assert doc["provenance"]["cand"]["dtypes"] == {"bfloat16": 1, "float32": 1}
+
+
+# ------------------------------------------------------------------ the injected defect
+def test_injected_defect_found_at_its_step_phase_and_module(runs, tmp_path):
+    res = cli("compare", runs["fp32"], runs["defect"], "--out", tmp_path / "cmp", "--json")
+    assert res.code == 1
+    doc = res.json()
+    part = doc["where_they_part"]
+    assert (part["step"], part["phase"]) == (DEFECT_STEP, "forward")
+    assert part["born_at"]["module"] == DEFECT_LAYER
+    assert doc["worst_layers"][0]["layer"] == "blocks.1"
+    # independently: the earliest (step, phase) with a row beyond the float32 tolerance,
+    # and the module whose output error exceeds 10 x its input error first in call order
+    errors = scaled_norm_errors(runs["fp32"], runs["defect"], FLOOR)
+    assert earliest_beyond(errors, FP32_TOL) == (DEFECT_STEP, 1)
+    out_e = errors[(0, "module", DEFECT_STEP, f"{DEFECT_LAYER}.output.0", "forward", "")]
+    in_e = errors[(0, "module", DEFECT_STEP, f"{DEFECT_LAYER}.input.0", "forward", "")]
+    assert out_e == pytest.approx(1 - 1 / DEFECT_SCALE, rel=1e-3) and in_e * 10 < out_e
+    assert part["born_at"]["output_error"] == pytest.approx(out_e, rel=1e-9)
+    # every module before it in call order has its output within 10 x its input (or within tolerance)
+    with open(runs["fp32"] / "rank_0" / f"module_step{DEFECT_STEP}-{DEFECT_STEP}.csv", newline="") as fh:
+        names = [r["module_name"] for r in csv.DictReader(fh) if r["scope"] == "forward"]
+    before = names[: names.index(f"{DEFECT_LAYER}.output.0")]
+    for n in before:
+        assert not errors[(0, "module", DEFECT_STEP, n, "forward", "")] > FP32_TOL, n
+    text = cli("compare", runs["fp32"], runs["defect"], "--out", tmp_path / "cmp2").out
+    assert f"Where they part: step {DEFECT_STEP}, forward" in text
+    assert f"born at module {DEFECT_LAYER} " in text
+
+
+# ------------------------------------------------------------------ the reduce
+def test_perturbed_after_all_reduce_is_reduced_not_unreduced(ddp_runs, tmp_path):
+    res = cli("compare", ddp_runs / "ref", ddp_runs / "cand", "--out", tmp_path / "cmp", "--json")
+    assert res.code == 1
+    doc = res.json()
+    part = doc["where_they_part"]
+    assert (part["step"], part["phase"]) == (PERTURB_STEP, "reduced")
+    assert part["reduced_not_unreduced"] is True
+    assert part["first_row"]["tensor"] == "fc2.weight"
+    grown = {(g["rank"], g["tensor"]) for g in doc["grows_after_reduce"] if g["step"] == PERTURB_STEP}
+    assert grown == {(0, "fc2.weight"), (1, "fc2.weight")}
+    errors = scaled_norm_errors(ddp_runs / "ref", ddp_runs / "cand", FLOOR)
+    assert earliest_beyond(errors, FP32_TOL) == (PERTURB_STEP, 5)
+    for rank in (0, 1):
+        assert errors[(rank, "weight_grad", PERTURB_STEP, "fc2.weight", "unreduced", "1")] == 0.0
+        assert errors[(rank, "weight_grad", PERTURB_STEP, "fc2.weight", "reduced", "")] == \
+            pytest.approx(1 - 1 / 1.01, rel=1e-3)
+    text = cli("compare", ddp_runs / "ref", ddp_runs / "cand", "--out", tmp_path / "cmp2").out
+    assert "reduced, not unreduced" in text
+
+
+# ------------------------------------------------------------------ the baseline
+def test_baseline_turns_errors_into_ratios_to_the_noise(runs, tmp_path):
+    out = tmp_path / "cmp"
+    res = cli("compare", runs["fp32"], runs["bf16"], "--dtype", "bfloat16", "--baseline", runs["seed"],
+              "--out", out, "--json")
+    doc = res.json()
+    err = scaled_norm_errors(runs["fp32"], runs["bf16"], FLOOR)
+    noise = scaled_norm_errors(runs["fp32"], runs["seed"], FLOOR)
+    got = compare_csv(out / "compare.csv")
+    levels = {"pass": 0, "warning": 0, "error": 0}
+    for k, e in err.items():
+        if k not in noise or e != e:
+            continue
+        ratio = e / max(0.0 if noise[k] != noise[k] else noise[k], 2.0 ** -8)  # near zero: no noise
+        assert float(got[k]["ratio"]) == pytest.approx(ratio, rel=1e-9, abs=1e-15), k
+        level = "error" if ratio > 10 else "warning" if ratio > 2 else "pass"
+        assert got[k]["level"] == level
+        levels[level] += 1
+    # a run with other weights and data is far noisier than bf16 rounding: nearly all pass
+    # (a row the two references happen to share, e.g. position ids, has noise 0)
+    assert levels["error"] == 0 and levels["warning"] <= 0.01 * levels["pass"]
+    near = sum(1 for e in err.values() if e != e)
+    assert doc["counts"]["near_zero"] == near
+    assert doc["counts"]["pass"] == levels["pass"] + near and doc["counts"]["warning"] == levels["warning"]
+    assert res.code == (1 if levels["warning"] else 0)
+    # the defect against a bf16 REF2 (the noise of another precision): the defect's rows
+    # are above 2 x that noise where the defect is
+    res = cli("compare", runs["fp32"], runs["defect"], "--baseline", runs["bf16"], "--out", tmp_path / "d", "--json")
+    got = compare_csv(tmp_path / "d" / "compare.csv")
+    row = got[(0, "module", DEFECT_STEP, f"{DEFECT_LAYER}.output.0", "forward", "")]
+    derr = scaled_norm_errors(runs["fp32"], runs["defect"], FLOOR)
+    dnoise = scaled_norm_errors(runs["fp32"], runs["bf16"], FLOOR)
+    k = (0, "module", DEFECT_STEP, f"{DEFECT_LAYER}.output.0", "forward", "")
+    assert float(row["ratio"]) == pytest.approx(derr[k] / max(dnoise[k], 2.0 ** -14), rel=1e-9)
+    assert float(row["ratio"]) > 2 and row["level"] != "pass"
+
+
+# ------------------------------------------------------------------ loss and grad norm
+def test_loss_log_migration_standard(runs, tmp_path):
+    base = runs["fp32"].parent
+    res = cli("compare", runs["fp32"], runs["bf16"], "--dtype", "bf16", "--loss-log", base / "fp32.loss",
+              base / "bf16.loss", "--out", tmp_path / "a", "--json")
+    doc = res.json()
+    assert res.code == 0 and doc["scalars"]["level"] == "pass"
+
+    def losses(name):
+        return np.loadtxt(base / f"{name}.loss")
+
+    a, b = losses("fp32"), losses("bf16")
+    assert doc["scalars"]["loss"]["first_abs"] == pytest.approx(abs(b[0, 1] - a[0, 1]), rel=1e-12)
+    assert doc["scalars"]["grad_norm"]["mean_signed_rel"] == pytest.approx(
+        float(np.mean((b[:, 2] - a[:, 2]) / np.abs(a[:, 2]))), rel=1e-9)
+    # another model and data: the losses are beyond the standard
+    res = cli("compare", runs["fp32"], runs["bf16"], "--dtype", "bf16", "--loss-log", base / "fp32.loss",
+              base / "seed.loss", "--out", tmp_path / "b", "--json")
+    s = np.loadtxt(base / "seed.loss")
+    first_ok = abs(s[0, 1] - a[0, 1]) <= 0.005 or abs(s[0, 1] - a[0, 1]) <= 0.005 * abs(a[0, 1])
+    all_ok = all(abs(s[i, 1] - a[i, 1]) <= 0.01 or abs(s[i, 1] - a[i, 1]) <= 0.01 * abs(a[i, 1])
+                 for i in range(len(a)))
+    gn_ok = abs(np.mean((s[:, 2] - a[:, 2]) / np.abs(a[:, 2]))) <= 0.05
+    assert not (first_ok and all_ok and gn_ok)
+    assert res.code == 1 and res.json()["scalars"]["level"] == "error"
+
+
+def test_scalars_rows(runs, tmp_path):
+    """Rows as ``mon.log_scalars`` writes them (rank_<r>/scalars_step<a>-<b>.csv, the value
+    in min = max = mean, norm = |value|)."""
+    import shutil
+
+    sides = {}
+    for name, loss in (("ref", 2.0), ("cand", 2.03)):
+        d = tmp_path / name
+        shutil.copytree(runs["fp32"], d)
+        with open(d / "rank_0" / "scalars_step0-5.csv", "w") as fh:
+            fh.write("vpp_stage,step,module_name,scope,min,max,mean,norm,nans\n")
+            for step in range(6):
+                v = loss - 0.1 * step
+                fh.write(f"0,{step},loss,scalars,{v},{v},{v},{abs(v)},0\n")
+        sides[name] = d
+    res = cli("compare", sides["ref"], sides["cand"], "--out", tmp_path / "o", "--json")
+    doc = res.json()
+    # 0.03 on the first loss: beyond 0.005 and 0.5 % of 2.0; the module rows agree exactly
+    assert doc["scalars"]["loss"]["first_ok"] is False and doc["scalars"]["level"] == "error"
+    assert doc["counts"]["error"] == 0 and doc["counts"]["warning"] == 0
+    assert res.code == 1 and doc["verdict"] == "error"
+
+
+# ------------------------------------------------------------------ alignment and bad input
+def test_step_offset_map_and_rows_in_one_run(runs, tmp_path):
+    import shutil
+
+    cand = tmp_path / "cand"
+    shutil.copytree(runs["fp32"], cand)
+    # the candidate numbers its steps from 1 and calls the MLPs "ffn"
+    # last window first: each file moves to the next window's name
+    for path in sorted((cand / "rank_0").glob("*.csv"), key=lambda p: -int(p.stem.split("_step")[1].split("-")[0])):
+        with open(path, newline="") as fh:
+            recs = list(csv.reader(fh))
+        for r in recs[1:]:
+            r[1] = str(int(r[1]) + 1)
+            r[2] = r[2].replace(".mlp", ".ffn")
+        path.unlink()
+        a, b = path.stem.split("_step")[1].split("-")
+        with open(path.parent / f"{path.stem.split('_step')[0]}_step{int(a) + 1}-{int(b) + 1}.csv", "w",
+                  newline="") as fh:
+            csv.writer(fh, lineterminator="\n").writerows(recs)
+    (tmp_path / "map.txt").write_text("# candidate reference\nblocks.0.ffn blocks.0.mlp\n")
+    res = cli("compare", runs["fp32"], cand, "--step-offset", "-1", "--map", tmp_path / "map.txt",
+              "--out", tmp_path / "o", "--json")
+    doc = res.json()
+    assert doc["verdict"] == "pass" and res.code == 0
+    ref = read_run(runs["fp32"])
+    # the other blocks' MLP rows are named differently in each run: counted, never dropped
+    n_other = sum(1 for k in ref if ".mlp" in k[3] and not k[3].startswith("blocks.0."))
+    only = doc["only_in_one"]
+    assert sum(v["ref"] for m in only.values() for v in m.values()) == n_other
+    assert sum(v["cand"] for m in only.values() for v in m.values()) == n_other
+    assert doc["counts"]["compared"] + doc["counts"]["near_zero"] == len(ref) - n_other
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--dtype", "int8"), "dtype 'int8': choose among"),
+    (("--fail-on", "never"), "invalid choice"),
+])
+def test_bad_input_exit_2(runs, tmp_path, capsys, argv, message):
+    res = cli("compare", runs["fp32"], runs["bf16"], *argv, "--out", tmp_path / "o")
+    assert res.code == 2 and message in res.err + capsys.readouterr().err  # argparse writes to sys.stderr
+
+
+def test_missing_run_and_bad_map(runs, tmp_path):
+    res = cli("compare", runs["fp32"], tmp_path / "nope", "--out", tmp_path / "o")
+    assert res.code == 2 and "CAND" in res.err and "no such directory" in res.err
+    (tmp_path / "map.txt").write_text("one two three\n")
+    res = cli("compare", runs["fp32"], runs["bf16"], "--map", tmp_path / "map.txt", "--out", tmp_path / "o")
+    assert res.code == 2 and "map.txt:1" in res.err
+
+
+def test_fail_on_error_and_html(runs, tmp_path):
+    # the defect's 1 % in float32 is 100 x the tolerance: error level; bf16 vs fp32 at float32 tolerances too
+    res = cli("compare", runs["fp32"], runs["defect"], "--fail-on", "error", "--out", tmp_path / "o")
+    assert res.code == 1
+    res = cli("compare", runs["fp32"], runs["defect"], "--fail-on", "error", "--tolerance", "0.002",
+              "--out", tmp_path / "p", "--json")
+    doc = res.json()
+    assert doc["verdict"] == "warning" and res.code == 0
+    page = (tmp_path / "p" / "compare.html").read_text()
+    assert "<svg" in page and "rank x step" in page and "layer x step" in page and "<script" not in page
+    assert "blocks.1" in page and "src=" not in page
+
+
+# ------------------------------------------------------------------ different layouts
+def test_dp2_against_gradient_accumulation_under_global_names(ddp_runs, tmp_path):
+    """DDP on 2 ranks against one process accumulating the same two batches: merged under
+    global names, the per-dp rows pooled (DP sizes differ), ``unreduced`` not comparable
+    (1 vs 2 micro-batches), ``reduced`` aligned although its micro_step differs (1 vs 2)."""
+    out = tmp_path / "cmp"
+    res = cli("compare", ddp_runs / "ref", ddp_runs / "accum", "--out", out, "--json")
+    doc = res.json()
+    assert res.code == 0 and doc["verdict"] == "pass"
+    assert doc["settings"]["collapse_dp"] is True
+    assert (out / "merged_ref" / "merge.json").is_file() and (out / "merged_cand" / "merge.json").is_file()
+    assert set(doc["not_comparable"]) == {"weight_grad/unreduced"}
+    assert doc["provenance"]["ref"]["micro_batches"] == 1 and doc["provenance"]["cand"]["micro_batches"] == 2
+    assert any("world_size: 2 vs 1" in d for d in doc["provenance"]["config_differences"])
+    got = compare_csv(out / "compare.csv")
+    reduced = {k: r for k, r in got.items() if k[1] == "weight_grad"}
+    assert {k[4] for k in reduced} == {"reduced"}
+    # independently: rank 0's reduced gradients (replicas) against the accumulated ones
+    a, b = read_run(ddp_runs / "ref"), read_run(ddp_runs / "accum")
+    keys = [k for k in a if k[0] == 0 and k[1] == "weight_grad" and k[4] == "reduced"]
+    assert len(keys) == len(reduced) == 6 * 5
+    for k in keys:
+        x, y = a[k]["norm"], b[k]["norm"]
+        row = reduced[(0, "weight_grad", k[2], k[3], "reduced", "")]
+        assert float(row["ref_norm"]) == x and float(row["cand_norm"]) == y
+        assert float(row["error"]) == pytest.approx(abs(y - x) / max(abs(x), abs(y)), abs=1e-15)
+        assert abs(y - x) <= FP32_TOL * max(abs(x), abs(y))
+    # the perturbed DDP run against it: reduced parts at the perturbed step; unreduced cannot say more
+    res = cli("compare", ddp_runs / "cand", ddp_runs / "accum", "--out", tmp_path / "p")
+    assert res.code == 1
+    assert f"Where they part: step {PERTURB_STEP}, reduced" in res.out
+    assert "no unreduced rows at that step" in res.out
+    assert "Not comparable: weight_grad/unreduced" in res.out
