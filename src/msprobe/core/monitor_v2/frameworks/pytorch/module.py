@@ -94,6 +94,7 @@ from ...param_table import Added
 from ...patching import Patch, replace_attribute
 from ...stats import Record
 from ...structure import flatten_tensors, named_outputs
+from .compile import _skipped as skip_in_dynamo
 from .compile import compiled_anything, eager_hook, on_next_compile, warn_if_already_compiled
 from . import graph_hooks
 from .copies import ModuleHooks, hook_order, restore_order
@@ -617,20 +618,24 @@ def _describe(forward: Any) -> str:
     return f"{type(forward).__name__} {name}" if isinstance(name, str) else type(forward).__name__
 
 
-class _DtypeProbe:
+_dynamo_compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+
+
+def _dtype_probe(read: Callable[..., Record], dtypes: Dict[str, str]) -> Callable[..., Record]:
     """A module row's read (``ModuleMonitor._read``) that notes the dtype of the row's
-    tensor the first time the row is read (``ModuleMonitor.row_dtypes``)."""
+    tensor the first time the row is read (``ModuleMonitor.row_dtypes``); a function, which
+    Dynamo traces like the hooks that call it."""
 
-    __slots__ = ("read", "dtypes")
+    def probe(t: torch.Tensor, vpp_stage: int, name: str, *rest: Any) -> Record:
+        # not while Dynamo traces a hook (fullgraph: the read is what it was without the probe)
+        if name not in dtypes and not _dynamo_compiling():
+            dtypes[name] = dtype_name(t.dtype)
+        return read(t, vpp_stage, name, *rest)
 
-    def __init__(self, read: Callable[..., Record], dtypes: Dict[str, str]) -> None:
-        self.read = read
-        self.dtypes = dtypes
-
-    def __call__(self, t: torch.Tensor, vpp_stage: int, name: str, *rest: Any) -> Record:
-        if name not in self.dtypes:
-            self.dtypes[name] = dtype_name(t.dtype)
-        return self.read(t, vpp_stage, name, *rest)
+    probe.dtype_probe = True  # type: ignore[attr-defined]
+    # a frame Dynamo never compiles (the hooks that call it run eagerly or take their
+    # compiling branch; under fullgraph a frame of its own would fail the compile)
+    return skip_in_dynamo(probe)
 
 
 class _CallSpec:
@@ -1284,12 +1289,17 @@ class ModuleMonitor(Monitor):
         under the row's name first: metadata, no value is read. The hooks stay as they are."""
         read, read_sum = self._read, self._read_sum
         self._unprobed = (read, read_sum)
-        self._read, self._read_sum = _DtypeProbe(read, self.row_dtypes), _DtypeProbe(read_sum, self.row_dtypes)
+        self._read, self._read_sum = _dtype_probe(read, self.row_dtypes), _dtype_probe(read_sum, self.row_dtypes)
 
     def _end_dtype_probe(self) -> None:
+        """The reads as they were (each only where it is still the probe)."""
         if self._unprobed is not None:
-            self._read, self._read_sum = self._unprobed
+            read, read_sum = self._unprobed
             self._unprobed = None
+            if getattr(self._read, "dtype_probe", False):
+                self._read = read
+            if getattr(self._read_sum, "dtype_probe", False):
+                self._read_sum = read_sum
 
     def detach(self) -> None:
         self.attached = False
