@@ -3,20 +3,18 @@
 ``train_gpt(out_dir, ...)`` trains a tiny GPT-style decoder (4 pre-LayerNorm blocks) on
 the CPU for ``STEPS`` steps with every monitor that has rows on one process (module,
 weight_grad, optimizer, param), every step written, and logs the loss through
-``mon.log_scalars`` where the monitor has it (else into ``loss.txt``: ``step value``
-lines, read by ``compare --loss-log``). Options:
+``mon.log_scalars`` where the monitor has it; ``train_gpt`` returns the (step, loss, grad
+norm) triples, which ``write_loss_log`` writes as ``compare --loss-log`` reads them. Options:
 
 - ``bf16``: the forward under ``torch.autocast("cpu", torch.bfloat16)`` (the stand-in of
   a run on other hardware: every matmul in another precision);
-- ``seed``: the seed of the data order only (the weights are always seeded with 0): a
-  second reference run whose differences are run-to-run noise... of a changed data
-  stream it is not; see ``noise_run`` below;
+- ``init_seed`` / ``data_seed``: the seeds of the weights and of the data (another run of
+  the reference setting, as ``--baseline REF2``: the tests give it other seeds, a noise far
+  above rounding);
 - ``defect_layer`` / ``defect_step``: from that step on, the output of that module is
   multiplied by ``DEFECT_SCALE`` (a forward hook): the injected defect.
 """
 
-import math
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -94,7 +92,7 @@ def batches(seed: int, n: int):
 
 def train_gpt(out_dir: Path, bf16: bool = False, data_seed: int = 1, init_seed: int = 0,
               defect_layer: Optional[str] = None, defect_step: int = 3, monitor: bool = True) -> list:
-    """Train; return the losses (floats, fp32)."""
+    """Train; return [(step, loss, global grad norm)] as floats."""
     torch.manual_seed(init_seed)
     model = TinyGPT()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)

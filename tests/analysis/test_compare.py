@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from analysis_helpers import cli
+from support.extras import needs
 from compare_runs import DEFECT_SCALE, train_gpt, write_loss_log
 
 WORKER = Path(__file__).parent / "workers" / "compare_ddp.py"
@@ -281,12 +282,11 @@ def test_scalars_rows(runs, tmp_path):
 
 
 # ------------------------------------------------------------------ alignment and bad input
-def test_step_offset_map_and_rows_in_one_run(runs, tmp_path):
+def shifted_renamed_run(src: Path, cand: Path) -> Path:
+    """A copy of ``src`` that numbers its steps from 1 and calls the MLPs ``ffn``."""
     import shutil
 
-    cand = tmp_path / "cand"
-    shutil.copytree(runs["fp32"], cand)
-    # the candidate numbers its steps from 1 and calls the MLPs "ffn"
+    shutil.copytree(src, cand)
     # last window first: each file moves to the next window's name
     for path in sorted((cand / "rank_0").glob("*.csv"), key=lambda p: -int(p.stem.split("_step")[1].split("-")[0])):
         with open(path, newline="") as fh:
@@ -299,6 +299,11 @@ def test_step_offset_map_and_rows_in_one_run(runs, tmp_path):
         with open(path.parent / f"{path.stem.split('_step')[0]}_step{int(a) + 1}-{int(b) + 1}.csv", "w",
                   newline="") as fh:
             csv.writer(fh, lineterminator="\n").writerows(recs)
+    return cand
+
+
+def test_step_offset_map_and_rows_in_one_run(runs, tmp_path):
+    cand = shifted_renamed_run(runs["fp32"], tmp_path / "cand")
     (tmp_path / "map.txt").write_text("# candidate reference\nblocks.0.ffn blocks.0.mlp\n")
     res = cli("compare", runs["fp32"], cand, "--step-offset", "-1", "--map", tmp_path / "map.txt",
               "--out", tmp_path / "o", "--json")
@@ -315,7 +320,7 @@ def test_step_offset_map_and_rows_in_one_run(runs, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (("--dtype", "int8"), "dtype 'int8': choose among"),
-    (("--fail-on", "never"), "invalid choice"),
+    (("--fail-on", "never"), "argument --fail-on: invalid choice"),
 ])
 def test_bad_input_exit_2(runs, tmp_path, capsys, argv, message):
     res = cli("compare", runs["fp32"], runs["bf16"], *argv, "--out", tmp_path / "o")
@@ -376,3 +381,127 @@ def test_dp2_against_gradient_accumulation_under_global_names(ddp_runs, tmp_path
     assert f"Where they part: step {PERTURB_STEP}, reduced" in res.out
     assert "no unreduced rows at that step" in res.out
     assert "Not comparable: weight_grad/unreduced" in res.out
+
+
+# ------------------------------------------------------------------ the two paths
+def _same(a, b, path=""):
+    """Equal documents; pooled sums (another summation order) within 1e-12."""
+    if isinstance(a, dict):
+        assert set(a) == set(b), (path, set(a) ^ set(b))
+        for k in a:
+            if k not in ("files", "path", "merged_from", "notes"):
+                _same(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) or isinstance(b, float):
+        assert a == b or math.isclose(float(a), float(b), rel_tol=1e-12,
+                                      abs_tol=1e-12 if "pooled" in path else 0.0), (path, a, b)
+    else:
+        assert a == b, (path, a, b)
+
+
+@needs("polars", "compare's columnar path (the one for millions of rows) is Polars")
+@pytest.mark.parametrize("case", ["bf16_baseline", "defect", "reduced", "layouts", "map_offset_steps"])
+def test_columnar_and_python_paths_agree(runs, ddp_runs, tmp_path, case):
+    if case == "map_offset_steps":
+        cand = shifted_renamed_run(runs["fp32"], tmp_path / "cand")
+        (tmp_path / "map.txt").write_text("blocks.0.ffn blocks.0.mlp\nblocks.1 blocks.1\n")
+    argv = {"bf16_baseline": (runs["fp32"], runs["bf16"], "--dtype", "bf16", "--baseline", runs["seed"]),
+            "defect": (runs["fp32"], runs["defect"]),
+            "reduced": (ddp_runs / "ref", ddp_runs / "cand"),
+            "layouts": (ddp_runs / "ref", ddp_runs / "accum"),
+            "map_offset_steps": (runs["bf16"], tmp_path / "cand", "--step-offset", "-1", "--map",
+                                 tmp_path / "map.txt", "--steps", "1:4")}[case]
+    docs, csvs = {}, {}
+    for engine in ("python", "columnar"):
+        res = cli("compare", *argv, "--engine", engine, "--out", tmp_path / engine, "--json", "--limit", "0")
+        docs[engine] = res.json()
+        csvs[engine] = compare_csv(tmp_path / engine / "compare.csv")
+    _same(docs["python"], docs["columnar"])
+    assert set(csvs["python"]) == set(csvs["columnar"])
+    for k, row in csvs["python"].items():
+        other = csvs["columnar"][k]
+        assert set(row) == set(other)
+        for col, v in row.items():
+            if v in ("", other[col]) or not v[:1].isdigit() and v[:1] not in "-.n":
+                assert v == other[col], (k, col)
+            else:
+                x, y = float(v), float(other[col])
+                # Polars' float division may differ in the last bit
+                assert math.isclose(x, y, rel_tol=1e-14) or (x != x and y != y), (k, col, v, other[col])
+
+
+def test_nonfinite_mismatch_is_named_and_an_error(runs, tmp_path):
+    """A NaN on one side only is a non-finite mismatch (an error, no number); NaN on both
+    sides agrees."""
+    import shutil
+
+    sides = {}
+    for name in ("ref", "cand"):
+        d = tmp_path / name
+        shutil.copytree(runs["fp32"], d)
+        sides[name] = d
+
+    def poison(root, tensor, step=2):
+        path = root / "rank_0" / f"weight_grad_step{step}-{step}.csv"
+        with open(path, newline="") as fh:
+            recs = list(csv.reader(fh))
+        col = recs[0].index("norm")
+        for r in recs[1:]:
+            if r[2] == tensor and r[3] == "reduced":
+                r[col] = "nan"
+                r[recs[0].index("nans")] = "3"
+        with open(path, "w", newline="") as fh:
+            csv.writer(fh, lineterminator="\n").writerows(recs)
+
+    poison(sides["cand"], "blocks.0.mlp.fc.weight")
+    poison(sides["ref"], "blocks.1.mlp.fc.weight")
+    poison(sides["cand"], "blocks.1.mlp.fc.weight")
+    res = cli("compare", sides["ref"], sides["cand"], "--out", tmp_path / "o", "--json")
+    doc = res.json()
+    assert res.code == 1 and doc["counts"]["nonfinite_mismatch"] == 1 and doc["counts"]["error"] == 1
+    part = doc["where_they_part"]
+    assert (part["step"], part["phase"]) == (2, "reduced")
+    assert part["first_row"]["tensor"] == "blocks.0.mlp.fc.weight"
+    assert part["first_row"]["class"] == "nonfinite_mismatch"
+    got = compare_csv(tmp_path / "o" / "compare.csv")
+    row = got[(0, "weight_grad", 2, "blocks.0.mlp.fc.weight", "reduced", "")]
+    assert row["class"] == "nonfinite_mismatch" and row["level"] == "error" and math.isnan(float(row["error"]))
+    both = got[(0, "weight_grad", 2, "blocks.1.mlp.fc.weight", "reduced", "")]
+    assert both["class"] == "compared" and both["level"] == "pass" and float(both["error"]) == 0.0
+
+
+def test_module_rule_error_level(runs, tmp_path):
+    """msProbe's error rule: a module whose input agrees (error < 0.1) and whose output is
+    off by more than 0.5 (here its norm x 3: 2/3)."""
+    import shutil
+
+    cand = tmp_path / "cand"
+    shutil.copytree(runs["fp32"], cand)
+    path = cand / "rank_0" / "module_step4-4.csv"
+    with open(path, newline="") as fh:
+        recs = list(csv.reader(fh))
+    col = recs[0].index("norm")
+    for r in recs[1:]:
+        if r[2] == "blocks.2.mlp.output.0" and r[3] == "forward":
+            r[col] = repr(3 * float(r[col]))
+    with open(path, "w", newline="") as fh:
+        csv.writer(fh, lineterminator="\n").writerows(recs)
+    doc = cli("compare", runs["fp32"], cand, "--out", tmp_path / "o", "--json").json()
+    born = doc["where_they_part"]["born_at"]
+    assert (doc["where_they_part"]["step"], doc["where_they_part"]["phase"]) == (4, "forward")
+    assert born["module"] == "blocks.2.mlp" and born["level"] == "error"
+    assert born["input_error"] == 0.0 and born["output_error"] == pytest.approx(2 / 3, rel=1e-6)
+
+
+def test_merged_views_given_directly(ddp_runs, tmp_path):
+    """Two merged views (msprobe-monitor merge's DEST) compare as the runs they were merged from."""
+    for name in ("ref", "accum"):
+        assert cli("merge", ddp_runs / name, tmp_path / f"m_{name}").code == 0
+    direct = cli("compare", tmp_path / "m_ref", tmp_path / "m_accum", "--out", tmp_path / "a", "--json").json()
+    auto = cli("compare", ddp_runs / "ref", ddp_runs / "accum", "--out", tmp_path / "b", "--json").json()
+    assert direct["provenance"]["ref"]["kind"] == "merged view" and not (tmp_path / "a" / "merged_ref").exists()
+    for k in ("verdict", "counts", "not_comparable", "only_in_one", "first_step"):
+        assert direct[k] == auto[k], k

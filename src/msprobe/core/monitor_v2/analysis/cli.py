@@ -179,6 +179,8 @@ def _compare_parser(sub: Any) -> None:
     c.add_argument("--json", action="store_true", help="print the JSON document instead of the text summary")
     c.add_argument("--limit", type=_nonneg_int, default=10, help="rows per table (0 = all)")
     c.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    # auto: Polars where installed; python: the standard-library path (the tests compare both)
+    c.add_argument("--engine", choices=("auto", "columnar", "python"), default="auto", help=argparse.SUPPRESS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -495,12 +497,18 @@ def cmd_compare(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                                out_dir=args.out)
     problems = Problems(strict=args.strict, stream=err)
     report = compare_runs(args.ref, args.cand, settings, problems, baseline_root=args.baseline,
-                          steps=parse_steps(args.steps), loss_logs=tuple(args.loss_log) if args.loss_log else None)
+                          steps=parse_steps(args.steps), loss_logs=tuple(args.loss_log) if args.loss_log else None,
+                          engine=args.engine)
     levels = ("pass", "warning", "error")
     code = EXIT_FOUND if levels.index(report.verdict) >= levels.index(args.fail_on) else EXIT_OK
     os.makedirs(args.out, exist_ok=True)
     report.files = {k: os.path.join(args.out, f"compare.{k}") for k in ("csv", "json", "html")}
-    write_csv(report, report.files["csv"])
+    if report.frame is not None:
+        from .compare_columnar import write_csv as write_frame_csv
+
+        write_frame_csv(report, report.files["csv"])
+    else:
+        write_csv(report, report.files["csv"])
     doc = report_json(report, code)
     with open(report.files["json"], "w", encoding="utf-8") as fh:
         dump_json(doc, fh)

@@ -43,14 +43,13 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from .. import layout as lay
 from .. import rows
 from .blocks import latest_blocks
 from .order import PHASE_LABELS
-from .reader import (InputError, Layout, Problems, Row, StepRange, is_merged_view, read_merge_json, scan,
-                     window_groups)
+from .reader import InputError, Layout, Problems, StepRange, scan, window_groups
 
 # ------------------------------------------------------------------ dtypes and tolerances
 # The scaled error of a whole tensor's norm that a run computed in this precision shows
@@ -423,7 +422,8 @@ def migration_verdict(ref: Dict[str, Dict[int, float]], cand: Dict[str, Dict[int
         diffs = [(s, loss_c[s] - loss_r[s], loss_r[s]) for s in steps]
         s0, d0, r0 = diffs[0]
         first_ok = _finite(d0) and (abs(d0) <= FIRST_LOSS_ABS or abs(d0) <= FIRST_LOSS_REL * abs(r0))
-        bad = [s for s, d, r in diffs if not (_finite(d) and (abs(d) <= ALL_LOSS_ABS or abs(d) <= ALL_LOSS_REL * abs(r)))]
+        bad = [s for s, d, r in diffs
+               if not (_finite(d) and (abs(d) <= ALL_LOSS_ABS or abs(d) <= ALL_LOSS_REL * abs(r)))]
         worst = max(diffs, key=lambda t: abs(t[1]) if _finite(t[1]) else math.inf)
         out["loss"] = {
             "steps": len(steps), "first_step": s0, "first_abs": abs(d0), "first_rel": _rel(d0, r0),
@@ -437,7 +437,8 @@ def migration_verdict(ref: Dict[str, Dict[int, float]], cand: Dict[str, Dict[int
     if gsteps:
         rel = [(g_c[s] - g_r[s]) / abs(g_r[s]) for s in gsteps]
         mean = sum(rel) / len(rel)
-        out["grad_norm"] = {"steps": len(gsteps), "mean_signed_rel": mean, "ok": _finite(mean) and abs(mean) <= GRAD_NORM_MEAN_REL,
+        out["grad_norm"] = {"steps": len(gsteps), "mean_signed_rel": mean,
+                            "ok": _finite(mean) and abs(mean) <= GRAD_NORM_MEAN_REL,
                             "rule": f"mean signed relative error within +-{GRAD_NORM_MEAN_REL:.0%}"}
     if not out:
         return None
@@ -522,6 +523,9 @@ class CompareReport:
     config_differences: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
     files: Dict[str, str] = field(default_factory=dict)
+    engine: str = "python"
+    frame: Any = None  # the columnar path's aligned rows (compare_columnar)
+    present_ops: List[str] = field(default_factory=list)
 
     @property
     def code_level(self) -> str:
@@ -638,9 +642,21 @@ def _merge_side(side: Side, dest: str, problems: Problems) -> Side:
     return merged
 
 
+def polars_available() -> bool:
+    try:
+        import polars  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def compare_runs(ref_root: str, cand_root: str, settings: CompareSettings, problems: Problems,
                  baseline_root: Optional[str] = None, steps: Optional[StepRange] = None,
-                 loss_logs: Optional[Tuple[str, str]] = None) -> CompareReport:
+                 loss_logs: Optional[Tuple[str, str]] = None, engine: str = "auto") -> CompareReport:
+    """``engine``: ``columnar`` (Polars), ``python`` (standard library only) or ``auto``
+    (Polars where it is installed)."""
+    if engine == "auto":
+        engine = "columnar" if polars_available() else "python"
     ref = open_side("REF", ref_root, problems)
     cand = open_side("CAND", cand_root, problems)
     base = open_side("REF2", baseline_root, problems) if baseline_root else None
@@ -664,10 +680,20 @@ def compare_runs(ref_root: str, cand_root: str, settings: CompareSettings, probl
             report.notes.append(f"different parallel layouts: {', '.join(merged)} merged into "
                                 f"{settings.out_dir}/merged_<side> and compared under global names")
     report.baseline = base
-    read_rows(ref, problems, settings, steps)
-    read_rows(cand, problems, settings, steps, settings.rename, settings.step_offset)
-    if base is not None:
-        read_rows(base, problems, settings, steps)
+    report.engine = engine
+    frames: Dict[str, Any] = {}
+    if engine == "columnar":
+        from . import compare_columnar as cc
+
+        frames["ref"] = cc.read_frame(ref, problems, steps)
+        frames["cand"] = cc.read_frame(cand, problems, steps, settings.rename, settings.step_offset)
+        if base is not None:
+            frames["base"] = cc.read_frame(base, problems, steps)
+    else:
+        read_rows(ref, problems, settings, steps)
+        read_rows(cand, problems, settings, steps, settings.rename, settings.step_offset)
+        if base is not None:
+            read_rows(base, problems, settings, steps)
     if loss_logs is not None:
         ref.scalars = {**read_loss_log(loss_logs[0]), **ref.scalars} if not ref.scalars else ref.scalars
         cand.scalars = {**read_loss_log(loss_logs[1], settings.step_offset), **cand.scalars} \
@@ -675,7 +701,13 @@ def compare_runs(ref_root: str, cand_root: str, settings: CompareSettings, probl
     dp_differs = ref.dp_size is not None and cand.dp_size is not None and ref.dp_size != cand.dp_size
     report.collapse_dp = settings.collapse_dp if settings.collapse_dp is not None else dp_differs
     if report.collapse_dp:
-        n = sum(collapse_dp(s) for s in (ref, cand) + ((base,) if base is not None else ()))
+        if engine == "columnar":
+            n = 0
+            for k in list(frames):
+                frames[k], pooled = cc.collapse_dp(frames[k])
+                n += pooled
+        else:
+            n = sum(collapse_dp(s) for s in (ref, cand) + ((base,) if base is not None else ()))
         report.notes.append(f"--collapse-dp: {n} row(s) kept per data-parallel rank pooled into one per tensor"
                             + (" (on: the data-parallel sizes differ)" if settings.collapse_dp is None else ""))
     report.dtype, report.dtype_source = choose_dtype(settings, ref, cand)
@@ -688,8 +720,11 @@ def compare_runs(ref_root: str, cand_root: str, settings: CompareSettings, probl
     if per_micro_differs:
         why = (f"per micro-batch rows: micro-batches per step {ref.provenance.get('micro_batches')} vs "
                f"{cand.provenance.get('micro_batches')}, data-parallel sizes {ref.dp_size} vs {cand.dp_size}")
-    _score(report, per_micro_differs and why or None)
-    _aggregate(report)
+    if engine == "columnar":
+        cc.score(report, frames, per_micro_differs and why or None)
+    else:
+        _score(report, per_micro_differs and why or None)
+        _aggregate(report)
     report.scalars = migration_verdict(ref.scalars, cand.scalars)
     if report.scalars is not None:
         report.verdict = _worse(report.verdict, report.scalars["level"])
@@ -702,10 +737,12 @@ def _score(report: CompareReport, not_comparable_why: Optional[str]) -> None:
     tol, floor = report.tolerance, report.floor
     min_noise = MIN_NOISE[report.dtype]
     counts = {COMPARED: 0, NEAR_ZERO: 0, NONFINITE: 0, PASS: 0, WARNING: 0, ERROR: 0, "no_baseline": 0}
-    for key in sorted(set(ref.rows) | set(cand.rows), key=lambda k: (k[2], k[0], k[1], k[4], k[3])):
+    for key in sorted(set(ref.rows) | set(cand.rows),
+                      key=lambda k: (k[2], k[0], k[1], k[4], k[3], _none_last(k[5]), _none_last(k[6]))):
         monitor, scope = key[1], key[4]
         if not_comparable_why and (monitor, scope) in PER_MICRO_SCOPES:
-            nc = report.not_comparable.setdefault(f"{monitor}/{scope}", {"ref": 0, "cand": 0, "why": not_comparable_why})
+            nc = report.not_comparable.setdefault(f"{monitor}/{scope}",
+                                                  {"ref": 0, "cand": 0, "why": not_comparable_why})
             nc["ref"] += key in ref.rows
             nc["cand"] += key in cand.rows
             continue
@@ -764,6 +801,10 @@ def _score(report: CompareReport, not_comparable_why: Optional[str]) -> None:
     report.verdict = verdict
 
 
+def _none_last(v: Optional[int]) -> int:
+    return -1 if v is None else v  # the columnar path's sentinel: the same row order
+
+
 def _beyond(res: RowResult) -> bool:
     return res.level != PASS
 
@@ -790,10 +831,15 @@ def _aggregate(report: CompareReport) -> None:
             acc[0] += float(rn) ** 2
             acc[1] += float(cn) ** 2
             acc[2] += 1
-    for (monitor, scope, step), (sr, sc, n) in sorted(pooled.items(), key=lambda t: (t[0][2], rows.execution_phase(t[0][0], t[0][1]))):
+    def pooled_order(t: Tuple[Tuple[str, str, int], List[float]]) -> Tuple[int, int, str, str]:
+        (monitor, scope, step), _ = t
+        return step, rows.execution_phase(monitor, scope), monitor, scope
+
+    for (monitor, scope, step), (sr, sc, n) in sorted(pooled.items(), key=pooled_order):
         a, b = math.sqrt(sr), math.sqrt(sc)
         report.pooled.append({"monitor": monitor, "scope": scope, "step": step, "ref_norm": a, "cand_norm": b,
                               "scaled_error": abs(b - a) / max(a, b, report.floor), "rows": n})
+    report.grows_after_reduce = _grows_after_reduce(report, tol)
     # where they part: the earliest (step, phase) with a row beyond tolerance
     beyond = [r for r in results if _beyond(r)]
     if not beyond:
@@ -801,8 +847,17 @@ def _aggregate(report: CompareReport) -> None:
     first = min(beyond, key=lambda r: (r.key[2], r.phase))
     step, phase = first.key[2], first.phase
     at = [r for r in results if r.key[2] == step and r.phase == phase]
+    unreduced = [r for r in results if r.key[2] == step and r.phase == 3]
+    locate(report, at, step, phase, len(unreduced), any(_beyond(r) for r in unreduced))
+
+
+def locate(report: CompareReport, at: List[RowResult], step: int, phase: int, unreduced_rows: int,
+           unreduced_beyond: bool) -> None:
+    """``report.part`` and ``report.worst`` from the rows ``at`` the earliest (step, phase)
+    with a row beyond tolerance (``report.grows_after_reduce`` already filled)."""
     at_beyond = [r for r in at if _beyond(r)]
-    first_row = min(at_beyond, key=lambda r: (r.line, r.key[0]))
+    first_row = min(at_beyond, key=lambda r: (r.line, r.key[0], r.key[1], r.key[3], _none_last(r.key[5]),
+                                              _none_last(r.key[6])))
     part: Dict[str, Any] = {"step": step, "phase": PHASE_NAMES.get(phase, "other"), "phase_label": PHASE_LABELS[phase],
                             "rows": len(at), "rows_beyond": len(at_beyond), "first_row": _row_json(first_row)}
     # the worst layers of that (step, phase)
@@ -813,22 +868,20 @@ def _aggregate(report: CompareReport) -> None:
     ranked = []
     for layer, rs in layers.items():
         errs = [r.error for r in rs if r.cls == COMPARED]
-        worst_row = max(rs, key=lambda r: (r.cls == NONFINITE, r.error if r.error == r.error else 0.0))
+        worst_row = min(rs, key=lambda r: (r.cls != NONFINITE, -(r.error if r.error == r.error else 0.0), r.line,
+                                           r.key[0], r.key[3], _none_last(r.key[5]), _none_last(r.key[6])))
         ranked.append({"layer": layer, "max_error": math.inf if worst_row.cls == NONFINITE else worst_row.error,
                        "p95_error": _p95(errs), "rows": len(rs), "rows_beyond": sum(1 for r in rs if _beyond(r)),
                        "worst_row": _row_json(worst_row)})
-    ranked.sort(key=lambda d: -d["max_error"])
+    ranked.sort(key=lambda d: (-d["max_error"], d["layer"]))
     report.worst = ranked[: report.settings.top]
     # msProbe's input/output rule for module rows: where the error is born
     if phase in (1, 2):
         part["born_at"] = _module_rule(report, at)
-    # grows after reduce
-    report.grows_after_reduce = _grows_after_reduce(report, tol)
     if phase == 5:
         in_step = [g for g in report.grows_after_reduce if g["step"] == step]
-        part["reduced_not_unreduced"] = bool(in_step) and all(
-            not _beyond(r) for r in results if r.key[2] == step and r.phase == 3)
-        part["unreduced_rows"] = sum(1 for r in results if r.key[2] == step and r.phase == 3)
+        part["reduced_not_unreduced"] = bool(in_step) and unreduced_rows > 0 and not unreduced_beyond
+        part["unreduced_rows"] = unreduced_rows
     report.part = part
 
 
@@ -867,7 +920,7 @@ def _module_rule(report: CompareReport, at: List[RowResult]) -> Optional[Dict[st
         if level:
             found.append({"module": tag, "rank": rank, "dp_rank": dp, "input_error": i, "output_error": o,
                           "level": level, "line": d["line"]})
-    found.sort(key=lambda f: (f["line"], f["rank"]))
+    found.sort(key=lambda f: (f["line"], f["rank"], f["module"]))
     report.module_rule = found
     return found[0] if found else None
 
@@ -893,7 +946,7 @@ def _grows_after_reduce(report: CompareReport, tol: float) -> List[Dict[str, Any
         if u <= tol:
             out.append({"rank": k[0], "step": k[1], "tensor": k[2], "unreduced_error": u,
                         "reduced_error": math.inf if r.cls == NONFINITE else r.error, "level": r.level})
-    out.sort(key=lambda g: (g["step"], -g["reduced_error"]))
+    out.sort(key=lambda g: (g["step"], -g["reduced_error"], g["rank"], g["tensor"]))
     return out
 
 
@@ -934,7 +987,8 @@ def write_csv(report: CompareReport, path: str) -> int:
         w.writerow(cols)
         for r in report.results:
             rank, monitor, step, name, scope, micro, dp = r.key
-            row: List[Any] = [rank, monitor, step, name, scope, "" if micro is None else micro, "" if dp is None else dp]
+            row: List[Any] = [rank, monitor, step, name, scope, "" if micro is None else micro,
+                              "" if dp is None else dp]
             for op in ops:
                 row += [_cell(r.ref.get(op)), _cell(r.cand.get(op))]
             for op in ops:
@@ -953,5 +1007,5 @@ def _cell(v: Any) -> str:
     if v is None:
         return ""
     if isinstance(v, float):
-        return repr(v) if v == v else "nan"
+        return repr(v) if v == v else "NaN"  # as Polars writes it (the columnar path)
     return str(v)

@@ -6,11 +6,10 @@ runs; no script, no image file, no third-party package)."""
 
 import html
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
-from .compare import (ERROR, ERROR_FACTOR, ERROR_RATIO, MODULE_ERROR_INPUT, MODULE_ERROR_OUTPUT,
-                      MODULE_WARNING_FACTOR, PASS, WARNING, WARNING_RATIO, CompareReport)
-from .text import fmt_num, json_safe, table
+from .compare import ERROR, ERROR_FACTOR, ERROR_RATIO, MODULE_WARNING_FACTOR, PASS, WARNING, WARNING_RATIO, CompareReport
+from .text import json_safe, table
 
 VERDICT_TEXT = {PASS: "within tolerance", WARNING: "beyond tolerance (warning)", ERROR: "beyond tolerance (error)"}
 
@@ -111,6 +110,9 @@ def report_text(report: CompareReport, code: int, limit: int) -> str:
     if report.scalars is not None:
         out.extend(_scalars_text(report.scalars))
     out.append("")
+    # what was compared, before what it says: a difference of setup explains many errors
+    out.extend(_provenance_text(report))
+    out.append("")
     out.extend(_where_text(report))
     if report.worst:
         out.append("")
@@ -130,8 +132,6 @@ def report_text(report: CompareReport, code: int, limit: int) -> str:
         out.append(f"Grows after reduce: {len(report.grows_after_reduce)} gradient row(s) beyond tolerance after the "
                    f"reduce and within it before; first: step {g['step']} rank {g['rank']} {g['tensor']} "
                    f"(unreduced {_e(g['unreduced_error'])}, reduced {_e(g['reduced_error'])})")
-    out.append("")
-    out.extend(_provenance_text(report))
     if report.only or report.not_comparable:
         out.append("")
         for m, scopes in report.only.items():
@@ -223,8 +223,38 @@ def _colour(value: float, tol: float) -> str:
     return f"rgb(255,{int(255 - 200 * t)},{int(80 - 80 * t)})"
 
 
+MAX_COLUMNS, MAX_ROWS = 200, 300  # of a heat map: a page a browser opens at once
+
+
+def _binned(rows_: Sequence[str], cols: Sequence[int], cells: Dict[Tuple[str, int], float]
+            ) -> Tuple[Sequence[str], List[int], Dict[Tuple[str, int], float], int]:
+    """At most MAX_COLUMNS columns: consecutive steps taken together (the largest error of
+    the bin, labelled by its first step); at most MAX_ROWS rows (the worst kept)."""
+    per = max(1, math.ceil(len(cols) / MAX_COLUMNS))
+    first = {c: cols[(i // per) * per] for i, c in enumerate(cols)}
+    out: Dict[Tuple[str, int], float] = {}
+    for (r, c), v in cells.items():
+        k = (r, first.get(c, c))
+        old = out.get(k)
+        out[k] = v if old is None or _rank_value(v) > _rank_value(old) else old
+    if len(rows_) > MAX_ROWS:
+        worst = {r: max(_rank_value(v) for (rr, _), v in out.items() if rr == r) for r in rows_}
+        keep = set(sorted(rows_, key=lambda r: -worst.get(r, 0.0))[:MAX_ROWS])
+        rows_ = [r for r in rows_ if r in keep]
+    return rows_, sorted(set(first.values())), out, per
+
+
+def _rank_value(v: float) -> float:
+    return math.inf if v != v else v
+
+
 def _heat(title: str, rows_: Sequence[str], cols: Sequence[int], cells: Dict[Tuple[str, int], float],
           tol: float) -> str:
+    n_rows = len(rows_)
+    rows_, cols, cells, per = _binned(rows_, cols, cells)
+    if per > 1 or len(rows_) < n_rows:
+        title += (f" ({per} steps a column" if per > 1 else " (") + \
+            (f", the {len(rows_)} worst of {n_rows} rows)" if len(rows_) < n_rows else ")")
     cw, ch, left, top = 28, 16, 230, 30
     w, h = left + cw * len(cols) + 10, top + ch * len(rows_) + 10
     out = [f'<h3>{html.escape(title)}</h3><svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
@@ -255,15 +285,16 @@ def _curve(title: str, pts_a: List[Tuple[int, float]], pts_b: List[Tuple[int, fl
     y0, y1 = min(ys), max(ys) if max(ys) > min(ys) else min(ys) + 1
 
     def path(pts: List[Tuple[int, float]]) -> str:
-        return " ".join(f"{pad + (x - x0) / (x1 - x0) * (w - 2 * pad):.1f},{h - pad - (y - y0) / (y1 - y0) * (h - 2 * pad):.1f}"
-                        for x, y in pts)
+        return " ".join(f"{pad + (x - x0) / (x1 - x0) * (w - 2 * pad):.1f},"
+                        f"{h - pad - (y - y0) / (y1 - y0) * (h - 2 * pad):.1f}" for x, y in pts)
 
     return (f'<div class="curve"><h4>{html.escape(title)}</h4><svg xmlns="http://www.w3.org/2000/svg" width="{w}" '
             f'height="{h}" font-family="sans-serif" font-size="10"><rect x="{pad}" y="{pad}" width="{w - 2 * pad}" '
             f'height="{h - 2 * pad}" fill="none" stroke="#999"/>'
             f'<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{path(pts_a)}"/>'
             f'<polyline fill="none" stroke="#9467bd" stroke-width="2" stroke-dasharray="5,3" points="{path(pts_b)}"/>'
-            f'<text x="{pad}" y="{h - 8}">step {x0}</text><text x="{w - pad}" y="{h - 8}" text-anchor="end">step {x1}</text>'
+            f'<text x="{pad}" y="{h - 8}">step {x0}</text>'
+            f'<text x="{w - pad}" y="{h - 8}" text-anchor="end">step {x1}</text>'
             f'<text x="4" y="{pad}">{_e(y1)}</text><text x="4" y="{h - pad}">{_e(y0)}</text>'
             f'<text x="{w - pad}" y="{pad - 6}" text-anchor="end" fill="#1f77b4">REF</text>'
             f'<text x="{w - pad - 40}" y="{pad - 6}" text-anchor="end" fill="#9467bd">CAND</text></svg></div>')
@@ -303,7 +334,8 @@ def write_html(report: CompareReport, path: str, code: int, limit: int) -> None:
     for p in report.pooled:
         by.setdefault((p["monitor"], p["scope"]), []).append(p)
     for (m, s), ps in by.items():
-        parts.append(_curve(f"{m} {s}", [(p["step"], p["ref_norm"]) for p in ps], [(p["step"], p["cand_norm"]) for p in ps]))
+        parts.append(_curve(f"{m} {s}", [(p["step"], p["ref_norm"]) for p in ps],
+                            [(p["step"], p["cand_norm"]) for p in ps]))
     parts.append("</body></html>")
     with open(path, "w", encoding="utf-8") as fh:
         fh.write("\n".join(parts))
