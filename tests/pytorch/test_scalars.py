@@ -178,3 +178,39 @@ def test_bad_arguments_raise_naming_them(write_config):
     finally:
         mon.stop()
     mon.log_scalars(0, loss=1.0)  # after stop(): nothing to write, no error
+
+
+def test_tensor_values_are_read_with_the_step_on_the_accelerator_path(write_config, tmp_path, monkeypatch):
+    """Under the accelerator path on the CPU (MSPROBE_MONITOR_ACCEL_ON_CPU): a tensor value
+    is not read at the call (its record still holds the engine's device vector), and the
+    row has its value once the step's statistics are copied; the just-ended step's too."""
+    from msprobe.core.monitor_v2.frameworks.pytorch.stats import ACCEL_ON_CPU_ENV, DeviceStats
+
+    monkeypatch.setenv(ACCEL_ON_CPU_ENV, "1")
+    mon = TrainerMonitorV2(write_config({"monitors": {"weight_grad": {"enabled": True}},
+                                         "patch_optimizer_step": False}))
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon.start(model=model, optimizer=opt)
+    values = []
+    for step in range(3):
+        loss = model(torch.full((2, 3), float(step))).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        values.append(loss.detach().clone())
+        mon.log_scalars(step, loss=loss)
+        (pending,) = mon._scalars[step]
+        assert isinstance(pending.vector, DeviceStats)  # the engine's device values: not read here
+        mon.step()
+        if step == 2:  # logged after the step ended: written by stop()
+            mon.log_scalars(step, late=loss * 2)
+            (late,) = mon._scalars[step]
+            assert isinstance(late.vector, DeviceStats)
+    mon.stop()
+    rows = rows_of(tmp_path / "out", "scalars")
+    assert [(r["step"], r["module_name"]) for r in rows] == [("0", "loss"), ("1", "loss"), ("2", "loss"),
+                                                             ("2", "late")]
+    for r in rows:
+        v = values[int(r["step"])] * (2 if r["module_name"] == "late" else 1)
+        assert np.float32(r["mean"]) == v.numpy() and np.float32(r["norm"]) == abs(v.numpy())
