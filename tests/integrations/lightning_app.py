@@ -28,6 +28,7 @@ class Regressor(pl.LightningModule):
         self.inputs.setdefault(self.trainer.global_step, []).append(x.clone())
         loss = torch.nn.functional.mse_loss(self.net(x), y)
         self.losses.append(loss.detach().clone())
+        self.log("train_loss", loss)  # the callback writes it as a scalars row
         return loss
 
     def validation_step(self, batch, batch_idx):
@@ -115,6 +116,16 @@ def check_run(out_dir, module, monitored, probe, rank=0, unreduced=None):
         x = torch.cat(module.inputs[step])
         assert_row_matches(find_row(module_rows, step=step, module_name="net.0.input.0", scope="forward"),
                            numpy_stats(x))
+    # The logged train_loss is a scalars row of each step: the value logged last in it (the
+    # last micro-batch's), exactly (an fp32 tensor, nine significant digits).
+    scalars = rows_of(out_dir, "scalars", rank)
+    assert [(r["step"], r["module_name"], r["scope"]) for r in scalars] == [
+        (str(s), "train_loss", "scalars") for s in range(STEPS)]
+    for r in scalars:
+        loss = module.losses[(int(r["step"]) + 1) * ACC - 1].item()
+        as_fp32 = [torch.tensor(float(r[op]), dtype=torch.float32).item() for op in ("min", "max", "mean", "norm")]
+        assert as_fp32 == [loss, loss, loss, abs(loss)], (r, loss)
+        assert r["nans"] == "0"
     evaluated = [r for r in module_rows if r["module_name"] == "net.0.input.0" and r["scope"] == "eval_forward"]
     # Validation after steps 1..6 runs in monitor steps 1..6; step 6 never ends.
     assert [r["step"] for r in evaluated] == [str(s) for s in range(1, STEPS)], evaluated

@@ -152,6 +152,20 @@ def test_trainer_callback_values_steps_eval_and_bit_identity(tmp_path, caplog):
         assert len(norms) == len(unreduced[0])
         assert math.isclose(math.sqrt(sum(n * n for n in norms)), grad_norm, rel_tol=1e-4), logged_step
 
+    # The Trainer's own loss and grad_norm, as its log history holds them, are the scalars
+    # rows of the step each log entry follows (monitor step = the entry's step - 1); the
+    # last step's, logged after it ended, is written by stop() at the end of training.
+    scalars = rows_of(out, "scalars")
+    history = [(h["step"] - 1, key, h[key]) for h in trainer.state.log_history
+               for key in ("loss", "grad_norm") if key in h]
+    assert len(history) == 2 * STEPS
+    assert [(int(r["step"]), r["module_name"]) for r in scalars] == [(s, k) for s, k, _ in history]
+    for row, (_, _, value) in zip(scalars, history):
+        assert row["scope"] == "scalars" and row["nans"] == "0"
+        for op in ("min", "max", "mean"):
+            assert math.isclose(float(row[op]), value, rel_tol=1e-8), (row, value)
+        assert math.isclose(float(row["norm"]), abs(value), rel_tol=1e-8)
+
     # Evaluation passes are not merged into the training steps' forward rows.
     module_rows = rows_of(out, "module")
     name = "transformer.wte.input.0"

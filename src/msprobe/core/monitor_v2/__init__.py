@@ -3,9 +3,9 @@
 Public entry point: ``msprobe.core.monitor_v2.trainer.TrainerMonitorV2``.
 """
 
-from .errors import ConfigError, MonitorError, MonitorStateError
+from .errors import ConfigError, MonitorError, MonitorStateError, ScalarError
 
-__all__ = ["ConfigError", "MonitorError", "MonitorStateError", "TrainerMonitorV2"]
+__all__ = ["ConfigError", "MonitorError", "MonitorStateError", "ScalarError", "TrainerMonitorV2"]
 
 
 def __getattr__(name):

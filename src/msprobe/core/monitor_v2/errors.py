@@ -26,6 +26,17 @@ class MonitorStateError(MonitorError, RuntimeError):
     """The monitor was used in a way its lifecycle does not allow (e.g. ``start()`` twice)."""
 
 
+class ScalarError(MonitorError, ValueError):
+    """``log_scalars()`` was given a step, a name or a value it cannot write (a name that
+    is not a non-empty string of printable characters, a value that is neither a real
+    number nor a one-element tensor). ``name`` is the offending scalar's name (None for
+    the step)."""
+
+    def __init__(self, message: str, name: "str | None" = None) -> None:
+        self.name = name
+        super().__init__(message)
+
+
 class OutputError(MonitorError, OSError):
     """The output directory cannot be used when monitoring starts (e.g. a file stands
     where ``<output_dir>/rank_<r>`` should be). Raised by ``start()``; once training

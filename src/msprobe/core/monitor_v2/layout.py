@@ -33,8 +33,16 @@ The document (JSON, one object; keys not listed here are ignored by readers)::
         }
       },
       "modules": {"<module row name>": {"split": [["tp", 1, 2]]}},
-      "unknown": ["why something above is missing", ...]
+      "unknown": ["why something above is missing", ...],
+      "dtypes": {"<row name>": "bfloat16", ...}
     }
+
+``dtypes`` gives the dtype of the tensors rows describe, by row name as the CSV writes it
+(``DTYPES``: ``float32``, ``bfloat16``, ``float16``, ...): each parameter's (the model's
+parameter, whatever its gradients or an optimizer's master copy are kept in), read at
+``start()``, and each ``module`` row's tensor, noted when the row is first read (the first
+written step; PyTorch), after which the file is written again. ``msprobe-monitor compare``
+reads it to choose tolerances; the other readers ignore it.
 
 A **piece** is the part of the full tensor that one rank's row describes: ``numel`` is
 its element count and ``split`` lists the groups along which the full tensor is cut,
@@ -96,6 +104,15 @@ SCOPE_CLASSES: Tuple[str, ...] = (UNREDUCED, REDUCED, PARAM, OPTIMIZER)
 PER_DP_SCOPES = frozenset({rows.UNREDUCED, rows.FORWARD, rows.EVAL_FORWARD, rows.GENERATE, rows.BACKWARD})
 
 Split = List[List[Any]]  # [[group, index, count], ...]
+
+
+DTYPES = "dtypes"
+
+
+def dtype_name(dtype: Any) -> str:
+    """A framework's dtype as ``dtypes`` names it: ``torch.bfloat16`` and MindSpore's
+    ``BFloat16`` are both ``bfloat16``."""
+    return str(dtype).rsplit(".", 1)[-1].lower()
 
 
 def every_row(module_tag: str) -> str:
@@ -208,7 +225,7 @@ def render(doc: Mapping[str, Any]) -> str:
     dump = _COMPACT.encode  # one encoder: json.dumps with separators makes one per call
     lines = []
     for key, value in doc.items():
-        if key in ("params", "modules") and isinstance(value, dict) and value:
+        if key in ("params", "modules", DTYPES) and isinstance(value, dict) and value:
             inner = ",\n".join(f"  {dump(k)}:{dump(v)}" for k, v in value.items())
             lines.append(f" {dump(key)}:{{\n{inner}\n }}")
         else:

@@ -63,6 +63,13 @@ SCOPES: Dict[str, Tuple[str, ...]] = {
 # The monitors whose files always carry ``zeros`` (moe: a count of 0 tokens is a dead expert).
 ZEROS_MONITORS: Tuple[str, ...] = (MOE,)
 
+# ------------------------------------------------------------------- scalars
+# Not a monitor of the config: the values the training code or an integration hands to
+# ``TrainerMonitorV2.log_scalars`` (the loss, the global gradient norm), one row per name
+# and step in ``scalars_step<a>-<b>.csv``, scope ``scalars``, module_name the scalar's name,
+# the default ops, no micro_step; min = max = mean = the value, norm = its absolute value.
+SCALARS = "scalars"
+
 # --------------------------------------------------------------------------- ops
 # The statistics that are values, then the NaN count: the five written by default.
 VALUE_OPS: Tuple[str, ...] = ("min", "max", "mean", "norm")

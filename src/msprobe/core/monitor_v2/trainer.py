@@ -14,12 +14,15 @@ worker) says nothing.
 """
 
 import logging
+import math
+import numbers
+import operator
 import os
 import sys
 import time
 import weakref
 from dataclasses import replace
-from typing import Any, Dict, List, Mapping, Optional, Set, Union
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple, Union
 
 from . import rows
 from .alert import make_alerter
@@ -27,14 +30,15 @@ from .backend import Session
 from .config import MonitorConfig, load_config
 from .dynamic import (ConfigWatch, MonitorPlan, auto_target, describe_planned, restart_fields, same_monitor,
                       schedule_text, timed_names)
-from .errors import ConfigError, MonitorStateError, NonFiniteGradientError
+from .errors import ConfigError, MonitorStateError, NonFiniteGradientError, OutputError, ScalarError
 from .frameworks import load_backend
-from .layout import render, write_layout
+from .layout import DTYPES, dtype_name, render, write_layout
 from .model_structure import write_structure
 from .monitor import ContainedErrors, Monitor, module_tags, short_error
 from .logonce import LogOnce
 from .patching import Patch
 from .sinks import make_sink_hub
+from .stats import Record, StatPlan, record_type
 from .writer import STALL_S, AsyncCsvWriter, CsvWriter, MonitorOutput, SidecarOutput, count_rows
 
 logger = logging.getLogger("msprobe.monitor_v2")
@@ -70,6 +74,17 @@ class TrainerMonitorV2:
         self._guard: Any = None  # alert.dump / stop_on_nonfinite: the pre-update gradient check
         # the exception being raised or handled when stop() ran (a training that crashed), if any
         self._stopped_during: Optional[BaseException] = None
+        # log_scalars(): records by step, at most the current step and the one just ended
+        # (written with the next step's rows, or by stop()); the step that ended last and
+        # whether it was written
+        self._scalars: Dict[int, List[Record]] = {}
+        self._ended: Optional[Tuple[int, bool]] = None
+        # layout.json: its document, the inner CSV writer (which writes it first) and the
+        # count of each monitor's row dtypes already in it
+        self._layout_doc: Optional[Dict[str, Any]] = None
+        self._layout_writer: Any = None
+        self._layout_text = ""
+        self._dtypes_seen: Dict[str, int] = {}
         self._init_incident(config_path, fr)
 
     # ------------------------------------------------------------------ properties
@@ -214,17 +229,55 @@ class TrainerMonitorV2:
             logger.warning("monitor_v2: the parallel layout of this rank could not be read (%r); layout.json is "
                            "not written and 'msprobe-monitor merge' cannot combine this rank's rows", exc)
             return
-        rank_dir = self.rank_dir
-        text = render(doc)  # now, at start(): the first written step only writes the file
-        monitors = self.monitors
+        try:
+            doc[DTYPES] = _param_dtypes(session)
+        except Exception as exc:  # noqa: BLE001 - the layout is written without them
+            logger.warning("monitor_v2: the parameters' dtypes could not be read (%r); layout.json has no "
+                           "\"dtypes\" for them", exc)
+            doc[DTYPES] = {}
+        self._layout_doc = doc
+        self._layout_writer = writer
+        # rendered now, at start(): the first written step only writes the file; a later
+        # version (module rows' dtypes) replaces the text, then the file (_note_dtypes)
+        self._layout_text = render(doc)
+        writer.before_first_file = self._write_layout_text
 
-        def write() -> None:
-            # the moe routers are known once their first call showed their outputs: the
-            # first written step's, which has run when its rows are written
-            routers = {k: v for m in monitors if m.name == rows.MOE for k, v in m.layout().items()}
-            write_layout(rank_dir, render({**doc, "moe": routers}) if routers else text)
+    def _write_layout_text(self) -> None:
+        # the moe routers are known once their first call showed their outputs: the first
+        # written step's, which has run when its rows are written
+        routers = {k: v for m in self.monitors if m.name == rows.MOE for k, v in m.layout().items()}
+        if routers and self._layout_doc is not None and self._layout_doc.get("moe") != routers:
+            self._layout_doc["moe"] = routers
+            self._layout_text = render(self._layout_doc)
+        write_layout(self.rank_dir, self._layout_text)
 
-        writer.before_first_file = write
+    def _note_dtypes(self) -> None:
+        """The dtypes of rows the monitors noted since the last look (the module rows', on
+        the first written step) into ``layout.json``: written again, after the rows of
+        the step, in the writer's order."""
+        doc = self._layout_doc
+        if doc is None:
+            return
+        known = doc[DTYPES]
+        new = {}
+        for m in self.monitors:
+            noted = getattr(m, "row_dtypes", None)
+            if noted and len(noted) != self._dtypes_seen.get(m.name, 0):
+                self._dtypes_seen[m.name] = len(noted)
+                new.update((name, dtype) for name, dtype in list(noted.items()) if name not in known)
+        if not new:
+            return
+        known.update(new)
+        self._layout_text = render(doc)
+        if self._layout_writer.before_first_file is None:  # written already: again
+            self._writer.call_in_order(self._rewrite_layout)
+
+    def _rewrite_layout(self) -> None:
+        try:
+            self._write_layout_text()
+        except (OSError, OutputError) as exc:
+            self._once.warning("layout-again", "monitor_v2: %s; the CSV files are written as usual. Logged once.",
+                               exc)
 
     # ------------------------------------------ alert.dump / stop_on_nonfinite
     def _make_guard(self, backend: Any, session: Session) -> Any:
@@ -369,8 +422,93 @@ class TrainerMonitorV2:
         self._advance()
         self.errors.busy += time.perf_counter() - start
 
+    def log_scalars(self, step: int, values: Optional[Mapping[str, Any]] = None, /, **named: Any) -> None:
+        """Write training scalars (the loss, the global gradient norm) as rows of step
+        ``step``: ``rank_<r>/scalars_step<a>-<b>.csv``, one row per name, scope ``scalars``,
+        min = max = mean = the value, norm = its absolute value, nans = 1 for a NaN.
+
+        ``mon.log_scalars(step, loss=loss, grad_norm=norm)`` or
+        ``mon.log_scalars(step, {"loss": loss})``. ``step`` is the monitor's step number (the
+        CSV's ``step`` column; ``start(first_step=N)`` makes it the framework's): the step
+        being trained (``current_step``), whose rows are written when it ends, or the step
+        that has just ended (``current_step - 1``: the loss logged after a patched
+        ``optimizer.step()`` ended it), whose rows are written with the next step's, or by
+        ``stop()``. The rows follow the schedule: a step that is not written writes none.
+        Another step is a mismatch of the two counters: said once at WARNING, the values
+        dropped (never an error in the training loop).
+
+        A value is a real number or a one-element tensor of the framework (any dtype,
+        read in at least fp32; on an accelerator it is not read now, but with the step's
+        other statistics: no synchronisation here). A name logged twice in one step makes
+        one row, merged as every row is (min, max, mean of the values; norm the root of
+        their squares). A name that is not a non-empty string of printable characters, a
+        value of another kind or a step that is not an integer raise ``ScalarError`` at
+        once: the call is wrong on every step."""
+        items = _scalar_items(step, values, named)
+        state = self._state
+        if state == "new":
+            raise MonitorStateError("log_scalars() before start(): call mon.start(...) first")
+        if state != "running":
+            if state == "forked":
+                self._say_forked()
+            return  # a rank not monitored, or a stopped monitor: nothing to write
+        step = operator.index(step)
+        start = time.perf_counter()
+        try:
+            if step == self._step:
+                active = self._active
+            elif self._ended is not None and step == self._ended[0]:
+                active = self._ended[1]
+            else:
+                self._once.warning(
+                    "scalars-step",
+                    "monitor_v2: log_scalars(%d, ...) names neither the step being trained (%d) nor the one that "
+                    "ended last (%s): the values are dropped. The step is the monitor's step number, as in the "
+                    "CSV files: start(first_step=N) makes it the framework's global step. Logged once.",
+                    step, self._step, "none" if self._ended is None else self._ended[0])
+                return
+            if active:
+                self._scalars.setdefault(step, []).extend(self._scalar_records(items))
+        except Exception as exc:  # noqa: BLE001 - the monitor never breaks training
+            self.errors.report("log_scalars", exc)
+        finally:
+            self.errors.busy += time.perf_counter() - start
+
+    def _scalar_records(self, items: List[Tuple[str, Any]]) -> List[Record]:
+        """One record per scalar: host values for numbers, the engine's record (kept on
+        the device until the step's transfer) for tensors."""
+        make = record_type()
+        out: List[Record] = []
+        for name, value in items:
+            if isinstance(value, float):
+                nans = 1 if math.isnan(value) else 0
+                out.append(make(0, name, rows.SCALARS, None, [value, value, value, abs(value)], nans, 1, None))
+            else:
+                out.append(self._session.engine.record(value, _SCALAR_PLAN, 0, name, rows.SCALARS))
+        return out
+
+    def _write_late_scalars(self, before: Optional[int]) -> None:
+        """Write the scalars logged for steps that had ended (all, or those before ``before``)
+        in their own step's rows."""
+        if not self._scalars:
+            return
+        for step in sorted(self._scalars):
+            if before is not None and step >= before:
+                continue
+            records = self._scalars.pop(step)
+            try:
+                ready = self._session.engine.to_host(records)
+                if ready is None:
+                    self._writer.write_step(step, {rows.SCALARS: records})
+                else:
+                    self._writer.write_step(step, {rows.SCALARS: records}, ready)
+            except Exception as exc:  # noqa: BLE001
+                self.errors.report("writing scalars", exc)
+                self._writer.report_lost(step, exc, count_rows({rows.SCALARS: records}))
+
     def _advance(self) -> None:
         step = self._step
+        self._write_late_scalars(step)
         records: Dict[str, list] = {}
         for m in self.monitors:
             try:
@@ -391,6 +529,9 @@ class TrainerMonitorV2:
                     continue
                 if got:
                     sidecars[rows.MOE_COUNTS] = got
+        scalars = self._scalars.pop(step, None)
+        if scalars:
+            records[rows.SCALARS] = scalars
         if self._active and records:
             try:
                 # device values are only being copied: the writer waits for them (ready) when
@@ -406,6 +547,12 @@ class TrainerMonitorV2:
                 self.errors.report("writing step results", exc)
                 self._writer.report_lost(step, exc, count_rows(records))
         self._session.engine.forget()
+        if self._active:
+            try:
+                self._note_dtypes()
+            except Exception as exc:  # noqa: BLE001
+                self.errors.report("recording dtypes in layout.json", exc)
+        self._ended = (step, self._active)
         self._written_steps += self._active
         if self._watch is not None or self._escalation_armed or self._next_change is not None:
             self._between_steps(step + 1, self._active)
@@ -624,6 +771,8 @@ class TrainerMonitorV2:
         if state == "idle":
             self._state = "stopped"
             return
+        if state == "running":
+            self._write_late_scalars(self._step)  # logged for the last step after it ended
         if state in ("running", "forked"):
             # a stop() in a finally block or an exception handler: the training did not end
             self._stopped_during = sys.exc_info()[1]
@@ -716,6 +865,76 @@ class TrainerMonitorV2:
         return (f"{self._written_steps} step(s) were in the collection window but the monitors "
                 f"({', '.join(m.name for m in self.monitors)}) reported nothing: e.g. 'targets' that match "
                 f"no module, an optimizer that holds none of the model's parameters, or no backward pass.")
+
+
+# The statistics every scalar row has: the default ops (the file's header is fixed).
+_SCALAR_PLAN = StatPlan.from_ops(rows.DEFAULT_OPS)
+
+
+def _param_dtypes(session: Session) -> Dict[str, str]:
+    """Each parameter's dtype under the name its rows carry (the model's and the
+    optimizer's parameters), for ``layout.json``."""
+    table = session.table
+    found: Dict[str, str] = {}
+    for info in list(table.model_params()) + list(table.optimizer_params()):
+        if info.name not in found:
+            found[info.name] = dtype_name(info.param.dtype)
+    return found
+
+
+def _outputs(monitors: List[Monitor]) -> List[MonitorOutput]:
+    """The writer's outputs: each running monitor's file, and the scalars file."""
+    outputs = [MonitorOutput(m.name, m.settings.ops, m.name in rows.MICRO_STEP_MONITORS) for m in monitors]
+    outputs.append(MonitorOutput(rows.SCALARS, rows.DEFAULT_OPS, False))
+    return outputs
+
+
+def _scalar_items(step: Any, values: Optional[Mapping[str, Any]], named: Mapping[str, Any]) -> List[Tuple[str, Any]]:
+    """``log_scalars``' arguments checked: ``(name, value)`` pairs, each value a Python
+    float or a one-element tensor; ``ScalarError`` naming what is wrong."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise ScalarError(f"log_scalars(): step must be an integer (the monitor's step number), got {step!r}")
+    if values is not None and not isinstance(values, Mapping):
+        raise ScalarError(f"log_scalars(): the second argument must be a mapping {{name: value}}, got "
+                          f"{type(values).__name__}; or pass the scalars by keyword: log_scalars(step, loss=...)")
+    items = list(values.items()) if values is not None else []
+    if values is not None:
+        twice = sorted(set(values) & set(named), key=str)
+        if twice:
+            raise ScalarError(f"log_scalars(): {', '.join(map(repr, twice))} given both in the mapping and by "
+                              f"keyword", name=str(twice[0]))
+    items.extend(named.items())
+    if not items:
+        raise ScalarError("log_scalars(): no scalar given; pass them by keyword, e.g. log_scalars(step, loss=loss)")
+    return [(_scalar_name(name), _scalar_value(name, value)) for name, value in items]
+
+
+def _scalar_name(name: Any) -> str:
+    if not isinstance(name, str) or not name or not name.isprintable():
+        raise ScalarError(f"log_scalars(): scalar name {name!r} is not allowed: a name is a non-empty string of "
+                          f"printable characters (no line breaks), e.g. 'loss' or 'grad_norm'",
+                          name=name if isinstance(name, str) else None)
+    return name
+
+
+def _scalar_value(name: str, value: Any) -> Any:
+    """A float for a number (NumPy's included), the tensor itself for a one-element tensor."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    if type(value).__module__ == "numpy" and getattr(value, "size", None) == 1 \
+            and getattr(getattr(value, "dtype", None), "kind", "") in "fiu":
+        return float(value.reshape(-1)[0])
+    shape = getattr(value, "shape", None)
+    if shape is not None and hasattr(value, "dtype") and not isinstance(value, (str, bytes)):
+        numel = value.numel() if callable(getattr(value, "numel", None)) else getattr(value, "size", None)
+        if numel == 1 and "complex" not in str(value.dtype).lower() and "bool" not in str(value.dtype).lower():
+            return value
+        raise ScalarError(f"log_scalars(): scalar {name!r}: a tensor of shape {tuple(shape)} and dtype "
+                          f"{value.dtype}; a scalar is a real number or a one-element tensor of a real dtype "
+                          f"(log a reduction of it, e.g. its mean)", name=name)
+    raise ScalarError(f"log_scalars(): scalar {name!r}: value {value!r} of type {type(value).__name__}; a scalar "
+                      f"is a real number or a one-element tensor (a Python float or int, a NumPy scalar, a "
+                      f"0-d torch or MindSpore tensor)", name=name)
 
 
 def _close_session(session: Any) -> None:

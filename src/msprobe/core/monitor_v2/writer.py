@@ -807,6 +807,11 @@ class CsvWriter:
         if self._first_error is None:
             self._first_error = str(exc) if isinstance(exc, _NotWritten) else repr(exc)
 
+    def call_in_order(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` (a companion file written again) after the steps handed over so far:
+        now, on this writer."""
+        fn()
+
     def abandon_in_child(self) -> None:
         """In a forked child: nothing to undo (the child never writes; see the trainer)."""
 
@@ -1190,6 +1195,10 @@ class AsyncCsvWriter:
 
     def update_outputs(self, step: int, outputs: Sequence[MonitorOutput], schedule: StepSchedule) -> None:
         self._queue.put(_Call(functools.partial(self._writer.update_outputs, step, list(outputs), schedule)))
+
+    def call_in_order(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the writer thread after the steps handed over so far."""
+        self._queue.put(_Call(fn))
 
     def pending(self) -> Tuple[int, int]:
         """``(steps, rows)`` handed over and not written yet (queued or being written)."""

@@ -4,6 +4,7 @@ framework's own step counter, and the lazy import of the framework."""
 import dataclasses
 import importlib
 import logging
+import numbers
 import os
 from typing import Any, Dict, Mapping, Optional, Union
 
@@ -53,6 +54,16 @@ def torch_ddp(*candidates: Any) -> Dict[str, Any]:
     return {}
 
 
+def _is_scalar(value: Any) -> bool:
+    """A real number, or a one-element tensor (what ``log_scalars`` takes)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, numbers.Real):
+        return True
+    numel = getattr(value, "numel", None)
+    return callable(numel) and hasattr(value, "dtype") and numel() == 1
+
+
 class FrameworkStepMonitor:
     """A ``TrainerMonitorV2`` driven by a training framework.
 
@@ -100,15 +111,15 @@ class FrameworkStepMonitor:
         self._real_steps_seen = monitor.optimizer_steps
         return monitor
 
-    def sync(self, global_step: int) -> None:
+    def sync(self, global_step: int) -> int:
         """The framework has ended its steps up to ``global_step`` (exclusive): end the
-        monitor's steps until its current step is ``global_step``."""
+        monitor's steps until its current step is ``global_step``; how many ended."""
         monitor = self.monitor
         if monitor is None:
-            return
+            return 0
         ended = int(global_step) - monitor.current_step
         if ended <= 0:
-            return
+            return 0
         real = monitor.optimizer_steps - self._real_steps_seen
         self._real_steps_seen = monitor.optimizer_steps
         if real < ended:
@@ -126,6 +137,25 @@ class FrameworkStepMonitor:
                 self.integration, real, ended)
         for _ in range(ended):
             monitor.step()
+        return ended
+
+    def log_scalars(self, step: int, values: Mapping[str, Any]) -> None:
+        """The framework's own scalars of the monitor's step ``step`` (the loss, the global
+        gradient norm, as its logs hold them) as ``scalars`` rows. Values that are neither
+        real numbers nor one-element tensors are left out; an error is said once, never
+        raised into the training."""
+        monitor = self.monitor
+        if monitor is None:
+            return
+        picked = {name: value for name, value in values.items() if _is_scalar(value)}
+        if not picked:
+            return
+        try:
+            monitor.log_scalars(step, picked)
+        except Exception as exc:  # noqa: BLE001 - never into the training loop
+            self._once.warning("scalars", "monitor_v2 %s: writing the framework's scalars (%s) failed: %r; "
+                               "the other rows are unaffected. Logged once.", self.integration,
+                               ", ".join(picked), exc)
 
     def stop(self) -> None:
         """Stop the running monitor (hooks removed, output flushed); harmless if none."""

@@ -34,6 +34,10 @@ def _lightning() -> Any:
 _pl = _lightning()
 
 
+# The logged metrics written as scalars rows.
+SCALARS_LOGGED = ("loss", "train_loss")
+
+
 class MonitorLightningCallback(_pl.Callback):
     """Monitors a Lightning ``Trainer.fit`` run.
 
@@ -42,7 +46,12 @@ class MonitorLightningCallback(_pl.Callback):
       module) and ``trainer.optimizers[0]`` at ``trainer.global_step``, with
       ``accumulate_grad_batches``; under ``DeepSpeedStrategy`` on the engine
       (``trainer.strategy.model``), names still the module's. The sanity-check validation before it is not monitored.
-    - ``on_train_batch_end``: the monitor's step follows ``trainer.global_step``.
+    - ``on_train_batch_end``: the monitor's step follows ``trainer.global_step``. When a
+      step ends there, the metrics the module logged named ``loss`` or ``train_loss``
+      (``SCALARS_LOGGED``, as ``trainer.callback_metrics`` holds them: the value logged
+      last, with gradient accumulation the last micro-batch's) become ``scalars`` rows of
+      that step (``trainer.global_step - 1``); tensors are not read until the step's
+      other statistics are.
       With gradient accumulation Lightning runs the last micro-batch's
       forward/backward and the clipping inside ``optimizer.step(closure)``: ``reduced``
       is read after that closure, before the update.
@@ -77,7 +86,10 @@ class MonitorLightningCallback(_pl.Callback):
                           **torch_ddp(getattr(trainer.strategy, "model", None)))
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.driver.sync(trainer.global_step)
+        if self.driver.sync(trainer.global_step):
+            metrics = trainer.callback_metrics
+            self.driver.log_scalars(trainer.global_step - 1,
+                                    {k: metrics[k] for k in SCALARS_LOGGED if k in metrics})
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self.driver.sync(trainer.global_step)

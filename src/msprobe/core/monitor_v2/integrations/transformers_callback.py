@@ -15,6 +15,11 @@ logger = logging.getLogger("msprobe.monitor_v2")
 _transformers = require("transformers", "transformers", "MonitorTrainerCallback")
 
 
+# The Trainer's log entries written as scalars rows (its training logs; evaluation ones are
+# named eval_*, the end-of-training summary train_*).
+SCALARS_LOGGED = ("loss", "grad_norm")
+
+
 class MonitorTrainerCallback(_transformers.TrainerCallback):
     """Monitors a ``transformers.Trainer`` run.
 
@@ -25,6 +30,11 @@ class MonitorTrainerCallback(_transformers.TrainerCallback):
       (``trainer.deepspeed``), whose module is the Trainer's model; under FSDP the
       Trainer's model is already the wrapped one.
     - ``on_step_end``: the monitor's step follows ``state.global_step``.
+    - ``on_log``: the Trainer's ``loss`` and ``grad_norm`` (``SCALARS_LOGGED``) become
+      ``scalars`` rows of the step that just ended (``state.global_step - 1`` in the
+      monitor's numbering: the Trainer's log entry of ``"step": N`` is the monitor's step
+      ``N - 1``), as the Trainer logs them: ``loss`` is the mean over the
+      ``logging_steps`` steps since the last log; written when that step is written.
     - ``on_train_end`` stops the monitor; an exception out of ``trainer.train()`` stops it
       too when the callback was given to the Trainer's constructor (the Trainer has no
       callback event for exceptions, so its ``train`` is wrapped at instance level, from
@@ -80,6 +90,10 @@ class MonitorTrainerCallback(_transformers.TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.driver.sync(state.global_step)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        if logs and self.driver.running and state.global_step > 0:
+            self.driver.log_scalars(state.global_step - 1, {k: logs[k] for k in SCALARS_LOGGED if k in logs})
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.driver.sync(state.global_step)

@@ -38,6 +38,7 @@ import mindspore as ms
 from mindspore import nn
 
 from ... import rows
+from ...layout import dtype_name
 from ...monitor import Monitor, select_modules
 from ...patching import remove_all
 from ...stats import StatPlan
@@ -81,6 +82,9 @@ class MsModuleMonitor(Monitor):
 
     def attach(self) -> None:
         self.plan = StatPlan.from_ops(self.settings.ops)
+        # layout.json's "dtypes" of this monitor's rows, noted until a written step has read any
+        self.row_dtypes: Dict[str, str] = {}
+        self._noting_dtypes = True
         targets: Sequence[str] = self.settings.get("targets")
         self._handles: List[Any] = []  # hooks installed for written steps only
         self._kept: List[Any] = []  # hooks of Cells that contain the optimizer
@@ -121,7 +125,15 @@ class MsModuleMonitor(Monitor):
 
     def collect(self) -> List[Any]:
         self._settle_pass()  # a step can end inside a chunk's call (TrainOneStepCell)
+        if self.row_dtypes:
+            self._noting_dtypes = False
         return super().collect()
+
+    def _note_dtypes(self, keys: Sequence[Tuple[Any, ...]], tensors: Sequence[Any]) -> None:
+        dtypes = self.row_dtypes
+        for key, t in zip(keys, tensors):
+            if key[1] not in dtypes:
+                dtypes[key[1]] = dtype_name(t.dtype)
 
     def _track_enter(self, root: Any) -> List[Any]:
         def enter(c: Any, inputs: Tuple, kwargs: Dict = None) -> None:
@@ -171,8 +183,11 @@ class MsModuleMonitor(Monitor):
         else:
             named = [(rows.module_row(tag, kind, i), t)
                      for i, t in enumerate(flatten_tensors(values, _is_tensor, rows.module_prefix(tag, kind)))]
+        tensors, keys = [t for _, t in named], [(vpp, name, scope, None) for name, _ in named]
+        if self._noting_dtypes:
+            self._note_dtypes(keys, tensors)
         # one call for all of the hook's tensors (the engine batches a cell's many outputs)
-        into += engine.record_many([t for _, t in named], self.plan, [(vpp, name, scope, None) for name, _ in named])
+        into += engine.record_many(tensors, self.plan, keys)
 
     def _hook(self, cell: Any, vpp: int, tag: str) -> List[Any]:
         def pre(c: Any, inputs: Tuple, kwargs: Dict = None) -> None:
@@ -199,7 +214,10 @@ class MsModuleMonitor(Monitor):
         items = grads if isinstance(grads, (tuple, list)) else (grads,)
         indexed = [(i, g) for i, g in enumerate(items) if _is_tensor(g)]
         keys = [(vpp, rows.module_row(tag, kind, i), rows.BACKWARD, None) for i, _ in indexed]
-        self._records += self.session.engine.record_many([g for _, g in indexed], self.plan, keys)
+        tensors = [g for _, g in indexed]
+        if self._noting_dtypes:
+            self._note_dtypes(keys, tensors)
+        self._records += self.session.engine.record_many(tensors, self.plan, keys)
 
     def detach(self) -> None:
         remove_all(self._handles)

@@ -86,6 +86,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ... import native, rows
+from ...layout import dtype_name
 from ...logonce import LogOnce
 from ...model_structure import target_hits
 from ...monitor import ContainedHook, Monitor, module_tags, select_modules
@@ -93,6 +94,7 @@ from ...param_table import Added
 from ...patching import Patch, replace_attribute
 from ...stats import Record
 from ...structure import flatten_tensors, named_outputs
+from .compile import _skipped as skip_in_dynamo
 from .compile import compiled_anything, eager_hook, on_next_compile, warn_if_already_compiled
 from . import graph_hooks
 from .copies import ModuleHooks, hook_order, restore_order
@@ -616,6 +618,26 @@ def _describe(forward: Any) -> str:
     return f"{type(forward).__name__} {name}" if isinstance(name, str) else type(forward).__name__
 
 
+_dynamo_compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+
+
+def _dtype_probe(read: Callable[..., Record], dtypes: Dict[str, str]) -> Callable[..., Record]:
+    """A module row's read (``ModuleMonitor._read``) that notes the dtype of the row's
+    tensor the first time the row is read (``ModuleMonitor.row_dtypes``); a function, which
+    Dynamo traces like the hooks that call it."""
+
+    def probe(t: torch.Tensor, vpp_stage: int, name: str, *rest: Any) -> Record:
+        # not while Dynamo traces a hook (fullgraph: the read is what it was without the probe)
+        if name not in dtypes and not _dynamo_compiling():
+            dtypes[name] = dtype_name(t.dtype)
+        return read(t, vpp_stage, name, *rest)
+
+    probe.dtype_probe = True  # type: ignore[attr-defined]
+    # a frame Dynamo never compiles (the hooks that call it run eagerly or take their
+    # compiling branch; under fullgraph a frame of its own would fail the compile)
+    return skip_in_dynamo(probe)
+
+
 class _CallSpec:
     """What observes one module's calls, made at attach time: its Python pre-hook and forward
     hook, the extension's ``CallHook`` of each (None without the extension), its
@@ -735,6 +757,10 @@ class ModuleMonitor(Monitor):
         # and puts them back in this place among the modules' hooks
         self._set_call_hooks(True)
         warn_if_already_compiled()
+        # layout.json's "dtypes" of this monitor's rows: each row's tensor dtype, recorded
+        # on the first written step that reads any (the reads go through a probe then)
+        self.row_dtypes: Dict[str, str] = {}
+        self._unprobed: Optional[Tuple[Any, Any]] = None
 
     def _edges_into(self, target: Tuple[Any, int], roots: List[Any], boundary: int) -> List[Tuple[Any, int]]:
         """``_edges_into``'s walk: on torch's C++ nodes in C++ where the graph hooks are built,
@@ -1242,6 +1268,8 @@ class ModuleMonitor(Monitor):
                 self._set_call_hooks(active)
             except Exception as exc:  # noqa: BLE001 - never let the hooks' bookkeeping stop a step
                 self.errors.report("module hooks on or off between steps", exc)
+        if active and not self.row_dtypes and self._unprobed is None:
+            self._probe_dtypes()
         self._calls.clear()
         self._pass.depth = 0  # no model call of this thread spans a step boundary; never let a count drift
         self._pass.internal = 0
@@ -1251,8 +1279,27 @@ class ModuleMonitor(Monitor):
     def collect(self) -> List[Record]:
         for number in list(self._sums):
             self._flush(number)
+        self._end_dtype_probe()
         self._check_wrapped()
         return super().collect()
+
+    def _probe_dtypes(self) -> None:
+        """For one written step, every read of a row's tensor (``_read``, ``_read_sum``: the
+        Python hooks and the extension's look them up on each call) notes the tensor's dtype
+        under the row's name first: metadata, no value is read. The hooks stay as they are."""
+        read, read_sum = self._read, self._read_sum
+        self._unprobed = (read, read_sum)
+        self._read, self._read_sum = _dtype_probe(read, self.row_dtypes), _dtype_probe(read_sum, self.row_dtypes)
+
+    def _end_dtype_probe(self) -> None:
+        """The reads as they were (each only where it is still the probe)."""
+        if self._unprobed is not None:
+            read, read_sum = self._unprobed
+            self._unprobed = None
+            if getattr(self._read, "dtype_probe", False):
+                self._read = read
+            if getattr(self._read_sum, "dtype_probe", False):
+                self._read_sum = read_sum
 
     def detach(self) -> None:
         self.attached = False
