@@ -32,7 +32,7 @@ from .dynamic import (ConfigWatch, MonitorPlan, auto_target, describe_planned, r
                       schedule_text, timed_names)
 from .errors import ConfigError, MonitorStateError, NonFiniteGradientError, OutputError, ScalarError
 from .frameworks import load_backend
-from .layout import DTYPES, dtype_name, render, write_layout
+from .layout import DTYPES, dtype_name, moe_entry, render, write_layout
 from .model_structure import write_structure
 from .monitor import ContainedErrors, Monitor, module_tags, short_error
 from .logonce import LogOnce
@@ -246,9 +246,13 @@ class TrainerMonitorV2:
         # the moe routers are known once their first call showed their outputs: the first
         # written step's, which has run when its rows are written
         routers = {k: v for m in self.monitors if m.name == rows.MOE for k, v in m.layout().items()}
-        if routers and self._layout_doc is not None and self._layout_doc.get("moe") != routers:
-            self._layout_doc["moe"] = routers
-            self._layout_text = render(self._layout_doc)
+        doc = self._layout_doc
+        if routers and doc is not None:
+            before = json.dumps(doc.get("moe"), sort_keys=True)
+            for router, fields in routers.items():
+                moe_entry(doc, router).update(fields)  # beside what the stack's layout set (EP)
+            if json.dumps(doc.get("moe"), sort_keys=True) != before:
+                self._layout_text = render(doc)
         write_layout(self.rank_dir, self._layout_text)
 
     def _note_dtypes(self) -> None:
@@ -882,13 +886,6 @@ def _param_dtypes(session: Session) -> Dict[str, str]:
     return found
 
 
-def _outputs(monitors: List[Monitor]) -> List[MonitorOutput]:
-    """The writer's outputs: each running monitor's file, and the scalars file."""
-    outputs = [MonitorOutput(m.name, m.settings.ops, m.name in rows.MICRO_STEP_MONITORS) for m in monitors]
-    outputs.append(MonitorOutput(rows.SCALARS, rows.DEFAULT_OPS, False))
-    return outputs
-
-
 def _scalar_items(step: Any, values: Optional[Mapping[str, Any]], named: Mapping[str, Any]) -> List[Tuple[str, Any]]:
     """``log_scalars``' arguments checked: ``(name, value)`` pairs, each value a Python
     float or a one-element tensor; ``ScalarError`` naming what is wrong."""
@@ -970,8 +967,10 @@ if hasattr(os, "register_at_fork"):
 
 
 def _outputs(monitors: List[Monitor]) -> List[MonitorOutput]:
-    """The files the monitors write: one per monitor, and moe's raw counts with ``per_expert``."""
+    """The files the monitors write: one per monitor, the scalars file (``log_scalars``), and
+    moe's raw counts with ``per_expert``."""
     outputs = [MonitorOutput(m.name, m.settings.ops, m.name in rows.MICRO_STEP_MONITORS) for m in monitors]
+    outputs.append(MonitorOutput(rows.SCALARS, rows.DEFAULT_OPS, False))
     if any(m.name == rows.MOE and m.settings.options.get("per_expert") for m in monitors):
         outputs.append(SidecarOutput(rows.MOE_COUNTS, rows.MOE_COUNTS_HEADER))
     return outputs
