@@ -177,6 +177,10 @@ class ExpertReads:
         names = self.params if names is None else names
         if not names:
             return engine.record_many(tensors, plan, keys)
+        if any(key[1] in names and callable(getattr(t, "to_local", None)) for t, key in zip(tensors, keys)):
+            # a DTensor (expert parallel): the rows are of the local tensor, its slices this rank's experts
+            tensors = [t.to_local() if key[1] in names and callable(getattr(t, "to_local", None)) else t
+                       for t, key in zip(tensors, keys)]
         grouped = [i for i, key in enumerate(keys)
                    if key[1] in names and len(getattr(tensors[i], "shape", ())) == names[key[1]]
                    and tensors[i].shape[0] > 0]
