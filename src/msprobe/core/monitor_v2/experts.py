@@ -34,6 +34,7 @@ that ``to_host`` moves with the step's other values. A session without
 import logging
 import math
 import re
+from dataclasses import replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .checks import Fields, check_bool, fail
@@ -152,6 +153,7 @@ class ExpertReads:
         self.monitor = monitor
         self.session = session
         self.norm_vector: Optional[Callable[..., Any]] = getattr(session, "expert_norm_vector", None)
+        self.device_read: Optional[Callable[..., Any]] = getattr(session, "expert_device_records", None)
         self._once = LogOnce()
         self.params: Dict[str, int] = {}
         self.refresh()
@@ -187,6 +189,12 @@ class ExpertReads:
         if not grouped:
             return engine.record_many(tensors, plan, keys)
         split = set(grouped)
+        along: Dict[int, Tuple[List[Record], Any]] = {}  # read along the expert dimension (accelerators)
+        if self.device_read is not None:
+            for i in grouped:
+                got = self.device_read(tensors[i], plan, self._expert_keys(keys[i], int(tensors[i].shape[0])))
+                if got is not None:
+                    along[i] = got
         flat: List[Any] = []
         flat_keys: List[Tuple] = []
         spans: List[Tuple[int, int, int]] = []  # (index in the input, first flat place, experts)
@@ -197,29 +205,45 @@ class ExpertReads:
                 continue
             count = int(t.shape[0])
             spans.append((i, len(flat), count))
-            vpp, name, scope, micro = key
-            for e in range(count):
-                flat.append(t[e])
-                flat_keys.append((vpp, expert_name(name, e), scope, micro) if self.per_expert else key)
-        read = engine.record_many(flat, plan, flat_keys)
+            if i in along:
+                continue
+            unbind = getattr(t, "unbind", None)  # the E views in one call where the framework has it
+            flat.extend(unbind(0) if callable(unbind) else [t[e] for e in range(count)])
+            flat_keys.extend(self._expert_keys(key, count))
+        # the slices' norms make the expert_norms row: read even where the ops leave norm out
+        read = engine.record_many(flat, plan if plan.norm else replace(plan, norm=True), flat_keys)
         out: List[Record] = []
         extra: List[Record] = []
         at = 0
         for i, first, count in spans:
             out.extend(read[at:first])
-            experts = read[first:first + count]
-            at = first + count
             key = keys[i]
+            norms_key = (key[0], norms_name(key[1]), key[2], key[3])
+            if i in along:
+                experts, norms = along[i]
+                at = first
+                norms_record: Optional[Record] = engine.record(norms, plan, *norms_key)
+            else:
+                experts = read[first:first + count]
+                at = first + count
+                norms_record = self.norms_record(tensors[i], experts, plan, norms_key)
             if self.per_expert:  # the tensor's own row: the experts' records under its key
                 out.extend(r.relabelled(*key) for r in experts)
                 extra.extend(experts)
             else:
                 out.extend(experts)
-            norms = self.norms_record(tensors[i], experts, plan, (key[0], norms_name(key[1]), key[2], key[3]))
-            if norms is not None:
-                extra.append(norms)
+            if norms_record is not None:
+                extra.append(norms_record)
         out.extend(read[at:])
         return out + extra
+
+    def _expert_keys(self, key: Tuple, count: int) -> List[Tuple]:
+        """The row keys of a grouped tensor's E slices: ``.expert.<e>`` rows where asked,
+        else the tensor's own key (the slices' records merge into its row)."""
+        if not self.per_expert:
+            return [key] * count
+        vpp, name, scope, micro = key
+        return [(vpp, expert_name(name, e), scope, micro) for e in range(count)]
 
     def norms_record(self, tensor: Any, experts: Sequence[Record], plan: Any,
                      key: Tuple[int, str, str, Optional[int]]) -> Optional[Record]:
