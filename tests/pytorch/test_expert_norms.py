@@ -217,3 +217,80 @@ def test_gpt_oss_dead_expert_counted_in_zeros(write_config, tmp_path):
                     assert_row_matches(row, want)
                     if want["zeros"]:
                         assert float(row["min"]) == 0.0
+
+
+class _Launches:
+    """The engine's ATen calls that compute (views and selects left out), counted; imported
+    with the support module only where torch is."""
+
+    VIEWS = {"select", "slice", "view", "alias", "_reshape_alias", "unbind", "as_strided", "detach", "reshape",
+             "expand", "_unsafe_view", "split", "lift_fresh"}
+
+    @staticmethod
+    def mode():
+        from support.modes import SeenByTheEngine
+
+        class Count(SeenByTheEngine):
+            def __init__(self):
+                super().__init__()
+                self.ops = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                if name not in _Launches.VIEWS:
+                    self.ops.append(name)
+                return func(*args, **(kwargs or {}))
+
+        return Count()
+
+
+def test_accelerator_path_reads_along_the_expert_dimension(monkeypatch):
+    """Under the accelerator path's CPU seam a grouped tensor costs the same ATen calls
+    whatever its expert count (reductions over the ``[E, n]`` view, not a read per
+    expert), and the values agree with NumPy once moved to the host."""
+    from msprobe.core.monitor_v2.experts import ExpertReads
+    from msprobe.core.monitor_v2.frameworks.pytorch.experts import device_expert_records, expert_norm_record
+    from msprobe.core.monitor_v2.frameworks.pytorch.stats import TorchStatsEngine
+    from msprobe.core.monitor_v2.monitor import MonitorSettings
+    from msprobe.core.monitor_v2.param_table import ParamTable
+    from msprobe.core.monitor_v2.stats import StatPlan, merge_records
+
+    monkeypatch.setenv("MSPROBE_MONITOR_ACCEL_ON_CPU", "1")
+    engine = TorchStatsEngine()
+    plan = StatPlan.from_ops(OPS)
+    counts = {}
+    for experts in (4, 32):
+        torch.manual_seed(experts)
+        w = torch.nn.Parameter(torch.randn(experts, 6, 5))
+        with torch.no_grad():
+            w[1] = 0.0
+        module = torch.nn.Module()
+        module.experts = torch.nn.Module()
+        module.experts.w = w
+
+        class Session:
+            table = ParamTable([list(module.named_parameters())], False)
+            expert_norm_vector = staticmethod(lambda t, recs, p, key: expert_norm_record(engine, t, recs, p, key))
+            expert_device_records = staticmethod(lambda t, p, keys: device_expert_records(engine, t, p, keys))
+
+        reads = ExpertReads(Session(), MonitorSettings("param", True, options={"expert_params": None}), "param")
+        assert reads.params == {"experts.w": 3}
+        reads.record_many(engine, [w], plan, [(0, "experts.w", "param_origin", None)])  # the engine's first-use setup
+        count = _Launches.mode()
+        with count:
+            records = reads.record_many(engine, [w], plan, [(0, "experts.w", "param_origin", None)])
+        counts[experts] = sorted(count.ops)
+        ready = engine.to_host(records)
+        if ready is not None:
+            ready()
+        rows = {r.name: r for r in merge_records(0, records)}
+        want, got = with_zeros(w.detach()), rows["experts.w"]
+        assert got.numel == w.numel() and got.zeros == want["zeros"]
+        assert math.isclose(got.value("norm"), want["norm"], rel_tol=1e-6)
+        assert math.isclose(got.value("min"), want["min"]) and math.isclose(got.value("max"), want["max"])
+        norms = rows["experts.w.expert_norms"]
+        want = norms_stats(w.detach())
+        assert norms.numel == experts and norms.zeros == 1 == want["zeros"]
+        for op in ("min", "max", "mean", "norm"):
+            assert math.isclose(norms.value(op), want[op], rel_tol=1e-6, abs_tol=1e-12), op
+    assert counts[4] == counts[32] and len(counts[4]) < 20, counts
