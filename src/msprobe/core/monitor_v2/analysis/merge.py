@@ -341,7 +341,8 @@ class _RankLayout:
         split along ``ep`` alone) or per-expert row (a whole expert, or its piece along the
         groups that split within experts; named with the global expert index)."""
         gbase = lay.rename(base, self.rename)
-        split = [(str(g), int(i), int(n)) for g, i, n in p.get("split", ())]
+        # a group of one rank cuts nothing (TorchTitan's "efsdp" of size 1 beside "ep")
+        split = [(str(g), int(i), int(n)) for g, i, n in p.get("split", ()) if int(n) > 1]
         by_ep = [s for s in split if s[0] == lay.EP]
         within = [s for s in split if s[0] != lay.EP]
         ep_count = by_ep[0][2] if by_ep else 1
