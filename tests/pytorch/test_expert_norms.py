@@ -294,3 +294,32 @@ def test_accelerator_path_reads_along_the_expert_dimension(monkeypatch):
         for op in ("min", "max", "mean", "norm"):
             assert math.isclose(norms.value(op), want[op], rel_tol=1e-6, abs_tol=1e-12), op
     assert counts[4] == counts[32] and len(counts[4]) < 20, counts
+
+
+def test_a_grouped_tensor_read_flat_is_said_once(caplog):
+    """A grouped-expert parameter whose tensor comes as a flat piece (FSDP1's views of a flat
+    shard) cannot be cut per expert: its own row stays, no per-expert row, one WARNING."""
+    from msprobe.core.monitor_v2.experts import ExpertReads
+    from msprobe.core.monitor_v2.frameworks.pytorch.stats import TorchStatsEngine
+    from msprobe.core.monitor_v2.monitor import MonitorSettings
+    from msprobe.core.monitor_v2.param_table import ParamTable
+    from msprobe.core.monitor_v2.stats import StatPlan, merge_records
+
+    module = torch.nn.Module()
+    module.experts = torch.nn.Module()
+    module.experts.w = torch.nn.Parameter(torch.randn(4, 3, 2))
+
+    class Session:
+        table = ParamTable([list(module.named_parameters())], False)
+        expert_norm_vector = staticmethod(lambda *a: None)  # not reached: nothing is split
+
+    engine = TorchStatsEngine()
+    reads = ExpertReads(Session(), MonitorSettings("param", True, options={"expert_params": None}), "param")
+    flat = module.experts.w.detach().reshape(-1)[:10]
+    with caplog.at_level("WARNING", logger="msprobe.monitor_v2"):
+        for _ in range(2):
+            records = reads.record_many(engine, [flat], StatPlan.from_ops(OPS), [(0, "experts.w", "param_origin", None)])
+            engine.to_host(records)
+    assert [r.name for r in merge_records(0, records)] == ["experts.w"]
+    said = [r.getMessage() for r in caplog.records if "grouped-expert parameter" in r.getMessage()]
+    assert len(said) == 1 and "'experts.w'" in said[0] and "[10]" in said[0], said

@@ -186,6 +186,8 @@ class ExpertReads:
         grouped = [i for i, key in enumerate(keys)
                    if key[1] in names and len(getattr(tensors[i], "shape", ())) == names[key[1]]
                    and tensors[i].shape[0] > 0]
+        if len(grouped) < sum(1 for key in keys if key[1] in names):
+            self._say_not_split(tensors, keys, names, set(grouped))
         if not grouped:
             return engine.record_many(tensors, plan, keys)
         split = set(grouped)
@@ -236,6 +238,21 @@ class ExpertReads:
                 extra.append(norms_record)
         out.extend(read[at:])
         return out + extra
+
+    def _say_not_split(self, tensors: Sequence[Any], keys: Sequence[Tuple], names: Dict[str, int],
+                       grouped: set) -> None:
+        """A grouped tensor read in another shape than its parameter's (a flat shard of
+        FSDP1, a rank holding none of it): no per-expert rows for it, said once."""
+        for i, key in enumerate(keys):
+            if key[1] in names and i not in grouped:
+                shape = tuple(getattr(tensors[i], "shape", ()))
+                if 0 in shape:
+                    continue  # an empty piece: nothing to read, nothing to say
+                self._once.warning("not-split", "monitor_v2 %s: '%s' is a grouped-expert parameter but its %s "
+                                   "tensor has shape %s here (a flat shard, not [experts, ...]): no per-expert "
+                                   "rows for it (and others like it). Logged once.", self.monitor, key[1],
+                                   key[2], list(shape))
+                return
 
     def _expert_keys(self, key: Tuple, count: int) -> List[Tuple]:
         """The row keys of a grouped tensor's E slices: ``.expert.<e>`` rows where asked,
