@@ -4,16 +4,21 @@
 
 Trains a tiny Megatron-Core MoE GPTModel (2 layers, hidden 32, 4 experts, top-2,
 ``SequentialMLP`` experts, the ``allgather`` token dispatcher, fp32) under expert
-parallelism EP=2 x TP=1 (so DP=4 for the dense parameters and expert data parallel 2 for
-the experts) with Megatron's ``DistributedDataParallel``, ``get_megatron_optimizer`` and
-its own schedule, with the monitor on (weight_grad, param, optimizer), through
-benchmarks/megatron_cpu_shim.py.
+parallelism with Megatron's ``DistributedDataParallel``, ``get_megatron_optimizer`` and
+its own schedules, with the monitor on (weight_grad, param, optimizer), through
+benchmarks/megatron_cpu_shim.py, once per configuration (``CONFIGS``, into
+``OUT_DIR/<config>``):
+
+- ``ep``: EP=2 x TP=1 x PP=1 (DP=4 for the dense parameters, expert data parallel 2);
+- ``pp-ep``: EP=2 x PP=2 (1F1B; DP=2, each stage one layer, named ``decoder.layers.0``
+  locally on both).
 
 The references are this script's own, not the monitor's: at every step, right before
 ``optimizer.step()``, each parameter's reduced ``main_grad`` and its value, and right
 after it Adam's ``exp_avg``, saved by the ranks with expert-data-parallel rank 0 (one
 copy of each expert) under the parameter's global name (local expert ``i`` of
-expert-parallel rank ``r`` is expert ``r * E_local + i``) to ``<OUT_DIR>/full_rank<r>.pt``;
+expert-parallel rank ``r`` is expert ``r * E_local + i``, layers under their global number) to
+``<OUT_DIR>/<config>/full_rank<r>.pt``;
 and each router's tokens per expert (its routing map summed, every training micro-batch
 of the step), written in the ``moe`` monitor's sidecar format (``rank_<r>/
 moe_counts_step<a>-<b>.csv``: ``vpp_stage,step,module_name,counts``) next to the
@@ -34,9 +39,10 @@ import megatron_cpu_shim  # noqa: E402
 
 STEPS, ACC = 2, 2
 VOCAB, SEQ, MBS, HIDDEN, LAYERS, EXPERTS, TOPK, EP = 64, 8, 2, 32, 2, 4, 2, 2
+CONFIGS = {"ep": 1, "pp-ep": 2}  # name: pipeline-parallel size
 
 
-def build():
+def build(pp: int):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -52,10 +58,12 @@ def build():
         ffn_hidden_size=2 * HIDDEN, num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=HIDDEN,
         expert_model_parallel_size=EP, moe_token_dispatcher_type="allgather", moe_grouped_gemm=False,
         moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none", pipeline_dtype=torch.float32,
-        hidden_dropout=0.0, attention_dropout=0.0)
+        pipeline_model_parallel_size=pp, batch_p2p_comm=False, hidden_dropout=0.0, attention_dropout=0.0)
+    from megatron.core import parallel_state as ps
+
     gpt = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=EXPERTS),
-                   vocab_size=VOCAB, max_sequence_length=SEQ, pre_process=True, post_process=True,
-                   share_embeddings_and_output_weights=False)
+                   vocab_size=VOCAB, max_sequence_length=SEQ, pre_process=ps.is_pipeline_first_stage(),
+                   post_process=ps.is_pipeline_last_stage(), share_embeddings_and_output_weights=False)
     ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                             use_distributed_optimizer=False)
     model = DistributedDataParallel(cfg, ddp_cfg, gpt)
@@ -77,8 +85,13 @@ def forward_step(data_iterator, model):
     return out, loss_func
 
 
-def global_expert_name(name: str, ep_rank: int, local: int) -> str:
-    """``...local_experts.<i>....`` of expert-parallel rank ``ep_rank`` as the model's expert."""
+def global_expert_name(name: str, ep_rank: int, local: int, numbers) -> str:
+    """``name`` under the model's layer number (``layer_number - 1``) and, for
+    ``...local_experts.<i>....`` of expert-parallel rank ``ep_rank``, the model's expert."""
+    for layer, number in numbers.items():
+        if name.startswith(layer + "."):
+            name = f"{layer.rsplit('.', 1)[0]}.{number - 1}.{name[len(layer) + 1:]}"
+            break
     head, sep, tail = name.partition(".local_experts.")
     if not sep:
         return name
@@ -96,14 +109,20 @@ def main() -> None:
     import megatron.core.transformer.moe.moe_utils as moe_utils
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    for config, pp in CONFIGS.items():
+        train(os.path.join(out_dir, config), pp)
+
+
+def train(out_dir: str, pp: int) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.transformer_layer import TransformerLayer
     from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
-    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=EP)
+    ps.initialize_model_parallel(1, pp, expert_model_parallel_size=EP)
     rank = dist.get_rank()
-    cfg, model, opt = build()
+    cfg, model, opt = build(pp)
     gpt = model.module
     ep_rank = ps.get_expert_model_parallel_rank()
     edp_rank = ps.get_expert_data_parallel_rank()
@@ -116,6 +135,7 @@ def main() -> None:
     mon.start(model=model, optimizer=opt, grad_acc_steps=ACC)
 
     routers = {n: m for n, m in gpt.named_modules() if isinstance(m, TopKRouter)}
+    numbers = {n: m.layer_number for n, m in gpt.named_modules() if isinstance(m, TransformerLayer)}
     counts = {n: torch.zeros(EXPERTS, dtype=torch.int64) for n in routers}
 
     def counter(name):
@@ -126,10 +146,11 @@ def main() -> None:
 
     hooks = [m.register_forward_hook(counter(n)) for n, m in routers.items()]
     params = list(gpt.named_parameters())
-    names = {id(p): global_expert_name(n, ep_rank, local) for n, p in params}
+    names = {id(p): global_expert_name(n, ep_rank, local, numbers) for n, p in params}
     is_expert = {id(p): not getattr(p, "allreduce", True) for _, p in params}
     keep_dense, keep_expert = dp_rank == 0, edp_rank == 0
     full = {"grad": [], "param": [], "exp_avg": [], "tokens": []}
+    local_counts = []
     inner = [o.optimizer for o in getattr(opt, "chained_optimizers", [opt])]
     forward_backward = get_forward_backward_func()
     for step in range(STEPS):
@@ -153,20 +174,24 @@ def main() -> None:
                     if id(p) in names and p in o.state:
                         states[id(p)] = o.state[p]["exp_avg"].detach().clone()
         full["exp_avg"].append({names[id(p)]: states[id(p)] for _, p in kept if id(p) in states})
-        full["tokens"].append({n: c.clone() for n, c in counts.items()})
+        local_counts.append({n: c.clone() for n, c in counts.items()})
+        full["tokens"].append({global_expert_name(n, ep_rank, local, numbers): c.clone() for n, c in counts.items()})
     mon.stop()
     for h in hooks:
         h.remove()
-    # the moe monitor's sidecar, in its format (its own writer is another part of issue 49)
+    # the moe monitor's sidecar, in its format (its own writer is another part of issue 49),
+    # under the routers' local names
     rank_dir = os.path.join(run_dir, f"rank_{rank}")
     with open(os.path.join(rank_dir, f"moe_counts_step0-{STEPS - 1}.csv"), "w") as fh:
         fh.write("vpp_stage,step,module_name,counts\n")
-        for step, per_router in enumerate(full["tokens"]):
-            for name, c in per_router.items():
+        for step in range(STEPS):
+            for name, c in local_counts[step].items():
                 fh.write(f"0,{step},{name}.tokens_per_expert,{';'.join(str(int(x)) for x in c)}\n")
     meta = {"ep": (ep_rank, EP), "edp": (edp_rank, ps.get_expert_data_parallel_world_size()),
             "dp": (dp_rank, ps.get_data_parallel_world_size(with_context_parallel=True)),
-            "routers": sorted(routers)}
+            "routers": sorted(routers), "pp": (ps.get_pipeline_model_parallel_rank(), pp),
+            "global_routers": sorted(global_expert_name(n, ep_rank, local, numbers) for n in routers)}
+    os.makedirs(out_dir, exist_ok=True)
     torch.save({"full": full, "meta": meta}, os.path.join(out_dir, f"full_rank{rank}.pt"))
     ps.destroy_model_parallel()
 
