@@ -22,12 +22,15 @@ expressions searched in the parameter's name), or by default every 3-D parameter
 directly under a module whose name contains ``experts`` (``DEFAULT_RULE``); the first
 dimension is the expert count. ``"expert_params": []`` turns the rows off.
 
-One read of the data: the E slices (views, no copy) are read with one ``record_many``;
-the tensor's own row is the merge of the E records (min of mins, max of maxes, summed
-sums, squares and counts, as every row merges), and ``expert_norms`` is built from the
-E norms: on the host where the engine's records are host values already (the CPU
-kernel), else with a few operations on the E device norms (``Session.expert_norm_vector``)
-that ``to_host`` moves with the step's other values. A session without
+One read of the data. In host memory the E slices (views, no copy) are read with the
+step's other tensors in one ``record_many``; the tensor's own row is the merge of the E
+records (min of mins, max of maxes, summed sums, squares and counts, as every row
+merges), and ``expert_norms`` is built from the E norms, on the host where the engine's
+records are host values already (the CPU kernel), else from the records' device norms
+(``Session.expert_norm_vector``). On an accelerator the E records come from reductions
+along the expert dimension (``Session.expert_device_records``: a handful of launches per
+tensor, not four or five per expert), with the ``[E]`` norms for ``expert_norms``;
+``to_host`` moves them with the step's other values. A session without
 ``expert_norm_vector`` (MindSpore) writes no per-expert rows, said once.
 """
 
@@ -168,9 +171,6 @@ class ExpertReads:
                                "rows ('.expert_norms') on this framework: per-expert statistics are read on PyTorch "
                                "only in this version. Logged once.", self.monitor, next(iter(self.params)))
             self.params = {}
-
-    def names_with(self, suffix: str) -> Dict[str, int]:
-        return {name + suffix: nd for name, nd in self.params.items()} if suffix else self.params
 
     def record_many(self, engine: Any, tensors: Sequence[Any], plan: Any, keys: Sequence[Tuple],
                     names: Optional[Dict[str, int]] = None) -> List[Record]:
