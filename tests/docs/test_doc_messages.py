@@ -30,6 +30,9 @@ CASES: Dict[str, dict] = {
     # docs/long-runs.md, "Security": a real directory that group and others can write,
     # shown in the docs as /tmp/shared
     "field 'output_dir' = '/tmp/shared'": {"output_dir": SHARED_DIR},
+    # docs/moe-experts.md: a grouped-expert pattern that is not a regular expression
+    "field 'monitors.param.expert_params[0]' = 'experts(' (str)": {
+        "monitors": {"param": {"enabled": True, "expert_params": ["experts("]}}},
 }
 
 

@@ -126,10 +126,16 @@ def test_every_monitor_writes_every_step_under_the_models_names(launched, model)
     refs = _trained(launched, model)
     names = set(refs[0]["names"])
     assert all(n.startswith("0:") and "_checkpoint_wrapped_module" not in n for n in names)
+    # grouped experts (3-D, under a module named *experts*) also get their per-expert norms
+    grouped = {n for n in names if refs[0]["ndims"][n] == 3 and "experts" in n.rsplit(".", 1)[0].rsplit(".", 1)[-1]}
+    assert bool(grouped) == (model == "deepseek_v3"), grouped
+    norms = ".expert_norms"
     expected = {
-        "weight_grad": {(n, "reduced") for n in names},
-        "param": {(n, scope) for n in names for scope in ("param_origin", "param_updated")},
-        "optimizer": {(f"{n}.{key}", key) for n in names for key in ("exp_avg", "exp_avg_sq")},
+        "weight_grad": {(n, "reduced") for n in names} | {(n + norms, "reduced") for n in grouped},
+        "param": {(n + x, scope) for n in names for scope in ("param_origin", "param_updated")
+                  for x in ("", norms) if not x or n in grouped},
+        "optimizer": {(f"{n}.{key}{x}", key) for n in names for key in ("exp_avg", "exp_avg_sq")
+                      for x in ("", norms) if not x or n in grouped},
     }
     for r in range(RANKS):
         for monitor in ("module", "weight_grad", "param", "optimizer", "cc"):
@@ -224,6 +230,37 @@ def test_unreduced_per_micro_batch_adds_up_to_what_fsdp2_reduced(launched, model
                 mean = share * sum(float(rows[0]["mean"]) for rows in per_rank)
                 assert math.isclose(mean, want["mean"], rel_tol=1e-3, abs_tol=1e-6 * want["norm"]), \
                     (s, m, name, mean, want["mean"])
+
+
+@pytest.mark.parametrize("model", ["deepseek_v3"])
+def test_merged_expert_norms_are_those_of_every_expert(launched, model, tmp_path):
+    """Expert parallel 2: each rank's routed experts' ``.expert_norms`` rows are of its own
+    experts; ``merge`` combines them into the rows of the vector of every expert's gradient
+    norm, against NumPy over the norms of TorchTitan's gradients (``full_tensor()``)."""
+    from msprobe.core.monitor_v2.analysis.merge import merge_run
+
+    refs = _trained(launched, model)
+    merge_run(str(launched / model / "mon"), str(tmp_path / "merged"), engine="python")
+    rows = _merged_rows(tmp_path / "merged" / "weight_grad.csv")
+    checked = 0
+    for s in range(STEPS):
+        for name, norms in refs[0]["expert_norms"][s].items():
+            gname = name  # TorchTitan's layout keeps the chunk prefix
+            got = [x for x in rows if x["step"] == str(s) and x["module_name"] == gname + ".expert_norms"
+                   and x["scope"] == "reduced"]
+            assert len(got) == 1, (s, gname, len(got))
+            n = torch.tensor(norms, dtype=torch.float64)
+            want = {"min": float(n.min()), "max": float(n.max()), "mean": float(n.mean()), "norm": float(n.norm())}
+            _assert_stats(_values(got[0]), want, 1e-4, (s, gname))
+            checked += 1
+    assert checked >= 2 * STEPS
+
+
+def _merged_rows(path: Path) -> List[dict]:
+    import csv
+
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
 
 
 # ------------------------------------------------------------------ param, optimizer

@@ -125,7 +125,7 @@ class References:
 
     READ = ("0:tok_embeddings.", "0:layers.0.", "0:layers.1.", "0:norm.", "0:lm_head.")
     PER_MICRO_BATCH = ("mb_grad", "pred", "pred_grad", "logits", "logits_grad", "lm_head_grad")
-    PER_STEP = ("reduced", "origin", "updated", "moments")
+    PER_STEP = ("reduced", "origin", "updated", "moments", "expert_norms")
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
@@ -195,6 +195,9 @@ class References:
 
         def before_update(optimizer, args, kwargs):
             self.reduced.append({n: numpy_stats(full(p.grad)) for n, p in self.params.items() if p.grad is not None})
+            # the routed experts' per-expert gradient norms (3-D tensors [E, ...]), all experts
+            self.expert_norms.append({n: full(p.grad).flatten(1).norm(dim=1).tolist() for n, p in self.params.items()
+                                      if p.grad is not None and p.dim() == 3})
             self.origin.append({n: numpy_stats(full(p)) for n, p in self.params.items()})
 
         def after_update(optimizer, args, kwargs):
@@ -308,6 +311,7 @@ def run(out_dir: str, model: str) -> bool:
              "left_after_stop": {k: (unmonitored_hooks.get(k), v) for k, v in left.items()
                                  if unmonitored_hooks.get(k) != v},
              "names": [row_name(n) for n, _ in trainer.model_parts[0].named_parameters()],
+             "ndims": {row_name(n): p.dim() for n, p in trainer.model_parts[0].named_parameters()},
              "read": list(refs.params), "grad_acc": trainer.gradient_accumulation_steps,
              "monitor_mbs_grad": MONITOR_MBS_GRAD[model], "plain_losses": plain_losses.values,
              **refs.saved()}

@@ -33,6 +33,12 @@ The document (JSON, one object; keys not listed here are ignored by readers)::
         }
       },
       "modules": {"<module row name>": {"split": [["tp", 1, 2]]}},
+      "moe": {"<router module>": {                      # mixtures of experts, where known
+        "num_experts": 8, "top_k": 2, "score": "softmax", "experts": "<experts module>",
+        "expert_params": ["<row name>", ...],           # the experts' parameters on this rank
+        "local_experts": [4, 4],                         # [first global index, count] on this rank
+        "tokens": {"split": [["dp", 1, 2]], "partial": true}   # its token counts: a part of a sum
+      }},
       "unknown": ["why something above is missing", ...],
       "dtypes": {"<row name>": "bfloat16", ...}
     }
@@ -115,6 +121,12 @@ def dtype_name(dtype: Any) -> str:
     return str(dtype).rsplit(".", 1)[-1].lower()
 
 
+def moe_entry(doc: Dict[str, Any], router: str) -> Dict[str, Any]:
+    """The ``moe`` entry of the router ``router`` (made empty where there is none): the
+    router's own fields and the experts' are filled by whoever knows them."""
+    return doc.setdefault("moe", {}).setdefault(router, {})
+
+
 def every_row(module_tag: str) -> str:
     """The ``modules`` key that describes every row of the module ``module_tag``."""
     return module_tag + ".*"
@@ -152,11 +164,20 @@ def scope_class(monitor: str, scope: str) -> Optional[str]:
 def param_of_row(monitor: str, module_name: str, scope: str) -> str:
     """The parameter a ``weight_grad``/``param``/``optimizer`` row is of (an optimizer
     row's name ends with ``.<state>``)."""
+    module_name = expert_base(module_name)
     if monitor == rows.OPTIMIZER:
         suffix = rows.state_suffix(scope)
         if module_name.endswith(suffix):
             return module_name[: -len(suffix)]
     return module_name
+
+
+def expert_base(name: str) -> str:
+    """The tensor row a per-expert row (``<row>.expert_norms``, ``<row>.expert.<e>``:
+    ``experts.py``) is of; any other name as it is."""
+    from .experts import split_row_name
+
+    return split_row_name(name)[0]
 
 
 def piece(numel: int, split: Iterable[Sequence[Any]] = (), partial: bool = False) -> Dict[str, Any]:

@@ -17,6 +17,7 @@ from typing import Any, Callable, ClassVar, List, Mapping, Optional, Sequence, T
 
 from . import native, rows
 from .checks import Fields, at_least, check_bool, check_str_list
+from .experts import CONFIG_FIELDS as EXPERT_FIELDS
 from .backend import Session
 from .logonce import LogOnce
 # target_hits lives with the structure listing, which must not import the monitors
@@ -246,6 +247,7 @@ WEIGHT_GRAD_CONFIG_FIELDS: Fields = {
     "monitor_mbs_grad": (check_bool, False),
     "micro_batch_number": (at_least(1), None),
     "grad_acc_steps": (at_least(1), None),
+    **EXPERT_FIELDS,
 }
 
 

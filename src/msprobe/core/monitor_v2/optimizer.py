@@ -3,14 +3,17 @@ Framework-independent: each session lists the state tensors (``optimizer_states`
 named as PyTorch names them (see the framework's ``optimizer_state.py``)."""
 
 from operator import is_, itemgetter
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
 from . import rows
 from .checks import Fields, check_bool
+from .experts import CONFIG_FIELDS as EXPERT_FIELDS
+from .experts import ExpertReads
 from .monitor import Monitor
+from .param_table import Added
 from .stats import StatPlan
 
-CONFIG_FIELDS: Fields = {"mv_distribution": (check_bool, True)}
+CONFIG_FIELDS: Fields = {"mv_distribution": (check_bool, True), **EXPERT_FIELDS}
 
 _INFO, _NAME, _TENSOR = itemgetter(0), itemgetter(1), itemgetter(2)  # of an (info, state name, tensor)
 
@@ -58,12 +61,33 @@ class OptimizerStateMonitor(Monitor):
         self._kept: Optional[_KeptKeys] = None
         self.plan = StatPlan.from_ops(self.settings.ops)
         self.enabled = self.settings.get("mv_distribution")
+        self.experts = ExpertReads(self.session, self.settings, self.name)
+        self._expert_states: Dict[FrozenSet[str], Dict[str, int]] = {}
+
+    def on_added(self, added: Added) -> None:
+        if added.params:
+            self.experts.refresh()
+            self._expert_states.clear()
 
     def after_optimizer_step(self) -> None:
         if not (self.active and self.enabled):
             return
         tensors, keys = self._state_tensors()
-        self._records = self.session.engine.record_many(tensors, self.plan, keys)
+        if not self.experts.params:
+            self._records = self.session.engine.record_many(tensors, self.plan, keys)
+            return
+        self._records = self.experts.record_many(self.session.engine, tensors, self.plan, keys,
+                                                 self._expert_state_names(keys))
+
+    def _expert_state_names(self, keys: List[Any]) -> Dict[str, int]:
+        """The row names of the grouped experts' state tensors (``<param>.<state>``) among
+        ``keys``, by the step's state names (the scopes), kept while those stay the same."""
+        scopes = frozenset(key[2] for key in keys)
+        names = self._expert_states.get(scopes)
+        if names is None:
+            names = self._expert_states[scopes] = {
+                name + rows.state_suffix(scope): nd for name, nd in self.experts.params.items() for scope in scopes}
+        return names
 
     def _state_tensors(self) -> Tuple[List[Any], List[Any]]:
         """The state tensors and their row keys, each parameter's states together in the

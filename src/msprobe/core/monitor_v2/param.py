@@ -5,10 +5,13 @@ the fp32 masters a training stack keeps for them) and the shared engine interfac
 
 from . import rows
 from .checks import Fields, check_bool
+from .experts import CONFIG_FIELDS as EXPERT_FIELDS
+from .experts import ExpertReads
 from .monitor import Monitor
+from .param_table import Added
 from .stats import StatPlan
 
-CONFIG_FIELDS: Fields = {"param_distribution": (check_bool, True)}
+CONFIG_FIELDS: Fields = {"param_distribution": (check_bool, True), **EXPERT_FIELDS}
 
 
 class ParamMonitor(Monitor):
@@ -18,10 +21,15 @@ class ParamMonitor(Monitor):
     def attach(self) -> None:
         self.plan = StatPlan.from_ops(self.settings.ops)
         self.enabled = self.settings.get("param_distribution")
+        self.experts = ExpertReads(self.session, self.settings, self.name)
+
+    def on_added(self, added: Added) -> None:
+        if added.params:
+            self.experts.refresh()
 
     def _read(self, scope: str) -> None:
         tensors, keys = self.session.expand(self.session.param_values(), scope)
-        self._records += self.session.engine.record_many(tensors, self.plan, keys)
+        self._records += self.experts.record_many(self.session.engine, tensors, self.plan, keys)
 
     def before_optimizer_step(self) -> None:
         if self.active and self.enabled:

@@ -59,6 +59,8 @@ from ..rows import ALL_OPS, COUNT_OPS, MICRO_STEP_MONITORS, MONITORS
 from ..safe_fs import SafeDir, open_regular, read_regular_file
 from ..writer import csv_cell
 from .reader import DP_RANK, RANK_RE, CsvFile, InputError, Problems, Row, header_ops, scan, window_groups
+from ..experts import EXPERT_INFIX, NORMS_SUFFIX, split_row_name
+from .merge_moe import COUNTS_FILE, TOKENS_FILE, merge_token_counts
 from .report import read_window
 from .text import compact_steps
 from .reader import MERGE_FILE as REPORT_FILE
@@ -326,7 +328,41 @@ class _RankLayout:
             whole = _prod(shape)
         except (KeyError, TypeError, ValueError):
             return _Desc(UNKNOWN, gname, dp, vkey=vkey, why=f"rank {self.rank}: the {pclass} piece is malformed: {p!r}")
+        base, kind, expert = split_row_name(name)
+        if kind:
+            return self._describe_expert_row(base, kind, expert, entry, p, shape, numel, dp, vkey, pclass)
         return _Desc("ok", gname, dp, ident, numel, whole, vkey)
+
+    def _describe_expert_row(self, base: str, kind: str, expert: Optional[int], entry: Dict[str, Any],
+                             p: Dict[str, Any], shape: List[int], numel: int, dp: Optional[int], vkey: int,
+                             pclass: str) -> _Desc:
+        """A grouped-expert tensor's ``expert_norms`` row (a piece of the vector of the E
+        per-expert norms: this rank's local experts, combinable only where the tensor is
+        split along ``ep`` alone) or per-expert row (a whole expert, or its piece along the
+        groups that split within experts; named with the global expert index)."""
+        gbase = lay.rename(base, self.rename)
+        # a group of one rank cuts nothing (TorchTitan's "efsdp" of size 1 beside "ep")
+        split = [(str(g), int(i), int(n)) for g, i, n in p.get("split", ()) if int(n) > 1]
+        by_ep = [s for s in split if s[0] == lay.EP]
+        within = [s for s in split if s[0] != lay.EP]
+        ep_count = by_ep[0][2] if by_ep else 1
+        experts = int(shape[0]) if shape else 0
+        local = experts // max(1, ep_count)
+        inner = _prod(shape[1:])
+        if local <= 0 or inner <= 0:
+            return _Desc(UNKNOWN, gbase, dp, vkey=vkey, why=f"rank {self.rank}: no experts in the shape {shape}")
+        if kind == "norms":
+            gname = gbase + NORMS_SUFFIX
+            if within:
+                return _Desc(UNKNOWN, gname, dp, vkey=vkey, why=(
+                    f"rank {self.rank}: the {pclass} piece is split within the experts (along "
+                    f"{', '.join(g for g, _, _ in within)}): per-expert norms of parts do not combine"))
+            ident = tuple(sorted((g, i) for g, i, _ in by_ep))
+            return _Desc("ok", gname, dp, ident, numel // inner, experts, vkey)
+        start = by_ep[0][1] * local if by_ep else 0  # local expert i of ep rank r is r * E_local + i
+        gname = f"{gbase}{EXPERT_INFIX}{start + int(expert or 0)}"
+        ident = tuple(sorted((g, i) for g, i, _ in within))
+        return _Desc("ok", gname, dp, ident, numel // local, inner, vkey)
 
 
 # ----------------------------------------------------------------------- streaming
@@ -453,6 +489,12 @@ def merge_run(source: str, dest: str, rtol: float = 1e-5, *, problems: Optional[
             if monitor not in report.rows_per_monitor and name in out.listdir():
                 out.remove(name)  # a previous merge's file this run has no rows for
         report.files = [merged_file(m) for m in MERGED_MONITORS if m in report.rows_per_monitor]
+        rank_dirs = {r: os.path.join(_root_of(source, files.ranks), f"rank_{r}") for r in files.ranks}
+        tokens = merge_token_counts(rank_dirs, {r: rl.doc for r, rl in layouts.items()}, out, report.notes)
+        if tokens:
+            report.files += [COUNTS_FILE, TOKENS_FILE]
+            report.notes.append(f"{tokens} global tokens_per_expert row(s) in {TOKENS_FILE} (the routers' counts "
+                                f"summed over the groups whose ranks route different tokens; vectors in {COUNTS_FILE})")
         report.files += [DISAGREEMENTS_FILE, REPORT_FILE]
         if report.left_out[CC]:
             report.notes.append(f"{report.left_out[CC]} cc row(s) not merged: communication calls are per rank")
@@ -465,12 +507,16 @@ def merge_run(source: str, dest: str, rtol: float = 1e-5, *, problems: Optional[
     return report
 
 
-def _load_layouts(source: str, ranks: Sequence[int], problems: Problems, report: MergeReport) -> Dict[int, _RankLayout]:
-    root = source
-    # scan() accepts a rank directory given directly; its layout sits in it
+def _root_of(source: str, ranks: Sequence[int]) -> str:
+    """The directory holding the rank directories (scan() accepts a rank directory given directly)."""
     if RANK_RE.match(os.path.basename(os.path.normpath(source))) and len(ranks) == 1 \
             and not os.path.isdir(os.path.join(source, f"rank_{ranks[0]}")):
-        root = os.path.dirname(os.path.normpath(source)) or "."
+        return os.path.dirname(os.path.normpath(source)) or "."
+    return source
+
+
+def _load_layouts(source: str, ranks: Sequence[int], problems: Problems, report: MergeReport) -> Dict[int, _RankLayout]:
+    root = _root_of(source, ranks)
     out: Dict[int, _RankLayout] = {}
     for r in ranks:
         path = os.path.join(root, f"rank_{r}", lay.FILE_NAME)

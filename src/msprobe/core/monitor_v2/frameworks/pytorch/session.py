@@ -386,6 +386,22 @@ class TorchSession:
             params.append(ParamEntry(info.name, dtype, tuple(p.shape), p.requires_grad))
         return Structure(framework="pytorch", rank=global_rank(), modules=modules, params=params)
 
+    def expert_norm_vector(self, tensor: torch.Tensor, experts: Sequence[Any], plan: Any,
+                           key: Tuple[int, str, str, Optional[int]]) -> Any:
+        """The ``expert_norms`` record of a grouped-expert tensor from its slices' device
+        records (``experts.py``; the torch part in ``frameworks/pytorch/experts.py``)."""
+        from .experts import expert_norm_record
+
+        return expert_norm_record(self.engine, tensor, experts, plan, key)
+
+    def expert_device_records(self, tensor: torch.Tensor, plan: Any,
+                              keys: Sequence[Tuple[int, str, str, Optional[int]]]) -> Any:
+        """A grouped-expert tensor's per-expert records read along its expert dimension on
+        an accelerator, with its ``[E]`` norms (None in host memory: ``experts.py``)."""
+        from .experts import device_expert_records
+
+        return device_expert_records(self.engine, tensor, plan, keys)
+
     def layout(self) -> Dict[str, Any]:
         """The ``layout.json`` document of this rank (``layout.py``), from the training stack."""
         doc = layout.new_document("pytorch", self.stack.name, global_rank(), world_size())

@@ -80,6 +80,7 @@ import torch
 from ... import native
 from ...backend import DATA_PARALLEL_WRAPPER
 from ...config import resolve_micro_batches
+from ...experts import ExpertReads
 from ...monitor import ContainedHook, Monitor, weight_grad_rows
 from ...logonce import LogOnce
 from ...patching import remove_all
@@ -102,7 +103,7 @@ class GradSource:
     """A tensor whose gradient is read for ``unreduced`` rows, and the rows it yields:
     ``(vpp_stage, name, segment)``; ``segment`` None means the whole gradient."""
 
-    __slots__ = ("index", "rows", "plain_param", "reduces", "key", "slot", "chunk", "tensor")
+    __slots__ = ("index", "rows", "plain_param", "reduces", "key", "slot", "chunk", "tensor", "records")
 
     def __init__(self, index: int, rows: Sequence[Tuple[int, str, Optional[FlatSegment]]],
                  plain_param: Optional[torch.Tensor] = None,
@@ -119,6 +120,8 @@ class GradSource:
         self.slot = (index, 0, 0)  # its accumulated row's place in WeightGradMonitor._unreduced
         self.chunk = vpp  # the model chunk whose forwards mark its micro-batches
         self.tensor: Optional[torch.Tensor] = None  # the tensor its hooks are on (None: a stack's capture)
+        # the records one read of it gives (more than its rows for a grouped-expert tensor: experts.py)
+        self.records = len(self.rows)
 
 
 class WeightGradMonitor(Monitor):
@@ -130,6 +133,7 @@ class WeightGradMonitor(Monitor):
         self.plan = StatPlan.from_ops(self.settings.ops)
         self.micro_batches = resolve_micro_batches(self.settings, self.context)
         self.per_micro_batch = self.settings.get("monitor_mbs_grad")
+        self.experts = ExpertReads(self.session, self.settings, self.name)
         self._handles: List = []
         self._hooked: Set[int] = set()
         session = self.session
@@ -199,6 +203,8 @@ class WeightGradMonitor(Monitor):
         ``unreduced`` rows begin with this step (a parameter unfrozen since ``start()`` too).
         The ``reduced`` rows read the session's table at each step. A stack with its own
         capture has no hooks on parameters: the session said that it does not monitor them."""
+        if added.params:
+            self.experts.refresh()
         if added.params and not self._captured:
             self._hook_params()
 
@@ -242,7 +248,8 @@ class WeightGradMonitor(Monitor):
             # accelerator every size is read at the pass's end: the fused kernel reads the
             # whole pass's gradients in two launches, where each hook would cost two.
             if (self._batched and source.plain_param is tensor and len(source.rows) == 1
-                    and (tensor.numel() <= GROUP_MAX_NUMEL or not self.session.engine.on_host(tensor.device))):
+                    and (tensor.numel() <= GROUP_MAX_NUMEL or not self.session.engine.on_host(tensor.device))
+                    and source.rows[0][1] not in self.experts.params):
                 if self._notes is not None:  # one Python hook for all of them, called with the source
                     if self._slow_note is None:
                         self._slow_note = _BatchedGradHook(self, None, site)
@@ -354,6 +361,14 @@ class WeightGradMonitor(Monitor):
     def _record(self, source: GradSource, grad: torch.Tensor, micro_step: int) -> None:
         engine = self.session.engine
         rows = source.rows
+        if len(rows) == 1 and rows[0][1] in self.experts.params and rows[0][2] is None:
+            # a grouped-expert gradient: read per expert, its own row and expert_norms (experts.py)
+            vpp, name, _ = rows[0]
+            read = self.experts.record_many(engine, [grad], self.plan, [(vpp, name, UNREDUCED, micro_step or None)])
+            source.records = max(source.records, len(read))
+            for k, rec in enumerate(read):
+                self._unreduced[(source.index, micro_step, k)] = rec
+            return
         if len(rows) == 1:
             vpp, name, seg = rows[0]
             self._unreduced[(source.index, micro_step, 0)] = engine.record(
@@ -367,7 +382,7 @@ class WeightGradMonitor(Monitor):
 
     def _drop(self, source: GradSource, micro_step: int) -> None:
         """No row of ``source`` for ``micro_step`` (0: its accumulated row)."""
-        for k in range(len(source.rows)):
+        for k in range(source.records):
             self._unreduced.pop((source.index, micro_step, k), None)
 
     def _on_micro_batch_grad(self, source: GradSource, grad: torch.Tensor) -> None:
@@ -518,6 +533,11 @@ class WeightGradMonitor(Monitor):
         deferred, self._deferred = self._deferred, []
         values = [grad() if callable(grad) else grad for _, grad in deferred]
         found = [(source, value) for (source, _), value in zip(deferred, values) if value is not None]
+        if self.experts.params:  # grouped experts read per expert
+            for source, value in found:
+                if source.rows[0][1] in self.experts.params:
+                    self._record(source, value, 0)
+            found = [(s, v) for s, v in found if s.rows[0][1] not in self.experts.params]
         if not found:
             return
         records = self.session.engine.record_many([v for _, v in found], self.plan, [s.key for s, _ in found])
@@ -635,7 +655,7 @@ class WeightGradMonitor(Monitor):
         # Read again, never reused from 'unreduced': code that edits gradients through
         # ``.data`` or from C++ (clipping, unscaling) does not move the version counter.
         tensors, keys = self.session.reduced_grad_tensors(REDUCED)
-        self._reduced = self.session.engine.record_many(tensors, self.plan, keys)
+        self._reduced = self.experts.record_many(self.session.engine, tensors, self.plan, keys)
 
     def _read_short_sources(self) -> None:
         if self.micro_batches <= 1:  # every pass that reached a source was its last: none is short

@@ -34,6 +34,7 @@ logged once, naming what is not observable, and never raises into training.
 """
 
 import functools
+import re
 import sys
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -220,6 +221,8 @@ class MegatronStack(TrainingStack):
             doc["unknown"].append(f"parallel groups: {why}; every parameter's pieces are unknown")
             groups = None
         self._layout_chunks(table, doc)
+        if groups is not None:
+            self._layout_experts(table, doc, groups)
         doc["unknown"].extend(self._layout_params(table, doc, groups))
         if groups is not None:
             self._layout_modules(table, doc, groups)
@@ -316,6 +319,71 @@ class MegatronStack(TrainingStack):
         return [f"{why}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''} ({len(names)} parameters)"
                 for why, names in reasons.items()]
 
+    def _layout_experts(self, table: ParamTable, doc: dict, groups: Dict[str, Dict[str, int]]) -> None:
+        """Expert parallelism: each MoE layer's local experts under their global indices,
+        and what the router's token counts are a part of.
+
+        Every expert-parallel rank holds ``E_local`` of the ``E`` experts of a layer, local
+        expert ``i`` being the model's ``ep_rank * E_local + i`` (Megatron's sharded state
+        dict numbers them so): ``rename`` rules give ``SequentialMLP``'s
+        ``local_experts.<i>.`` and ``TEGroupedMLP``'s ``linear_fc1.weight<i>`` (and
+        ``bias<i>``) their global index, composed with the layer renames under pipeline
+        parallelism, so each expert's rows carry one name on every rank and the ranks of one
+        expert-parallel coordinate are its replicas (expert data parallelism). The document's
+        ``moe`` names each router (``TopKRouter``) with its experts, their parameters, this
+        rank's ``local_experts`` ``[first, count]``, and ``tokens``: the groups over which
+        ranks route different tokens (``dp``, which holds context parallelism, and ``tp``
+        with sequence parallelism), whose counts ``merge`` sums."""
+        ep = groups.get(lay.EP, {"rank": 0, "size": 1})
+        rules = [tuple(r) for r in doc.get("rename", [])]
+        added: List[List[str]] = []
+        for vpp, chunk in enumerate(self.chunks):
+            for name, module in naming.named_modules(naming.unwrap(chunk)):
+                classes = _megatron_classes(module)
+                if "TopKRouter" in classes and name:
+                    self._layout_router(table, doc, groups, vpp, name, module)
+                if not ({"SequentialMLP", "TEGroupedMLP"} & classes) or not name:
+                    continue
+                local = int(getattr(module, "num_local_experts", 0) or 0)
+                if local <= 0:
+                    continue
+                first = ep["rank"] * local
+                prefix = table.qualify(vpp, name) + "."
+                global_prefix = lay.rename(prefix, rules)
+                for pname, _ in module.named_parameters():
+                    m = _LOCAL_EXPERT.match(pname) or _GROUPED_EXPERT.match(pname)
+                    if m is None or first == 0:
+                        continue
+                    head, index = m.group(1), int(m.group(2))
+                    local_name = prefix + head + str(index) + ("." if head.endswith(".") else "")
+                    global_name = global_prefix + head + str(first + index) + ("." if head.endswith(".") else "")
+                    if [local_name, global_name] not in added:
+                        added.append([local_name, global_name])
+        if added:
+            doc["rename"] = sorted([list(r) for r in rules] + added, key=lambda r: -len(r[0]))
+
+    def _layout_router(self, table: ParamTable, doc: dict, groups: Dict[str, Dict[str, int]], vpp: int, name: str,
+                       router: torch.nn.Module) -> None:
+        config = getattr(router, "config", None)
+        total = int(getattr(config, "num_moe_experts", 0) or 0)
+        ep = groups.get(lay.EP, {"rank": 0, "size": 1})
+        local = total // max(1, ep["size"])
+        path = name.rpartition(".")[0]
+        experts = f"{path}.experts" if path else "experts"
+        params = [table.qualify(vpp, f"{experts}.{n}") for n, _ in _named_params_under(self.chunks[vpp], experts)]
+        tokens = [[lay.DP, groups[lay.DP]["rank"], groups[lay.DP]["size"]]]
+        tp = groups[lay.TP]
+        if getattr(config, "sequence_parallel", False) and tp["size"] > 1:
+            tokens.append([lay.TP, tp["rank"], tp["size"]])
+        entry = lay.moe_entry(doc, table.qualify(vpp, name))
+        entry.setdefault("num_experts", total)
+        entry.setdefault("top_k", int(getattr(config, "moe_router_topk", 0) or 0))
+        entry.setdefault("score", str(getattr(config, "moe_router_score_function", "softmax")))
+        entry.setdefault("experts", table.qualify(vpp, experts))
+        entry["expert_params"] = params
+        entry["local_experts"] = [ep["rank"] * local, local]
+        entry["tokens"] = {"split": tokens, "partial": True}
+
     def _piece_unknown(self, p: torch.Tensor, groups: Optional[Dict[str, Dict[str, int]]]) -> Optional[str]:
         """Why the pieces of ``p`` cannot be told (None: they can)."""
         if groups is None:
@@ -323,7 +391,11 @@ class MegatronStack(TrainingStack):
         if self.fsdp:
             return "Megatron FSDP (use_megatron_fsdp) shards parameters its own way, not read in this version"
         if not getattr(p, "allreduce", True):
-            return "expert-parallel parameters (allreduce=False) are split over expert groups not read in this version"
+            if lay.EP not in groups:
+                return "expert parameters (allreduce=False) without a readable expert-parallel group"
+            if getattr(p, "tensor_model_parallel", False) and _expert_tp_size() != groups[lay.TP]["size"]:
+                return ("expert parameters under an expert tensor-parallel size that differs from the "
+                        "tensor-parallel size (expert_tensor_parallel_size), not read in this version")
         if getattr(p, "tensor_model_parallel", False):
             try:
                 dim, stride = int(p.partition_dim), int(getattr(p, "partition_stride", 1))
@@ -504,6 +576,28 @@ def _parallel_groups() -> Tuple[Optional[Dict[str, Dict[str, int]]], Optional[st
     if missing:
         return None, f"megatron.core.parallel_state has no {'/'.join(missing)} process group"
     return groups, None
+
+
+# a parameter of SequentialMLP's local expert <i>, or TEGroupedMLP's weight<i>/bias<i>
+_LOCAL_EXPERT = re.compile(r"^(local_experts\.)(\d+)\.")
+_GROUPED_EXPERT = re.compile(r"^(linear_fc[12]\.(?:weight|bias))(\d+)$")
+
+
+def _named_params_under(chunk: torch.nn.Module, path: str) -> List[Tuple[str, torch.nn.Parameter]]:
+    root = naming.unwrap(chunk)
+    try:
+        module = root.get_submodule(path)
+    except AttributeError:
+        return []
+    return list(module.named_parameters())
+
+
+def _expert_tp_size() -> int:
+    ps = sys.modules.get("megatron.core.parallel_state")
+    try:
+        return int(ps.get_expert_tensor_parallel_world_size())  # type: ignore[union-attr]
+    except Exception:  # noqa: BLE001 - an older parallel_state: experts use the tp size
+        return -1
 
 
 def _layer_number(module: torch.nn.Module) -> Optional[int]:
