@@ -882,13 +882,6 @@ def _param_dtypes(session: Session) -> Dict[str, str]:
     return found
 
 
-def _outputs(monitors: List[Monitor]) -> List[MonitorOutput]:
-    """The writer's outputs: each running monitor's file, and the scalars file."""
-    outputs = [MonitorOutput(m.name, m.settings.ops, m.name in rows.MICRO_STEP_MONITORS) for m in monitors]
-    outputs.append(MonitorOutput(rows.SCALARS, rows.DEFAULT_OPS, False))
-    return outputs
-
-
 def _scalar_items(step: Any, values: Optional[Mapping[str, Any]], named: Mapping[str, Any]) -> List[Tuple[str, Any]]:
     """``log_scalars``' arguments checked: ``(name, value)`` pairs, each value a Python
     float or a one-element tensor; ``ScalarError`` naming what is wrong."""
@@ -970,8 +963,10 @@ if hasattr(os, "register_at_fork"):
 
 
 def _outputs(monitors: List[Monitor]) -> List[MonitorOutput]:
-    """The files the monitors write: one per monitor, and moe's raw counts with ``per_expert``."""
+    """The files the monitors write: one per monitor, the scalars file (``log_scalars``), and
+    moe's raw counts with ``per_expert``."""
     outputs = [MonitorOutput(m.name, m.settings.ops, m.name in rows.MICRO_STEP_MONITORS) for m in monitors]
+    outputs.append(MonitorOutput(rows.SCALARS, rows.DEFAULT_OPS, False))
     if any(m.name == rows.MOE and m.settings.options.get("per_expert") for m in monitors):
         outputs.append(SidecarOutput(rows.MOE_COUNTS, rows.MOE_COUNTS_HEADER))
     return outputs
