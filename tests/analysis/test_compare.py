@@ -54,12 +54,15 @@ Key = Tuple[int, str, int, str, str, str]
 
 
 def read_run(root: Path) -> Dict[Key, Dict[str, float]]:
-    """Every row of every rank, keyed as compare aligns them (a reduced row's micro_step
-    dropped), read with the csv module."""
+    """Every statistics row of every rank, keyed as compare aligns them (a reduced row's
+    micro_step dropped), read with the csv module. The ``scalars`` rows (loss, grad norm)
+    are not among them: compare judges them by the migration standard only (``scalars``)."""
     rows = {}
     for path in sorted(root.glob("rank_*/*.csv")):
         rank = int(path.parent.name.split("_")[1])
         monitor = path.name.split("_step")[0]
+        if monitor == "scalars":
+            continue
         with open(path, newline="") as fh:
             for rec in csv.DictReader(fh):
                 micro = rec.get("micro_step", "") if rec["scope"] != "reduced" else ""
@@ -77,6 +80,17 @@ def scaled_norm_errors(ref: Path, cand: Path, floor: float) -> Dict[Key, float]:
     err = np.abs(cb - ra) / scale
     near = np.maximum(np.abs(ra), np.abs(cb)) <= floor
     return {k: (math.nan if n else float(e)) for k, e, n in zip(keys, err, near)}  # NaN: near zero
+
+
+def read_scalars(root: Path, rank: int = 0) -> Dict[str, Dict[int, float]]:
+    """``name -> step -> value`` of the scalars rows (the value in min = max = mean)."""
+    out: Dict[str, Dict[int, float]] = {}
+    for path in sorted((root / f"rank_{rank}").glob("scalars_step*.csv")):
+        with open(path, newline="") as fh:
+            for rec in csv.DictReader(fh):
+                assert rec["min"] == rec["max"] == rec["mean"]
+                out.setdefault(rec["module_name"], {})[int(rec["step"])] = float(rec["mean"])
+    return out
 
 
 def compare_csv(path: Path) -> Dict[Key, Dict[str, str]]:
@@ -109,6 +123,19 @@ def test_bf16_within_tolerance_and_errors_match_numpy(runs, tmp_path):
     assert 1e-3 < np.nanmax(list(expected.values())) <= BF16_TOL
     doc = json.loads((out / "compare.json").read_text())
     assert doc["verdict"] == "pass" and doc["where_they_part"] is None
+    # the loss and grad norm both runs logged (mon.log_scalars): judged by the migration
+    # standard, against NumPy over their scalars rows; not rows of compare.csv
+    assert not any(k[1] == "scalars" for k in got)
+    sa, sb = read_scalars(runs["fp32"]), read_scalars(runs["bf16"])
+    assert sorted(sa) == sorted(sb) == ["grad_norm", "loss"] and sorted(sa["loss"]) == list(range(6))
+    la, lb = (np.array([s["loss"][i] for i in range(6)]) for s in (sa, sb))
+    ga, gb = (np.array([s["grad_norm"][i] for i in range(6)]) for s in (sa, sb))
+    sc = doc["scalars"]
+    assert sc["source"] == {"ref": "scalars rows", "cand": "scalars rows"} and sc["level"] == "pass"
+    assert sc["loss"]["steps"] == 6 and sc["loss"]["first_abs"] == pytest.approx(abs(lb[0] - la[0]), rel=1e-12)
+    assert sc["loss"]["max_abs"] == pytest.approx(np.abs(lb - la).max(), rel=1e-12)
+    assert sc["grad_norm"]["mean_signed_rel"] == pytest.approx(float(np.mean((gb - ga) / np.abs(ga))), rel=1e-9)
+    assert "loss and grad norm (migration standard, from scalars rows; scalars are judged here only" in res.out
     # the four errors of each value statistic, against NumPy
     a, b = read_run(runs["fp32"]), read_run(runs["bf16"])
     for k in list(got)[:200]:
@@ -123,26 +150,44 @@ def test_bf16_within_tolerance_and_errors_match_numpy(runs, tmp_path):
                                                                  rel=1e-12, abs=1e-300)
 
 
+def _dtype_counts(root: Path) -> Dict[str, int]:
+    counts: Dict[str, int] = {}
+    for dt in json.loads((root / "rank_0" / "layout.json").read_text()).get("dtypes", {}).values():
+        counts[dt] = counts.get(dt, 0) + 1
+    return counts
+
+
 def test_dtype_from_layout_json_or_float32(runs, tmp_path):
-    # no dtypes recorded: float32, the strictest, and bf16 autocast is beyond it
-    res = cli("compare", runs["fp32"], runs["bf16"], "--out", tmp_path / "a", "--json")
-    doc = res.json()
-    assert res.code == 1 and doc["settings"]["dtype"] == "float32"
-    assert "no dtypes recorded" in doc["settings"]["dtype_source"]
-    # layout.json's "dtypes" (the module rows of the autocast run are bfloat16): bf16 tolerances
     import shutil
 
-    cand = tmp_path / "bf16"
-    shutil.copytree(runs["bf16"], cand)
-    lj = cand / "rank_0" / "layout.json"
-    layout = json.loads(lj.read_text())
-    layout["dtypes"] = {"blocks.0.mlp.fc.output.0": "bfloat16", "blocks.0.mlp.fc.weight": "float32"}
-    lj.write_text(json.dumps(layout))
-    res = cli("compare", runs["fp32"], cand, "--out", tmp_path / "b", "--json")
+    # the runs record their rows' dtypes (layout.json "dtypes"): the autocast run's module
+    # rows are bfloat16, so the comparison takes bf16 tolerances without being told
+    ref_dtypes, cand_dtypes = _dtype_counts(runs["fp32"]), _dtype_counts(runs["bf16"])
+    assert "bfloat16" not in ref_dtypes and cand_dtypes.get("bfloat16", 0) > 0
+    res = cli("compare", runs["fp32"], runs["bf16"], "--out", tmp_path / "a", "--json")
     doc = res.json()
     assert res.code == 0, doc["counts"]
     assert doc["settings"]["dtype"] == "bfloat16" and "layout.json" in doc["settings"]["dtype_source"]
-    assert doc["provenance"]["cand"]["dtypes"] == {"bfloat16": 1, "float32": 1}
+    assert doc["provenance"]["ref"]["dtypes"] == ref_dtypes and doc["provenance"]["cand"]["dtypes"] == cand_dtypes
+    # --dtype overrides what is recorded: float32's tolerance, which bf16 autocast is beyond
+    doc = cli("compare", runs["fp32"], runs["bf16"], "--dtype", "fp32", "--out", tmp_path / "b", "--json").json()
+    assert doc["exit_code"] == 1 and (doc["settings"]["dtype"], doc["settings"]["dtype_source"]) == ("float32",
+                                                                                                    "--dtype")
+    # runs that recorded none (an older monitor): float32, the strictest default, said so
+    stripped = {}
+    for name in ("fp32", "bf16"):
+        stripped[name] = tmp_path / f"{name}_no_dtypes"
+        shutil.copytree(runs[name], stripped[name])
+        lj = stripped[name] / "rank_0" / "layout.json"
+        layout = json.loads(lj.read_text())
+        del layout["dtypes"]
+        lj.write_text(json.dumps(layout))
+    res = cli("compare", stripped["fp32"], stripped["bf16"], "--out", tmp_path / "c", "--json")
+    doc = res.json()
+    assert res.code == 1 and doc["settings"]["dtype"] == "float32"
+    assert "no dtypes recorded" in doc["settings"]["dtype_source"] and doc["provenance"]["cand"]["dtypes"] is None
+    res = cli("compare", stripped["fp32"], stripped["bf16"], "--dtype", "bf16", "--out", tmp_path / "d", "--json")
+    assert res.code == 0 and res.json()["settings"]["dtype"] == "bfloat16"
 
 
 # ------------------------------------------------------------------ the injected defect
@@ -238,6 +283,9 @@ def test_loss_log_migration_standard(runs, tmp_path):
               base / "bf16.loss", "--out", tmp_path / "a", "--json")
     doc = res.json()
     assert res.code == 0 and doc["scalars"]["level"] == "pass"
+    # an explicit --loss-log wins over the scalars rows the runs have (said in a note)
+    assert doc["scalars"]["source"] == {"ref": "--loss-log", "cand": "--loss-log"}
+    assert sum("scalars rows (grad_norm, loss) are set aside" in n for n in doc["notes"]) == 2
 
     def losses(name):
         return np.loadtxt(base / f"{name}.loss")
@@ -255,6 +303,7 @@ def test_loss_log_migration_standard(runs, tmp_path):
                  for i in range(len(a)))
     gn_ok = abs(np.mean((s[:, 2] - a[:, 2]) / np.abs(a[:, 2]))) <= 0.05
     assert not (first_ok and all_ok and gn_ok)
+    # (the runs' own scalars rows, fp32 against bf16, pass: the log decides)
     assert res.code == 1 and res.json()["scalars"]["level"] == "error"
 
 
@@ -505,3 +554,17 @@ def test_merged_views_given_directly(ddp_runs, tmp_path):
     assert direct["provenance"]["ref"]["kind"] == "merged view" and not (tmp_path / "a" / "merged_ref").exists()
     for k in ("verdict", "counts", "not_comparable", "only_in_one", "first_step"):
         assert direct[k] == auto[k], k
+
+
+def test_merged_views_keep_the_runs_scalars(runs, tmp_path):
+    """A merged view has no scalars files: compare reads the loss and grad norm from the run
+    its merge.json names, so two merged views get the verdict the runs get."""
+    for name in ("fp32", "bf16"):
+        assert cli("merge", runs[name], tmp_path / f"m_{name}").code == 0
+        assert not list((tmp_path / f"m_{name}").rglob("scalars_*.csv"))
+    direct = cli("compare", tmp_path / "m_fp32", tmp_path / "m_bf16", "--dtype", "bf16", "--out", tmp_path / "a",
+                 "--json").json()
+    runs_doc = cli("compare", runs["fp32"], runs["bf16"], "--dtype", "bf16", "--out", tmp_path / "b", "--json").json()
+    assert direct["provenance"]["cand"]["kind"] == "merged view"
+    assert direct["scalars"] is not None and direct["scalars"] == runs_doc["scalars"]
+    assert direct["provenance"]["cand"]["scalars"]["path"] == str((runs["bf16"] / "rank_0").resolve())

@@ -4,7 +4,8 @@ DP=2 (one micro-batch a rank) and as TP=2 x DP=1 (both batches as two micro-batc
 workers/compare_megatron.py, 2 gloo ranks. Both runs are merged and compared under global
 names; checked independently: the whole-tensor norms rebuilt from each rank's rows (read
 with the csv module, combined by the pieces its layout.json names) with NumPy, and the
-loss and gradient norm each run logged with ``log_scalars``.
+loss and gradient norm each run logged with ``log_scalars`` (compare's migration-standard
+verdict on them, read from the runs the merged views came from).
 
 What TP changes: the column- and row-parallel matmuls sum their partial products in
 another order (and across ranks, by the all-reduce), and the tp shards' norms are combined
@@ -136,3 +137,18 @@ def test_tp2_against_dp2_under_global_names(runs, tmp_path):
     assert sorted(a) == sorted(b) == [(s, n) for s in range(STEPS) for n in ("grad_norm", "loss")]
     for key in a:
         assert b[key] == pytest.approx(a[key], rel=TYPICAL), key
+    # compare reads them from the runs the merged views came from (a merged view has no
+    # scalars files) and judges them by the migration standard: within it, as NumPy says
+    sc = doc["scalars"]
+    assert sc is not None and sc["level"] == "pass", doc["notes"]
+    assert sc["source"] == {"ref": "scalars rows", "cand": "scalars rows"}
+    for side, run in (("ref", "dp2"), ("cand", "tp2")):
+        assert doc["provenance"][side]["scalars"]["path"] == str((runs / run / "rank_0").resolve())
+    la, lb = (np.array([s[(i, "loss")] for i in range(STEPS)]) for s in (a, b))
+    ga, gb = (np.array([s[(i, "grad_norm")] for i in range(STEPS)]) for s in (a, b))
+    assert sc["loss"]["steps"] == sc["grad_norm"]["steps"] == STEPS
+    assert sc["loss"]["first_abs"] == pytest.approx(abs(lb[0] - la[0]), rel=1e-9, abs=1e-15)
+    assert sc["loss"]["max_abs"] == pytest.approx(np.abs(lb - la).max(), rel=1e-9, abs=1e-15)
+    assert sc["grad_norm"]["mean_signed_rel"] == pytest.approx(float(np.mean((gb - ga) / np.abs(ga))),
+                                                               rel=1e-9, abs=1e-15)
+    assert sc["loss"]["first_ok"] and sc["loss"]["all_ok"] and sc["grad_norm"]["ok"]

@@ -187,7 +187,7 @@ def _compare_parser(sub: Any) -> None:
     c.add_argument("--step-offset", type=int, default=0, help="candidate step s is compared with reference step s+N")
     c.add_argument("--loss-log", nargs=2, metavar=("REF_LOG", "CAND_LOG"), default=None,
                    help="loss (and grad norm) per step of each run: lines 'STEP LOSS [GRAD_NORM]' "
-                        "(used where the runs have no scalars rows)")
+                        "(given, they win over the runs' scalars rows)")
     c.add_argument("--fail-on", choices=("warning", "error"), default="warning",
                    help="exit 1 when a row (or the loss standard) reaches this level")
     c.add_argument("--out", default="compare_out", help="directory for compare.csv, compare.json, compare.html")

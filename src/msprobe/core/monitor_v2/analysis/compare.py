@@ -348,16 +348,26 @@ _SCALARS_FILE = re.compile(r"^scalars_step(\d+)-(\d+)(?:\.run(\d+))?\.csv$")
 
 def read_scalars(side: Side, offset: int = 0, steps: Optional[StepRange] = None) -> None:
     """``rank_<r>/scalars_step<a>-<b>.csv`` (``module_name`` = the scalar's name, value in
-    ``mean``) of the lowest rank that has them; later files win for a step written twice."""
-    if side.layout.merged is not None:
-        return
+    ``mean``) of the lowest rank that has them; later files win for a step written twice.
+
+    A merged view has no scalars files (the loss is not a tensor the merge puts under
+    global names): they are read from the run it was merged from (``merged_from``, or the
+    ``source`` its merge.json names), whose every rank logged the same values. They feed
+    the loss and grad-norm verdict only, never ``compare.csv``'s rows. ``steps`` selects
+    the (reference) steps after ``offset``, as for the rows."""
     root = side.root
-    for r in side.layout.ranks or [0]:
+    if side.layout.merged is not None:
+        src = side.merged_from or side.layout.merged.get("source")
+        if not isinstance(src, str) or not os.path.isdir(src):
+            side.provenance["scalars"] = None
+            return
+        root = src
+        ranks = sorted(int(m.group(1)) for m in (re.match(r"^rank_(\d+)$", n) for n in _listdir(root)) if m)
+    else:
+        ranks = side.layout.ranks or [0]
+    for r in ranks:
         d = os.path.join(root, f"rank_{r}")
-        try:
-            names = sorted(n for n in os.listdir(d) if _SCALARS_FILE.match(n))
-        except OSError:
-            continue
+        names = [n for n in _listdir(d) if _SCALARS_FILE.match(n)]
         if not names:
             continue
         names.sort(key=lambda n: (int(_SCALARS_FILE.match(n).group(3) or 1), int(_SCALARS_FILE.match(n).group(1))))
@@ -371,9 +381,21 @@ def read_scalars(side: Side, offset: int = 0, steps: Optional[StepRange] = None)
                         name = rec["module_name"]
                     except (KeyError, TypeError, ValueError):
                         continue
+                    if steps is not None and not ((steps[0] is None or step >= steps[0]) and
+                                                  (steps[1] is None or step <= steps[1])):
+                        continue
                     side.scalars.setdefault(name, {})[step] = value
-        side.provenance["scalars"] = {"rank": r, "names": sorted(side.scalars)}
+        side.provenance["scalars"] = {"source": "scalars rows", "path": os.path.abspath(d),
+                                      "names": sorted(side.scalars)}
         return
+    side.provenance["scalars"] = None
+
+
+def _listdir(path: str) -> List[str]:
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []
 
 
 def read_loss_log(path: str, offset: int = 0) -> Dict[str, Dict[int, float]]:
@@ -695,9 +717,16 @@ def compare_runs(ref_root: str, cand_root: str, settings: CompareSettings, probl
         if base is not None:
             read_rows(base, problems, settings, steps)
     if loss_logs is not None:
-        ref.scalars = {**read_loss_log(loss_logs[0]), **ref.scalars} if not ref.scalars else ref.scalars
-        cand.scalars = {**read_loss_log(loss_logs[1], settings.step_offset), **cand.scalars} \
-            if not cand.scalars else cand.scalars
+        # the user named these files: they win over the scalars rows the runs have (said in a note)
+        for side, path, off in ((ref, loss_logs[0], 0), (cand, loss_logs[1], settings.step_offset)):
+            if side.scalars:
+                report.notes.append(f"--loss-log: {side.label}'s loss and grad norm are read from {path}; its "
+                                    f"scalars rows ({', '.join(sorted(side.scalars))}) are set aside")
+            side.scalars = {name: {st: v for st, v in per.items() if steps is None or (
+                (steps[0] is None or st >= steps[0]) and (steps[1] is None or st <= steps[1]))}
+                for name, per in read_loss_log(path, off).items()}
+            side.provenance["scalars"] = {"source": "--loss-log", "path": os.path.abspath(path),
+                                          "names": sorted(side.scalars)}
     dp_differs = ref.dp_size is not None and cand.dp_size is not None and ref.dp_size != cand.dp_size
     report.collapse_dp = settings.collapse_dp if settings.collapse_dp is not None else dp_differs
     if report.collapse_dp:
@@ -727,7 +756,13 @@ def compare_runs(ref_root: str, cand_root: str, settings: CompareSettings, probl
         _aggregate(report)
     report.scalars = migration_verdict(ref.scalars, cand.scalars)
     if report.scalars is not None:
+        report.scalars["source"] = {"ref": (ref.provenance.get("scalars") or {}).get("source"),
+                                    "cand": (cand.provenance.get("scalars") or {}).get("source")}
         report.verdict = _worse(report.verdict, report.scalars["level"])
+    elif ref.scalars or cand.scalars:
+        report.notes.append("no loss or grad norm verdict: " + "; ".join(
+            f"{s.label} has {', '.join(sorted(s.scalars)) or 'no scalars'}" for s in (ref, cand))
+            + " (the verdict needs the loss or grad_norm of both runs at common steps)")
     return report
 
 

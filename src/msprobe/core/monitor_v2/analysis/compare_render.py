@@ -158,7 +158,10 @@ def report_text(report: CompareReport, code: int, limit: int) -> str:
 
 
 def _scalars_text(s: Dict[str, Any]) -> List[str]:
-    out = [f"  loss and grad norm (migration standard): {s['level']}"]
+    src = s.get("source") or {}
+    where = src.get("ref") if src.get("ref") == src.get("cand") else f"{src.get('ref')} (REF), {src.get('cand')} (CAND)"
+    out = [f"  loss and grad norm (migration standard, from {where or 'the runs'}; scalars are judged here only, "
+           f"not as rows of compare.csv): {s['level']}"]
     loss = s.get("loss")
     if loss:
         out.append(f"    loss: first (step {loss['first_step']}) |d| {_e(loss['first_abs'])} "
