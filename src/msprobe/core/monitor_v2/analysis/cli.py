@@ -512,7 +512,8 @@ def cmd_diff(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def cmd_compare(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from .compare import CompareSettings, compare_runs, dtype_name, read_map, write_csv
+    from .compare import CompareSettings, dtype_name, read_map, write_csv
+    from .compare_run import compare_runs
     from .compare_render import report_json, report_text, write_html
 
     if os.path.exists(args.out) and not os.path.isdir(args.out):
