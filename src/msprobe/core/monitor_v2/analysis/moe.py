@@ -15,6 +15,10 @@ Per rank and router, over the written steps in order (each step's latest rows):
 - **near-duplicate experts**: the largest pairwise cosine of the router weight's rows at or
   above ``cosine`` on the latest step.
 
+On a merged view (``merge``'s DEST) the ``moe`` rows are the global ``tokens_per_expert``
+rows summed from the ranks' sidecars, and E and top-k come from ``merge.json``'s ``moe``:
+a dead expert is one that no rank sent a token to.
+
 Standard library only, as the rest of the reading tools' core.
 """
 
@@ -140,10 +144,12 @@ def moe_findings(layout: Layout, problems: Problems, settings: MoeSettings,
     found: List[Dict[str, Any]] = []
     any_rows = False
     for rank in layout.ranks:
-        routers = router_layout(layout.root, rank)
+        # a merged view: the global routers merge described (its moe.csv holds the global counts)
+        routers = (layout.merged.get("moe") or {}) if layout.merged is not None else router_layout(layout.root, rank)
         moe_rows = _latest_rows(layout, rank, rows.MOE, problems, steps) if layout.files_of(rank, rows.MOE) else {}
         grad_rows = (_latest_rows(layout, rank, rows.WEIGHT_GRAD, problems, steps)
-                     if layout.files_of(rank, rows.WEIGHT_GRAD) and has_grouped_experts(layout.root, rank) else {})
+                     if layout.files_of(rank, rows.WEIGHT_GRAD)
+                     and (layout.merged is not None or has_grouped_experts(layout.root, rank)) else {})
         any_rows = any_rows or bool(moe_rows) or bool(grad_rows)
         for (name, scope), by_step in sorted(moe_rows.items()):
             parsed = rows.moe_router_of(name)

@@ -735,6 +735,8 @@ MERGE_LEFT_OUT_WHY = {
     "incomplete": "the pieces present do not add up to the whole tensor",
     "cc": "communication calls are per rank: not merged",
     "no_layout": "rows of a rank without a readable layout.json",
+    "moe": "a rank's routing statistics of its own tokens: not merged (global token counts from the per_expert "
+           "sidecars, in moe.csv)",
 }
 
 
