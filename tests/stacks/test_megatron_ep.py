@@ -23,6 +23,8 @@ What is checked, against the worker's own references (each parameter's reduced
   global counts (MaxVio, CV and dead experts of the summed vector).
 """
 
+import io
+import json
 import time
 from pathlib import Path
 
@@ -35,6 +37,7 @@ from support.extras import require
 
 require("megatron.core", "the expert-parallel test trains Megatron-Core's MoE GPT on 4 gloo ranks")
 
+from msprobe.core.monitor_v2.analysis.cli import main  # noqa: E402
 from msprobe.core.monitor_v2.analysis.merge import merge_run  # noqa: E402
 from msprobe.core.monitor_v2.analysis.moe import IMBALANCE, MoeSettings, moe_findings  # noqa: E402
 from msprobe.core.monitor_v2.analysis.reader import Problems, scan  # noqa: E402
@@ -189,3 +192,52 @@ def test_merged_view_findings_use_the_global_counts(run):
         assert f"CV {cv:.3g}" in found[0]["detail"]
         dead = [f for f in merged if f["kind"] == "dead experts" and f["router"] == router]
         assert len(dead) == (1 if (total == 0).any() else 0)
+
+
+def test_reading_tools_put_the_experts_side_by_side(run):
+    """``summary``/``anomalies`` group the experts' gradient rows by expert index (each
+    layer's parameter over its experts): the quietest and loudest expert of the last step,
+    on the merged view (all 4 experts, global names) and on one rank (its 2 local experts,
+    local names), equal to NumPy over the worker's reduced gradients."""
+    out, saved, _ = run
+    last = STEPS - 1
+    grads = {}
+    for r in range(WORLD):
+        grads.update(saved[r]["full"]["grad"][last])
+    per_group = {}
+    for name, grad in grads.items():
+        if ".local_experts." not in name:
+            continue
+        head, _, tail = name.partition(".local_experts.")
+        e, _, param = tail.partition(".")
+        per_group.setdefault(f"{head}.local_experts.<e>.{param}", {})[int(e)] = float(
+            np.sqrt((grad.double().numpy() ** 2).sum()))
+    assert len(per_group) == LAYERS * 4 and all(len(v) == EXPERTS for v in per_group.values())
+
+    def check(items, want_groups, experts):
+        assert {i["group"] for i in items} == set(want_groups)
+        for item in items:
+            norms = want_groups[item["group"]]
+            assert item["scope"] == "reduced" and item["step"] == last and item["experts"] == experts
+            assert item["quietest"] == min(norms, key=norms.get) and item["loudest"] == max(norms, key=norms.get)
+            assert np.isclose(item["quietest_norm"], min(norms.values()), rtol=1e-5)
+            assert np.isclose(item["loudest_norm"], max(norms.values()), rtol=1e-5)
+
+    stdout = io.StringIO()
+    main(["anomalies", str(out / "merged"), "--json", "--limit", "0"], out=stdout, err=io.StringIO())
+    check(json.loads(stdout.getvalue())["experts"]["items"], per_group, EXPERTS)
+    text = io.StringIO()
+    main(["summary", str(out / "merged")], out=text, err=io.StringIO())
+    assert "experts:" in text.getvalue() and "widest spread" in text.getvalue()
+    # one rank: its own experts, local names (local index i is global ep_rank * 2 + i)
+    rank = next(r for r in range(WORLD) if saved[r]["meta"]["pp"][0] == 0 and saved[r]["meta"]["ep"][0] == 1)
+    local = EXPERTS // EP
+    mine = {}
+    for group, norms in per_group.items():
+        layer = int(group.split("decoder.layers.")[1].split(".")[0])
+        if layer < LAYERS // saved[rank]["meta"]["pp"][1]:
+            mine[group] = {e - local: n for e, n in norms.items() if e >= local}
+    stdout = io.StringIO()
+    main(["anomalies", str(out / "run"), "--ranks", str(rank), "--json", "--limit", "0"], out=stdout,
+         err=io.StringIO())
+    check(json.loads(stdout.getvalue())["experts"]["items"], mine, local)

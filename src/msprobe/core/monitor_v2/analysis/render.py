@@ -128,6 +128,13 @@ def anomaly_tables(report: Report, limit: int) -> AnomalyTables:
         headers, moe_rows = moe_table(report.moe)
         out["MoE routing (dead experts, imbalance, collapse, logit growth, duplicates)"] = (
             headers, _limit(moe_rows, limit), report.moe_settings.describe() if report.moe_settings else "")
+    if report.experts:
+        from .moe import spread_table
+
+        headers, spread_rows = spread_table(report.experts)
+        out["Experts side by side (gradient norm per expert, latest step)"] = (
+            headers, _limit(spread_rows, limit), "the rows of one parameter of every expert of a layer, grouped by "
+            "expert index: the quietest and the loudest expert (information, not a finding)")
     return out
 
 
@@ -200,6 +207,8 @@ def report_json(report: Report, limit: int) -> Dict[str, Any]:
             "count": len(report.moe), "items": report.moe[:lim],
             "rule": report.moe_settings.describe() if report.moe_settings else "",
             "settings": dict(report.moe_settings.__dict__) if report.moe_settings else {}}}),
+        **({} if not report.experts else {"experts": {"count": len(report.experts),
+                                                       "items": report.experts[:lim]}}),
         "problems": _problems_json(report.problems),
         "anomalies_found": report.anomalies_found,
     }
@@ -294,6 +303,7 @@ def summary_text(report: Report) -> str:
     lines += _headline_nonfinite(report) + _headline_localisation(report) + _headline_spikes(report)
     lines += _headline_ranks(report) + _headline_evidence(report)
     lines += _headline_moe(report)
+    lines += _headline_experts(report)
     lines += _headline_runs(report)
     if report.problems.count:
         lines.append(f"  malformed input:   {report.problems.summary()} (see the warnings above)")
@@ -313,6 +323,17 @@ def _headline_moe(report: Report) -> List[str]:
     return [f"  moe routing:       {len(report.moe)} finding(s) ("
             + ", ".join(f"{k} {n}" for k, n in kinds.items())
             + f"); first: rank {first['rank']} {first['router']}: {first['detail']}"]
+
+
+def _headline_experts(report: Report) -> List[str]:
+    if not report.experts:
+        return []
+    widest = max(report.experts, key=lambda s: math.inf if s["ratio"] is None else s["ratio"])
+    where = "" if report.layout.merged is not None else f"rank {widest['rank']} "
+    return [f"  experts:           {len(report.experts)} group(s) of per-expert gradient rows; widest spread: "
+            f"{where}{widest['group']} ({widest['scope']}, step {widest['step']}): expert {widest['quietest']} "
+            f"quietest ({widest['quietest_norm']:.4g}), expert {widest['loudest']} loudest "
+            f"({widest['loudest_norm']:.4g})"]
 
 
 def _headline_runs(report: Report) -> List[str]:
