@@ -126,12 +126,14 @@ def anomaly_tables(report: Report, limit: int) -> AnomalyTables:
         from .moe import moe_table
 
         headers, moe_rows = moe_table(report.moe)
+        moe_rows = [[rank_label(report.layout, r[0])] + r[1:] for r in moe_rows]  # 'merged' on a merged view
         out["MoE routing (dead experts, imbalance, collapse, logit growth, duplicates)"] = (
             headers, _limit(moe_rows, limit), report.moe_settings.describe() if report.moe_settings else "")
     if report.experts:
         from .moe import spread_table
 
         headers, spread_rows = spread_table(report.experts)
+        spread_rows = [[rank_label(report.layout, r[0])] + r[1:] for r in spread_rows]
         out["Experts side by side (gradient norm per expert, latest step)"] = (
             headers, _limit(spread_rows, limit), "the rows of one parameter of every expert of a layer, grouped by "
             "expert index: the quietest and the loudest expert (information, not a finding)")
@@ -798,7 +800,7 @@ def merge_text(rep: "MergeReport", out_dir: str, dest: str, limit: int, code: in
         more = [e for kind in rep.examples for e in rep.examples[kind][1:]]
         for e in _limit(more, max(limit - 1, 0) if limit else 0):
             lines.append(f"  also: step {e['step']} {e['monitor']} {e['module_name']} ({e['scope']}): {e['why']}")
-        lines.append("  (rows counted: merged rows for unknown/partial/incomplete, input rows for cc/no_layout; "
+        lines.append("  (rows counted: merged rows for unknown/partial/incomplete, input rows for cc/no_layout/moe; "
                      "all in merge.json)")
     if rep.layout_unknown:
         lines += ["", "WHAT THE LAYOUTS COULD NOT SAY"]
