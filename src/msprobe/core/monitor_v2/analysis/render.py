@@ -324,7 +324,7 @@ def _headline_moe(report: Report) -> List[str]:
     first = report.moe[0]
     return [f"  moe routing:       {len(report.moe)} finding(s) ("
             + ", ".join(f"{k} {n}" for k, n in kinds.items())
-            + f"); first: rank {first['rank']} {first['router']}: {first['detail']}"]
+            + f"); first: rank {rank_label(report.layout, first['rank'])} {first['router']}: {first['detail']}"]
 
 
 def _headline_experts(report: Report) -> List[str]:
