@@ -159,7 +159,7 @@ def test_tp_split_pieces_combine_to_the_full_tensor_and_unreduced_rows_stay_per_
     dest = tmp_path / "merged"
     rep = merge(run.root, dest, engine)
     assert rep.disagreements == 0 and rep.left_out == {"unknown": 0, "partial": 0, "incomplete": 0, "cc": 0,
-                                                        "no_layout": 0}
+                                                        "no_layout": 0, "moe": 0}
     wg = read_merged(dest, "weight_grad")
     assert list(wg[0]) == ["step", "module_name", "scope", "micro_step", "dp_rank"] + list(OPS)
     got = {(int(r["step"]), r["module_name"], r["scope"], r["dp_rank"]): r for r in wg}
@@ -249,7 +249,7 @@ def test_partial_unknown_incomplete_no_layout_and_cc_rows_are_left_out_and_count
     run.write()
     dest = tmp_path / "merged"
     rep = merge(run.root, dest, engine)
-    assert rep.left_out == {"unknown": 3, "partial": 1, "incomplete": 1, "cc": 2, "no_layout": 2}
+    assert rep.left_out == {"unknown": 3, "partial": 1, "incomplete": 1, "cc": 2, "no_layout": 2, "moe": 0}
     assert rep.no_layout_ranks == [2]
     assert any("rank(s) 2" in n and "no_layout" in n for n in rep.notes)
     assert rep.layout_unknown == ["rank 0: u: the stack does not say how it is split"]

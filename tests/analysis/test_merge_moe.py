@@ -109,9 +109,9 @@ def test_token_counts_summed_over_the_groups_that_see_different_tokens(tmp_path)
         _rank(tmp_path / "run", rank, {"dp": (dp, 2), "tp": (tp, 2)}, router, [["dp", dp, 2]],
               [(s, per_dp[dp][s]) for s in range(2)])
     report = merge_run(str(tmp_path / "run"), str(tmp_path / "merged"), engine="python")
-    assert "moe_tokens.csv" in report.files and "moe_counts.csv" in report.files
+    assert "moe.csv" in report.files and "moe_counts.csv" in report.files
     counts = read_csv(tmp_path / "merged" / "moe_counts.csv")
-    tokens = read_csv(tmp_path / "merged" / "moe_tokens.csv")
+    tokens = read_csv(tmp_path / "merged" / "moe.csv")
     for s in range(2):
         total = per_dp[0][s] + per_dp[1][s]
         row = one(counts, step=str(s), module_name=f"{router}.tokens_per_expert")
@@ -134,4 +134,4 @@ def test_token_counts_of_an_incomplete_or_disagreeing_run(tmp_path):
     report = merge_run(str(tmp_path / "a"), str(tmp_path / "ma"), engine="python")
     assert any("do not cover" in n for n in report.notes), report.notes
     assert any("different counts" in n for n in report.notes), report.notes
-    assert read_csv(tmp_path / "ma" / "moe_tokens.csv") == []
+    assert read_csv(tmp_path / "ma" / "moe.csv") == []

@@ -68,7 +68,7 @@ def test_ddp_merge_keeps_replicated_rows_once_and_per_rank_rows_per_dp_rank(runs
     assert res.code == 0, res.out + res.err
     rep = res.json()
     assert rep["disagreements"] == 0 and rep["exit_code"] == 0
-    assert rep["left_out"] == {"unknown": 0, "partial": 0, "incomplete": 0, "cc": 0, "no_layout": 0}
+    assert rep["left_out"] == {"unknown": 0, "partial": 0, "incomplete": 0, "cc": 0, "no_layout": 0, "moe": 0}
     assert rep["ranks"] == [0, 1] and rep["world_size"] == 2 and rep["groups"] == {"dp": 2}
     per_rank = {m: [rank_rows(run, r, m) for r in (0, 1)] for m in ("module", "weight_grad", "optimizer", "param")}
     assert rep["rows_read"] == sum(len(rows) for both in per_rank.values() for rows in both)

@@ -11,6 +11,7 @@ import json
 import math
 from typing import Any, Dict, List
 
+import numpy as np
 import pytest
 import torch
 
@@ -203,3 +204,36 @@ def test_experts_without_gradient_from_expert_norms_rows(tmp_path):
     assert [(i["kind"], i["router"], i["step"], i["steps"], i["value"]) for i in items] == [
         ("experts without gradient", "layers.0.mlp.experts.down_proj", 1, 3, 1)]
     assert anomalies(tmp_path / "out", "--moe-steps", "4")["moe"]["items"] == []
+
+
+def test_grouped_experts_side_by_side(tmp_path):
+    """A grouped expert tensor's ``<param>.expert.<e>`` gradient rows (``"per_expert": true``)
+    grouped by expert index: ``anomalies`` names each layer's quietest and loudest expert of
+    the last step, equal to NumPy over the gradients this test copied before the update."""
+    model = gpt_oss()
+    torch.manual_seed(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = TrainerMonitorV2({"output_dir": str(tmp_path / "out"), "monitors": {
+        "moe": {"enabled": True}, "module": {"enabled": False},
+        "weight_grad": {"enabled": True, "per_expert": True}}})
+    mon.start(model=model, optimizer=opt)
+    grouped = {n: p for n, p in model.named_parameters() if p.dim() == 3 and ".experts." in n}
+    assert len(grouped) == 4
+    last = {}
+    for _ in range(2):
+        x = torch.randint(0, VOCAB, (2, 32))
+        model(input_ids=x, labels=x).loss.backward()
+        last = {n: p.grad.detach().double().numpy().copy() for n, p in grouped.items()}
+        opt.step()
+        opt.zero_grad()
+    mon.stop()
+    assert mon.errors.count == 0
+    items = anomalies(tmp_path / "out")["experts"]["items"]
+    assert {i["group"] for i in items} == {f"{n}.expert.<e>" for n in grouped}
+    for item in items:
+        grad = last[item["group"][: -len(".expert.<e>")]]
+        norms = np.sqrt((grad.reshape(grad.shape[0], -1) ** 2).sum(1))
+        assert item["step"] == 1 and item["experts"] == 8
+        assert item["quietest"] == int(norms.argmin()) and item["loudest"] == int(norms.argmax())
+        assert np.isclose(item["quietest_norm"], norms.min(), rtol=1e-5)
+        assert np.isclose(item["loudest_norm"], norms.max(), rtol=1e-5)

@@ -106,7 +106,7 @@ def check_merge(out, refs, mbs, tmp_path):
     dest = tmp_path / "merged"
     summary = merge_run(str(out), str(dest)).to_json()
     assert summary["disagreements"] == 0, summary
-    assert summary["left_out"] == {"unknown": 0, "partial": 0, "incomplete": 0, "cc": 0, "no_layout": 0}, summary
+    assert summary["left_out"] == {"unknown": 0, "partial": 0, "incomplete": 0, "cc": 0, "no_layout": 0, "moe": 0}, summary
     merged = read_csv(dest / "weight_grad.csv")
     for s in range(STEPS):
         for name in PARAMS:

@@ -80,7 +80,7 @@ def check_merged(src, dest, refs, dp_ranks, partial=0):
     and exp_avg of the whole tensor and one unreduced row per dp rank (``dp_ranks``:
     ``{dp rank: its reference}``) of that rank's own gradient of the whole tensor."""
     summary = merge_run(str(src), str(dest)).to_json()
-    assert summary["left_out"] == {"unknown": 0, "partial": partial, "incomplete": 0, "cc": 0, "no_layout": 0}, summary
+    assert summary["left_out"] == {"unknown": 0, "partial": partial, "incomplete": 0, "cc": 0, "no_layout": 0, "moe": 0}, summary
     assert summary["disagreements"] == 0, summary
     names = list(refs[0]["steps"][0]["param"])
     grad = read_csv(dest / "weight_grad.csv")

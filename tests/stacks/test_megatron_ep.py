@@ -13,11 +13,18 @@ What is checked, against the worker's own references (each parameter's reduced
 - ``merge_run``: every expert's merged ``reduced`` gradient, ``param_origin`` and
   ``exp_avg`` rows under the global name equal NumPy on the worker's tensors; nothing left
   out, no replica disagrees;
-- the routers' token counts (the ``moe`` monitor's sidecar format, written by the worker)
-  summed over the data-parallel group into global ``tokens_per_expert`` rows equal the sum
-  of the ranks' routing maps.
+- the ``moe`` monitor (``"per_expert": true``) on every rank: its ``tokens_per_expert``
+  rows and its sidecar equal the rank's routing maps summed; each router's ``layout.json``
+  entry carries the monitor's fields (``num_experts``, ``top_k``, ``score``) beside the
+  stack's (``local_experts``, ``tokens``, ``expert_params``);
+- ``merge`` sums the sidecars over the data-parallel group into global ``tokens_per_expert``
+  rows (``DEST/moe.csv``) equal to the sum of the ranks' routing maps, leaves the per-rank
+  ``moe`` rows out (counted), and ``summary``/``anomalies`` on the merged view judge the
+  global counts (MaxVio, CV and dead experts of the summed vector).
 """
 
+import io
+import json
 import time
 from pathlib import Path
 
@@ -30,7 +37,10 @@ from support.extras import require
 
 require("megatron.core", "the expert-parallel test trains Megatron-Core's MoE GPT on 4 gloo ranks")
 
+from msprobe.core.monitor_v2.analysis.cli import main  # noqa: E402
 from msprobe.core.monitor_v2.analysis.merge import merge_run  # noqa: E402
+from msprobe.core.monitor_v2.analysis.moe import IMBALANCE, MoeSettings, moe_findings  # noqa: E402
+from msprobe.core.monitor_v2.analysis.reader import Problems, scan  # noqa: E402
 from msprobe.core.monitor_v2.layout import load_layout, rename  # noqa: E402
 
 WORKER = Path(__file__).parent / "workers" / "megatron_ep.py"
@@ -81,11 +91,17 @@ def test_layout_describes_expert_parallel_parameters(run):
             assert entry["local_experts"] == [ep_rank * local, local]
             assert entry["tokens"] == {"split": [["dp", dp_rank, dp_size]], "partial": True}
             assert len(entry["expert_params"]) == 4 * local
+            # the moe monitor's own entry went in beside the stack's: the same router, its
+            # experts as the monitor found them
+            assert entry["experts"].endswith("mlp.experts")
 
 
 def test_merge_combines_experts_under_global_names(run):
     out, saved, report = run
-    assert report.disagreements == 0 and not any(report.left_out.values()), report.to_json()
+    moe_rows = sum(len(read_csv(f)) for f in (out / "run").glob("rank_*/moe_*.csv") if "counts" not in f.name)
+    assert moe_rows > 0
+    assert report.disagreements == 0 and report.left_out == {
+        "unknown": 0, "partial": 0, "incomplete": 0, "cc": 0, "no_layout": 0, "moe": moe_rows}, report.to_json()
     wg = read_csv(out / "merged" / "weight_grad.csv")
     pr = read_csv(out / "merged" / "param.csv")
     opt = read_csv(out / "merged" / "optimizer.csv")
@@ -117,7 +133,7 @@ def test_merge_combines_experts_under_global_names(run):
 def test_merge_sums_token_counts_over_data_parallel(run):
     out, saved, report = run
     counts = read_csv(out / "merged" / "moe_counts.csv")
-    tokens = read_csv(out / "merged" / "moe_tokens.csv")
+    tokens = read_csv(out / "merged" / "moe.csv")
     routers = sorted({n for r in range(WORLD) for n in saved[r]["meta"]["global_routers"]})
     assert len(routers) == LAYERS and len(counts) == len(tokens) == STEPS * LAYERS
     dp = saved[0]["meta"]["dp"][1]
@@ -135,3 +151,93 @@ def test_merge_sums_token_counts_over_data_parallel(run):
             want = {"min": float(total.min()), "max": float(total.max()), "mean": float(total.mean()),
                     "norm": float(np.sqrt((total.astype(np.float64) ** 2).sum())), "nans": 0}
             assert_row_matches(got, want)
+
+
+def test_moe_monitor_counts_each_rank_and_writes_its_sidecar(run):
+    out, saved, _ = run
+    for r in range(WORLD):
+        rank_dir = out / "run" / f"rank_{r}"
+        rows = [x for f in sorted(rank_dir.glob("moe_*.csv")) if "counts" not in f.name for x in read_csv(f)]
+        sidecar = [x for f in sorted(rank_dir.glob("moe_counts_step*.csv")) for x in read_csv(f)]
+        local = saved[r]["full"]["local"]
+        assert len(sidecar) == STEPS * len(local[0]) and local[0]
+        for step in range(STEPS):
+            for router, counts in local[step].items():
+                want = counts.numpy().astype(np.float64)
+                name = f"{router}.tokens_per_expert"
+                side = [x for x in sidecar if x["step"] == str(step) and x["module_name"] == name]
+                assert len(side) == 1 and [int(c) for c in side[0]["counts"].split(";")] == want.astype(int).tolist()
+                got = [x for x in rows if x["step"] == str(step) and x["module_name"] == name and x["scope"] == "routing"]
+                assert len(got) == 1, (r, step, name)
+                assert_row_matches(got[0], {"min": want.min(), "max": want.max(), "mean": want.mean(),
+                                            "norm": float(np.sqrt((want ** 2).sum())), "nans": 0})
+                assert int(got[0]["zeros"]) == int((want == 0).sum())
+
+
+def test_merged_view_findings_use_the_global_counts(run):
+    out, saved, report = run
+    routers = sorted({n for r in range(WORLD) for n in saved[r]["meta"]["global_routers"]})
+    assert report.to_json()["moe"] == {r: {"num_experts": EXPERTS, "top_k": 2, "score": "softmax"} for r in routers}
+    # every written step flagged (MaxVio > 0, one step enough): each finding's value is the
+    # MaxVio of the first step, which must be the global vector's, not a rank's
+    settings = MoeSettings(dead_steps=1, maxvio=0.0, cv=float("inf"))
+    merged = moe_findings(scan(str(out / "merged")), Problems(), settings)
+    for router in routers:
+        total = sum(saved[r]["full"]["tokens"][0][router].numpy() for r in range(WORLD)
+                    if router in saved[r]["full"]["tokens"][0]).astype(np.float64)
+        found = [f for f in merged if f["kind"] == IMBALANCE and f["router"] == router]
+        assert len(found) == 1 and found[0]["rank"] == 0 and found[0]["step"] == 0
+        assert found[0]["value"] == round(total.max() / total.mean() - 1, 6)
+        cv = float(np.sqrt(max((total ** 2).sum() / EXPERTS - total.mean() ** 2, 0.0)) / total.mean())
+        assert f"CV {cv:.3g}" in found[0]["detail"]
+        dead = [f for f in merged if f["kind"] == "dead experts" and f["router"] == router]
+        assert len(dead) == (1 if (total == 0).any() else 0)
+
+
+def test_reading_tools_put_the_experts_side_by_side(run):
+    """``summary``/``anomalies`` group the experts' gradient rows by expert index (each
+    layer's parameter over its experts): the quietest and loudest expert of the last step,
+    on the merged view (all 4 experts, global names) and on one rank (its 2 local experts,
+    local names), equal to NumPy over the worker's reduced gradients."""
+    out, saved, _ = run
+    last = STEPS - 1
+    grads = {}
+    for r in range(WORLD):
+        grads.update(saved[r]["full"]["grad"][last])
+    per_group = {}
+    for name, grad in grads.items():
+        if ".local_experts." not in name:
+            continue
+        head, _, tail = name.partition(".local_experts.")
+        e, _, param = tail.partition(".")
+        per_group.setdefault(f"{head}.local_experts.<e>.{param}", {})[int(e)] = float(
+            np.sqrt((grad.double().numpy() ** 2).sum()))
+    assert len(per_group) == LAYERS * 4 and all(len(v) == EXPERTS for v in per_group.values())
+
+    def check(items, want_groups, experts):
+        assert {i["group"] for i in items} == set(want_groups)
+        for item in items:
+            norms = want_groups[item["group"]]
+            assert item["scope"] == "reduced" and item["step"] == last and item["experts"] == experts
+            assert item["quietest"] == min(norms, key=norms.get) and item["loudest"] == max(norms, key=norms.get)
+            assert np.isclose(item["quietest_norm"], min(norms.values()), rtol=1e-5)
+            assert np.isclose(item["loudest_norm"], max(norms.values()), rtol=1e-5)
+
+    stdout = io.StringIO()
+    main(["anomalies", str(out / "merged"), "--json", "--limit", "0"], out=stdout, err=io.StringIO())
+    check(json.loads(stdout.getvalue())["experts"]["items"], per_group, EXPERTS)
+    text = io.StringIO()
+    main(["summary", str(out / "merged")], out=text, err=io.StringIO())
+    assert "experts:" in text.getvalue() and "widest spread" in text.getvalue()
+    # one rank: its own experts, local names (local index i is global ep_rank * 2 + i)
+    rank = next(r for r in range(WORLD) if saved[r]["meta"]["pp"][0] == 0 and saved[r]["meta"]["ep"][0] == 1)
+    local = EXPERTS // EP
+    mine = {}
+    for group, norms in per_group.items():
+        layer = int(group.split("decoder.layers.")[1].split(".")[0])
+        if layer < LAYERS // saved[rank]["meta"]["pp"][1]:
+            mine[group] = {e - local: n for e, n in norms.items() if e >= local}
+    stdout = io.StringIO()
+    main(["anomalies", str(out / "run"), "--ranks", str(rank), "--json", "--limit", "0"], out=stdout,
+         err=io.StringIO())
+    check(json.loads(stdout.getvalue())["experts"]["items"], mine, local)

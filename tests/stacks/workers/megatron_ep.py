@@ -20,9 +20,9 @@ copy of each expert) under the parameter's global name (local expert ``i`` of
 expert-parallel rank ``r`` is expert ``r * E_local + i``, layers under their global number) to
 ``<OUT_DIR>/<config>/full_rank<r>.pt``;
 and each router's tokens per expert (its routing map summed, every training micro-batch
-of the step), written in the ``moe`` monitor's sidecar format (``rank_<r>/
-moe_counts_step<a>-<b>.csv``: ``vpp_stage,step,module_name,counts``) next to the
-monitor's files, as that monitor would write them.
+of the step), under its local name (``local``) and its global one (``tokens``). The
+monitor's ``moe`` monitor runs with ``"per_expert": true``: its sidecar
+(``rank_<r>/moe_counts_step<a>-<b>.csv``) is what ``merge`` sums.
 """
 
 import os
@@ -130,7 +130,8 @@ def train(out_dir: str, pp: int) -> None:
     local = EXPERTS // EP
     run_dir = os.path.join(out_dir, "run")
     monitors = {"weight_grad": {"enabled": True, "ops": ["min", "max", "mean", "norm", "nans", "zeros"]},
-                "optimizer": {"enabled": True}, "param": {"enabled": True}, "module": {"enabled": False}}
+                "optimizer": {"enabled": True}, "param": {"enabled": True}, "module": {"enabled": False},
+                "moe": {"enabled": True, "per_expert": True}}
     mon = TrainerMonitorV2({"output_dir": run_dir, "async_write": False, "monitors": monitors})
     mon.start(model=model, optimizer=opt, grad_acc_steps=ACC)
 
@@ -149,8 +150,7 @@ def train(out_dir: str, pp: int) -> None:
     names = {id(p): global_expert_name(n, ep_rank, local, numbers) for n, p in params}
     is_expert = {id(p): not getattr(p, "allreduce", True) for _, p in params}
     keep_dense, keep_expert = dp_rank == 0, edp_rank == 0
-    full = {"grad": [], "param": [], "exp_avg": [], "tokens": []}
-    local_counts = []
+    full = {"grad": [], "param": [], "exp_avg": [], "tokens": [], "local": []}
     inner = [o.optimizer for o in getattr(opt, "chained_optimizers", [opt])]
     forward_backward = get_forward_backward_func()
     for step in range(STEPS):
@@ -174,19 +174,11 @@ def train(out_dir: str, pp: int) -> None:
                     if id(p) in names and p in o.state:
                         states[id(p)] = o.state[p]["exp_avg"].detach().clone()
         full["exp_avg"].append({names[id(p)]: states[id(p)] for _, p in kept if id(p) in states})
-        local_counts.append({n: c.clone() for n, c in counts.items()})
+        full["local"].append({n: c.clone() for n, c in counts.items()})
         full["tokens"].append({global_expert_name(n, ep_rank, local, numbers): c.clone() for n, c in counts.items()})
     mon.stop()
     for h in hooks:
         h.remove()
-    # the moe monitor's sidecar, in its format (its own writer is another part of issue 49),
-    # under the routers' local names
-    rank_dir = os.path.join(run_dir, f"rank_{rank}")
-    with open(os.path.join(rank_dir, f"moe_counts_step0-{STEPS - 1}.csv"), "w") as fh:
-        fh.write("vpp_stage,step,module_name,counts\n")
-        for step in range(STEPS):
-            for name, c in local_counts[step].items():
-                fh.write(f"0,{step},{name}.tokens_per_expert,{';'.join(str(int(x)) for x in c)}\n")
     meta = {"ep": (ep_rank, EP), "edp": (edp_rank, ps.get_expert_data_parallel_world_size()),
             "dp": (dp_rank, ps.get_data_parallel_world_size(with_context_parallel=True)),
             "routers": sorted(routers), "pp": (ps.get_pipeline_model_parallel_rank(), pp),

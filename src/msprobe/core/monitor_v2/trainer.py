@@ -13,6 +13,7 @@ there. The first time the child ends a step (a patched ``optimizer.step()``, or
 worker) says nothing.
 """
 
+import json
 import logging
 import math
 import numbers

@@ -411,12 +411,13 @@ def _analyse(args: argparse.Namespace, engine: AnalysisEngine, layout: Layout, p
     report = engine.analyse(layout, problems, spikes, rank_check, steps=parse_steps(args.steps),
                             limit=None if args.limit == 0 else args.limit,
                             progress=True if args.progress else None, visitors=visitors, progress_stream=err)
-    from .moe import MoeSettings, moe_findings
+    from .moe import MoeSettings, expert_spread, moe_findings
 
     report.moe_settings = MoeSettings(dead_steps=args.moe_steps, maxvio=args.moe_maxvio, cv=args.moe_cv,
                                       entropy_fraction=args.moe_entropy, logit_growth=args.moe_logit_growth,
                                       cosine=args.moe_cosine)
     report.moe = moe_findings(layout, problems, report.moe_settings, parse_steps(args.steps))
+    report.experts = expert_spread(layout, problems, parse_steps(args.steps))
     return report
 
 

@@ -25,7 +25,10 @@ gathered:
   only when its pieces add up to the whole tensor; otherwise, or when a piece is
   ``"unknown"`` or ``partial``, it is left out and counted, never guessed.
 
-``cc`` rows are per-rank communication calls: not merged, counted. A rank without a
+``cc`` rows are per-rank communication calls: not merged, counted. ``moe`` rows are a
+rank's statistics of the tokens it routed: not merged, counted (``left_out["moe"]``); the
+global ``tokens_per_expert`` rows come from the ``per_expert`` sidecars
+(``merge_moe.py``: ``DEST/moe.csv``, the routers' E and top-k in merge.json's ``moe``). A rank without a
 readable ``layout.json`` has its rows counted as ``no_layout``.
 
 Runs: a step that several runs wrote (a run resumed or re-run into the same output_dir,
@@ -76,7 +79,9 @@ DISAGREEMENT_COLUMNS: Tuple[str, ...] = ("step", "monitor", "module_name", "scop
 
 # What a merged row can be left out for (the keys of merge.json's "left_out").
 UNKNOWN, PARTIAL, INCOMPLETE, CC, NO_LAYOUT = "unknown", "partial", "incomplete", "cc", "no_layout"
-LEFT_OUT_KINDS: Tuple[str, ...] = (UNKNOWN, PARTIAL, INCOMPLETE, CC, NO_LAYOUT)
+# the moe monitor's rows: each rank's statistics of the tokens it routed (see merge_run)
+MOE_PER_RANK = "moe"
+LEFT_OUT_KINDS: Tuple[str, ...] = (UNKNOWN, PARTIAL, INCOMPLETE, CC, NO_LAYOUT, MOE_PER_RANK)
 EXAMPLES = 5  # examples kept per kind of left-out row, and disagreements kept for the report
 
 # phases (rows.execution_phase) ordered by virtual pipeline stage descending: backward, unreduced
@@ -134,6 +139,9 @@ class MergeReport:
     earlier: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     missing_ranks: List[int] = field(default_factory=list)  # below world_size, with no rank directory
     layout_unknown: List[str] = field(default_factory=list)  # the layouts' "unknown" lines, each once
+    # the routers of the merged moe.csv under their global names: num_experts, top_k, score
+    # (what summary/anomalies read from a rank's layout.json, for the merged view)
+    moe: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
     problems: Optional[Problems] = None
 
@@ -146,7 +154,7 @@ class MergeReport:
             # beyond the fixed keys: what the CLI and a reader may want without re-reading
             "rtol": self.rtol, "monitors": dict(self.rows_per_monitor), "disagreeing_rows": self.disagreeing_rows,
             "no_layout_ranks": self.no_layout_ranks, "missing_ranks": self.missing_ranks,
-            "layout_unknown": self.layout_unknown, "earlier_rows": self.earlier_rows,
+            "layout_unknown": self.layout_unknown, "earlier_rows": self.earlier_rows, "moe": self.moe,
         }
 
     @property
@@ -481,7 +489,7 @@ def merge_run(source: str, dest: str, rtol: float = 1e-5, *, problems: Optional[
                 if monitor not in MERGED_MONITORS:
                     n = _count_rows(monitor, per_rank, problems, report, progress)
                     report.rows_read += n
-                    report._leave_out(CC, n, None)
+                    report._leave_out(MOE_PER_RANK if monitor == rows.MOE else CC, n, None)
                     continue
                 _merge_monitor(out, dis, monitor, per_rank, layouts, rtol, problems, report, progress, engine)
         for monitor in MERGED_MONITORS:
@@ -490,14 +498,28 @@ def merge_run(source: str, dest: str, rtol: float = 1e-5, *, problems: Optional[
                 out.remove(name)  # a previous merge's file this run has no rows for
         report.files = [merged_file(m) for m in MERGED_MONITORS if m in report.rows_per_monitor]
         rank_dirs = {r: os.path.join(_root_of(source, files.ranks), f"rank_{r}") for r in files.ranks}
-        tokens = merge_token_counts(rank_dirs, {r: rl.doc for r, rl in layouts.items()}, out, report.notes)
-        if tokens:
+        tokens = merge_token_counts(rank_dirs, {r: rl.doc for r, rl in layouts.items()}, out, report.notes,
+                                    report.moe)
+        if tokens is not None:
             report.files += [COUNTS_FILE, TOKENS_FILE]
+            report.rows_per_monitor[rows.MOE] = tokens
+            report.rows_written += tokens
             report.notes.append(f"{tokens} global tokens_per_expert row(s) in {TOKENS_FILE} (the routers' counts "
                                 f"summed over the groups whose ranks route different tokens; vectors in {COUNTS_FILE})")
+        else:
+            for stale in (COUNTS_FILE, TOKENS_FILE):  # a previous merge's, of a run that now has no sidecar
+                if stale in out.listdir():
+                    out.remove(stale)
         report.files += [DISAGREEMENTS_FILE, REPORT_FILE]
         if report.left_out[CC]:
             report.notes.append(f"{report.left_out[CC]} cc row(s) not merged: communication calls are per rank")
+        if report.left_out[MOE_PER_RANK]:
+            report.notes.append(
+                f"{report.left_out[MOE_PER_RANK]} moe row(s) not merged: each is a rank's statistics of the tokens it "
+                "routed (entropy, logits, lse are per-token statistics whose pieces no layout describes; a rank's "
+                "tokens_per_expert is one piece of the global count) and weight_cosine is the router weight's; the "
+                f"global token counts come from the per_expert sidecars"
+                + (f", in {TOKENS_FILE}" if tokens is not None else " (none written: set monitors.moe.per_expert to true)"))
         note = report.earlier_note()
         if note is not None:
             report.notes.append(note)

@@ -11,12 +11,14 @@ context parallel, and tensor parallel with sequence parallelism). Ranks that dif
 in the other groups route the same tokens: replicas, which must agree.
 
 :func:`merge_token_counts` writes ``DEST/moe_counts.csv`` (``step,module_name,counts``:
-the global vectors) and ``DEST/moe_tokens.csv`` (``step,module_name,scope,min,max,mean,
-norm,nans,zeros``, scope ``routing``: the statistics of each global vector, as the
-monitor's ``tokens_per_expert`` rows hold them for one rank), router names under the
-layout's ``rename`` rules. A router whose ranks do not cover its groups, or that a
-rank's layout does not describe, is left out and said in the report's notes; replicas
-that disagree are counted there (the lowest rank's vector is used). Standard library only.
+the global vectors) and ``DEST/moe.csv`` (``step,module_name,scope,min,max,mean,norm,
+nans,zeros``, scope ``routing``: the statistics of each global vector, as the monitor's
+``tokens_per_expert`` rows hold them for one rank; the merged view's ``moe`` file, which
+``summary``/``anomalies``/``plot`` read with the routers' E and top-k from ``merge.json``'s
+``moe``), router names under the layout's ``rename`` rules. A router whose ranks do not
+cover its groups, or that a rank's layout does not describe, is left out and said in the
+report's notes; replicas that disagree are counted there (the lowest rank's vector is
+used). Standard library only.
 """
 
 import csv
@@ -32,7 +34,8 @@ from ..safe_fs import SafeDir, read_regular_file
 
 SIDECAR_RE = re.compile(r"^moe_counts_step(\d+)-(\d+)(?:\.run(\d+))?\.csv$")
 COUNTS_FILE = "moe_counts.csv"
-TOKENS_FILE = "moe_tokens.csv"
+# the global rows are the merged view's moe monitor file (summary/anomalies/plot read it)
+TOKENS_FILE = "moe.csv"
 TOKENS_SUFFIX = ".tokens_per_expert"
 ROUTING = "routing"
 TOKENS_HEADER = ("step", "module_name", "scope", "min", "max", "mean", "norm", "nans", "zeros")
@@ -87,9 +90,12 @@ def _router_split(doc: Dict[str, Any], router: str) -> Optional[List[List[Any]]]
 
 
 def merge_token_counts(rank_dirs: Dict[int, str], docs: Dict[int, Dict[str, Any]], out: SafeDir,
-                       notes: List[str]) -> int:
+                       notes: List[str], routers: Optional[Dict[str, Dict[str, Any]]] = None) -> Optional[int]:
     """Write the global token counts (see the module doc); returns the rows written to
-    ``TOKENS_FILE`` (0, and no file, where no rank wrote a sidecar)."""
+    ``TOKENS_FILE`` (None, and no file, where no rank wrote a sidecar). ``routers`` gets each
+    written router's ``num_experts``/``top_k``/``score`` under its global name (the
+    lowest rank's layout entry)."""
+    described: Dict[str, Dict[str, Any]] = {}
     # (step, global name) -> piece identity -> [(rank, counts)]
     groups: Dict[Tuple[int, str], Dict[Tuple[Tuple[str, int], ...], List[Tuple[int, List[int]]]]] = {}
     wholes: Dict[Tuple[int, str], int] = {}
@@ -123,8 +129,11 @@ def merge_token_counts(rank_dirs: Dict[int, str], docs: Dict[int, Dict[str, Any]
                 whole *= max(1, n)
             groups.setdefault((step, gname), {}).setdefault(ident, []).append((rank, counts))
             wholes[(step, gname)] = whole
+            entry = (doc.get("moe") or {}).get(router) or {}
+            described.setdefault(lay.rename(router, rules), {
+                k: entry[k] for k in ("num_experts", "top_k", "score") if k in entry})
     if not found:
-        return 0
+        return None
     for router, ranks in sorted(undescribed.items()):
         notes.append(f"moe counts of {router} (ranks {','.join(map(str, sorted(set(ranks))))}) left out: "
                      f"the rank's {lay.FILE_NAME} does not say over which groups its tokens differ (moe.<router>.tokens)")
@@ -144,6 +153,9 @@ def merge_token_counts(rank_dirs: Dict[int, str], docs: Dict[int, Dict[str, Any]
             continue
         total = [sum(col) for col in zip(*vectors)]
         count_lines.append(f"{step},{gname},{';'.join(map(str, total))}\n")
+        router = gname[: -len(TOKENS_SUFFIX)] if gname.endswith(TOKENS_SUFFIX) else gname
+        if routers is not None and router in described:
+            routers.setdefault(router, described[router])
         mn, mx, mean, norm, nans, zeros = vector_stats(total)
         token_lines.append(f"{step},{gname},{ROUTING},{mn:.9g},{mx:.9g},{mean:.9g},{norm:.9g},{nans},{zeros}\n")
     if incomplete:

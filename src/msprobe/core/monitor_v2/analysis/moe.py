@@ -15,12 +15,22 @@ Per rank and router, over the written steps in order (each step's latest rows):
 - **near-duplicate experts**: the largest pairwise cosine of the router weight's rows at or
   above ``cosine`` on the latest step.
 
+Per-expert rows (:func:`expert_spread`, shown by ``summary``/``anomalies``): the rows of
+one parameter of every expert of a layer (``...experts.<i>.<param>`` of a list of expert
+modules, ``<param>.expert.<e>`` of a grouped tensor) grouped by expert index, with the
+quietest and loudest expert's gradient norm at the latest step.
+
+On a merged view (``merge``'s DEST) the ``moe`` rows are the global ``tokens_per_expert``
+rows summed from the ranks' sidecars, and E and top-k come from ``merge.json``'s ``moe``:
+a dead expert is one that no rank sent a token to.
+
 Standard library only, as the rest of the reading tools' core.
 """
 
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -140,10 +150,12 @@ def moe_findings(layout: Layout, problems: Problems, settings: MoeSettings,
     found: List[Dict[str, Any]] = []
     any_rows = False
     for rank in layout.ranks:
-        routers = router_layout(layout.root, rank)
+        # a merged view: the global routers merge described (its moe.csv holds the global counts)
+        routers = (layout.merged.get("moe") or {}) if layout.merged is not None else router_layout(layout.root, rank)
         moe_rows = _latest_rows(layout, rank, rows.MOE, problems, steps) if layout.files_of(rank, rows.MOE) else {}
         grad_rows = (_latest_rows(layout, rank, rows.WEIGHT_GRAD, problems, steps)
-                     if layout.files_of(rank, rows.WEIGHT_GRAD) and has_grouped_experts(layout.root, rank) else {})
+                     if layout.files_of(rank, rows.WEIGHT_GRAD)
+                     and (layout.merged is not None or has_grouped_experts(layout.root, rank)) else {})
         any_rows = any_rows or bool(moe_rows) or bool(grad_rows)
         for (name, scope), by_step in sorted(moe_rows.items()):
             parsed = rows.moe_router_of(name)
@@ -244,3 +256,77 @@ def heat_maps(layout: Layout, rank: int, problems: Problems,
     vio = [[maxvio(per[r][s]) if s in per[r] else math.nan for s in all_steps] for r in routers]
     dead = [[float(per[r][s].get("zeros") or 0) if s in per[r] else math.nan for s in all_steps] for r in routers]
     return routers, all_steps, vio, dead
+
+
+# ----------------------------------------------------------------------- per-expert rows
+# a row of one expert: a module of a list of experts (transformers 4.x ``experts.<i>.``,
+# Megatron-Core ``SequentialMLP``'s ``local_experts.<i>.``, DeepSpeed ``deepspeed_experts.<i>.``),
+# or a grouped tensor's ``<param>.expert.<e>`` row (``"per_expert": true``)
+_EXPERT_MODULE = re.compile(r"^(?P<head>.*(?:^|\.)[^.]*experts\.)(?P<e>\d+)(?P<tail>\..+)$")
+_EXPERT_ROW = re.compile(r"^(?P<head>.+\.expert\.)(?P<e>\d+)(?P<tail>)$")
+_SPREAD_SCOPES = (rows.REDUCED, rows.UNREDUCED)  # the first present, per group
+SPREAD_HEADERS = ["rank", "experts of", "scope", "step", "experts", "quietest", "norm", "loudest", "norm",
+                  "loudest / quietest"]
+
+
+def expert_group(name: str) -> Optional[Tuple[str, int]]:
+    """``(name with the expert index as <e>, e)`` of a per-expert row, None for another row."""
+    m = _EXPERT_MODULE.match(name) or _EXPERT_ROW.match(name)
+    if m is None:
+        return None
+    return f"{m.group('head')}<e>{m.group('tail')}", int(m.group("e"))
+
+
+def expert_spread(layout: Layout, problems: Problems,
+                  steps: Optional[StepRange] = None) -> Optional[List[Dict[str, Any]]]:
+    """The quietest and loudest expert of each group of per-expert gradient rows (the same
+    parameter of every expert of a layer), at the latest step of each rank: ``weight_grad``
+    rows of scope ``reduced`` (``unreduced``, its last micro-step's row, where a run has no
+    reduced rows). None where no rank has such rows. Read only where a rank's layout names routers
+    or grouped experts (or on a merged view): a dense model's gradient files are not read
+    again."""
+    out: List[Dict[str, Any]] = []
+    for rank in layout.ranks:
+        if not layout.files_of(rank, rows.WEIGHT_GRAD):
+            continue
+        if layout.merged is None and not has_grouped_experts(layout.root, rank):
+            continue
+        # (group, scope) -> step -> expert -> norm
+        groups: Dict[Tuple[str, str], Dict[int, Dict[int, float]]] = {}
+        files = sorted((f for f in layout.files_of(rank, rows.WEIGHT_GRAD) if f.path.endswith(".csv")),
+                       key=lambda f: (f.first, f.run, f.mtime_ns))
+        for f in files:
+            for row in iter_rows(f, problems, steps):
+                # a merged view's unreduced rows: data-parallel rank 0's; rows of several
+                # micro-steps of a step: the last one read (the gradient accumulated so far)
+                if row.scope not in _SPREAD_SCOPES or row.dp not in (None, 0):
+                    continue
+                hit = expert_group(row.name)
+                norm = row.vals.get("norm")
+                if hit is None or norm is None or math.isnan(norm):
+                    continue
+                groups.setdefault((hit[0], row.scope), {}).setdefault(row.step, {})[hit[1]] = norm
+        taken = set()
+        for scope in _SPREAD_SCOPES:
+            for (group, sc), by_step in sorted(groups.items()):
+                if sc != scope or group in taken:
+                    continue
+                taken.add(group)
+                step = max(by_step)
+                norms = by_step[step]
+                if len(norms) < 2:
+                    continue
+                quiet = min(norms, key=lambda e: (norms[e], e))
+                loud = max(norms, key=lambda e: (norms[e], -e))
+                # None: the quietest expert got no gradient (no finite ratio; strict JSON has no inf)
+                ratio = norms[loud] / norms[quiet] if norms[quiet] > 0 else None
+                out.append({"rank": rank, "group": group, "scope": scope, "step": step, "experts": len(norms),
+                            "quietest": quiet, "quietest_norm": norms[quiet], "loudest": loud,
+                            "loudest_norm": norms[loud], "ratio": ratio})
+    return out or None
+
+
+def spread_table(spread: List[Dict[str, Any]]) -> Tuple[List[str], List[List[Any]]]:
+    return SPREAD_HEADERS, [[s["rank"], s["group"], s["scope"], s["step"], s["experts"], s["quietest"],
+                             f"{s['quietest_norm']:.6g}", s["loudest"], f"{s['loudest_norm']:.6g}",
+                             "inf" if s["ratio"] is None else f"{s['ratio']:.3g}"] for s in spread]

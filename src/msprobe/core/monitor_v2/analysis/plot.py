@@ -581,7 +581,9 @@ def draw_moe_heat_maps(layout: Any, rank: int, problems: Any, steps: Any, out_di
         ax.set_yticklabels(routers, fontsize=7)
         ax.set_xlabel("step")
         fig.colorbar(image, ax=ax)
-        title = f"moe: {what}, router x step (rank {rank})"
+        # a merged view: the model's counts (merge summed the ranks' sidecars)
+        who = "merged view: the model's tokens" if getattr(layout, "merged", None) is not None else f"rank {rank}"
+        title = f"moe: {what}, router x step ({who})"
         ax.set_title(title, fontsize=10)
         name = f"{numbered_from + i:03d}_moe_heat_{'maxvio' if i == 0 else 'dead'}.png"
         with replace_file(os.path.join(out_dir, name)) as fh:  # never through a link planted at the name

@@ -126,8 +126,17 @@ def anomaly_tables(report: Report, limit: int) -> AnomalyTables:
         from .moe import moe_table
 
         headers, moe_rows = moe_table(report.moe)
+        moe_rows = [[rank_label(report.layout, r[0])] + r[1:] for r in moe_rows]  # 'merged' on a merged view
         out["MoE routing (dead experts, imbalance, collapse, logit growth, duplicates)"] = (
             headers, _limit(moe_rows, limit), report.moe_settings.describe() if report.moe_settings else "")
+    if report.experts:
+        from .moe import spread_table
+
+        headers, spread_rows = spread_table(report.experts)
+        spread_rows = [[rank_label(report.layout, r[0])] + r[1:] for r in spread_rows]
+        out["Experts side by side (gradient norm per expert, latest step)"] = (
+            headers, _limit(spread_rows, limit), "the rows of one parameter of every expert of a layer, grouped by "
+            "expert index: the quietest and the loudest expert (information, not a finding)")
     return out
 
 
@@ -200,6 +209,8 @@ def report_json(report: Report, limit: int) -> Dict[str, Any]:
             "count": len(report.moe), "items": report.moe[:lim],
             "rule": report.moe_settings.describe() if report.moe_settings else "",
             "settings": dict(report.moe_settings.__dict__) if report.moe_settings else {}}}),
+        **({} if not report.experts else {"experts": {"count": len(report.experts),
+                                                       "items": report.experts[:lim]}}),
         "problems": _problems_json(report.problems),
         "anomalies_found": report.anomalies_found,
     }
@@ -294,6 +305,7 @@ def summary_text(report: Report) -> str:
     lines += _headline_nonfinite(report) + _headline_localisation(report) + _headline_spikes(report)
     lines += _headline_ranks(report) + _headline_evidence(report)
     lines += _headline_moe(report)
+    lines += _headline_experts(report)
     lines += _headline_runs(report)
     if report.problems.count:
         lines.append(f"  malformed input:   {report.problems.summary()} (see the warnings above)")
@@ -312,7 +324,18 @@ def _headline_moe(report: Report) -> List[str]:
     first = report.moe[0]
     return [f"  moe routing:       {len(report.moe)} finding(s) ("
             + ", ".join(f"{k} {n}" for k, n in kinds.items())
-            + f"); first: rank {first['rank']} {first['router']}: {first['detail']}"]
+            + f"); first: rank {rank_label(report.layout, first['rank'])} {first['router']}: {first['detail']}"]
+
+
+def _headline_experts(report: Report) -> List[str]:
+    if not report.experts:
+        return []
+    widest = max(report.experts, key=lambda s: math.inf if s["ratio"] is None else s["ratio"])
+    where = "" if report.layout.merged is not None else f"rank {widest['rank']} "
+    return [f"  experts:           {len(report.experts)} group(s) of per-expert gradient rows; widest spread: "
+            f"{where}{widest['group']} ({widest['scope']}, step {widest['step']}): expert {widest['quietest']} "
+            f"quietest ({widest['quietest_norm']:.4g}), expert {widest['loudest']} loudest "
+            f"({widest['loudest_norm']:.4g})"]
 
 
 def _headline_runs(report: Report) -> List[str]:
@@ -735,6 +758,8 @@ MERGE_LEFT_OUT_WHY = {
     "incomplete": "the pieces present do not add up to the whole tensor",
     "cc": "communication calls are per rank: not merged",
     "no_layout": "rows of a rank without a readable layout.json",
+    "moe": "a rank's routing statistics of its own tokens: not merged (global token counts from the per_expert "
+           "sidecars, in moe.csv)",
 }
 
 
@@ -775,7 +800,7 @@ def merge_text(rep: "MergeReport", out_dir: str, dest: str, limit: int, code: in
         more = [e for kind in rep.examples for e in rep.examples[kind][1:]]
         for e in _limit(more, max(limit - 1, 0) if limit else 0):
             lines.append(f"  also: step {e['step']} {e['monitor']} {e['module_name']} ({e['scope']}): {e['why']}")
-        lines.append("  (rows counted: merged rows for unknown/partial/incomplete, input rows for cc/no_layout; "
+        lines.append("  (rows counted: merged rows for unknown/partial/incomplete, input rows for cc/no_layout/moe; "
                      "all in merge.json)")
     if rep.layout_unknown:
         lines += ["", "WHAT THE LAYOUTS COULD NOT SAY"]

@@ -348,6 +348,9 @@ class Report:
     # moe or expert_norms rows
     moe: Optional[List[Dict[str, Any]]] = None
     moe_settings: Any = None
+    # per-expert gradient rows grouped by expert index (analysis/moe.py expert_spread): None
+    # where there are none
+    experts: Optional[List[Dict[str, Any]]] = None
 
     @property
     def first(self) -> Optional[Dict[str, Any]]:
