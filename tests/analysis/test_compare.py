@@ -465,7 +465,7 @@ def test_columnar_and_python_paths_agree(runs, ddp_runs, tmp_path, case):
                                  tmp_path / "map.txt", "--steps", "1:4")}[case]
     docs, csvs = {}, {}
     for engine in ("python", "columnar"):
-        res = cli("compare", *argv, "--engine", engine, "--out", tmp_path / engine, "--json", "--limit", "0")
+        res = cli("compare", *argv, "--compare-engine", engine, "--out", tmp_path / engine, "--json", "--limit", "0")
         docs[engine] = res.json()
         csvs[engine] = compare_csv(tmp_path / engine / "compare.csv")
     _same(docs["python"], docs["columnar"])

@@ -197,7 +197,7 @@ def _compare_parser(sub: Any) -> None:
     c.add_argument("--limit", type=_nonneg_int, default=10, help="rows per table (0 = all)")
     c.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     # auto: Polars where installed; python: the standard-library path (the tests compare both)
-    c.add_argument("--engine", choices=("auto", "columnar", "python"), default="auto", help=argparse.SUPPRESS)
+    c.add_argument("--compare-engine", choices=("auto", "columnar", "python"), default="auto", help=argparse.SUPPRESS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -527,7 +527,7 @@ def cmd_compare(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     problems = Problems(strict=args.strict, stream=err)
     report = compare_runs(args.ref, args.cand, settings, problems, baseline_root=args.baseline,
                           steps=parse_steps(args.steps), loss_logs=tuple(args.loss_log) if args.loss_log else None,
-                          engine=args.engine)
+                          engine=args.compare_engine)
     levels = ("pass", "warning", "error")
     code = EXIT_FOUND if levels.index(report.verdict) >= levels.index(args.fail_on) else EXIT_OK
     os.makedirs(args.out, exist_ok=True)

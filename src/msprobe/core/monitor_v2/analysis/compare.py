@@ -602,7 +602,7 @@ def _p95(values: List[float]) -> float:
     return vs[max(0, math.ceil(0.95 * len(vs)) - 1)] if vs else math.nan
 
 
-def _worse(a: str, b: str) -> str:
+def worse(a: str, b: str) -> str:
     return a if LEVELS.index(a) >= LEVELS.index(b) else b
 
 
@@ -616,7 +616,7 @@ def choose_dtype(settings: CompareSettings, ref: Side, cand: Side) -> Tuple[str,
                        "(give --dtype for runs computed in lower precision)")
 
 
-def _config_differences(ref: Side, cand: Side) -> List[str]:
+def config_differences(ref: Side, cand: Side) -> List[str]:
     out = []
     for k in ("kind", "framework", "stack", "world_size", "groups", "micro_batches", "monitors", "steps"):
         a, b = ref.provenance.get(k), cand.provenance.get(k)
@@ -640,7 +640,7 @@ def dtype_or(text: str) -> str:
         return text
 
 
-def _needs_merge(ref: Side, cand: Side) -> bool:
+def needs_merge(ref: Side, cand: Side) -> bool:
     if (ref.layout.merged is None) != (cand.layout.merged is None):
         return True
     if ref.layout.merged is not None:
@@ -649,7 +649,7 @@ def _needs_merge(ref: Side, cand: Side) -> bool:
     return (a.get("world_size"), a.get("groups")) != (b.get("world_size"), b.get("groups"))
 
 
-def _merge_side(side: Side, dest: str, problems: Problems) -> Side:
+def merge_side(side: Side, dest: str, problems: Problems) -> Side:
     from .merge import merge_run
 
     if not side.provenance.get("layout_json"):
@@ -672,7 +672,7 @@ def polars_available() -> bool:
     return True
 
 
-def _score(report: CompareReport, not_comparable_why: Optional[str]) -> None:
+def score(report: CompareReport, not_comparable_why: Optional[str]) -> None:
     ref, cand, base = report.ref, report.cand, report.baseline
     stats = report.settings.stats
     tol, floor = report.tolerance, report.floor
@@ -738,7 +738,7 @@ def _score(report: CompareReport, not_comparable_why: Optional[str]) -> None:
     report.counts = counts
     verdict = PASS
     for res in report.results:
-        verdict = _worse(verdict, res.level)
+        verdict = worse(verdict, res.level)
     report.verdict = verdict
 
 
@@ -750,7 +750,7 @@ def _beyond(res: RowResult) -> bool:
     return res.level != PASS
 
 
-def _aggregate(report: CompareReport) -> None:
+def aggregate(report: CompareReport) -> None:
     results = report.results
     tol = report.tolerance
     # first step each level is crossed

@@ -8,8 +8,8 @@ import os
 from typing import Any, Dict, Optional, Tuple
 
 from . import compare_columnar as cc
-from .compare import (CompareReport, CompareSettings, FLOOR, TOLERANCE, _aggregate, _config_differences, _merge_side,
-                      _needs_merge, _score, _worse, choose_dtype, collapse_dp, migration_verdict, open_side,
+from .compare import (CompareReport, CompareSettings, FLOOR, TOLERANCE, aggregate, config_differences, merge_side,
+                      needs_merge, score, worse, choose_dtype, collapse_dp, migration_verdict, open_side,
                       polars_available, read_loss_log, read_rows)
 from .reader import Problems, StepRange
 
@@ -25,13 +25,13 @@ def compare_runs(ref_root: str, cand_root: str, settings: CompareSettings, probl
     cand = open_side("CAND", cand_root, problems)
     base = open_side("REF2", baseline_root, problems) if baseline_root else None
     report = CompareReport(ref=ref, cand=cand, settings=settings)
-    if _needs_merge(ref, cand) or (base is not None and (_needs_merge(ref, base))):
+    if needs_merge(ref, cand) or (base is not None and (needs_merge(ref, base))):
         merged = []
         for s in [ref, cand] + ([base] if base is not None else []):
             if s.layout.merged is None:
                 dest = os.path.join(settings.out_dir, f"merged_{s.label.lower()}")
                 merged.append(s.label)
-                new = _merge_side(s, dest, problems)
+                new = merge_side(s, dest, problems)
                 if s is ref:
                     ref = new
                 elif s is cand:
@@ -82,7 +82,7 @@ def compare_runs(ref_root: str, cand_root: str, settings: CompareSettings, probl
     report.dtype, report.dtype_source = choose_dtype(settings, ref, cand)
     report.tolerance = settings.tolerance if settings.tolerance is not None else TOLERANCE[report.dtype]
     report.floor = settings.floor if settings.floor is not None else FLOOR[report.dtype]
-    report.config_differences = _config_differences(ref, cand)
+    report.config_differences = config_differences(ref, cand)
     # per-micro-batch scopes are not comparable when the two runs cut the batch differently
     per_micro_differs = (ref.provenance.get("micro_batches") != cand.provenance.get("micro_batches")
                          or dp_differs)
@@ -92,13 +92,13 @@ def compare_runs(ref_root: str, cand_root: str, settings: CompareSettings, probl
     if engine == "columnar":
         cc.score(report, frames, per_micro_differs and why or None)
     else:
-        _score(report, per_micro_differs and why or None)
-        _aggregate(report)
+        score(report, per_micro_differs and why or None)
+        aggregate(report)
     report.scalars = migration_verdict(ref.scalars, cand.scalars)
     if report.scalars is not None:
         report.scalars["source"] = {"ref": (ref.provenance.get("scalars") or {}).get("source"),
                                     "cand": (cand.provenance.get("scalars") or {}).get("source")}
-        report.verdict = _worse(report.verdict, report.scalars["level"])
+        report.verdict = worse(report.verdict, report.scalars["level"])
     elif ref.scalars or cand.scalars:
         report.notes.append("no loss or grad norm verdict: " + "; ".join(
             f"{s.label} has {', '.join(sorted(s.scalars)) or 'no scalars'}" for s in (ref, cand))
