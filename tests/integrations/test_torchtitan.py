@@ -34,6 +34,7 @@ import torch  # noqa: E402
 WORKER = Path(__file__).with_name("torchtitan_worker.py")
 MODELS = ("llama3", "deepseek_v3")
 STEPS, GRAD_ACC, RANKS, EXPERT_PARALLEL = 2, 2, 2, {"llama3": 1, "deepseek_v3": 2}
+LOCAL_TOKENS = 2 * 32  # a rank's tokens a micro-batch (the worker's LOCAL_BATCH x SEQ_LEN)
 Stats = Dict[str, float]
 
 
@@ -317,3 +318,75 @@ def test_module_rows_of_every_checkpointed_layer(launched, model):
                                     (f"0:layers.{i}.grad_output.0", "backward")):
                     assert (name, scope) in names, (r, s, name)
             assert not [n for n, _ in names if "_checkpoint_wrapped_module" in n]
+
+
+# ------------------------------------------------------------------ moe: the model's token counts
+def _csv_rows(path: Path) -> List[dict]:
+    import csv
+
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def _sidecar_counts(rank_dir: Path) -> Dict[tuple, List[int]]:
+    """``(step, router) -> counts`` of a rank's ``moe_counts_step*.csv`` files (csv module)."""
+    out: Dict[tuple, List[int]] = {}
+    for path in sorted(rank_dir.glob("moe_counts_step*.csv")):
+        for row in _csv_rows(path):
+            router = row["module_name"].rpartition(".tokens_per_expert")[0]
+            out[(int(row["step"]), router)] = [int(c) for c in row["counts"].split(";")]
+    return out
+
+
+@pytest.mark.parametrize("model", ["deepseek_v3"])
+def test_merged_token_counts_are_the_models_over_both_ranks(launched, model, tmp_path):
+    """FSDP2 + expert parallel 2: each rank routes its own tokens to all 8 experts and writes
+    its counts (``per_expert``); TorchTitan's layout says the counts are parts of a sum over
+    ``dp`` and which experts the rank holds, and ``merge`` writes the model's counts: the
+    NumPy sums of the ranks' sidecar vectors (read with csv) and of the expert ids a hook of
+    the test's own saw each router choose."""
+    import json
+
+    import numpy as np
+
+    from msprobe.core.monitor_v2.analysis.merge import merge_run
+
+    refs = _trained(launched, model)
+    mon = launched / model / "mon"
+    routers = sorted(refs[0]["router_counts"][0])
+    assert len(routers) >= 2, routers  # the debug model's MoE layers
+    for r, ref in enumerate(refs):
+        assert all(calls == [GRAD_ACC] * STEPS for calls in ref["router_calls"].values()), ref["router_calls"]
+        layout = json.loads((mon / f"rank_{r}" / "layout.json").read_text())
+        for router in routers:
+            entry = layout["moe"][router]
+            assert entry["tokens"] == {"split": [["dp", r, RANKS]], "partial": True}, entry
+            assert entry["local_experts"] == [4 * r, 4] and entry["num_experts"] == 8, entry
+        sidecar = _sidecar_counts(mon / f"rank_{r}")
+        assert set(sidecar) == {(s, t) for s in range(STEPS) for t in routers}, sorted(sidecar)
+        for s in range(STEPS):
+            for router in routers:
+                assert sidecar[(s, router)] == ref["router_counts"][s][router], (r, s, router)
+    report = merge_run(str(mon), str(tmp_path / "merged"), engine="python")
+    merged = {(int(x["step"]), x["module_name"]): [int(c) for c in x["counts"].split(";")]
+              for x in _csv_rows(tmp_path / "merged" / "moe_counts.csv")}
+    stats = {(int(x["step"]), x["module_name"]): x for x in _csv_rows(tmp_path / "merged" / "moe.csv")}
+    per_rank = [_sidecar_counts(mon / f"rank_{r}") for r in range(RANKS)]
+    top_k = {t: e["top_k"] for t, e in json.loads((mon / "rank_0" / "layout.json").read_text())["moe"].items()}
+    for s in range(STEPS):
+        for router in routers:
+            name = router + ".tokens_per_expert"
+            from_sidecars = np.sum([side[(s, router)] for side in per_rank], axis=0)
+            from_ids = np.sum([ref["router_counts"][s][router] for ref in refs], axis=0)
+            assert merged[(s, name)] == from_sidecars.tolist() == from_ids.tolist(), (s, router)
+            # every token of every rank, top-k experts each
+            assert from_ids.sum() == RANKS * GRAD_ACC * LOCAL_TOKENS * top_k[router], from_ids
+            row = stats[(s, name)]
+            assert row["scope"] == "routing"
+            want = {"min": from_ids.min(), "max": from_ids.max(), "mean": from_ids.mean(),
+                    "norm": float(np.sqrt((from_ids.astype(np.float64) ** 2).sum()))}
+            for op, value in want.items():
+                assert math.isclose(float(row[op]), float(value), rel_tol=1e-8), (s, router, op)  # %.9g
+            assert int(row["zeros"]) == int((from_ids == 0).sum())
+    assert not [n for n in report.notes if "moe counts" in n], report.notes
+    assert set(report.moe) == set(routers), report.moe

@@ -274,7 +274,56 @@ def monitor_config(output_dir: str, model: str) -> Dict[str, Any]:
         name: {"enabled": True} for name in ("module", "weight_grad", "optimizer", "param", "cc")}
     if MONITOR_MBS_GRAD[model]:
         monitors["weight_grad"]["monitor_mbs_grad"] = True
+    if EXPERT_PARALLEL[model] > 1:  # the MoE model: its routers' raw counts for merge's global loads
+        monitors["moe"] = {"enabled": True, "per_expert": True}
     return {"output_dir": output_dir, "patch_optimizer_step": False, "monitors": monitors}
+
+
+class RoutedExperts:
+    """The expert ids each MoE router of the model chose, per step and micro-batch, from a
+    forward hook of the test's own on the router (``TokenChoiceTopKRouter`` returns the
+    scores, then the ``[tokens, top_k]`` expert ids); the forwards selective activation
+    checkpointing recomputes inside the backward pass are not the training's and are not
+    kept. ``counts[s][router]``: NumPy's count of each expert over the step's
+    micro-batches, on this rank."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.num_experts: Dict[str, int] = {}
+        self.ids: Dict[str, List[List[Any]]] = {}
+        self.handles = []
+        self.step = -1
+        for name, module in trainer.model_parts[0].named_modules():
+            if type(module).__name__ == "TokenChoiceTopKRouter":
+                tag = row_name(name)
+                self.num_experts[tag] = int(module.num_experts)
+                self.ids[tag] = []
+                self.handles.append(module.register_forward_hook(
+                    lambda m, args, out, tag=tag: self._keep(tag, out)))
+
+    def begin_step(self) -> None:
+        self.step += 1
+        for per_step in self.ids.values():
+            per_step.append([])
+
+    def _keep(self, tag: str, out: Any) -> None:
+        if torch._C._current_autograd_node() is not None:
+            return  # recomputed in the backward pass
+        ids = out[1]
+        ids = ids.to_local() if hasattr(ids, "to_local") else ids
+        self.ids[tag][self.step].append(ids.detach().cpu().numpy().copy())
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def saved(self) -> Dict[str, Any]:
+        import numpy as np
+
+        return {"router_calls": {tag: [len(calls) for calls in steps] for tag, steps in self.ids.items()},
+                "router_counts": [{tag: np.bincount(np.concatenate([c.ravel() for c in steps[s]]),
+                                                    minlength=self.num_experts[tag]).tolist()
+                                   for tag, steps in self.ids.items() if steps[s]}
+                                  for s in range(self.step + 1)]}
 
 
 def run(out_dir: str, model: str) -> bool:
@@ -291,9 +340,15 @@ def run(out_dir: str, model: str) -> bool:
 
     trainer = build(model, os.path.join(out_dir, "dump"))
     refs = References(trainer)
+    routed = RoutedExperts(trainer)
     lines = WarningLines()
     logging.getLogger("msprobe").addHandler(lines)
-    trainer.before_step = refs.begin_step
+
+    def before_step() -> None:
+        refs.begin_step()
+        routed.begin_step()
+
+    trainer.before_step = before_step
     mon = TrainerMonitorV2(monitor_config(os.path.join(out_dir, "mon"), model))
     error = None
     try:
@@ -306,6 +361,7 @@ def run(out_dir: str, model: str) -> bool:
     mon.stop()
     logging.getLogger("msprobe").removeHandler(lines)
     refs.remove()
+    routed.remove()
     left = hook_census(trainer.model_parts, trainer.optimizers)
     saved = {"model": model, "rank": rank, "error": error, "warnings": lines.lines,
              "left_after_stop": {k: (unmonitored_hooks.get(k), v) for k, v in left.items()
@@ -314,7 +370,7 @@ def run(out_dir: str, model: str) -> bool:
              "ndims": {row_name(n): p.dim() for n, p in trainer.model_parts[0].named_parameters()},
              "read": list(refs.params), "grad_acc": trainer.gradient_accumulation_steps,
              "monitor_mbs_grad": MONITOR_MBS_GRAD[model], "plain_losses": plain_losses.values,
-             **refs.saved()}
+             **refs.saved(), **routed.saved()}
     ok = agree(error is None)
     if ok:
         params = {n: full(p) for n, p in trainer.model_parts[0].named_parameters()}

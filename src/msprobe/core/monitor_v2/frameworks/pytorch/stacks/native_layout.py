@@ -25,7 +25,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ....layout import DP, PARAM, OPTIMIZER, REDUCED, SCOPE_CLASSES, UNKNOWN, UNREDUCED, group, piece
+from ....layout import (CP, DP, EP, PARAM, OPTIMIZER, PP, REDUCED, SCOPE_CLASSES, TP, UNKNOWN, UNREDUCED, group,
+                        moe_entry, piece)
 from ....monitor import module_tags
 from ....param_table import ParamTable
 from ....rows import MODULE_KINDS, module_row
@@ -66,6 +67,8 @@ def fill(chunks: List[torch.nn.Module], table: ParamTable, doc: Dict[str, Any]) 
     _tensor_parallel_modules(chunks, table, doc, mesh_groups)
     if mesh_groups:
         _set_mesh_groups(doc, mesh_groups, meshes_cover_world, ddp is not None)
+        if DP in doc["groups"]:
+            _moe_routers(chunks, table, doc)
 
 
 def group_coordinates(group: Any) -> Optional[Tuple[int, int]]:
@@ -191,6 +194,71 @@ def _set_mesh_groups(doc: Dict[str, Any], mesh_groups: Dict[str, Dict[str, int]]
     for entry in doc["params"].values():
         if any(isinstance(p, dict) and p.get("split") for p in entry["pieces"].values()):
             entry["pieces"] = {c: UNKNOWN for c in SCOPE_CLASSES}
+
+
+# a mixture-of-experts block's children: its router, and its experts (TorchTitan's
+# ``routed_experts``; ``experts`` elsewhere)
+_ROUTER_CHILD = "router"
+_EXPERTS_CHILDREN = ("routed_experts", "experts")
+
+
+def _moe_routers(chunks: List[torch.nn.Module], table: ParamTable, doc: Dict[str, Any]) -> None:
+    """``doc["moe"]`` of DTensor runs (TorchTitan's MoE: a block with a ``router`` child and
+    its ``routed_experts``): for each router, ``tokens``, the groups whose ranks route
+    different tokens, whose counts ``merge`` sums, and, where expert parallelism shards
+    the grouped experts (``Shard(0)`` along ``ep``), this rank's ``local_experts``.
+
+    The tokens differ over the data-parallel dimensions (``dp``: TorchTitan's ``fsdp``
+    holds ``dp_shard`` and ``cp``, HSDP adds ``dp_replicate``; expert parallelism is
+    carved out of them, so ``ep`` adds nothing), over ``cp`` where a mesh names it apart
+    (TorchTitan's ``full_dtensor`` meshes), and over ``tp`` where expert and tensor
+    parallelism run together: TorchTitan then feeds the router a sequence shard along the
+    ``tp`` axis (``moe_sharding``: the router's input ``Shard(1)``); without expert
+    parallelism its router sees the whole sequence on every ``tp`` rank (replicas)."""
+    groups = doc["groups"]
+    dp = groups[DP]
+    tokens: List[list] = [[DP, dp["rank"], dp["size"]]]
+    sizes = {g: groups.get(g, {"size": 1})["size"] for g in (CP, TP, PP, EP)}
+    # a cp named apart from dp: unless dp already holds it (then dp x cp x tp x pp exceeds the world)
+    if sizes[CP] > 1 and dp["size"] * sizes[CP] * sizes[TP] * sizes[PP] <= doc["world_size"]:
+        tokens.append([CP, groups[CP]["rank"], sizes[CP]])
+    if sizes[TP] > 1 and sizes[EP] > 1:
+        tokens.append([TP, groups[TP]["rank"], sizes[TP]])
+    ep = groups.get(EP)
+    for vpp, chunk in enumerate(chunks):
+        for name, block in named_modules(unwrap(chunk)):
+            children = dict(block.named_children())
+            router = children.get(_ROUTER_CHILD)
+            experts_name = next((c for c in _EXPERTS_CHILDREN if c in children), None)
+            if router is None or experts_name is None:
+                continue
+            prefix = f"{name}." if name else ""
+            entry = moe_entry(doc, table.qualify(vpp, prefix + _ROUTER_CHILD))
+            entry["tokens"] = {"split": [list(t) for t in tokens], "partial": True}
+            experts = children[experts_name]
+            entry["experts"] = table.qualify(vpp, prefix + experts_name)
+            params = [p for p in experts.parameters() if p in table]
+            entry["expert_params"] = [table.info(p).name for p in params]
+            local = _local_expert_count(params, ep)
+            if local is not None:
+                entry["local_experts"] = [ep["rank"] * local, local]
+
+
+def _local_expert_count(params: List[torch.Tensor], ep: Optional[Dict[str, int]]) -> Optional[int]:
+    """The experts this rank holds where expert parallelism shards them: the local first
+    dimension of grouped-expert DTensors cut ``Shard(0)`` along the ``ep`` mesh dimension
+    (None: not sharded so, or not readable)."""
+    if ep is None or ep["size"] <= 1:
+        return None
+    for p in params:
+        if not dtensor.is_dtensor(p) or p.dim() < 3:
+            continue
+        names = p.device_mesh.mesh_dim_names or ()
+        for i, placement in enumerate(p.placements):
+            if (i < len(names) and dtensor.group_of_name(names[i]) == EP and placement.is_shard()
+                    and placement.dim == 0 and p.shape[0] % ep["size"] == 0):
+                return int(p.shape[0]) // ep["size"]
+    return None
 
 
 def _names(fl: FlatParamLayout) -> str:
