@@ -19,6 +19,8 @@ Each entry describes exactly the tensors the rows are of:
   a column- and a row-parallel one) cannot be told from its hooks: its rows are taken as
   replicas while the ranks agree, and ``merge`` leaves them out as unknown where they
   differ (``layout.module_entry``).
+- ``moe`` (DTensor runs): each router beside its experts (TorchTitan's MoE block), the
+  groups whose ranks route different tokens and this rank's experts (``_moe_routers``).
 """
 
 from typing import Any, Dict, List, Optional, Tuple
