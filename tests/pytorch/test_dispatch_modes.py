@@ -27,11 +27,11 @@ import pytest
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from support import assert_row_matches, find_row, numpy_stats, rows_of
 from support.extras import needs
+from support.modes import OpRecorder
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
 LOGGER = "msprobe.monitor_v2"
@@ -218,18 +218,6 @@ def test_torchtitan_selective_checkpointing(write_config):
 
 
 # ------------------------------------------------------------------ modes around the training
-class OpRecorder(TorchDispatchMode):
-    """A user's dispatch mode: the name of every ATen op it sees."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: List[str] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 class CallRecorder(TorchFunctionMode):
     """A user's torch-function mode: the name of every function it sees."""
 

@@ -22,7 +22,7 @@ import torch
 
 from support import rows_of
 from support.extras import require
-from support.modes import SeenByTheEngine
+from support.modes import OpRecorder, SeenByTheEngine
 from msprobe.core.monitor_v2.frameworks.pytorch.stats import ACCEL_ON_CPU_ENV
 from msprobe.core.monitor_v2.trainer import TrainerMonitorV2
 
@@ -210,6 +210,47 @@ def test_rows_against_numpy_and_training_bit_identical(tmp_path, name):
             if step == 1:
                 row = next(r for r in counts if r["module_name"] == f"{router}.tokens_per_expert")
                 assert [int(c) for c in row["counts"].split(";")] == np.bincount(indices, minlength=experts).tolist()
+
+
+def ops_seen_by_a_mode(model: torch.nn.Module, data: List[torch.Tensor], config: Any = None) -> List[List[str]]:
+    """The ATen ops a user's dispatch mode entered around each whole step (forward,
+    backward, the optimizer's step) saw, with the monitor of ``config`` or without one."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mon = TrainerMonitorV2(config) if config is not None else None
+    if mon is not None:
+        mon.start(model=model, optimizer=opt)
+    seen = []
+    for step in range(len(data) // MICRO):
+        with OpRecorder() as mode:
+            for x in data[step * MICRO:(step + 1) * MICRO]:
+                (model(input_ids=x, labels=x).loss / MICRO).backward()
+            opt.step()
+            opt.zero_grad()
+        seen.append(mode.ops)
+    if mon is not None:
+        mon.stop()
+        assert mon.errors.count == 0
+    return seen
+
+
+def test_a_dispatch_mode_around_training_sees_nothing_of_the_moe_and_expert_reads(tmp_path):
+    """The routers' counts, entropy and cosines, and the grouped experts' per-expert reads
+    (weight_grad, param, optimizer), run outside the training's dispatch modes."""
+    torch.manual_seed(0)
+    model, pattern, layers, _ = qwen3_moe()
+    twin = copy.deepcopy(model)
+    data = batches(2)
+    on = {"enabled": True}
+    cfg = {"output_dir": str(tmp_path / "out"),
+           "monitors": {"moe": on, "weight_grad": on, "param": on, "optimizer": on}}
+    watched = ops_seen_by_a_mode(model, data, cfg)
+    plain = ops_seen_by_a_mode(twin, data)
+    assert plain and plain[0]
+    for step, (a, b) in enumerate(zip(plain, watched)):
+        assert b == a, (step, sorted((Counter(b) - Counter(a)).items())[:10])
+    # the monitors did read: routing rows and per-expert rows of every step
+    assert {r["step"] for r in rows_of(tmp_path / "out", "moe")} == {"0", "1"}
+    assert any(r["module_name"].endswith(".expert_norms") for r in rows_of(tmp_path / "out", "weight_grad"))
 
 
 def test_recomputed_forwards_are_not_counted(tmp_path):

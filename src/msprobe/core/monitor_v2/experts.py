@@ -157,6 +157,8 @@ class ExpertReads:
         self.session = session
         self.norm_vector: Optional[Callable[..., Any]] = getattr(session, "expert_norm_vector", None)
         self.device_read: Optional[Callable[..., Any]] = getattr(session, "expert_device_records", None)
+        # the E views, made by the framework's side (for PyTorch: outside the training's modes)
+        self.slices: Optional[Callable[[Any], List[Any]]] = getattr(session, "expert_slices", None)
         self._once = LogOnce()
         self.params: Dict[str, int] = {}
         self.refresh()
@@ -209,8 +211,7 @@ class ExpertReads:
             spans.append((i, len(flat), count))
             if i in along:
                 continue
-            unbind = getattr(t, "unbind", None)  # the E views in one call where the framework has it
-            flat.extend(unbind(0) if callable(unbind) else [t[e] for e in range(count)])
+            flat.extend(self.slices(t) if self.slices is not None else [t[e] for e in range(count)])
             flat_keys.extend(self._expert_keys(key, count))
         # the slices' norms make the expert_norms row: read even where the ops leave norm out
         read = engine.record_many(flat, plan if plan.norm else replace(plan, norm=True), flat_keys)

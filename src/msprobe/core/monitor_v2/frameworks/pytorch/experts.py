@@ -41,6 +41,14 @@ def norms_of_records(tensor: torch.Tensor, experts: Sequence[Record]) -> torch.T
         return torch.linalg.vector_norm(flat, dim=1, dtype=wide)
 
 
+@outside_training_modes
+def expert_slices(tensor: torch.Tensor) -> List[torch.Tensor]:
+    """The E slices of a grouped-expert tensor (views, no copy), made outside the
+    training's dispatch modes: a mode around the step must not see the monitor's
+    ``unbind``."""
+    return list(tensor.unbind(0))
+
+
 def expert_norm_record(engine: Any, tensor: torch.Tensor, experts: Sequence[Record], plan: Any,
                        key: Tuple[int, str, str, Optional[int]]) -> Record:
     """The ``expert_norms`` record of ``tensor`` under ``key``."""

@@ -394,6 +394,12 @@ class TorchSession:
 
         return expert_norm_record(self.engine, tensor, experts, plan, key)
 
+    def expert_slices(self, tensor: torch.Tensor) -> List[torch.Tensor]:
+        """A grouped-expert tensor's E slices, as views (``experts.py``)."""
+        from .experts import expert_slices
+
+        return expert_slices(tensor)
+
     def expert_device_records(self, tensor: torch.Tensor, plan: Any,
                               keys: Sequence[Tuple[int, str, str, Optional[int]]]) -> Any:
         """A grouped-expert tensor's per-expert records read along its expert dimension on
