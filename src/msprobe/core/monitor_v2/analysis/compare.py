@@ -42,6 +42,7 @@ import json
 import math
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
@@ -293,13 +294,13 @@ def read_rows(side: Side, problems: Problems, settings: CompareSettings, steps: 
     side.provenance["rows"] = n_rows
     side.provenance["micro_batches"] = max(side.micro_batches) if side.micro_batches else None
     side.provenance["steps"] = _step_span({k[2] for k in side.rows})
-    if side.dtypes:
-        counts: Dict[str, int] = {}
-        for v in side.dtypes.values():
-            counts[v] = counts.get(v, 0) + 1
-        side.provenance["dtypes"] = counts
-    else:
-        side.provenance["dtypes"] = None
+    finish_side(side, offset, steps)
+
+
+def finish_side(side: Side, offset: int, steps: Optional[StepRange]) -> None:
+    """What both paths add to a side once its rows are read: the dtypes of its provenance
+    (how many rows of each), and its scalars."""
+    side.provenance["dtypes"] = dict(Counter(side.dtypes.values())) if side.dtypes else None
     read_scalars(side, offset, steps)
 
 

@@ -13,8 +13,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .. import rows
 from .columnar import batches, mark_runs, polars, read_batch, row_key
 from .compare import (COMPARED, ERROR, ERROR_FACTOR, ERROR_RATIO, MIN_NOISE, NEAR_ZERO, NONFINITE, PASS,
-                      PER_MICRO_SCOPES, VALUE_OPS, WARNING, WARNING_RATIO, CompareReport, RowResult, Side, locate,
-                      read_scalars)
+                      PER_MICRO_SCOPES, VALUE_OPS, WARNING, WARNING_RATIO, CompareReport, RowResult, Side, finish_side,
+                      locate)
 from .reader import Problems, StepRange
 
 def _enums(pl):
@@ -89,14 +89,7 @@ def read_frame(side: Side, problems: Problems, steps: Optional[StepRange], renam
     side.provenance["micro_batches"] = max(side.micro_batches) if side.micro_batches else None
     span = fr.select(pl.col("step").min().alias("a"), pl.col("step").max().alias("b")).row(0)
     side.provenance["steps"] = None if span[0] is None else [span[0], span[1]]
-    if side.dtypes:
-        counts: Dict[str, int] = {}
-        for v in side.dtypes.values():
-            counts[v] = counts.get(v, 0) + 1
-        side.provenance["dtypes"] = counts
-    else:
-        side.provenance["dtypes"] = None
-    read_scalars(side, offset, steps)
+    finish_side(side, offset, steps)
     return fr
 
 
