@@ -37,7 +37,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, List, Optional, Sequence
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 from . import _Unavailable, _own_with_other_links, _ours, _remove, _trusted
 
@@ -217,22 +217,26 @@ def _stop_group(compiling: subprocess.Popen) -> None:
 def group_members(group: int) -> List[int]:
     """The live processes (not zombies) of process group ``group``. Linux only (``/proc``);
     elsewhere none are found."""
-    found = []
+    return [pid for pid, pgrp, _ in _live_processes() if pgrp == group]
+
+
+def _live_processes() -> Iterator[Tuple[int, int, int]]:
+    """(pid, process group, session) of every live process (zombies aside) in ``/proc``;
+    none where there is no ``/proc``. A process gone meanwhile is left out."""
     try:
         entries = os.listdir("/proc")
     except OSError:
-        return found
+        return
     for entry in entries:
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat", "rb") as f:
                 fields = f.read().rsplit(b")", 1)[1].split()
-            if fields[0] != b"Z" and int(fields[2]) == group:
-                found.append(int(entry))
+            if fields[0] != b"Z":
+                yield int(entry), int(fields[2]), int(fields[3])
         except (OSError, IndexError, ValueError):
             continue  # gone meanwhile
-    return found
 
 
 def take_lock(lock: str, stale: bool = False) -> bool:
@@ -365,27 +369,19 @@ def build_processes(session: int, source: str, path: str) -> List[int]:
     ``source`` or a partial file of ``path`` (the compiler driver, the compiler, the
     linker). Linux only (``/proc``); elsewhere none are found."""
     found = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return found
     partial = (path + ".").encode()
     wanted = source.encode()
     uid = os.geteuid() if hasattr(os, "geteuid") else None
-    for entry in entries:
-        if not entry.isdigit():
+    for pid, _, sid in _live_processes():
+        if sid != session:
             continue
         try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-            if fields[0] == b"Z" or int(fields[3]) != session:
+            if uid is not None and os.stat(f"/proc/{pid}").st_uid != uid:
                 continue
-            if uid is not None and os.stat(f"/proc/{entry}").st_uid != uid:
-                continue
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
                 args = f.read().split(b"\0")
-        except (OSError, IndexError, ValueError):
+        except OSError:
             continue  # gone meanwhile
         if any(arg == wanted or arg.startswith(partial) for arg in args):
-            found.append(int(entry))
+            found.append(pid)
     return found
